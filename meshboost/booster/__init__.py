@@ -1,0 +1,7 @@
+"""Booster, the Plugin interface and the wrappers boosted objects come back in."""
+
+from meshboost.booster.booster import Booster
+from meshboost.booster.plugin import Plugin
+from meshboost.booster.wrappers import ModelWrapper, OptimizerWrapper
+
+__all__ = ["Booster", "Plugin", "ModelWrapper", "OptimizerWrapper"]

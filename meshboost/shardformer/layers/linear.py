@@ -1,0 +1,147 @@
+"""Column- and row-parallel linear layers, for `nn.Linear` and GPT-2's `Conv1D`.
+
+Owns: building a parallel layer from an already-loaded native module by slicing its *own*
+parameters in place (the same `nn.Parameter` objects keep living, now holding shards, so an
+optimizer built before sharding stays valid) and the forward that wires in the collectives.
+
+Convention (docs/conventions.md): "column parallel" splits the OUTPUT features: `nn.Linear`
+weight dim 0 ([out, in]), GPT-2 `Conv1D` weight dim 1 ([in, out]). "Row parallel" splits the
+INPUT features: `nn.Linear` dim 1, `Conv1D` dim 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from meshboost.shardformer import comm
+from meshboost.shardformer.param_info import TensorParallelInfo, get_tp_info, set_tp_info, shard_tensor
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    # transformers' GPT-2 Conv1D: weight [nx, nf] and an attribute `nf`; checked by name so this
+    # file does not import transformers.
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def shard_parameter_(param: nn.Parameter, dim: int, group, num_fused: int = 1,
+                     pad_to_multiple: int = 1) -> nn.Parameter:
+    """Replace `param`'s data by this rank's shard along `dim` and attach its record.
+
+    Idempotent for a parameter already sharded the same way (tied weights are visited twice).
+    """
+    tp_size, tp_rank = dist.get_world_size(group), dist.get_rank(group)
+    existing = get_tp_info(param)
+    if existing is not None:
+        if (existing.dim % param.dim()) != (dim % param.dim()) or existing.num_fused != num_fused:
+            raise RuntimeError(f"parameter of shape {tuple(param.shape)} is shared by two modules that "
+                               f"need different tensor-parallel layouts ({existing} vs dim={dim}); "
+                               "untie them or replicate one of the modules")
+        return param
+    dim = dim % param.dim()
+    full_shape = tuple(param.shape)
+    size = full_shape[dim]
+    multiple = pad_to_multiple * tp_size if pad_to_multiple > 1 else tp_size
+    padded = -(-size // multiple) * multiple if pad_to_multiple > 1 else size
+    if num_fused > 1 and size % (num_fused * tp_size):
+        raise ValueError(f"fused dim of size {size} is not divisible into {num_fused} blocks x tp={tp_size}")
+    if padded % tp_size:
+        raise ValueError(f"dim {dim} of size {size} is not divisible by tp_size={tp_size}")
+    info = TensorParallelInfo(dim=dim, full_shape=full_shape, padded_size=padded, tp_rank=tp_rank,
+                              tp_size=tp_size, num_fused=num_fused, group=group)
+    with torch.no_grad():
+        param.data = shard_tensor(param.data, info)
+    set_tp_info(param, info)
+    return param
+
+
+class _ParallelLinearBase(nn.Module):
+    """Holds the native module's parameters and knows the weight layout."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group, conv1d: bool):
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+        self.process_group = group
+        self.conv1d = conv1d
+        out_dim = 1 if conv1d else 0
+        self.out_features = weight.shape[out_dim]
+        self.in_features = weight.shape[1 - out_dim]
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        weight = self.weight.t() if self.conv1d else self.weight
+        return F.linear(x, weight, bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} (local), "
+                f"bias={self.bias is not None}, conv1d={self.conv1d}")
+
+
+class ColumnParallelLinear(_ParallelLinearBase):
+    """y = x A^T + b with A split by output features: each rank computes its slice of y.
+
+    copy_input: apply Megatron's f (identity forward, all-reduce of the input grad backward).
+    Turn it off when the block's input already passed through f once (several column-parallel
+    linears reading the same input: q/k/v, gate/up), so the input grad is all-reduced once.
+    gather_output: all-gather the output so every rank holds the full y.
+    """
+
+    def __init__(self, weight, bias, group, gather_output: bool = False, copy_input: bool = True,
+                 conv1d: bool = False):
+        super().__init__(weight, bias, group, conv1d)
+        self.gather_output = gather_output
+        self.copy_input = copy_input
+
+    @classmethod
+    def from_native(cls, module: nn.Module, group, gather_output: bool = False, copy_input: bool = True,
+                    num_fused: int = 1) -> "ColumnParallelLinear":
+        conv1d = _is_conv1d(module)
+        out_dim = 1 if conv1d else 0
+        shard_parameter_(module.weight, out_dim, group, num_fused=num_fused)
+        if module.bias is not None:
+            shard_parameter_(module.bias, 0, group, num_fused=num_fused)
+        return cls(module.weight, module.bias, group, gather_output, copy_input, conv1d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.copy_input:
+            x = comm.copy_to_tp(x, self.process_group)
+        y = self._matmul(x, self.bias)
+        if self.gather_output:
+            y = comm.gather_from_tp(y, self.process_group, dim=-1)
+        return y
+
+
+class RowParallelLinear(_ParallelLinearBase):
+    """y = x A^T + b with A split by input features: partial products are summed by one
+    all-reduce, then the (replicated) bias is added once.
+
+    input_is_parallel: the input is already split along its last dim (the output of a
+    column-parallel linear); otherwise this rank's slice is taken first.
+    """
+
+    def __init__(self, weight, bias, group, input_is_parallel: bool = True, conv1d: bool = False):
+        super().__init__(weight, bias, group, conv1d)
+        self.input_is_parallel = input_is_parallel
+
+    @classmethod
+    def from_native(cls, module: nn.Module, group, input_is_parallel: bool = True) -> "RowParallelLinear":
+        conv1d = _is_conv1d(module)
+        in_dim = 0 if conv1d else 1
+        shard_parameter_(module.weight, in_dim, group)
+        return cls(module.weight, module.bias, group, input_is_parallel, conv1d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = comm.split_to_tp(x, self.process_group, dim=-1)
+        y = comm.reduce_from_tp(self._matmul(x, None), self.process_group)
+        return y if self.bias is None else y + self.bias
+
+
+class ColumnParallelConv1D(ColumnParallelLinear):
+    """Column-parallel GPT-2 `Conv1D` (weight [in, out] split on dim 1); see ColumnParallelLinear."""
+
+
+class RowParallelConv1D(RowParallelLinear):
+    """Row-parallel GPT-2 `Conv1D` (weight [in, out] split on dim 0); see RowParallelLinear."""

@@ -1,0 +1,179 @@
+"""Vocabulary-parallel embedding, LM head and cross-entropy.
+
+Owns: splitting the vocabulary over the tp group, padding it to a multiple of
+`make_vocab_size_divisible_by * tp_size` (padded rows are zero and never win: the loss masks
+them, gathered logits are trimmed back to the real vocabulary), and the cross-entropy that works
+on vocab-split logits without ever gathering them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from meshboost.shardformer import comm
+from meshboost.shardformer.layers.linear import shard_parameter_
+from meshboost.shardformer.param_info import get_tp_info
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose rows (the vocabulary) are split over tp: each rank looks up the tokens it
+    owns, zeros the rest, and one all-reduce assembles the full embeddings."""
+
+    def __init__(self, weight: nn.Parameter, group, num_embeddings: int, padding_idx: int | None,
+                 scale_grad_by_freq: bool = False):
+        super().__init__()
+        self.weight = weight
+        self.process_group = group
+        info = get_tp_info(weight)
+        self.num_embeddings = num_embeddings            # the real vocabulary, as HF code expects
+        self.embedding_dim = weight.shape[1]
+        self.vocab_start = info.tp_rank * info.local_size if info else 0
+        self.vocab_end = self.vocab_start + weight.shape[0]
+        self.padding_idx = padding_idx
+        self.scale_grad_by_freq = scale_grad_by_freq
+
+    @classmethod
+    def from_native(cls, module: nn.Embedding, group, make_vocab_size_divisible_by: int = 64):
+        if module.max_norm is not None or module.sparse:
+            raise ValueError("VocabParallelEmbedding does not support max_norm or sparse embeddings")
+        num_embeddings = module.weight.shape[0]
+        shard_parameter_(module.weight, 0, group, pad_to_multiple=make_vocab_size_divisible_by)
+        return cls(module.weight, group, num_embeddings, module.padding_idx, module.scale_grad_by_freq)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
+        local_pad = None
+        if self.padding_idx is not None and self.vocab_start <= self.padding_idx < self.vocab_end:
+            local_pad = self.padding_idx - self.vocab_start
+        out = F.embedding(local_ids, self.weight, local_pad, None, 2.0, self.scale_grad_by_freq, False)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return comm.reduce_from_tp(out, self.process_group)
+
+    def extra_repr(self) -> str:
+        return (f"vocab {self.num_embeddings} (rows {self.vocab_start}:{self.vocab_end} here), "
+                f"dim {self.embedding_dim}")
+
+
+class VocabParallelLMHead(nn.Module):
+    """Column-parallel projection onto the (padded) vocabulary.
+
+    Returns vocab-split logits while `output_is_parallel` (training with parallel_output, where
+    the vocab-parallel loss consumes them); otherwise gathers and trims them to the real vocab,
+    so evaluation code sees ordinary logits.
+    """
+
+    def __init__(self, weight, bias, group, vocab_size: int, parallel_output: bool):
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+        self.process_group = group
+        self.vocab_size = vocab_size
+        self.parallel_output = parallel_output
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    @classmethod
+    def from_native(cls, module: nn.Linear, group, make_vocab_size_divisible_by: int = 64,
+                    parallel_output: bool = True):
+        vocab_size = module.weight.shape[0] if get_tp_info(module.weight) is None \
+            else get_tp_info(module.weight).full_shape[0]
+        # Tied with the input embedding: already sharded (same padding rule), left as is.
+        shard_parameter_(module.weight, 0, group, pad_to_multiple=make_vocab_size_divisible_by)
+        if module.bias is not None:
+            shard_parameter_(module.bias, 0, group, pad_to_multiple=make_vocab_size_divisible_by)
+        return cls(module.weight, module.bias, group, vocab_size, parallel_output)
+
+    @property
+    def output_is_parallel(self) -> bool:
+        return (self.parallel_output and self.training and self.process_group is not None
+                and dist.get_world_size(self.process_group) > 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = comm.copy_to_tp(x, self.process_group)
+        logits = F.linear(x, self.weight, self.bias)
+        if self.output_is_parallel:
+            return logits
+        logits = comm.gather_from_tp(logits, self.process_group, dim=-1)
+        return logits[..., : self.vocab_size] if logits.shape[-1] != self.vocab_size else logits
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group, vocab_size, ignore_index):
+        # logits: [N, V_local] float, target: [N] global ids.
+        rank, part = dist.get_rank(group), logits.shape[-1]
+        start = rank * part
+        col = torch.arange(start, start + part, device=logits.device)
+        logits = logits.masked_fill(col >= vocab_size, torch.finfo(logits.dtype).min)
+        logits_max = logits.max(dim=-1).values
+        comm.all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
+        shifted = logits - logits_max.unsqueeze(-1)
+
+        ignored = target == ignore_index
+        owned = (target >= start) & (target < start + part) & ~ignored
+        local_t = (target - start).masked_fill(~owned, 0)
+        picked = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
+        exp = shifted.exp()
+        # One all-reduce carries both sums (target logit and softmax denominator).
+        sums = torch.stack([picked, exp.sum(dim=-1)])
+        comm.all_reduce(sums, group)
+        picked, sum_exp = sums[0], sums[1]
+        loss = (sum_exp.log() - picked).masked_fill(ignored, 0.0)
+
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), owned, local_t, ignored)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, owned, local_t, ignored = ctx.saved_tensors
+        grad = softmax.clone()
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local_t] -= owned.to(grad.dtype)
+        grad.mul_((grad_loss * (~ignored).to(grad.dtype)).unsqueeze(-1))
+        return grad, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group, vocab_size: int,
+                                 ignore_index: int = -100, reduction: str = "mean",
+                                 num_items_in_batch=None) -> torch.Tensor:
+    """Cross-entropy over vocab-split logits [..., V_local] against global target ids [...].
+
+    reduction "mean" divides by the number of non-ignored targets (or by `num_items_in_batch`
+    when given, as transformers' loss does for gradient accumulation); "sum" and "none" as torch.
+    """
+    flat_logits = logits.reshape(-1, logits.shape[-1]).float()
+    flat_target = target.reshape(-1).to(flat_logits.device)
+    losses = _VocabParallelCrossEntropy.apply(flat_logits, flat_target, group, vocab_size, ignore_index)
+    if reduction == "none":
+        return losses.view(target.shape)
+    total = losses.sum()
+    if reduction == "sum":
+        return total
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(total.device)
+        return total / num_items_in_batch
+    # Matches F.cross_entropy(reduction="mean"): nan when every target is ignored.
+    return total / (flat_target != ignore_index).sum()
+
+
+def make_causal_lm_loss(head: VocabParallelLMHead):
+    """A drop-in for transformers' `ForCausalLMLoss` that uses the vocab-parallel cross-entropy
+    while `head` returns split logits, and the ordinary loss on gathered logits otherwise."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
+                       shift_labels=None, **kwargs):
+        if not head.output_is_parallel:
+            return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+                                   ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
+        if shift_labels is None:
+            labels = F.pad(labels, (0, 1), value=ignore_index)
+            shift_labels = labels[..., 1:]
+        return vocab_parallel_cross_entropy(logits, shift_labels, head.process_group, vocab_size,
+                                            ignore_index=ignore_index, num_items_in_batch=num_items_in_batch)
+
+    return causal_lm_loss

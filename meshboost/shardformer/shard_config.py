@@ -1,0 +1,41 @@
+"""ShardConfig: the knobs of tensor-parallel sharding, checked when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass
+class ShardConfig:
+    """How `ShardFormer` shards a model.
+
+    tensor_parallel_process_group: the tp group (e.g. `ParallelMesh.tp_group`); None = the world.
+    enable_tensor_parallelism: False leaves every module replicated (useful for pp/dp only).
+    parallel_output: keep LM-head logits split over the vocabulary in training, with the loss
+        computed by the vocab-parallel cross-entropy; evaluation always sees full logits.
+    make_vocab_size_divisible_by: vocab is padded to a multiple of this times tp_size.
+    enable_sequence_parallelism: Megatron sequence parallelism (not implemented yet: raises).
+    """
+
+    tensor_parallel_process_group: dist.ProcessGroup | None = None
+    enable_tensor_parallelism: bool = True
+    parallel_output: bool = True
+    make_vocab_size_divisible_by: int = 64
+    enable_sequence_parallelism: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.make_vocab_size_divisible_by, int) or self.make_vocab_size_divisible_by < 1:
+            raise ValueError(f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by!r} must be a "
+                             "positive integer (64 is a good default; 1 disables padding beyond tp_size)")
+        if self.enable_sequence_parallelism:
+            raise NotImplementedError("enable_sequence_parallelism=True is not implemented yet; leave it False")
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        if not self.enable_tensor_parallelism:
+            return 1
+        if not dist.is_initialized():
+            return 1
+        return dist.get_world_size(self.tensor_parallel_process_group)

@@ -1,0 +1,45 @@
+"""Start N processes with a process group once, and run a test body in each.
+
+Use one `spawn` per test module (per world size) and loop cheap configurations inside the body:
+starting processes and importing transformers costs seconds, a configuration milliseconds.
+gloo on CPU, NCCL when CUDA is present (from the environment, never hard-coded).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn, args, kwargs):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    torch.set_num_threads(1)          # N processes on 2 cores: avoid oversubscription
+    from meshboost.launch import launch
+    launch(rank, world_size, rank, "127.0.0.1", port, seed=1024)
+    try:
+        fn(rank, world_size, *args, **kwargs)
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, nprocs: int, *args, **kwargs) -> None:
+    """Run `fn(rank, world_size, *args, **kwargs)` in `nprocs` fresh processes sharing one process
+    group; re-raises the first failure. `fn` must be importable (module level)."""
+    mp.spawn(_worker, args=(nprocs, free_port(), fn, args, kwargs), nprocs=nprocs, join=True)
