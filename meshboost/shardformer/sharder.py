@@ -54,8 +54,10 @@ def _module_path(root: nn.Module, target: nn.Module) -> str | None:
 
 
 def _uses_loss_function(model: nn.Module) -> bool:
-    """True when the model's forward computes its loss through `self.loss_function` (so the loss
-    can be swapped for the vocab-parallel one without touching the forward)."""
+    """True when the model's forward computes a causal-LM loss through `self.loss_function` (so
+    the loss can be swapped for the vocab-parallel one without touching the forward)."""
+    if getattr(model, "loss_type", None) not in (None, "ForCausalLM"):
+        return False
     try:
         return "self.loss_function(" in inspect.getsource(type(model).forward)
     except (OSError, TypeError):

@@ -18,7 +18,8 @@ def tiny_config(family: str, **overrides):
                              attention_probs_dropout_prob=0.0, type_vocab_size=2)
     elif family == "gpt2":
         cfg = tfm.GPT2Config(vocab_size=VOCAB, n_embd=32, n_head=4, n_layer=2, n_inner=64, n_positions=64,
-                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=VOCAB - 1,
+                             eos_token_id=VOCAB - 1)
     elif family == "llama":
         cfg = tfm.LlamaConfig(**common, num_key_value_heads=4, max_position_embeddings=64)
     elif family == "llama_gqa":
