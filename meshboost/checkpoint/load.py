@@ -1,0 +1,243 @@
+"""Load a HuggingFace-format checkpoint into a model at any tensor-parallel layout, reading only
+the slices this rank owns.
+
+Owns: finding the weight files of a folder (single file or index, safetensors or torch pickle),
+refusing incomplete folders, mapping checkpoint names onto parameter names (with or without the
+base-model prefix), slicing by each parameter's `TensorParallelInfo` (vocab padding, fused
+blocks), and materialising parameters of a model built on the meta device. Must not communicate:
+every rank reads its own slices, so no rank ever holds more than its share of a tensor
+(safetensors reads slices lazily; torch pickles are memory-mapped).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+import torch.nn as nn
+
+from meshboost.shardformer.param_info import TensorParallelInfo, get_tp_info
+
+_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+_SINGLES = ("model.safetensors", "pytorch_model.bin")
+# Checkpoint keys that transformers itself ignores (buffers that became non-persistent).
+_IGNORABLE = re.compile(r"(^|\.)(position_ids|rotary_emb\.inv_freq)$")
+
+
+class CheckpointReader:
+    """Name -> lazily sliced tensor over the weight files of one checkpoint (file or folder)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.weight_map: dict[str, str] = {}
+        if os.path.isfile(path):
+            files = [path]
+            folder = os.path.dirname(path)
+        else:
+            if not os.path.isdir(path):
+                raise FileNotFoundError(f"checkpoint {path!r} does not exist")
+            folder = path
+            index = next((os.path.join(path, n) for n in _INDEXES if os.path.exists(os.path.join(path, n))), None)
+            if index is not None:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+                files = sorted(set(weight_map.values()))
+                missing = [n for n in files if not os.path.exists(os.path.join(path, n))]
+                if missing:
+                    raise RuntimeError(f"checkpoint {path!r} is incomplete: its index lists {missing} which do not "
+                                       "exist (an interrupted copy or save?); use a complete checkpoint")
+                files = [os.path.join(path, n) for n in files]
+            else:
+                files = [os.path.join(path, n) for n in _SINGLES if os.path.exists(os.path.join(path, n))][:1]
+            if not files:
+                raise FileNotFoundError(f"{path!r} holds no model weights (expected one of {_SINGLES + _INDEXES})")
+        self.folder = folder
+        self._handles: dict[str, object] = {}
+        for file in files:
+            for key in self._open(file).keys():
+                self.weight_map[key] = file
+        self.release()
+
+    def _open(self, file: str):
+        if file not in self._handles:
+            if file.endswith(".safetensors"):
+                from safetensors import safe_open
+                self._handles[file] = safe_open(file, framework="pt")
+            else:
+                self._handles[file] = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+        return self._handles[file]
+
+    def release(self) -> None:
+        """Drop open file handles (and their memory maps)."""
+        self._handles.clear()
+
+    def keys(self) -> set[str]:
+        return set(self.weight_map)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        handle = self._open(self.weight_map[key])
+        if isinstance(handle, dict):
+            return tuple(handle[key].shape)
+        return tuple(handle.get_slice(key).get_shape())
+
+    def read(self, key: str, index: tuple | None = None) -> torch.Tensor:
+        """The tensor `key`, or only `full[index]` (basic slices) without reading the rest."""
+        handle = self._open(self.weight_map[key])
+        if isinstance(handle, dict):
+            t = handle[key]
+            return (t if index is None else t[index]).clone()
+        if index is None:
+            return handle.get_tensor(key)
+        return handle.get_slice(key)[index]
+
+
+def _local_slices(info: TensorParallelInfo, full_shape: tuple[int, ...]) -> list[tuple[tuple, int]]:
+    """(index, zero padding after it) pieces whose concatenation along info.dim is this rank's shard."""
+    dim = info.dim
+    size = full_shape[dim]
+    pieces = []
+    if info.num_fused > 1:
+        block = size // info.num_fused
+        part = block // info.tp_size
+        starts = [f * block + info.tp_rank * part for f in range(info.num_fused)]
+        ranges = [(s, s + part, 0) for s in starts]
+    else:
+        local = info.local_size
+        start = info.tp_rank * local
+        stop = min(start + local, size)
+        ranges = [(min(start, size), stop, local - max(stop - start, 0))]
+    for start, stop, pad in ranges:
+        index = tuple(slice(None) if d != dim else slice(start, stop) for d in range(len(full_shape)))
+        pieces.append((index, pad))
+    return pieces
+
+
+def read_shard(reader: CheckpointReader, key: str, info: TensorParallelInfo | None) -> torch.Tensor:
+    """This rank's shard of checkpoint tensor `key` (the full tensor for a replicated parameter)."""
+    if info is None or info.tp_size == 1 and not info.padding:
+        return reader.read(key)
+    full_shape = reader.shape(key)
+    if tuple(full_shape) != tuple(info.full_shape):
+        raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(full_shape)}, the model expects "
+                         f"{tuple(info.full_shape)}; the checkpoint belongs to another configuration")
+    parts = []
+    for index, pad in _local_slices(info, full_shape):
+        t = reader.read(key, index)
+        if pad:
+            shape = list(t.shape)
+            shape[info.dim] = pad
+            t = torch.cat([t, t.new_zeros(shape)], dim=info.dim)
+        parts.append(t)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=info.dim)
+
+
+def _candidates(name: str, prefix: str) -> list[str]:
+    out = [name]
+    if prefix and name.startswith(prefix + "."):
+        out.append(name[len(prefix) + 1:])
+    elif prefix:
+        out.append(f"{prefix}.{name}")
+    return out
+
+
+def _reinit_meta_buffers(model: nn.Module, device: torch.device) -> None:
+    """Recreate buffers left on the meta device (position ids, rotary frequencies) with the model's
+    own `_init_weights`, which transformers 5.x uses for exactly these buffers."""
+    init = getattr(model, "_init_weights", None)
+    for module in model.modules():
+        metas = [n for n, b in module.named_buffers(recurse=False) if b is not None and b.is_meta]
+        if not metas:
+            continue
+        for n in metas:
+            buf = getattr(module, n)
+            module._buffers[n] = torch.empty_like(buf, device=device)
+        if init is not None:
+            init(module)
+        still = [n for n in metas if not torch.isfinite(getattr(module, n).float()).all()]
+        if still:
+            raise RuntimeError(f"could not rebuild buffers {still} of {type(module).__name__} after meta init")
+
+
+def _materialize(tensor: torch.Tensor, value: torch.Tensor) -> None:
+    """Give a meta tensor real storage while keeping the same Python object (an optimizer built on
+    the meta model keeps working) and its attributes (the tensor-parallel record)."""
+    attrs = dict(tensor.__dict__)
+    replacement = nn.Parameter(value, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) \
+        else value
+    torch.utils.swap_tensors(tensor, replacement)
+    tensor.__dict__.update(attrs)
+
+
+@torch.no_grad()
+def load_model(model: nn.Module, checkpoint: str, strict: bool = True, device: torch.device | None = None) -> None:
+    """Load `checkpoint` (an HF folder or file) into `model` in place, at whatever tensor-parallel
+    layout `model` has. Parameters on the meta device are materialised on `device`.
+
+    strict: every parameter and persistent buffer must be found, and every checkpoint tensor used
+    (buffers transformers itself ignores excepted); otherwise the error lists what differs.
+    """
+    reader = CheckpointReader(checkpoint)
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    keys = reader.keys()
+    used: set[str] = set()
+    missing: list[str] = []
+
+    aliases: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    entries = [(name, p, aliases[id(p)]) for name, p in model.named_parameters()]
+    state = model.state_dict(keep_vars=True)
+    param_ids = set(aliases)
+    entries += [(n, b, [n]) for n, b in state.items() if id(b) not in param_ids and isinstance(b, torch.Tensor)]
+
+    resolved = []
+    for name, tensor, names in entries:
+        key = next((c for n in names for c in _candidates(n, prefix) if c in keys), None)
+        if key is None:
+            missing.append(name)
+        else:
+            resolved.append((reader.weight_map[key], key, name, tensor))
+    # File by file, releasing each file's mapping before the next: the file-backed pages a rank
+    # maps stay bounded by one weights file.
+    resolved.sort(key=lambda r: r[0])
+    current_file = None
+    for file, key, name, tensor in resolved:
+        if file != current_file:
+            reader.release()
+            current_file = file
+        used.add(key)
+        shard = read_shard(reader, key, get_tp_info(tensor))
+        if shard.shape != tensor.shape:
+            raise ValueError(f"{name}: checkpoint slice has shape {tuple(shard.shape)}, parameter has "
+                             f"{tuple(tensor.shape)}")
+        target_device = device if tensor.is_meta else tensor.device
+        if tensor.is_meta and target_device is None:
+            raise ValueError("the model is on the meta device: pass device= to materialise it")
+        value = shard.to(device=target_device, dtype=tensor.dtype)
+        if value.data_ptr() == shard.data_ptr():
+            # safetensors and mmap'ed pickles hand out file-backed memory: own it, so the model
+            # never depends on the file (and memory figures are honest).
+            value = value.clone()
+        if tensor.is_meta:
+            _materialize(tensor, value)
+        else:
+            tensor.copy_(value)
+    reader.release()
+    # tied aliases count as used
+    for _, _, names in entries:
+        for n in names:
+            for c in _candidates(n, prefix):
+                if c in keys:
+                    used.add(c)
+    unexpected = sorted(k for k in keys - used if not _IGNORABLE.search(k))
+    if strict and (missing or unexpected):
+        raise RuntimeError(f"loading {checkpoint!r}: missing {missing[:20]}{' ...' if len(missing) > 20 else ''}; "
+                           f"unexpected {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}. Pass strict=False "
+                           "to load the matching tensors only")
+    meta_left = [n for n, p in model.named_parameters() if p.is_meta]
+    if meta_left:
+        raise RuntimeError(f"parameters {meta_left[:10]} are still on the meta device: the checkpoint lacks them")
+    if any(b.is_meta for b in model.buffers()):
+        _reinit_meta_buffers(model, device or torch.device("cpu"))
