@@ -1,6 +1,7 @@
 """Parallel strategies a Booster can use."""
 
 from meshboost.plugins.hybrid_parallel import HybridParallelPlugin
+from meshboost.plugins.low_level_zero import LowLevelZeroPlugin
 from meshboost.plugins.torch_ddp import TorchDDPPlugin
 
-__all__ = ["HybridParallelPlugin", "TorchDDPPlugin"]
+__all__ = ["HybridParallelPlugin", "LowLevelZeroPlugin", "TorchDDPPlugin"]

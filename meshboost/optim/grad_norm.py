@@ -1,0 +1,72 @@
+"""The global gradient norm, written once and used by every optimizer wrapper.
+
+Owns: the rule for which rank counts which gradient (so the norm over a (dp, pp, tp) mesh equals
+the unsharded model's norm), the one all-reduce that combines the partial sums, and the clip
+coefficient. Must not know any layout beyond the parameter's tensor-parallel record and whether
+the caller's gradients are partitioned over dp (ZeRO) or replicated (DDP).
+
+Counting rule, with one SUM (or MAX for the inf-norm) over the world group of the mesh:
+  * tensor-parallel shards (a `get_tp_info` record with tp_size > 1) are disjoint: every tp rank
+    counts its own shard. Parameters without a record are identical on every tp rank: only tp
+    rank 0 counts them.
+  * pipeline stages hold disjoint parameters: every stage counts its own, except a weight tied
+    across stages (GPT-2's embedding and LM head), whose last-stage replica carries
+    `pipeline_tied_replica = True` (set by meshboost.pipeline) and is not counted.
+  * ZeRO partitions are disjoint over dp: every dp rank counts its own partition. Without ZeRO
+    the reduced gradients are identical over dp: only dp rank 0 counts them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from meshboost.launch import get_current_device
+from meshboost.shardformer import comm
+from meshboost.shardformer.param_info import is_tp_sharded
+
+
+def counted_here(param: torch.Tensor, mesh, dp_partitioned: bool) -> bool:
+    """True when this rank contributes `param`'s gradient (or its ZeRO partition) to the norm."""
+    if getattr(param, "pipeline_tied_replica", False):
+        return False
+    if not is_tp_sharded(param) and mesh.tp_rank != 0:
+        return False
+    if not dp_partitioned and mesh.dp_rank != 0:
+        return False
+    return True
+
+
+def local_norm_power(grads: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """sum |g|^p over `grads` (or max |g| for p = inf), accumulated in fp32, as a 1-element tensor."""
+    grads = [g for g in grads if g is not None and g.numel()]
+    if not grads:
+        return torch.zeros(1, dtype=torch.float32, device=get_current_device())
+    if math.isinf(norm_type):
+        return torch.stack([g.detach().abs().max().float() for g in grads]).max().reshape(1)
+    norms = torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type) for g in grads])
+    return norms.pow(norm_type).sum().reshape(1)
+
+
+def global_grad_norm(grads: Iterable[torch.Tensor], group, norm_type: float = 2.0) -> float:
+    """The norm over every rank of `group` of the gradients each rank counts (see the module
+    docstring for who counts what). inf or nan when any counted gradient is."""
+    if norm_type <= 0:
+        raise ValueError(f"norm_type={norm_type!r} must be positive (2.0 or float('inf'))")
+    partial = local_norm_power(grads, norm_type)
+    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+    if dist.is_initialized():
+        comm.all_reduce(partial, group, op=op)
+    total = partial.item()
+    return total if math.isinf(norm_type) else total ** (1.0 / norm_type)
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """Factor that brings `total_norm` down to `max_norm` (1.0 when already below or disabled),
+    as torch.nn.utils.clip_grad_norm_ computes it."""
+    if max_norm <= 0:
+        return 1.0
+    return min(1.0, max_norm / (total_norm + 1e-6))

@@ -1,0 +1,223 @@
+"""MixedPrecisionOptimizer: fp32 master weights, loss scaling, overflow skip and clipping.
+
+Owns the order of one optimizer step, written once for every wrapper (ZeroOptimizer only changes
+where master weights and their gradients live):
+
+    backward:  loss * scale -> autograd                    (fp16 only: keeps small grads representable)
+    step:      grads -> fp32 master grads                  (ZeRO: reduce-scatter over dp first)
+               found_inf = any inf/nan, all-reduce MAX over the world group of the mesh
+                                                           (every rank of the step agrees, so
+                                                           replicas never diverge)
+               overflow -> skip: zero grads, back off the scale, norm = None
+               norm = global norm / scale                  (grad_norm.py, the one implementation)
+               master grads *= clip_coef / scale           (unscale and clip in one pass)
+               inner optimizer step on the fp32 masters
+               masters -> working weights                  (copy, or all-gather under ZeRO)
+
+The user's optimizer object is kept and its param groups are pointed at the masters, so an LR
+scheduler built on it keeps working and `optimizer.param_groups` is the real thing. Must not
+contain data-parallel partitioning (that is zero.py) or norm maths (grad_norm.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from meshboost.booster.wrappers import OptimizerWrapper
+from meshboost.launch import get_current_device
+from meshboost.optim.grad_norm import clip_coefficient, counted_here, global_grad_norm
+from meshboost.optim.grad_scaler import DynamicGradScaler, GradScalerConfig
+from meshboost.shardformer import comm
+
+PRECISION_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def check_precision(precision: str) -> torch.dtype:
+    if precision not in PRECISION_DTYPES:
+        raise ValueError(f"precision={precision!r}; expected one of {tuple(PRECISION_DTYPES)}")
+    return PRECISION_DTYPES[precision]
+
+
+class MixedPrecisionOptimizer(OptimizerWrapper):
+    """Wrap `optim` (built on the model's parameters) for training with `precision` working weights.
+
+    mesh: the `ParallelMesh` (overflow and norms are agreed over its world group).
+    precision: "fp32" (masters are the parameters themselves), "fp16" (loss-scaled) or "bf16".
+    max_norm: clip by the global gradient norm when > 0. norm_type: 2.0 or inf.
+    scaler_config: `GradScalerConfig` for fp16 (defaults when None); ignored otherwise.
+
+    Build it while the parameters are still fp32 (before casting the model) so the masters start
+    from the exact fp32 weights.
+    """
+
+    dp_partitioned = False      # gradients are replicated over dp (DDP): dp rank 0 counts them
+
+    def __init__(self, optim: Optimizer, mesh, precision: str = "fp32", max_norm: float = 0.0,
+                 norm_type: float = 2.0, scaler_config: GradScalerConfig | None = None):
+        super().__init__(optim)
+        self.working_dtype = check_precision(precision)
+        if max_norm < 0:
+            raise ValueError(f"max_norm={max_norm!r} must be >= 0 (0 disables clipping)")
+        if len(optim.state) > 0:
+            raise ValueError("the optimizer already has state (it has stepped); boost it before its first step")
+        self.mesh, self.precision, self.max_norm, self.norm_type = mesh, precision, float(max_norm), norm_type
+        self.scaler = DynamicGradScaler(scaler_config) if precision == "fp16" else None
+        self._grad_norm: float | None = None
+        self._grad_sync = True
+        self.working_params = [[p for p in g["params"] if p.requires_grad] for g in optim.param_groups]
+        self._build_masters()
+
+    # -- layout hooks (ZeroOptimizer overrides these) ------------------------------------------
+    def _build_masters(self) -> None:
+        """One fp32 master per working parameter (the parameter itself in fp32), swapped into the
+        user's param groups."""
+        self.master_of: dict[torch.Tensor, torch.Tensor] = {}
+        for group, params in zip(self.optim.param_groups, self.working_params):
+            masters = []
+            for p in params:
+                m = p if self.working_dtype == torch.float32 else torch.nn.Parameter(p.detach().float().clone())
+                self.master_of[p] = m
+                masters.append(m)
+            group["params"] = masters
+
+    def _master_grads(self) -> list[tuple[torch.Tensor, bool]]:
+        """Fill master grads from the working grads; return [(grad, counted_in_norm_here)]."""
+        out = []
+        for params in self.working_params:
+            for p in params:
+                m = self.master_of[p]
+                if p.grad is None:
+                    m.grad = None
+                    continue
+                if m is not p:
+                    m.grad = p.grad.detach().float()
+                out.append((m.grad, counted_here(p, self.mesh, self.dp_partitioned)))
+        return out
+
+    def _write_back(self) -> None:
+        """Copy updated masters into the working weights."""
+        with torch.no_grad():
+            for p, m in self.master_of.items():
+                if m is not p:
+                    p.copy_(m)
+
+    def _release_grads(self) -> None:
+        for p, m in self.master_of.items():
+            p.grad = None
+            m.grad = None
+
+    def _clear_master_grads(self) -> None:
+        """fp32 master grads are transient; working grads stay until zero_grad (torch's habit)."""
+        for p, m in self.master_of.items():
+            if m is not p:
+                m.grad = None
+
+    def masters(self) -> list[torch.Tensor]:
+        return [m for group in self.optim.param_groups for m in group["params"]]
+
+    # -- the step --------------------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
+        # Scale (fp16) so small gradients stay representable in half precision.
+        (loss * self.loss_scale if self.scaler is not None else loss).backward(*args, **kwargs)
+        self._after_backward()
+
+    def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
+        """Backward from an upstream gradient (pipeline stages): `grad` is already scaled by the
+        last stage's loss scaling, so no scaling here."""
+        torch.autograd.backward(tensor, grad)
+        self._after_backward()
+
+    def _after_backward(self) -> None:
+        pass
+
+    def _found_inf(self, grads) -> bool:
+        """Overflow anywhere on any rank of the step: one all-reduce MAX over the world group."""
+        flag = torch.zeros(1, device=self._device())
+        for g, _ in grads:
+            flag += (~torch.isfinite(g)).any()
+        if dist.is_initialized():
+            comm.all_reduce(flag, self.mesh.world_group, op=dist.ReduceOp.MAX)
+        return bool(flag.item() > 0)
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("closures are not supported by the mixed-precision/ZeRO optimizer")
+        grads = self._master_grads()
+        if self.scaler is not None and self._found_inf(grads):
+            # Every rank saw the same verdict: skip together, keep weights bitwise unchanged.
+            self.scaler.update(found_inf=True)
+            self._grad_norm = None
+            self._release_grads()
+            return None
+        inv_scale = 1.0 / self.loss_scale
+        norm = global_grad_norm([g for g, counted in grads if counted], self.mesh.world_group, self.norm_type)
+        self._grad_norm = norm * inv_scale
+        factor = inv_scale * clip_coefficient(self._grad_norm, self.max_norm)
+        if factor != 1.0:
+            for g, _ in grads:                    # unscale and clip in one pass over the masters
+                g.mul_(factor)
+        self.optim.step()
+        self._write_back()
+        if self.scaler is not None:
+            self.scaler.update(found_inf=False)
+        self._clear_master_grads()
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._release_grads()
+
+    def get_grad_norm(self) -> float | None:
+        """The unscaled global gradient norm of the last step (None if it was skipped)."""
+        return self._grad_norm
+
+    def get_loss_scale(self) -> float:
+        return self.loss_scale
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Inside the block backward does not reduce gradients over dp (they accumulate locally)."""
+        previous, self._grad_sync = self._grad_sync, False
+        try:
+            yield
+        finally:
+            self._grad_sync = previous
+
+    # -- checkpoint -----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        state = self.optim.state_dict()
+        if self.scaler is not None:
+            state["loss_scaler"] = self.scaler.state_dict()
+        if any(m is not p for p, m in self._master_pairs()):
+            state["master_weights"] = [m.detach().clone() for m in self.masters()]
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        scaler_state = state_dict.pop("loss_scaler", None)
+        masters = state_dict.pop("master_weights", None)
+        self.optim.load_state_dict(state_dict)
+        if self.scaler is not None and scaler_state is not None:
+            self.scaler.load_state_dict(scaler_state)
+        if masters is not None:
+            own = self.masters()
+            if len(masters) != len(own):
+                raise ValueError(f"checkpoint has {len(masters)} master tensors, this optimizer {len(own)}; "
+                                 "the parallel layout differs")
+            with torch.no_grad():
+                for m, saved in zip(own, masters):
+                    m.copy_(saved)
+            self._write_back()
+
+    def _master_pairs(self):
+        return self.master_of.items()
+
+    def _device(self) -> torch.device:
+        return get_current_device()

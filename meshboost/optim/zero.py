@@ -1,0 +1,228 @@
+"""ZeroOptimizer: ZeRO stages 1 and 2 over the data-parallel group of the mesh.
+
+Owns where fp32 masters, optimizer states and reduced gradients live: the (tp-local) trainable
+parameters of each param group are flattened into buckets (tensor-parallel shards, replicated
+parameters and pipeline-tied replicas never share a bucket, so the norm counts each once), each
+padded to a multiple of dp_size; dp rank r owns the r-th 1/dp of every bucket: its fp32 master
+shard (which the user's optimizer steps, so the Adam moments are 1/dp too) and its reduced
+gradient.
+
+    stage 1: working gradients accumulate in `param.grad` over any number of backward passes and
+             are reduce-scattered once, at `step()` (or from gradient hooks with
+             overlap_communication, outside `no_sync`).
+    stage 2: every backward reduce-scatters the gradients and keeps only this rank's partition
+             (summed over backward passes); `param.grad` is freed, so `no_sync` cannot exist.
+
+After the inner step each rank all-gathers its updated shard (in the working dtype) back into the
+working parameters. The step order (unscale, overflow, clip, skip) is MixedPrecisionOptimizer's;
+this file only overrides the layout hooks. Must not re-implement the step or the norm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.optim import Optimizer
+
+from meshboost.optim.grad_norm import counted_here
+from meshboost.optim.grad_scaler import GradScalerConfig
+from meshboost.optim.mixed_precision import MixedPrecisionOptimizer
+from meshboost.shardformer import comm
+from meshboost.shardformer.param_info import is_tp_sharded
+
+DEFAULT_BUCKET_ELEMENTS = 12 * 1024 * 1024
+
+
+_KINDS = [(sharded, tied) for sharded in (True, False) for tied in (False, True)]
+
+
+def _kind(p: torch.Tensor) -> tuple[bool, bool]:
+    """What decides who counts a gradient in the norm: a bucket holds one kind only."""
+    return is_tp_sharded(p), bool(getattr(p, "pipeline_tied_replica", False))
+
+
+@dataclass(eq=False)
+class ZeroBucket:
+    """A flat run of parameters of one param group; this rank owns `master` = elements
+    [dp_rank * shard_size, (dp_rank + 1) * shard_size) of the padded flat bucket."""
+
+    params: list
+    offsets: list             # start of each param in the flat bucket
+    numel: int                # real elements (the rest up to shard_size * dp_size is padding)
+    shard_size: int
+    dp_rank: int
+    master: nn.Parameter      # fp32 shard, stepped by the user's optimizer
+    counted: bool             # does this rank count the bucket's gradient in the global norm
+    grad_shard: torch.Tensor | None = None       # reduced gradient partition (working dtype)
+    ready: set = field(default_factory=set)      # params whose grad arrived (overlap hooks)
+
+    def owned_slices(self):
+        """(param, start, end, shard_start): elements [start, end) of param.view(-1) are this
+        rank's master[shard_start : shard_start + end - start]."""
+        lo, hi = self.dp_rank * self.shard_size, (self.dp_rank + 1) * self.shard_size
+        for p, off in zip(self.params, self.offsets):
+            a, b = max(lo, off), min(hi, off + p.numel())
+            if a < b:
+                yield p, a - off, b - off, a - lo
+
+
+class ZeroOptimizer(MixedPrecisionOptimizer):
+    """ZeRO-`stage` (1 or 2) around the user's `optim`, over `mesh.dp_group`.
+
+    precision / max_norm / norm_type / scaler_config: as MixedPrecisionOptimizer (fp32 works too:
+    the point is then the 1/dp optimizer state). overlap_communication: launch a bucket's
+    reduce-scatter from the gradient hook of its last parameter during backward.
+    reduce_bucket_size: elements per bucket (buckets are also the unit of overlap).
+    """
+
+    dp_partitioned = True
+
+    def __init__(self, optim: Optimizer, mesh, precision: str = "fp32", stage: int = 1, max_norm: float = 0.0,
+                 norm_type: float = 2.0, scaler_config: GradScalerConfig | None = None,
+                 overlap_communication: bool = False, reduce_bucket_size: int = DEFAULT_BUCKET_ELEMENTS):
+        if stage not in (1, 2):
+            raise ValueError(f"stage={stage!r}; ZeroOptimizer implements stages 1 and 2")
+        if not isinstance(reduce_bucket_size, int) or reduce_bucket_size < 1:
+            raise ValueError(f"reduce_bucket_size={reduce_bucket_size!r} must be a positive number of elements")
+        self.stage, self.overlap_communication = stage, bool(overlap_communication)
+        self.bucket_elements = reduce_bucket_size
+        self.dp_group, self.dp_size, self.dp_rank = mesh.dp_group, mesh.dp_size, mesh.dp_rank
+        super().__init__(optim, mesh, precision, max_norm, norm_type, scaler_config)
+        if self.overlap_communication:
+            for b in self.buckets:
+                for p in b.params:
+                    p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    # -- layout ---------------------------------------------------------------------------------
+    def _build_masters(self) -> None:
+        self.buckets: list[ZeroBucket] = []
+        self._bucket_of: dict[torch.Tensor, ZeroBucket] = {}
+        for group, params in zip(self.optim.param_groups, self.working_params):
+            group_buckets = []
+            for kind in _KINDS:
+                same_kind = [p for p in params if _kind(p) == kind]
+                run, size = [], 0
+                for p in same_kind:
+                    if run and size + p.numel() > self.bucket_elements:
+                        group_buckets.append(self._make_bucket(run))
+                        run, size = [], 0
+                    run.append(p)
+                    size += p.numel()
+                if run:
+                    group_buckets.append(self._make_bucket(run))
+            self.buckets.extend(group_buckets)
+            group["params"] = [b.master for b in group_buckets]
+
+    def _make_bucket(self, params: list) -> ZeroBucket:
+        offsets, numel = [], 0
+        for p in params:
+            offsets.append(numel)
+            numel += p.numel()
+        shard_size = -(-numel // self.dp_size)
+        lo = self.dp_rank * shard_size
+        master = torch.zeros(shard_size, dtype=torch.float32, device=params[0].device)
+        with torch.no_grad():
+            for p, off in zip(params, offsets):       # copy only the owned slices: no full flat copy
+                a, b = max(lo, off), min(lo + shard_size, off + p.numel())
+                if a < b:
+                    master[a - lo:b - lo].copy_(p.detach().reshape(-1)[a - off:b - off])
+        bucket = ZeroBucket(params, offsets, numel, shard_size, self.dp_rank, nn.Parameter(master),
+                            counted_here(params[0], self.mesh, dp_partitioned=True))
+        for p in params:
+            self._bucket_of[p] = bucket
+        return bucket
+
+    def param_slices(self):
+        """Every (param, start, end, master_view) this rank owns: maps master shards back to the
+        model's parameters (checkpoints key them by name through the model)."""
+        for b in self.buckets:
+            for p, start, end, s in b.owned_slices():
+                yield p, start, end, b.master.detach()[s:s + end - start]
+
+    # -- gradient reduction ------------------------------------------------------------------------
+    def _reduce_bucket(self, b: ZeroBucket) -> None:
+        parts = [p.grad.detach().reshape(-1).to(self.working_dtype) if p.grad is not None
+                 else torch.zeros(p.numel(), dtype=self.working_dtype, device=p.device) for p in b.params]
+        padding = b.shard_size * self.dp_size - b.numel
+        if padding:
+            parts.append(torch.zeros(padding, dtype=self.working_dtype, device=parts[0].device))
+        flat = torch.cat(parts)
+        flat.div_(self.dp_size)               # average before summing: keeps scaled fp16 sums in range
+        shard = comm.reduce_scatter(flat, self.dp_group, dim=0)
+        b.grad_shard = shard if b.grad_shard is None else b.grad_shard.add_(shard)
+        for p in b.params:
+            p.grad = None
+        b.ready.clear()
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if not self._grad_sync:
+            return
+        b = self._bucket_of[p]
+        b.ready.add(p)
+        if len(b.ready) == len(b.params):
+            self._reduce_bucket(b)
+
+    def _flush(self) -> None:
+        """Reduce every bucket that still holds unreduced working gradients (same order on every
+        dp rank: buckets are built identically)."""
+        for b in self.buckets:
+            if any(p.grad is not None for p in b.params):
+                self._reduce_bucket(b)
+
+    def _after_backward(self) -> None:
+        if self._grad_sync and (self.stage == 2 or self.overlap_communication):
+            self._flush()                     # buckets whose hooks did not all fire (unused params)
+
+    def no_sync(self):
+        if self.stage == 2:
+            raise RuntimeError(
+                "no_sync is not available with ZeRO stage 2: each backward reduce-scatters the gradients and "
+                "keeps only this rank's partition, so unreduced gradients cannot accumulate locally. Use "
+                "zero_stage=1 for no_sync, or accumulate with stage 2 by calling backward several times "
+                "before step() (each backward is reduced and summed into the partition)")
+        return super().no_sync()
+
+    # -- hooks of the shared step --------------------------------------------------------------------
+    def _master_grads(self) -> list[tuple[torch.Tensor, bool]]:
+        self._flush()
+        out = []
+        for b in self.buckets:
+            if b.grad_shard is None:
+                b.master.grad = None
+                continue
+            b.master.grad = b.grad_shard.float()
+            out.append((b.master.grad, b.counted))
+        return out
+
+    def _write_back(self) -> None:
+        with torch.no_grad():
+            for b in self.buckets:
+                full = comm.all_gather(b.master.detach().to(self.working_dtype), self.dp_group, dim=0)
+                for p, off in zip(b.params, b.offsets):
+                    p.copy_(full[off:off + p.numel()].view_as(p))
+
+    def _release_grads(self) -> None:
+        for b in self.buckets:
+            self._clear_bucket(b)
+            for p in b.params:
+                p.grad = None
+
+    def _clear_master_grads(self) -> None:
+        for b in self.buckets:
+            self._clear_bucket(b)
+
+    @staticmethod
+    def _clear_bucket(b: ZeroBucket) -> None:
+        b.grad_shard = None
+        b.master.grad = None
+        b.ready.clear()
+
+    def _master_pairs(self):
+        return [(p, b.master) for b in self.buckets for p in b.params]
+
+    def grad_bytes(self) -> int:
+        """Bytes of reduced gradient partitions held (stage 2 between backward and step)."""
+        return sum(b.grad_shard.numel() * b.grad_shard.element_size() for b in self.buckets
+                   if b.grad_shard is not None)
