@@ -1,0 +1,184 @@
+"""Pipeline schedules: one-forward-one-backward (1F1B) and its interleaved form, as plain code.
+
+Owns: splitting a batch into micro-batches, the order in which each rank runs its forward (F)
+and backward (B) units, and executing that order: receive, run the chunk, send, with the loss
+computed by `criterion(outputs, inputs)` on the last stage, divided by the number of
+micro-batches (the step's loss is their mean) and broadcast to every stage. Must not build
+stages or hold process groups of its own (stage.py, p2p.py, grads.py).
+
+Why not torch.distributed.pipelining: see docs/pipeline.md (it fixes tensor shapes at the first
+step, gives only the first stage the inputs, and calls the loss as loss_fn(output, target)).
+
+Order (Megatron's): with P ranks, V chunks per rank and M micro-batches, rank r first runs
+W forwards (W = P - r - 1 for 1F1B; 2(P - r - 1) + (V - 1)P interleaved), then alternates one
+forward and one backward, then drains the remaining backwards. Interleaved, unit k runs chunk
+(k // P) mod V (reversed for backwards) on micro-batch (k // PV) P + k mod P, so M must be a
+multiple of P.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+
+import torch
+
+from meshboost.pipeline.grads import average_grads, sum_tied_grads
+from meshboost.pipeline.p2p import StageComm
+from meshboost.pipeline.stage import PipelineStages
+
+
+def split_microbatches(batch, num_microbatches: int | None = None, microbatch_size: int | None = None) -> list[dict]:
+    """Split a dict batch along dim 0 into equal micro-batches (non-tensors are shared by all)."""
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"execute_pipeline needs batches that are dicts of tensors, got {type(batch).__name__}")
+    sizes = {k: v.shape[0] for k, v in batch.items() if torch.is_tensor(v) and v.dim() > 0}
+    if not sizes:
+        raise ValueError("execute_pipeline: the batch holds no tensor with a batch dimension")
+    batch_size = next(iter(sizes.values()))
+    if any(s != batch_size for s in sizes.values()):
+        raise ValueError(f"execute_pipeline: batch tensors disagree on the batch size: {sizes}")
+    if num_microbatches is None:
+        num_microbatches = batch_size // microbatch_size if batch_size % microbatch_size == 0 else -1
+    if num_microbatches < 1 or batch_size % num_microbatches:
+        how = f"num_microbatches={num_microbatches}" if microbatch_size is None else f"microbatch_size={microbatch_size}"
+        raise ValueError(f"a batch of {batch_size} samples does not split into equal micro-batches with {how}; "
+                         "use a batch size that is a multiple of the micro-batch size (e.g. drop_last=True)")
+    size = batch_size // num_microbatches
+    return [{k: v[i * size:(i + 1) * size] if k in sizes else v for k, v in batch.items()}
+            for i in range(num_microbatches)]
+
+
+def schedule_order(num_ranks: int, rank: int, num_microbatches: int, num_chunks: int = 1,
+                   forward_only: bool = False) -> list[tuple[str, int, int]]:
+    """The units ("F" or "B", local chunk, micro-batch) rank `rank` runs, in order."""
+    P, V, M = num_ranks, num_chunks, num_microbatches
+    total = M * V
+
+    def unit(kind: str, k: int) -> tuple[str, int, int]:
+        chunk = (k // P) % V
+        if kind == "B":
+            chunk = V - 1 - chunk
+        return kind, chunk, (k // (P * V)) * P + k % P if V > 1 else k
+
+    if forward_only:
+        return [unit("F", k) for k in range(total)]
+    warmup = P - rank - 1 if V == 1 else 2 * (P - rank - 1) + (V - 1) * P
+    warmup = min(warmup, total)
+    order = [unit("F", k) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [unit("F", warmup + k), unit("B", k)]
+    order += [unit("B", k) for k in range(total - warmup, total)]
+    return order
+
+
+class PipelineSchedule:
+    """Runs one pipeline step over the stages of this rank.
+
+    dp_group: average gradients over it after the schedule (None when an optimizer wrapper such
+    as ZeRO reduces them itself). tied_group: the first/last-stage group for tied weights.
+    """
+
+    def __init__(self, stages: PipelineStages, comm: StageComm, num_microbatches: int | None = None,
+                 microbatch_size: int | None = None, dp_group=None, tied_group=None):
+        self.stages, self.comm = stages, comm
+        self.num_microbatches, self.microbatch_size = num_microbatches, microbatch_size
+        self.dp_group, self.tied_group = dp_group, tied_group
+
+    def run(self, batch, criterion, optimizer=None, return_loss: bool = True, return_outputs: bool = False) -> dict:
+        """Forward (and backward when `optimizer` is given) every micro-batch of `batch`."""
+        stages = self.stages
+        if isinstance(batch, Mapping):
+            batch = {k: v.to(self.comm.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        microbatches = split_microbatches(batch, self.num_microbatches, self.microbatch_size)
+        M, P, V = len(microbatches), stages.pp_size, stages.num_chunks
+        if V > 1 and M % P:
+            raise ValueError(f"the interleaved schedule needs the number of micro-batches ({M}) to be a multiple "
+                             f"of pp_size={P}")
+        training = optimizer is not None
+        if (training or return_loss) and criterion is None:
+            raise ValueError("execute_pipeline needs a criterion(outputs, inputs) to compute the loss")
+        step = _Step(self, microbatches, criterion, optimizer, return_loss, return_outputs)
+        with contextlib.nullcontext() if training else torch.no_grad():
+            for kind, chunk, mb in schedule_order(P, stages.pp_rank, M, V, forward_only=not training):
+                step.forward(chunk, mb) if kind == "F" else step.backward(chunk, mb)
+        self.comm.wait_sends()
+        if training:
+            sum_tied_grads(stages.tied_params, self.tied_group)
+            if self.dp_group is not None:
+                average_grads(stages.model.parameters(), self.dp_group)
+        loss = None
+        if return_loss:
+            loss = torch.zeros((), dtype=torch.float32, device=self.comm.device)
+            if step.losses:
+                loss += torch.stack(step.losses).float().mean()
+            loss = self.comm.broadcast_from_last(loss)
+        outputs = _merge(step.outputs) if return_outputs and step.outputs else None
+        return {"loss": loss, "outputs": outputs}
+
+
+class _Step:
+    """State of one `run`: what each unit saved for its backward, the losses and outputs."""
+
+    def __init__(self, schedule: PipelineSchedule, microbatches, criterion, optimizer, return_loss, return_outputs):
+        self.stages, self.comm = schedule.stages, schedule.comm
+        self.microbatches, self.criterion, self.optimizer = microbatches, criterion, optimizer
+        self.return_loss, self.return_outputs = return_loss, return_outputs
+        self.saved: dict[tuple[int, int], tuple] = {}
+        self.losses: list[torch.Tensor] = []
+        self.outputs: list = []
+
+    def forward(self, chunk: int, mb: int) -> None:
+        stages, virtual = self.stages, self.stages.virtual(chunk)
+        training = self.optimizer is not None
+        hidden = None
+        if not stages.is_first(chunk):
+            hidden = self.comm.recv_activation(virtual)
+            hidden.requires_grad_(training)
+        inputs = self.microbatches[mb]
+        out = stages.forward_chunk(chunk, inputs, hidden)
+        if not stages.is_last(chunk):
+            self.comm.send_activation(out, virtual + 1)
+            if training:
+                self.saved[(chunk, mb)] = (hidden, out)
+            return
+        if self.return_outputs:
+            self.outputs.append(_detach(out))
+        if training or self.return_loss:
+            loss = self.criterion(out, inputs)
+            self.losses.append(loss.detach())
+            if training:
+                # Each micro-batch's share of the step's mean loss.
+                self.saved[(chunk, mb)] = (hidden, loss / len(self.microbatches))
+
+    def backward(self, chunk: int, mb: int) -> None:
+        stages, virtual = self.stages, self.stages.virtual(chunk)
+        hidden, out = self.saved.pop((chunk, mb))
+        if stages.is_last(chunk):
+            self.optimizer.backward(out)          # the optimizer wrapper scales the loss (fp16)
+        else:
+            grad = self.comm.recv_grad(virtual, like=out)
+            by_grad = getattr(self.optimizer, "backward_by_grad", None)
+            by_grad(out, grad) if by_grad is not None else torch.autograd.backward(out, grad)
+        if not stages.is_first(chunk):
+            grad_in = hidden.grad if hidden.grad is not None else torch.zeros_like(hidden)
+            self.comm.send_grad(grad_in, virtual - 1)
+
+
+def _detach(out):
+    if torch.is_tensor(out):
+        return out.detach()
+    if isinstance(out, Mapping):
+        return type(out)(**{k: v.detach() if torch.is_tensor(v) else v for k, v in out.items()})
+    return out
+
+
+def _merge(outputs: list):
+    """Concatenate micro-batch outputs along the batch dim (scalars such as a loss are averaged)."""
+    first = outputs[0]
+    if torch.is_tensor(first):
+        return torch.cat(outputs) if first.dim() > 0 else torch.stack(outputs).mean()
+    if isinstance(first, Mapping):
+        return type(first)(**{k: _merge([o[k] for o in outputs]) if torch.is_tensor(v) else v
+                              for k, v in first.items()})
+    return outputs

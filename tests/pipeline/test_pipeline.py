@@ -1,0 +1,312 @@
+"""Pipeline parallelism through the Booster against a single-process model on the same micro-batches.
+
+Spec (issue 4): BERT, GPT-2 and Llama at pp=2 (2 processes) and tp=2 x pp=2 (4 processes), 1F1B
+and interleaved (2 chunks x 2 stages over 4 layers), 4 micro-batches, fp32: the step's loss (the
+mean of the micro-batch losses, on every rank) within 1e-5 and every weight after one AdamW step
+within the fp32 tolerance, compared by its HF name; a 5-step run whose per-step losses match;
+dp=2 x pp=2 (gradients averaged over dp after the schedule); pp=2 x dp=2 with ZeRO-1 and fp16
+within 5e-3; evaluation (optimizer=None) loss and outputs; the error cases; the schedule order
+is deadlock-free for many shapes (simulated, no processes).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from meshboost import Booster
+from meshboost.pipeline import PipelineConfig, schedule_order, split_layers, split_microbatches
+from meshboost.pipeline.layout import get_layout
+from meshboost.plugins import HybridParallelPlugin
+from meshboost.testing import LOSS_ATOL, assert_close, spawn
+from meshboost.testing.compare import gathered
+from meshboost.testing.models import build_model, tiny_batch, tiny_config
+
+M = 4          # micro-batches
+FAMILIES = (("bert", "BertForSequenceClassification"), ("gpt2", "GPT2LMHeadModel"), ("llama", "LlamaForCausalLM"))
+STYLES = ({"pp_style": "1f1b"}, {"pp_style": "interleaved", "num_model_chunks": 2})
+LR = 1e-3
+
+
+def criterion(outputs, inputs):
+    return outputs.loss
+
+
+def _batches(cls, config, steps: int, batch: int = 8) -> list[dict]:
+    return [tiny_batch(cls, config, batch=batch, seed=10 + s) for s in range(steps)]
+
+
+def _reference(cls, config, batches, dp_size: int = 1):
+    """Single process, fp32: each step's batch is dp_size replica slices, each split into M
+    micro-batches; gradients are the mean over all of them (what dp x pp computes). Returns the
+    per-step losses of every replica and the model."""
+    model = build_model(cls, copy.deepcopy(config))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-4)
+    losses = []
+    for batch in batches:
+        replica_losses = []
+        for replica in split_microbatches(batch, dp_size):
+            total = 0.0
+            for mb in split_microbatches(replica, M):
+                loss = criterion(model(**mb), mb)
+                (loss / (M * dp_size)).backward()
+                total += loss.item()
+            replica_losses.append(total / M)
+        opt.step()
+        opt.zero_grad()
+        losses.append(replica_losses)
+    return losses, model
+
+
+def _pipeline(cls, config, batches, **plugin_kwargs):
+    plugin = HybridParallelPlugin(num_microbatches=M, **plugin_kwargs)
+    model = build_model(cls, copy.deepcopy(config))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-4)     # built before boost: must stay valid
+    booster = Booster(plugin=plugin)
+    model, opt, crit, _, _ = booster.boost(model, opt, criterion)
+    losses = []
+    for batch in batches:
+        out = booster.execute_pipeline(iter([batch]), model, crit, opt)
+        opt.step()
+        opt.zero_grad()
+        losses.append(out["loss"].item())
+    return losses, model, plugin, booster
+
+
+def _check_weights(model, ref, where: str, dtype=torch.float32, scale: float = 1.0) -> None:
+    """Every weight this stage holds equals the reference weight of the same HF name; together the
+    stages hold every name of the reference."""
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
+    names = []
+    for name, p in model.unwrap().named_parameters():
+        assert name in ref_params, f"{where}: stage parameter {name} is not an HF name"
+        assert_close(gathered(p), ref_params[name].detach(), dtype=dtype, scale=scale, msg=f"{where} weight {name}")
+        names.append(name)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, names)
+    assert set().union(*every) == set(ref_params), f"{where}: stages miss {set(ref_params) - set().union(*every)}"
+
+
+def _check_family_styles(rank: int, tp_size: int) -> None:
+    for family, cls in FAMILIES:
+        config = tiny_config(family, num_hidden_layers=4)
+        batches = _batches(cls, config, 1)
+        ref_losses, ref = _reference(cls, config, batches)
+        for style in STYLES:
+            where = f"{cls} tp={tp_size} pp=2 {style['pp_style']}"
+            losses, model, plugin, _ = _pipeline(cls, config, batches, tp_size=tp_size, pp_size=2, **style)
+            assert abs(losses[0] - ref_losses[0][0]) <= LOSS_ATOL[torch.float32], \
+                f"{where}: loss {losses[0]} vs reference {ref_losses[0][0]}"
+            _check_weights(model, ref, where)
+            if style["pp_style"] == "interleaved":       # rank r holds layers r and r + 2 (virtual stages)
+                layers = {int(m.group(1)) for n, _ in model.unwrap().named_parameters()
+                          if (m := re.search(r"\.(?:layer|layers|h)\.(\d+)\.", n))}
+                assert layers == {plugin.mesh.pp_rank, plugin.mesh.pp_rank + 2}, f"{where}: {layers}"
+
+
+def _check_multi_step(rank: int, tp_size: int, family: str, cls: str, style: dict) -> None:
+    config = tiny_config(family, num_hidden_layers=4)
+    batches = _batches(cls, config, 5)
+    ref_losses, ref = _reference(cls, config, batches)
+    losses, model, _, _ = _pipeline(cls, config, batches, tp_size=tp_size, pp_size=2, **style)
+    for step, (got, want) in enumerate(zip(losses, ref_losses)):
+        assert abs(got - want[0]) <= LOSS_ATOL[torch.float32], f"{cls} step {step}: loss {got} vs {want[0]}"
+    _check_weights(model, ref, f"{cls} after 5 steps", scale=10.0)
+
+
+def _check_evaluation(rank: int, tp_size: int) -> None:
+    family, cls = "gpt2", "GPT2LMHeadModel"
+    config = tiny_config(family, num_hidden_layers=4)
+    batch = _batches(cls, config, 1)[0]
+    ref = build_model(cls, copy.deepcopy(config)).eval()
+    with torch.no_grad():
+        ref_loss = sum(criterion(ref(**mb), mb).item() for mb in split_microbatches(batch, M)) / M
+        ref_logits = ref(**batch).logits
+    plugin = HybridParallelPlugin(tp_size=tp_size, pp_size=2, num_microbatches=M)
+    booster = Booster(plugin=plugin)
+    model, _, _, _, _ = booster.boost(build_model(cls, copy.deepcopy(config)))
+    model.eval()
+    out = booster.execute_pipeline(iter([batch]), model, criterion, None, return_outputs=True)
+    assert abs(out["loss"].item() - ref_loss) <= LOSS_ATOL[torch.float32], f"eval loss {out['loss']} vs {ref_loss}"
+    if plugin.mesh.is_last_stage:
+        assert_close(out["outputs"].logits, ref_logits, msg="eval logits")
+    else:
+        assert out["outputs"] is None
+    assert booster.execute_pipeline(iter([batch]), model, criterion, return_loss=False)["loss"] is None
+    assert all(p.grad is None for p in model.parameters()), "evaluation must not make gradients"
+    with pytest.raises(RuntimeError, match="execute_pipeline"):
+        model(**batch)
+
+
+def _check_dp(rank: int, **plugin_kwargs) -> None:
+    """dp=2 x pp=2: each replica its own half of the batch; gradients averaged over dp."""
+    family, cls = "gpt2", "GPT2LMHeadModel"
+    config = tiny_config(family, num_hidden_layers=2)
+    batches = _batches(cls, config, 2, batch=16)
+    ref_losses, ref = _reference(cls, config, batches, dp_size=2)
+    fp16 = plugin_kwargs.get("precision") == "fp16"
+    losses, model, plugin, _ = _pipeline_dp(cls, config, batches, **plugin_kwargs)
+    dtype = torch.float16 if fp16 else torch.float32
+    for step, (got, want) in enumerate(zip(losses, ref_losses)):
+        want = want[plugin.mesh.dp_rank]
+        assert abs(got - want) <= LOSS_ATOL[dtype], f"dp x pp {plugin_kwargs} step {step}: loss {got} vs {want}"
+    _check_weights(model, ref, f"dp x pp {plugin_kwargs}", dtype=dtype)
+
+
+def _pipeline_dp(cls, config, batches, **plugin_kwargs):
+    plugin = HybridParallelPlugin(tp_size=1, pp_size=2, num_microbatches=M, **plugin_kwargs)
+    model = build_model(cls, copy.deepcopy(config))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-4)
+    booster = Booster(plugin=plugin)
+    model, opt, crit, _, _ = booster.boost(model, opt, criterion)
+    losses = []
+    for batch in batches:
+        mine = split_microbatches(batch, plugin.dp_size)[plugin.mesh.dp_rank]
+        losses.append(booster.execute_pipeline(iter([mine]), model, crit, opt)["loss"].item())
+        opt.step()
+        opt.zero_grad()
+    return losses, model, plugin, booster
+
+
+def _check_errors(rank: int) -> None:
+    plugin = HybridParallelPlugin(tp_size=1, pp_size=2, num_microbatches=M)
+    booster = Booster(plugin=plugin)
+    one_layer = build_model("LlamaForCausalLM", tiny_config("llama", num_hidden_layers=1))
+    with pytest.raises(ValueError, match="only 1 layers"):
+        booster.boost(one_layer)
+    mlp = nn.Sequential(nn.Linear(4, 4))
+    mlp.config = types.SimpleNamespace(model_type="mlp")
+    with pytest.raises(ValueError, match="no pipeline stage layout"):
+        booster.boost(mlp)
+    config = tiny_config("llama", num_hidden_layers=2)
+    model, opt, _, _, _ = booster.boost(build_model("LlamaForCausalLM", config),
+                                        torch.optim.AdamW(build_model("LlamaForCausalLM", config).parameters()))
+    odd = tiny_batch("LlamaForCausalLM", config, batch=6)
+    with pytest.raises(ValueError, match="does not split into equal micro-batches"):
+        booster.execute_pipeline(iter([odd]), model, criterion, opt)
+
+
+def _check_manual_split_pp_plan(rank: int) -> None:
+    """Qwen2 (layout read from transformers' base_model_pp_plan) with num_layers_per_stage=[1, 3]."""
+    cls = "Qwen2ForCausalLM"
+    config = tiny_config("qwen2", num_hidden_layers=4, layer_types=["full_attention"] * 4)
+    batches = _batches(cls, config, 1)
+    ref_losses, ref = _reference(cls, config, batches)
+    losses, model, plugin, _ = _pipeline(cls, config, batches, tp_size=1, pp_size=2, num_layers_per_stage=[1, 3])
+    assert abs(losses[0] - ref_losses[0][0]) <= LOSS_ATOL[torch.float32], f"{cls}: {losses[0]} vs {ref_losses[0][0]}"
+    _check_weights(model, ref, f"{cls} layers [1, 3]")
+    held = {n.split(".")[2] for n, _ in model.unwrap().named_parameters() if ".layers." in n}
+    assert held == ({"0"} if plugin.mesh.pp_rank == 0 else {"1", "2", "3"}), held
+
+
+def _body_2(rank: int, world_size: int) -> None:
+    _check_family_styles(rank, tp_size=1)
+    _check_multi_step(rank, 1, "gpt2", "GPT2LMHeadModel", STYLES[1])
+    _check_manual_split_pp_plan(rank)
+    _check_evaluation(rank, tp_size=1)
+    _check_errors(rank)
+
+
+def _body_4(rank: int, world_size: int) -> None:
+    _check_family_styles(rank, tp_size=2)
+    _check_multi_step(rank, 2, "llama", "LlamaForCausalLM", STYLES[0])
+    _check_evaluation(rank, tp_size=2)
+    _check_dp(rank)
+    _check_dp(rank, zero_stage=1, precision="fp16")
+
+
+def test_pipeline_pp2():
+    spawn(_body_2, 2)
+
+
+def test_pipeline_tp2_pp2_and_dp2_pp2():
+    spawn(_body_4, 4)
+
+
+# -- pure pieces: no processes ---------------------------------------------------------------------
+def _simulate(P: int, V: int, M: int, forward_only: bool) -> None:
+    """Run every rank's order with blocking receives and asynchronous sends; fail on deadlock."""
+    orders = [schedule_order(P, r, M, V, forward_only) for r in range(P)]
+    pos, sent, last = [0] * P, set(), P * V - 1
+    while any(pos[r] < len(orders[r]) for r in range(P)):
+        progressed = False
+        for r in range(P):
+            while pos[r] < len(orders[r]):
+                kind, chunk, mb = orders[r][pos[r]]
+                v = chunk * P + r
+                need = ("act", v, mb) if kind == "F" and v > 0 else ("grad", v, mb) if kind == "B" and v < last else None
+                if need is not None and need not in sent:
+                    break
+                if kind == "F" and v < last:
+                    sent.add(("act", v + 1, mb))
+                if kind == "B" and v > 0:
+                    assert ("F", chunk, mb) in orders[r][:pos[r]], "backward before its forward"
+                    sent.add(("grad", v - 1, mb))
+                pos[r] += 1
+                progressed = True
+        assert progressed, f"deadlock P={P} V={V} M={M}: {[orders[r][pos[r]:pos[r] + 1] for r in range(P)]}"
+    for r in range(P):
+        units = [(c, m) for k, c, m in orders[r] if k == "F"]
+        assert sorted(units) == [(c, m) for c in range(V) for m in range(M)], "each unit runs exactly once"
+
+
+@pytest.mark.parametrize("P,V", [(2, 1), (3, 1), (4, 1), (2, 2), (2, 3), (4, 2), (3, 2)])
+def test_schedule_order_is_deadlock_free(P, V):
+    for M in ([1, 2, 3, 5, 8] if V == 1 else [P, 2 * P, 3 * P]):
+        _simulate(P, V, M, forward_only=False)
+        _simulate(P, V, M, forward_only=True)
+
+
+def test_split_layers_even_remainder_to_middle():
+    assert [len(r) for r in split_layers(4, 2)] == [2, 2]
+    assert [len(r) for r in split_layers(10, 4)] == [2, 3, 3, 2]
+    assert [len(r) for r in split_layers(7, 4)] == [1, 2, 2, 2]
+    assert [list(r) for r in split_layers(5, 2, [1, 4])] == [[0], [1, 2, 3, 4]]
+    with pytest.raises(ValueError, match="only 3 layers"):
+        split_layers(3, 4)
+    with pytest.raises(ValueError, match="summing to the model's 5 layers"):
+        split_layers(5, 2, [2, 2])
+
+
+def test_layouts_cover_families():
+    for family, cls in FAMILIES:
+        layout = get_layout(build_model(cls, tiny_config(family)))
+        assert layout.layers in ("encoder.layer", "h", "layers")
+    assert get_layout(build_model("Qwen2ForCausalLM", tiny_config("qwen2"))).name == "pp_plan:qwen2"
+
+
+def test_config_errors_before_any_collective():
+    with pytest.raises(ValueError, match="exactly one of num_microbatches or microbatch_size"):
+        PipelineConfig(pp_size=2)
+    with pytest.raises(ValueError, match="exactly one of"):
+        PipelineConfig(pp_size=2, num_microbatches=4, microbatch_size=2)
+    with pytest.raises(ValueError, match="needs num_model_chunks >= 2"):
+        PipelineConfig(pp_size=2, num_microbatches=4, pp_style="interleaved")
+    with pytest.raises(ValueError, match="needs pp_style='interleaved'"):
+        PipelineConfig(pp_size=2, num_microbatches=4, num_model_chunks=2)
+    with pytest.raises(ValueError, match="pp_style="):
+        PipelineConfig(pp_size=2, num_microbatches=4, pp_style="gpipe")
+    with pytest.raises(ValueError, match="needs 4 entries"):
+        PipelineConfig(pp_size=2, num_microbatches=4, pp_style="interleaved", num_model_chunks=2,
+                       num_layers_per_stage=[2, 2])
+    with pytest.raises(NotImplementedError, match="zero_stage=2"):
+        PipelineConfig(pp_size=2, num_microbatches=4, zero_stage=2)
+    with pytest.raises(ValueError, match="only apply with pp_size > 1"):
+        PipelineConfig(pp_size=1, num_microbatches=4)
+    # the plugin raises them before building its mesh (no process group here)
+    with pytest.raises(ValueError, match="exactly one of"):
+        HybridParallelPlugin(tp_size=1, pp_size=2)
+
+
+def test_split_microbatches():
+    batch = {"input_ids": torch.arange(12).view(6, 2), "flag": True}
+    parts = split_microbatches(batch, microbatch_size=2)
+    assert len(parts) == 3 and parts[1]["input_ids"].tolist() == [[4, 5], [6, 7]] and parts[2]["flag"] is True
+    with pytest.raises(ValueError, match="microbatch_size=4"):
+        split_microbatches(batch, microbatch_size=4)
