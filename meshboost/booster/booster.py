@@ -11,8 +11,10 @@ import torch
 import torch.nn as nn
 from torch.optim import Optimizer
 
+from meshboost.booster.mixed_precision import AutocastModel, apply_mixed_precision, check_mixed_precision
 from meshboost.booster.plugin import Plugin
 from meshboost.booster.wrappers import ModelWrapper, OptimizerWrapper
+from meshboost.launch import get_current_device
 
 
 class Booster:
@@ -25,19 +27,26 @@ class Booster:
     def __init__(self, plugin: Plugin | None = None, mixed_precision: str | None = None):
         if plugin is not None and not isinstance(plugin, Plugin):
             raise TypeError(f"plugin must be a meshboost Plugin, got {type(plugin).__name__}")
-        if mixed_precision is not None:
-            raise NotImplementedError(
-                f"Booster(mixed_precision={mixed_precision!r}) is not supported; choose precision on the plugin, "
-                "e.g. HybridParallelPlugin(tp_size=1, precision='fp16') or TorchDDPPlugin")
+        # autocast (+ fp16 loss scaling) for plugins without a precision of their own, e.g. TorchDDPPlugin
+        self.amp_dtype = check_mixed_precision(mixed_precision, plugin)
+        self.mixed_precision = mixed_precision
         self.plugin = plugin
 
     def boost(self, model: nn.Module, optimizer: Optimizer | None = None, criterion: Callable | None = None,
               dataloader=None, lr_scheduler=None) -> tuple:
         """Return (model, optimizer, criterion, dataloader, lr_scheduler), made parallel by the plugin."""
         if self.plugin is None:
-            return (ModelWrapper(model), OptimizerWrapper(optimizer) if optimizer is not None else None,
-                    criterion, dataloader, lr_scheduler)
-        return self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler)
+            out = (ModelWrapper(model), OptimizerWrapper(optimizer) if optimizer is not None else None,
+                   criterion, dataloader, lr_scheduler)
+        else:
+            out = self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler)
+        if self.amp_dtype is not None:
+            out = (*apply_mixed_precision(out[0], out[1], self.amp_dtype, get_current_device().type), *out[2:])
+        if out[1] is not None:
+            # Checkpoints need the pair: optimizer states are keyed by the model's parameter names, and
+            # loading a model must refresh the optimizer's fp32 masters.
+            out[0].boosted_optimizer, out[1].boosted_model = out[1], out[0]
+        return out
 
     def backward(self, loss: torch.Tensor, optimizer) -> None:
         """Backward through the boosted optimizer (which scales the loss under fp16)."""
@@ -52,6 +61,8 @@ class Booster:
         """Accumulate gradients without data-parallel reduction inside the block."""
         if self.plugin is None:
             return contextlib.nullcontext()
+        if isinstance(model, AutocastModel):
+            model = model.module
         return self.plugin.no_sync(model, optimizer)
 
     def execute_pipeline(self, data_iter: Iterator, model, criterion, optimizer=None, return_loss: bool = True,
@@ -60,3 +71,52 @@ class Booster:
         if self.plugin is None:
             raise RuntimeError("execute_pipeline needs a plugin with pipeline parallelism")
         return self.plugin.execute_pipeline(data_iter, model, criterion, optimizer, return_loss, return_outputs)
+
+    def save_model(self, model: nn.Module, checkpoint: str, shard: bool = False, gather_dtensor: bool = True,
+                   prefix: str | None = None, size_per_shard: int = 1024, use_safetensors: bool = False) -> None:
+        """Save `model` (boosted or not) as a HuggingFace checkpoint that `from_pretrained` loads; call it on
+        every rank. shard=True: a folder with size-capped weight files and the HF index json; shard=False:
+        one weights file (plus config.json unless `checkpoint` is a file name). See meshboost.checkpoint."""
+        if self.plugin is None:
+            from meshboost.checkpoint import save_model
+            save_model(model, checkpoint, None, shard, gather_dtensor, prefix, size_per_shard, use_safetensors)
+            return
+        self.plugin.save_model(model, checkpoint, shard=shard, gather_dtensor=gather_dtensor, prefix=prefix,
+                               size_per_shard=size_per_shard, use_safetensors=use_safetensors)
+
+    # -- other checkpoints (ColossalAI's signatures; see meshboost/checkpoint/booster_io.py) ------------
+    def _checkpoint_plugin(self) -> Plugin:
+        return self.plugin if self.plugin is not None else _NoPlugin()
+
+    def load_model(self, model: nn.Module, checkpoint: str, strict: bool = True) -> None:
+        """Load an HF folder/file (ours or `save_pretrained`'s) into boosted `model` at its layout; each rank
+        reads only its slices. Refreshes the fp32 masters of the optimizer boosted with it. Every rank."""
+        self._checkpoint_plugin().load_model(model, checkpoint, strict=strict)
+
+    def save_optimizer(self, optimizer, checkpoint: str, shard: bool = False, gather_dtensor: bool = True,
+                       prefix: str | None = None, size_per_shard: int = 1024) -> None:
+        """Save optimizer states keyed by parameter name as full tensors (loads at any layout). shard=False:
+        one file; shard=True: a folder with an index (needed with pipeline stages). Every rank."""
+        self._checkpoint_plugin().save_optimizer(optimizer, checkpoint, shard=shard, gather_dtensor=gather_dtensor,
+                                                 prefix=prefix, size_per_shard=size_per_shard)
+
+    def load_optimizer(self, optimizer, checkpoint: str) -> None:
+        """Load a `save_optimizer` checkpoint saved at any layout. Load the model first. Every rank."""
+        self._checkpoint_plugin().load_optimizer(optimizer, checkpoint)
+
+    def save_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
+        """Rank 0 writes the scheduler's state_dict to the file `checkpoint`. Every rank."""
+        self._checkpoint_plugin().save_lr_scheduler(lr_scheduler, checkpoint)
+
+    def load_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
+        self._checkpoint_plugin().load_lr_scheduler(lr_scheduler, checkpoint)
+
+
+class _NoPlugin(Plugin):
+    """Checkpoint calls of a Booster without a plugin (no mesh: rank 0 writes)."""
+
+    def configure(self, *args, **kwargs):
+        raise NotImplementedError
+
+    def prepare_dataloader(self, *args, **kwargs):
+        raise NotImplementedError

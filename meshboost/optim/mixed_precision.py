@@ -42,6 +42,17 @@ def check_precision(precision: str) -> torch.dtype:
     return PRECISION_DTYPES[precision]
 
 
+def _copy_into_master(master: torch.Tensor, value: torch.Tensor | None, like: torch.Tensor) -> None:
+    """master <- value (fp32); a meta master is first given storage on `like`'s device."""
+    if master.is_meta:
+        attrs = dict(master.__dict__)
+        torch.utils.swap_tensors(master, torch.nn.Parameter(torch.zeros(master.shape, dtype=master.dtype,
+                                                                        device=like.device)))
+        master.__dict__.update(attrs)
+    if value is not None:
+        master.copy_(value)
+
+
 class MixedPrecisionOptimizer(OptimizerWrapper):
     """Wrap `optim` (built on the model's parameters) for training with `precision` working weights.
 
@@ -104,6 +115,15 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             for p, m in self.master_of.items():
                 if m is not p:
                     p.copy_(m)
+
+    @torch.no_grad()
+    def sync_masters_from_model(self) -> None:
+        """Refresh fp32 masters from the working weights (after the model was loaded in place), so the
+        next step does not overwrite the loaded weights with stale masters. Masters still on the
+        meta device (a model boosted on meta, then loaded) get real storage here."""
+        for p, m in self._master_pairs():
+            if m is not p:
+                _copy_into_master(m, p.detach(), p)
 
     def _release_grads(self) -> None:
         for p, m in self.master_of.items():

@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 
 from meshboost.optim.grad_norm import counted_here
 from meshboost.optim.grad_scaler import GradScalerConfig
-from meshboost.optim.mixed_precision import MixedPrecisionOptimizer
+from meshboost.optim.mixed_precision import MixedPrecisionOptimizer, _copy_into_master
 from meshboost.shardformer import comm
 from meshboost.shardformer.param_info import is_tp_sharded
 
@@ -140,6 +140,14 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         for b in self.buckets:
             for p, start, end, s in b.owned_slices():
                 yield p, start, end, b.master.detach()[s:s + end - start]
+
+    @torch.no_grad()
+    def sync_masters_from_model(self) -> None:
+        """Refresh this rank's master shards from the working weights (see MixedPrecisionOptimizer)."""
+        for b in self.buckets:
+            _copy_into_master(b.master, None, b.params[0])
+            for p, start, end, s in b.owned_slices():
+                b.master.detach()[s:s + end - start].copy_(p.detach().reshape(-1)[start:end])
 
     # -- gradient reduction ------------------------------------------------------------------------
     def _reduce_bucket(self, b: ZeroBucket) -> None:

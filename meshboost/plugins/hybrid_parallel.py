@@ -105,10 +105,18 @@ class HybridParallelPlugin(Plugin):
     def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None, lr_scheduler=None):
         if isinstance(model, ModelWrapper):
             raise RuntimeError("this model was already boosted; pass the original model to boost() once")
+        # A model built under torch.device("meta") stays on meta until booster.load_model materialises
+        # it; DDP needs real weights at construction, so that combination is refused (every rank).
+        on_meta = any(p.is_meta for p in model.parameters())
+        if on_meta and self.mesh.dp_size > 1 and self.zero_stage == 0 and self.pp_size == 1:
+            raise ValueError(f"a meta-device model cannot be boosted with dp_size={self.mesh.dp_size} and "
+                             "zero_stage=0 (torch DDP needs real weights); use zero_stage=1 or 2, or build the "
+                             "model with real weights")
         model, _shared = ShardFormer(self.shard_config).optimize(model, self.custom_policy)
         stages = self._build_stages(model, optimizer) if self.pp_size > 1 else None
         device = get_current_device()
-        model = model.to(device)           # in place: the optimizer's parameters stay the same objects
+        if not on_meta:
+            model = model.to(device)       # in place: the optimizer's parameters stay the same objects
         if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
             optimizer = self._wrap_optimizer(optimizer)     # fp32 masters from the fp32 weights, before the cast
         model = model.to(PRECISION_DTYPES[self.precision])  # working weights (in place, same objects)

@@ -1,0 +1,116 @@
+"""The checkpoint half of the Booster API, shared by every plugin: load a model into a boosted
+model (refreshing the optimizer's fp32 masters), save/load optimizers and LR schedulers.
+
+Owns: finding the pieces a boosted object carries (the user's model inside its wrappers, the
+optimizer `Booster.boost` paired with it, the plugin's mesh) and calling `load.py`,
+`optimizer_io.py`; the LR scheduler's state (a small dict rank 0 writes atomically); on a pipeline
+stage, the LM head tied to another stage's embedding (read through load.py's reader and slicing).
+Must not gather tensors or communicate beyond agreeing on errors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn as nn
+
+from meshboost.checkpoint import optimizer_io
+from meshboost.checkpoint.hf_format import AtomicTarget
+from meshboost.checkpoint.load import CheckpointReader, _candidates, _materialize, read_shard
+from meshboost.checkpoint.load import load_model as _load_into
+from meshboost.checkpoint.model_io import _unwrap
+from meshboost.launch import get_current_device
+from meshboost.shardformer.param_info import get_tp_info
+
+
+def load_boosted_model(model: nn.Module, checkpoint: str, strict: bool = True, mesh=None) -> None:
+    """Load an HF folder/file into boosted `model` in place (any layout; only owned slices are read;
+    a meta-device model is materialised on the current device). With pipeline stages a stage
+    holds part of the model, so checkpoint tensors of other stages are expected and skipped.
+    The optimizer boosted with `model` gets its fp32 masters refreshed from the loaded weights."""
+    inner = _unwrap(model)
+    staged = mesh is not None and mesh.pp_size > 1
+    # A stage holds part of the model: the other stages' tensors are not "unexpected" here, so the
+    # stage's own parameters are checked below instead.
+    _load_into(inner, checkpoint, strict=strict and not staged, device=get_current_device())
+    if staged:
+        _load_tied_replicas(inner, checkpoint, strict)
+    optimizer = getattr(model, "boosted_optimizer", None)
+    sync = getattr(optimizer, "sync_masters_from_model", None)
+    if sync is not None:
+        sync()
+
+
+@torch.no_grad()
+def _load_tied_replicas(model: nn.Module, checkpoint: str, strict: bool) -> None:
+    """The last pipeline stage holds the LM head tied to the first stage's embedding; HF checkpoints
+    store the tie once, under the embedding's name, which this stage lacks: read it under that name.
+    strict: every parameter of this stage must have been found."""
+    tied = getattr(model, "_tied_weights_keys", None)
+    tied = tied if isinstance(tied, dict) else {}
+    local = dict(model.named_parameters())
+    reader = CheckpointReader(checkpoint)
+    keys = reader.keys()
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    missing = [n for n in local if not any(c in keys for m in (n, tied.get(n)) if m for c in _candidates(m, prefix))]
+    if strict and missing:
+        raise RuntimeError(f"loading {checkpoint!r}: this pipeline stage's parameters {missing[:20]} are missing. "
+                           "Pass strict=False to load the matching tensors only")
+    for target, source in tied.items():
+        if target in local and source not in local and target not in keys and source in keys:
+            p = local[target]
+            value = read_shard(reader, source, get_tp_info(p)).to(device=get_current_device(), dtype=p.dtype)
+            if p.is_meta:
+                _materialize(p, value.clone())
+            else:
+                p.copy_(value)
+    reader.release()
+
+
+def _model_of(optimizer, what: str) -> nn.Module:
+    model = getattr(optimizer, "boosted_model", None)
+    if model is None:
+        raise TypeError(f"{what} needs the optimizer returned by booster.boost(model, optimizer): its states are "
+                        "keyed by the names of the model it was boosted with")
+    return model
+
+
+def save_boosted_optimizer(optimizer, checkpoint: str, shard: bool = False, gather_dtensor: bool = True,
+                           prefix: str | None = None, size_per_shard: int = 1024, mesh=None) -> None:
+    if not gather_dtensor:
+        raise NotImplementedError("save_optimizer(gather_dtensor=False) (per-rank shard files) is not supported; "
+                                  "use gather_dtensor=True: the full-tensor checkpoint loads at any layout")
+    optimizer_io.save_optimizer(optimizer, _model_of(optimizer, "save_optimizer"), checkpoint, shard=shard,
+                                size_per_shard=size_per_shard, prefix=prefix, mesh=mesh)
+
+
+def load_boosted_optimizer(optimizer, checkpoint: str) -> None:
+    optimizer_io.load_optimizer(optimizer, _model_of(optimizer, "load_optimizer"), checkpoint)
+
+
+# -- lr scheduler ----------------------------------------------------------------------------------
+def save_lr_scheduler(lr_scheduler, checkpoint: str, mesh=None) -> None:
+    """Rank 0 writes `lr_scheduler.state_dict()` to the file `checkpoint` (atomically); every rank waits."""
+    r = optimizer_io._roles(mesh)
+    error = None
+    if r["main"]:
+        target = None
+        try:
+            target = AtomicTarget(checkpoint, is_file=True)
+            optimizer_io._write_file(lr_scheduler.state_dict(), target.path)
+            target.commit()
+        except Exception as e:  # noqa: BLE001
+            error = e
+            if target is not None:
+                target.abort()
+    if optimizer_io._failed(error, r["group"]):
+        if error is not None:
+            raise error
+        raise RuntimeError(f"save_lr_scheduler({checkpoint!r}) failed on rank 0; see its error")
+
+
+def load_lr_scheduler(lr_scheduler, checkpoint: str) -> None:
+    if not os.path.isfile(checkpoint):
+        raise FileNotFoundError(f"lr scheduler checkpoint {checkpoint!r} does not exist")
+    lr_scheduler.load_state_dict(torch.load(checkpoint, weights_only=True))
