@@ -17,11 +17,9 @@ import torch.nn as nn
 
 from meshboost.checkpoint import optimizer_io
 from meshboost.checkpoint.hf_format import AtomicTarget
-from meshboost.checkpoint.load import CheckpointReader, _candidates, _materialize, read_shard
 from meshboost.checkpoint.load import load_model as _load_into
 from meshboost.checkpoint.model_io import _unwrap
 from meshboost.launch import get_current_device
-from meshboost.shardformer.param_info import get_tp_info
 
 
 def load_boosted_model(model: nn.Module, checkpoint: str, strict: bool = True, mesh=None) -> None:
@@ -30,42 +28,13 @@ def load_boosted_model(model: nn.Module, checkpoint: str, strict: bool = True, m
     holds part of the model, so checkpoint tensors of other stages are expected and skipped.
     The optimizer boosted with `model` gets its fp32 masters refreshed from the loaded weights."""
     inner = _unwrap(model)
+    # A stage holds part of the model: the other stages' tensors are expected, missing ones are not.
     staged = mesh is not None and mesh.pp_size > 1
-    # A stage holds part of the model: the other stages' tensors are not "unexpected" here, so the
-    # stage's own parameters are checked below instead.
-    _load_into(inner, checkpoint, strict=strict and not staged, device=get_current_device())
-    if staged:
-        _load_tied_replicas(inner, checkpoint, strict)
+    _load_into(inner, checkpoint, strict=strict, device=get_current_device(), partial_model=staged)
     optimizer = getattr(model, "boosted_optimizer", None)
     sync = getattr(optimizer, "sync_masters_from_model", None)
     if sync is not None:
         sync()
-
-
-@torch.no_grad()
-def _load_tied_replicas(model: nn.Module, checkpoint: str, strict: bool) -> None:
-    """The last pipeline stage holds the LM head tied to the first stage's embedding; HF checkpoints
-    store the tie once, under the embedding's name, which this stage lacks: read it under that name.
-    strict: every parameter of this stage must have been found."""
-    tied = getattr(model, "_tied_weights_keys", None)
-    tied = tied if isinstance(tied, dict) else {}
-    local = dict(model.named_parameters())
-    reader = CheckpointReader(checkpoint)
-    keys = reader.keys()
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    missing = [n for n in local if not any(c in keys for m in (n, tied.get(n)) if m for c in _candidates(m, prefix))]
-    if strict and missing:
-        raise RuntimeError(f"loading {checkpoint!r}: this pipeline stage's parameters {missing[:20]} are missing. "
-                           "Pass strict=False to load the matching tensors only")
-    for target, source in tied.items():
-        if target in local and source not in local and target not in keys and source in keys:
-            p = local[target]
-            value = read_shard(reader, source, get_tp_info(p)).to(device=get_current_device(), dtype=p.dtype)
-            if p.is_meta:
-                _materialize(p, value.clone())
-            else:
-                p.copy_(value)
-    reader.release()
 
 
 def _model_of(optimizer, what: str) -> nn.Module:

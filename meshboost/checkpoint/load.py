@@ -171,12 +171,19 @@ def _materialize(tensor: torch.Tensor, value: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def load_model(model: nn.Module, checkpoint: str, strict: bool = True, device: torch.device | None = None) -> None:
+def load_model(model: nn.Module, checkpoint: str, strict: bool = True, device: torch.device | None = None,
+               partial_model: bool = False) -> None:
     """Load `checkpoint` (an HF folder or file) into `model` in place, at whatever tensor-parallel
     layout `model` has. Parameters on the meta device are materialised on `device`.
 
     strict: every parameter and persistent buffer must be found, and every checkpoint tensor used
     (buffers transformers itself ignores excepted); otherwise the error lists what differs.
+    partial_model: `model` holds only part of the checkpoint (a pipeline stage): tensors it does
+    not hold are expected, only missing ones are errors.
+
+    A weight tied to another (GPT-2's lm_head to wte) is stored once, under the name HF keeps
+    (`_tied_weights_keys`); it is found under that name even where a pipeline stage holds only
+    the tied copy.
     """
     reader = CheckpointReader(checkpoint)
     prefix = getattr(model, "base_model_prefix", "") or ""
@@ -184,9 +191,13 @@ def load_model(model: nn.Module, checkpoint: str, strict: bool = True, device: t
     used: set[str] = set()
     missing: list[str] = []
 
+    tied = getattr(model, "_tied_weights_keys", None)
+    tied = tied if isinstance(tied, dict) else {}          # transformers 5.x: {tied copy: source}
     aliases: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
+    for names in aliases.values():
+        names.extend(tied[n] for n in list(names) if n in tied and tied[n] not in names)
     entries = [(name, p, aliases[id(p)]) for name, p in model.named_parameters()]
     state = model.state_dict(keep_vars=True)
     param_ids = set(aliases)
@@ -231,7 +242,7 @@ def load_model(model: nn.Module, checkpoint: str, strict: bool = True, device: t
             for c in _candidates(n, prefix):
                 if c in keys:
                     used.add(c)
-    unexpected = sorted(k for k in keys - used if not _IGNORABLE.search(k))
+    unexpected = [] if partial_model else sorted(k for k in keys - used if not _IGNORABLE.search(k))
     if strict and (missing or unexpected):
         raise RuntimeError(f"loading {checkpoint!r}: missing {missing[:20]}{' ...' if len(missing) > 20 else ''}; "
                            f"unexpected {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}. Pass strict=False "
