@@ -114,23 +114,29 @@ def _local_slices(info: TensorParallelInfo, full_shape: tuple[int, ...]) -> list
     return pieces
 
 
-def read_shard(reader: CheckpointReader, key: str, info: TensorParallelInfo | None) -> torch.Tensor:
-    """This rank's shard of checkpoint tensor `key` (the full tensor for a replicated parameter)."""
-    if info is None or info.tp_size == 1 and not info.padding:
-        return reader.read(key)
-    full_shape = reader.shape(key)
+def slice_shard(read_slice, full_shape: tuple[int, ...], info: TensorParallelInfo, what: str) -> torch.Tensor:
+    """This rank's shard (zero-padded like the parameter) of a full tensor of `full_shape`, built
+    from `read_slice(index)` calls that each return `full[index]`, so only owned slices are read."""
     if tuple(full_shape) != tuple(info.full_shape):
-        raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(full_shape)}, the model expects "
-                         f"{tuple(info.full_shape)}; the checkpoint belongs to another configuration")
+        raise ValueError(f"{what} has shape {tuple(full_shape)}, the model expects {tuple(info.full_shape)}; "
+                         "the checkpoint belongs to another configuration")
     parts = []
-    for index, pad in _local_slices(info, full_shape):
-        t = reader.read(key, index)
+    for index, pad in _local_slices(info, tuple(full_shape)):
+        t = read_slice(index)
         if pad:
             shape = list(t.shape)
             shape[info.dim] = pad
             t = torch.cat([t, t.new_zeros(shape)], dim=info.dim)
         parts.append(t)
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=info.dim)
+
+
+def read_shard(reader: CheckpointReader, key: str, info: TensorParallelInfo | None) -> torch.Tensor:
+    """This rank's shard of checkpoint tensor `key` (the full tensor for a replicated parameter)."""
+    if info is None or info.tp_size == 1 and not info.padding:
+        return reader.read(key)
+    return slice_shard(lambda index: reader.read(key, index), reader.shape(key), info,
+                       f"checkpoint tensor {key!r}")
 
 
 def _candidates(name: str, prefix: str) -> list[str]:

@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from meshboost.booster.wrappers import OptimizerWrapper
 from meshboost.checkpoint import hf_format
-from meshboost.checkpoint.load import _local_slices
+from meshboost.checkpoint.load import slice_shard
 from meshboost.checkpoint.model_io import _unwrap
 from meshboost.launch import get_current_device
 from meshboost.optim.mixed_precision import MixedPrecisionOptimizer
@@ -351,18 +351,7 @@ def _local(full: torch.Tensor, info: TensorParallelInfo | None, name: str) -> to
     """This rank's tp shard (zero-padded like the parameter) of a full saved tensor."""
     if info is None:
         return full
-    if tuple(full.shape) != tuple(info.full_shape):
-        raise ValueError(f"optimizer state of {name!r} has shape {tuple(full.shape)}, the parameter's full shape is "
-                         f"{tuple(info.full_shape)}; the checkpoint belongs to another model configuration")
-    pieces = []
-    for index, pad in _local_slices(info, tuple(full.shape)):
-        t = full[index]
-        if pad:
-            shape = list(t.shape)
-            shape[info.dim] = pad
-            t = torch.cat([t, t.new_zeros(shape)], dim=info.dim)
-        pieces.append(t)
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=info.dim)
+    return slice_shard(full.__getitem__, tuple(full.shape), info, f"optimizer state of {name!r}")
 
 
 @torch.no_grad()
