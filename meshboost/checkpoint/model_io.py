@@ -183,6 +183,7 @@ def save_model(model: nn.Module, checkpoint: str, mesh=None, shard: bool = False
         if _any_failed(error, roles.group):       # every stage has finished writing (a barrier)
             if target is not None:                # any stage writer may hold the shared folder
                 target.abort()
+            _any_failed(None, roles.group)        # nobody returns before the staging folder is gone
             _raise(error, checkpoint)
 
     # -- rank 0 completes the folder and puts it in place -----------------------------------------

@@ -271,6 +271,8 @@ def _failed(error, group) -> bool:
 def _abort(target, r, error, checkpoint):
     if r["main"] and target is not None:
         target.abort()
+    # Every rank reaches here together; wait until the staging folder is gone before any returns.
+    _agree([0.0], r["group"])
     if error is not None:
         raise error
     raise RuntimeError(f"save_optimizer({checkpoint!r}) failed on another rank; see its error. Any existing "
