@@ -1,0 +1,1 @@
+"""Benchmarks: step time, communication and memory per rank, against peers (see docs/benchmarks.md)."""
