@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from benchmarks.models import ModelSpec
 from benchmarks.runners import CONFIGS, make_runner
-from meshboost.profiling import comm_counter, dispatched_comm_counter, memory_breakdown, wire_bytes
+from meshboost.optim.memory import memory_breakdown
+from meshboost.profiling import comm_counter, dispatched_comm_counter, wire_bytes
 
 
 def _sync(device) -> None:
@@ -66,8 +67,8 @@ def _counted_step(run) -> dict:
     step = _count(run, run.optimizer_step)
     after_step = memory_breakdown(run.model, run.optimizer)
     run.zero_grad()
-    memory = {"weights": after_backward["weights"], "grads": after_backward["grads"],
-              "masters": after_step["masters"], "optimizer_states": after_step["optimizer_states"]}
+    memory = {"weights": after_backward["working_weights"], "grads": after_backward["gradients"],
+              "masters": after_step["fp32_masters"], "optimizer_states": after_step["optimizer_states"]}
     out = {"fwd_bwd": fwd_bwd, "step": step, "memory": memory}
     if run.config.kind == "dtensor":
         out["comm_debug_mode_calls"] = _comm_debug_mode_calls(run)

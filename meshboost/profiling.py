@@ -1,11 +1,12 @@
-"""Communication and memory accounting, per process group and per rank.
+"""Communication accounting, per process group and per rank.
 
 Owns: the `comm_counter()` context manager and `record_collective`, which every collective in
 meshboost calls (shardformer/comm.py, the DDP comm hook, the ZeRO optimizer);
 `dispatched_comm_counter()`, an independent witness that sees every collective passing through
 torch's dispatcher (torch.distributed calls, DDP's reducer and buffer broadcasts, DTensor and
 functional collectives), so meshboost's own accounting can be checked and peers can be measured in
-the same units; `wire_bytes()` (what the OS saw this process write) and `memory_breakdown()`.
+the same units; `wire_bytes()` (what the OS saw this process write). Memory accounting lives in
+`meshboost.optim.memory.memory_breakdown`.
 Must not issue any communication itself. "Bytes sent" uses the bandwidth-optimal ring cost per
 rank: all-reduce 2(P-1)/P * n, all-gather and reduce-scatter (P-1)/P * n (n = bytes of the full
 tensor), broadcast n from the root's view, send n.
@@ -209,44 +210,3 @@ def wire_bytes() -> int | None:
     except OSError:
         return None
     return None
-
-
-# -- memory ----------------------------------------------------------------------------------
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t     # DTensor -> this rank's shard
-
-
-def _tensor_bytes(t: torch.Tensor) -> int:
-    t = _local(t)
-    return t.numel() * t.element_size()
-
-
-def _inner_optimizer(optimizer):
-    seen = set()
-    while optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and id(optimizer) not in seen:
-        seen.add(id(optimizer))
-        optimizer = getattr(optimizer, "optim", None) or getattr(optimizer, "optimizer", None)
-    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-
-
-def memory_breakdown(model: torch.nn.Module, optimizer=None) -> dict[str, int]:
-    """Bytes this rank holds in: working weights, their grads, fp32 masters (tensors the inner
-    torch optimizer steps that are not the model's parameters) and optimizer states. DTensors
-    count their local shard. Call it after backward and before zero_grad to see the grads."""
-    params = {id(p): p for p in model.parameters()}
-    out = {"weights": sum(_tensor_bytes(p) for p in params.values()),
-           "grads": sum(_tensor_bytes(p.grad) for p in params.values() if p.grad is not None),
-           "masters": 0, "optimizer_states": 0}
-    inner = _inner_optimizer(optimizer)
-    if inner is not None:
-        seen: set[int] = set()
-        for group in inner.param_groups:
-            for p in group["params"]:
-                if id(p) not in params and id(p) not in seen:
-                    seen.add(id(p))
-                    out["masters"] += _tensor_bytes(p)
-        for state in inner.state.values():
-            for value in state.values():
-                if torch.is_tensor(value) and value.dim() > 0:     # skip scalar step counters
-                    out["optimizer_states"] += _tensor_bytes(value)
-    return out

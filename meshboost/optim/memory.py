@@ -21,10 +21,13 @@ import torch.nn as nn
 _BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
-def _bytes(tensors, seen: set) -> int:
+def _bytes(tensors, seen: set, skip_scalars: bool = False) -> int:
     total = 0
     for t in tensors:
         if t is None or not torch.is_tensor(t):
+            continue
+        t = getattr(t, "_local_tensor", t)           # a DTensor counts this rank's shard
+        if skip_scalars and t.dim() == 0:            # Adam's step counters
             continue
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
         if key in seen:
@@ -34,17 +37,22 @@ def _bytes(tensors, seen: set) -> int:
     return total
 
 
-def memory_breakdown(model: nn.Module, optimizer) -> dict[str, int]:
-    """Bytes this rank holds now, by kind. Call it after backward (before step) to see gradients."""
+def memory_breakdown(model: nn.Module, optimizer=None) -> dict[str, int]:
+    """Bytes this rank holds now, by kind: working weights, gradients (ZeRO-2's reduced partitions
+    included), fp32 masters (tensors the inner optimizer steps that are not the weights) and
+    optimizer states. Call it after backward (before step) to see gradients."""
     seen: set = set()
     params = list(model.parameters())
     working = _bytes(params, seen)
     grads = _bytes([p.grad for p in params], seen)
     if hasattr(optimizer, "grad_bytes"):
         grads += optimizer.grad_bytes()
-    inner = optimizer.unwrap() if hasattr(optimizer, "unwrap") else optimizer
-    masters = _bytes([m for g in inner.param_groups for m in g["params"]], seen)
-    states = _bytes([v for s in inner.state.values() for v in s.values()], seen)
+    inner = optimizer
+    while inner is not None and not isinstance(inner, torch.optim.Optimizer):
+        inner = inner.unwrap() if hasattr(inner, "unwrap") else getattr(inner, "optim", None)
+    masters = _bytes([m for g in inner.param_groups for m in g["params"]], seen) if inner is not None else 0
+    states = _bytes([v for s in inner.state.values() for v in s.values()], seen, skip_scalars=True) \
+        if inner is not None else 0
     return {"working_weights": working, "gradients": grads, "fp32_masters": masters, "optimizer_states": states,
             "total": working + grads + masters + states}
 

@@ -66,7 +66,7 @@ class HybridParallelPlugin(Plugin):
                  enable_sequence_parallelism: bool = False, max_norm: float = 0.0,
                  num_microbatches: int | None = None, microbatch_size: int | None = None,
                  pp_style: str = "1f1b", num_model_chunks: int = 1, num_layers_per_stage: list[int] | None = None,
-                 find_unused_parameters: bool = False, ddp_bucket_cap_mb: int = 25, broadcast_buffers: bool = True,
+                 find_unused_parameters: bool = False, ddp_bucket_cap_mb: int = 25, broadcast_buffers: bool = False,
                  initial_scale: float = 2**16, min_scale: float = 1, growth_factor: float = 2,
                  backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2,
                  max_scale: float = 2**32, overlap_communication: bool = False, zero_bucket_size_in_m: int = 12):
