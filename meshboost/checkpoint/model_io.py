@@ -61,17 +61,28 @@ def checkpoint_entries(model: nn.Module) -> dict[str, torch.Tensor]:
     return entries
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    shape, dtype = full_shape_and_dtype(tensor)
+def _nbytes(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> int:
+    shape, own_dtype = full_shape_and_dtype(tensor)
+    dtype = dtype or own_dtype
     numel = 1
     for s in shape:
         numel *= s
     return numel * dtype.itemsize
 
 
-def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    full = gather_tensor(tensor.detach(), get_tp_info(tensor))
+def _full_tensor(tensor: torch.Tensor, masters: dict) -> torch.Tensor:
+    """The full tensor to write: the fp32 master where mixed precision keeps one (nothing lost to
+    rounding), else the parameter/buffer itself, gathered over tp by the parameter's record."""
+    source = masters.get(tensor, tensor)
+    full = gather_tensor(source.detach(), get_tp_info(tensor))
     return full.detach().to("cpu", copy=True).contiguous()
+
+
+def _masters_of(boosted: nn.Module) -> dict:
+    """fp32 masters of the optimizer boosted with `boosted` (collective under ZeRO: every rank)."""
+    optimizer = getattr(boosted, "boosted_optimizer", None)
+    full_masters = getattr(optimizer, "full_masters", None)
+    return full_masters() if full_masters is not None else {}
 
 
 @dataclass
@@ -148,10 +159,11 @@ def save_model(model: nn.Module, checkpoint: str, mesh=None, shard: bool = False
     as_file = not shard and str(checkpoint).endswith(hf_format.SINGLE_FILE_SUFFIXES)
     if as_file:
         use_safetensors = str(checkpoint).endswith(".safetensors")
+    masters = _masters_of(model)
     model = _unwrap(model)
     entries = checkpoint_entries(model)
-    files = hf_format.plan_files({n: _nbytes(t) for n, t in entries.items()}, shard, use_safetensors,
-                                 size_per_shard, prefix)
+    files = hf_format.plan_files({n: _nbytes(t, masters.get(t, t).dtype) for n, t in entries.items()}, shard,
+                                 use_safetensors, size_per_shard, prefix)
     token = _agree_on_layout(files, roles, use_safetensors, prefix) if roles.num_stages > 1 else None
 
     # -- each stage writer stages its files ------------------------------------------------------
@@ -166,7 +178,7 @@ def save_model(model: nn.Module, checkpoint: str, mesh=None, shard: bool = False
         for f in files:
             # Every tp rank of replica 0 must join each gather, even after the writer failed,
             # so collectives stay matched; the writer just stops writing.
-            tensors = {name: _full_tensor(entries[name]) for name in f.tensor_names}
+            tensors = {name: _full_tensor(entries[name], masters) for name in f.tensor_names}
             if roles.stage_writer and error is None:
                 try:
                     path = target.path if as_file else os.path.join(target.path, f.name)
@@ -193,7 +205,7 @@ def save_model(model: nn.Module, checkpoint: str, mesh=None, shard: bool = False
                 if shard:
                     every = files + hf_format.read_fragments(target.path, range(1, roles.num_stages))
                     hf_format.write_index(target.path, every, use_safetensors)
-                _save_config(model, target.path)
+                _save_config(model, target.path, torch.float32 if masters else None)
             target.commit()
         except Exception as e:  # noqa: BLE001
             error = e
@@ -203,15 +215,16 @@ def save_model(model: nn.Module, checkpoint: str, mesh=None, shard: bool = False
         _raise(error, checkpoint)
 
 
-def _save_config(model: nn.Module, folder: str) -> None:
-    """config.json (and generation_config.json when the model generates), as save_pretrained writes them."""
+def _save_config(model: nn.Module, folder: str, saved_dtype: torch.dtype | None = None) -> None:
+    """config.json (and generation_config.json when the model generates), as save_pretrained writes
+    them; `dtype` records what the weight files hold (fp32 when masters were saved)."""
     config = getattr(model, "config", None)
     if config is None:
         return
     config.architectures = [type(model).__name__]
     floating = [p.dtype for p in model.parameters() if p.is_floating_point()]
-    if floating:
-        config.dtype = str(floating[0]).split(".")[1]
+    if saved_dtype is not None or floating:
+        config.dtype = str(saved_dtype or floating[0]).split(".")[1]
     config.save_pretrained(folder)
     generation = getattr(model, "generation_config", None)
     can_generate = getattr(model, "can_generate", lambda: False)

@@ -136,6 +136,11 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             if m is not p:
                 m.grad = None
 
+    def full_masters(self) -> dict:
+        """{working param: its fp32 master} where the two differ (fp16/bf16). Checkpoints save these
+        instead of the rounded working weights."""
+        return {p: m.detach() for p, m in self.master_of.items() if m is not p}
+
     def masters(self) -> list[torch.Tensor]:
         return [m for group in self.optim.param_groups for m in group["params"]]
 

@@ -230,6 +230,20 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
     def _master_pairs(self):
         return [(p, b.master) for b in self.buckets for p in b.params]
 
+    @torch.no_grad()
+    def full_masters(self) -> dict:
+        """{working param: its fp32 master, shaped like the param} for every param, gathered over dp
+        (a collective: every dp rank calls it). Checkpoints save these instead of the rounded
+        working weights."""
+        out = {}
+        for b in self.buckets:
+            if self.working_dtype == torch.float32:
+                continue                                   # the weights are the masters, bit for bit
+            full = comm.all_gather(b.master.detach(), self.dp_group, dim=0)
+            for p, off in zip(b.params, b.offsets):
+                out[p] = full[off:off + p.numel()].view_as(p)
+        return out
+
     def grad_bytes(self) -> int:
         """Bytes of reduced gradient partitions held (stage 2 between backward and step)."""
         return sum(b.grad_shard.numel() * b.grad_shard.element_size() for b in self.buckets

@@ -132,6 +132,19 @@ def _body(rank, world, root):
     b3, _, model3, opt3, _ = boosted(seed=0, precision="fp16", **LAYOUT_A)
     opt3.scaler.scale, opt3.scaler.growth_tracker = 1024.0, 5
     b3.save_optimizer(opt3, os.path.join(root, "o16"))
+    # save_model under fp16 + ZeRO writes the fp32 masters, not the rounded half weights.
+    b3.save_model(model3, os.path.join(root, "m16"), shard=True, use_safetensors=True)
+    dist.barrier()
+    from safetensors.torch import load_file
+    folder = os.path.join(root, "m16")
+    saved = {}
+    for f in os.listdir(folder):
+        if f.endswith(".safetensors"):
+            saved.update(load_file(os.path.join(folder, f)))
+    with open(os.path.join(folder, "config.json")) as f:
+        assert json.load(f)["dtype"] == "float32", "config.json must record the saved dtype"
+    for name, t in saved.items():
+        assert t.dtype == torch.float32 and torch.equal(t, fp32[name]), f"saved {name} is not the fp32 master"
     b4, _, model4, opt4, _ = boosted(seed=7, tp_size=4, precision="fp16")
     b4.load_optimizer(opt4, os.path.join(root, "o16"))
     assert (opt4.scaler.scale, opt4.scaler.growth_tracker) == (1024.0, 5)
