@@ -72,51 +72,44 @@ class Booster:
             raise RuntimeError("execute_pipeline needs a plugin with pipeline parallelism")
         return self.plugin.execute_pipeline(data_iter, model, criterion, optimizer, return_loss, return_outputs)
 
+    # -- checkpoints (ColossalAI's signatures). The layout comes from the plugin's mesh (none: one
+    # replicated model, rank 0 writes); the work is in meshboost/checkpoint. Call on every rank. --
+    @property
+    def _mesh(self):
+        return getattr(self.plugin, "mesh", None)
+
     def save_model(self, model: nn.Module, checkpoint: str, shard: bool = False, gather_dtensor: bool = True,
                    prefix: str | None = None, size_per_shard: int = 1024, use_safetensors: bool = False) -> None:
-        """Save `model` (boosted or not) as a HuggingFace checkpoint that `from_pretrained` loads; call it on
-        every rank. shard=True: a folder with size-capped weight files and the HF index json; shard=False:
-        one weights file (plus config.json unless `checkpoint` is a file name). See meshboost.checkpoint."""
-        if self.plugin is None:
-            from meshboost.checkpoint import save_model
-            save_model(model, checkpoint, None, shard, gather_dtensor, prefix, size_per_shard, use_safetensors)
-            return
-        self.plugin.save_model(model, checkpoint, shard=shard, gather_dtensor=gather_dtensor, prefix=prefix,
-                               size_per_shard=size_per_shard, use_safetensors=use_safetensors)
-
-    # -- other checkpoints (ColossalAI's signatures; see meshboost/checkpoint/booster_io.py) ------------
-    def _checkpoint_plugin(self) -> Plugin:
-        return self.plugin if self.plugin is not None else _NoPlugin()
+        """Save `model` (boosted or not) as a HuggingFace checkpoint that `from_pretrained` loads.
+        shard=True: a folder with size-capped weight files and the HF index json; shard=False: one
+        weights file (plus config.json unless `checkpoint` is a file name). fp32 masters are saved
+        when mixed precision keeps them."""
+        from meshboost.checkpoint import save_model
+        save_model(model, checkpoint, self._mesh, shard, gather_dtensor, prefix, size_per_shard, use_safetensors)
 
     def load_model(self, model: nn.Module, checkpoint: str, strict: bool = True) -> None:
         """Load an HF folder/file (ours or `save_pretrained`'s) into boosted `model` at its layout; each rank
-        reads only its slices. Refreshes the fp32 masters of the optimizer boosted with it. Every rank."""
-        self._checkpoint_plugin().load_model(model, checkpoint, strict=strict)
+        reads only its slices. Refreshes the fp32 masters of the optimizer boosted with it."""
+        from meshboost.checkpoint.booster_io import load_boosted_model
+        load_boosted_model(model, checkpoint, strict, self._mesh)
 
     def save_optimizer(self, optimizer, checkpoint: str, shard: bool = False, gather_dtensor: bool = True,
                        prefix: str | None = None, size_per_shard: int = 1024) -> None:
         """Save optimizer states keyed by parameter name as full tensors (loads at any layout). shard=False:
-        one file; shard=True: a folder with an index (needed with pipeline stages). Every rank."""
-        self._checkpoint_plugin().save_optimizer(optimizer, checkpoint, shard=shard, gather_dtensor=gather_dtensor,
-                                                 prefix=prefix, size_per_shard=size_per_shard)
+        one file; shard=True: a folder with an index (needed with pipeline stages)."""
+        from meshboost.checkpoint.booster_io import save_boosted_optimizer
+        save_boosted_optimizer(optimizer, checkpoint, shard, gather_dtensor, prefix, size_per_shard, self._mesh)
 
     def load_optimizer(self, optimizer, checkpoint: str) -> None:
-        """Load a `save_optimizer` checkpoint saved at any layout. Load the model first. Every rank."""
-        self._checkpoint_plugin().load_optimizer(optimizer, checkpoint)
+        """Load a `save_optimizer` checkpoint saved at any layout. Load the model first."""
+        from meshboost.checkpoint.booster_io import load_boosted_optimizer
+        load_boosted_optimizer(optimizer, checkpoint)
 
     def save_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
-        """Rank 0 writes the scheduler's state_dict to the file `checkpoint`. Every rank."""
-        self._checkpoint_plugin().save_lr_scheduler(lr_scheduler, checkpoint)
+        """Rank 0 writes the scheduler's state_dict to the file `checkpoint`."""
+        from meshboost.checkpoint.booster_io import save_lr_scheduler
+        save_lr_scheduler(lr_scheduler, checkpoint, self._mesh)
 
     def load_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
-        self._checkpoint_plugin().load_lr_scheduler(lr_scheduler, checkpoint)
-
-
-class _NoPlugin(Plugin):
-    """Checkpoint calls of a Booster without a plugin (no mesh: rank 0 writes)."""
-
-    def configure(self, *args, **kwargs):
-        raise NotImplementedError
-
-    def prepare_dataloader(self, *args, **kwargs):
-        raise NotImplementedError
+        from meshboost.checkpoint.booster_io import load_lr_scheduler
+        load_lr_scheduler(lr_scheduler, checkpoint)

@@ -41,33 +41,3 @@ class Plugin(ABC):
     @property
     def supports_pipeline(self) -> bool:
         return False
-
-    def save_model(self, model: nn.Module, checkpoint: str, shard: bool = False, gather_dtensor: bool = True,
-                   prefix: str | None = None, size_per_shard: int = 1024, use_safetensors: bool = False) -> None:
-        """HF-format save of a model whose parameters are full on every rank (DDP, ZeRO): rank 0 writes.
-        Plugins that shard parameters override this to pass their mesh."""
-        from meshboost.checkpoint import save_model
-        save_model(model, checkpoint, None, shard, gather_dtensor, prefix, size_per_shard, use_safetensors)
-
-    # -- checkpoints other than save_model (meshboost/checkpoint/booster_io.py; any plugin's mesh) --
-    def load_model(self, model: nn.Module, checkpoint: str, strict: bool = True) -> None:
-        from meshboost.checkpoint.booster_io import load_boosted_model
-        load_boosted_model(model, checkpoint, strict, getattr(self, "mesh", None))
-
-    def save_optimizer(self, optimizer, checkpoint: str, shard: bool = False, gather_dtensor: bool = True,
-                       prefix: str | None = None, size_per_shard: int = 1024) -> None:
-        from meshboost.checkpoint.booster_io import save_boosted_optimizer
-        save_boosted_optimizer(optimizer, checkpoint, shard, gather_dtensor, prefix, size_per_shard,
-                               getattr(self, "mesh", None))
-
-    def load_optimizer(self, optimizer, checkpoint: str) -> None:
-        from meshboost.checkpoint.booster_io import load_boosted_optimizer
-        load_boosted_optimizer(optimizer, checkpoint)
-
-    def save_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
-        from meshboost.checkpoint.booster_io import save_lr_scheduler
-        save_lr_scheduler(lr_scheduler, checkpoint, getattr(self, "mesh", None))
-
-    def load_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
-        from meshboost.checkpoint.booster_io import load_lr_scheduler
-        load_lr_scheduler(lr_scheduler, checkpoint)

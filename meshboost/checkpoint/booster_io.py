@@ -18,7 +18,7 @@ import torch.nn as nn
 from meshboost.checkpoint import optimizer_io
 from meshboost.checkpoint.hf_format import AtomicTarget
 from meshboost.checkpoint.load import load_model as _load_into
-from meshboost.checkpoint.model_io import _unwrap
+from meshboost.checkpoint.model_io import _any_failed, _roles, _unwrap
 from meshboost.launch import get_current_device
 
 
@@ -61,9 +61,9 @@ def load_boosted_optimizer(optimizer, checkpoint: str) -> None:
 # -- lr scheduler ----------------------------------------------------------------------------------
 def save_lr_scheduler(lr_scheduler, checkpoint: str, mesh=None) -> None:
     """Rank 0 writes `lr_scheduler.state_dict()` to the file `checkpoint` (atomically); every rank waits."""
-    r = optimizer_io._roles(mesh)
+    r = _roles(mesh)
     error = None
-    if r["main"]:
+    if r.main_writer:
         target = None
         try:
             target = AtomicTarget(checkpoint, is_file=True)
@@ -73,7 +73,7 @@ def save_lr_scheduler(lr_scheduler, checkpoint: str, mesh=None) -> None:
             error = e
             if target is not None:
                 target.abort()
-    if optimizer_io._failed(error, r["group"]):
+    if _any_failed(error, r.group):
         if error is not None:
             raise error
         raise RuntimeError(f"save_lr_scheduler({checkpoint!r}) failed on rank 0; see its error")

@@ -93,6 +93,7 @@ class _Roles:
     stage: int
     num_stages: int
     group: object          # every rank: the error flags are agreed over it
+    dp_group: object = None  # ZeRO shards are gathered over it (None: nothing is partitioned)
 
 
 def _roles(mesh) -> _Roles:
@@ -100,7 +101,8 @@ def _roles(mesh) -> _Roles:
         rank = dist.get_rank() if dist.is_initialized() else 0
         return _Roles(True, rank == 0, rank == 0, 0, 1, dist.group.WORLD if dist.is_initialized() else None)
     writer = mesh.dp_rank == 0 and mesh.tp_rank == 0
-    return _Roles(mesh.dp_rank == 0, writer, mesh.global_rank == 0, mesh.pp_rank, mesh.pp_size, mesh.world_group)
+    return _Roles(mesh.dp_rank == 0, writer, mesh.global_rank == 0, mesh.pp_rank, mesh.pp_size, mesh.world_group,
+                  mesh.dp_group)
 
 
 def _any_failed(error: BaseException | None, group) -> bool:

@@ -29,13 +29,12 @@ import os
 import secrets
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from meshboost.booster.wrappers import OptimizerWrapper
 from meshboost.checkpoint import hf_format
 from meshboost.checkpoint.load import slice_shard
-from meshboost.checkpoint.model_io import _unwrap
+from meshboost.checkpoint.model_io import _any_failed, _roles, _unwrap
 from meshboost.launch import get_current_device
 from meshboost.optim.mixed_precision import MixedPrecisionOptimizer
 from meshboost.optim.zero import ZeroOptimizer
@@ -139,16 +138,6 @@ def _extra(optimizer, model: nn.Module) -> dict:
 
 
 # -- save ----------------------------------------------------------------------------------------
-def _roles(mesh):
-    if mesh is None:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        world = dist.group.WORLD if dist.is_initialized() else None
-        return dict(gathers=True, writer=rank == 0, main=rank == 0, stage=0, stages=1, group=world, dp_group=None)
-    return dict(gathers=mesh.dp_rank == 0, writer=mesh.dp_rank == 0 and mesh.tp_rank == 0,
-                main=mesh.global_rank == 0, stage=mesh.pp_rank, stages=mesh.pp_size, group=mesh.world_group,
-                dp_group=mesh.dp_group)
-
-
 def _agree(values: list[float], group) -> list[float]:
     """Sum `values` over every rank (one all-reduce; also a barrier)."""
     t = torch.tensor(values, dtype=torch.float64, device=get_current_device())
@@ -185,16 +174,16 @@ def save_optimizer(optimizer, model: nn.Module, checkpoint: str, shard: bool = F
     if mesh is None:
         mesh = getattr(model, "mesh", None)
     r = _roles(mesh)
-    if r["stages"] > 1 and not shard:
-        raise NotImplementedError(f"save_optimizer(shard=False) with pp_size={r['stages']}: each pipeline stage "
+    if r.num_stages > 1 and not shard:
+        raise NotImplementedError(f"save_optimizer(shard=False) with pp_size={r.num_stages}: each pipeline stage "
                                   "writes its own files; use shard=True")
     model = _unwrap(model)
     extra = _extra(optimizer, model)
     token = None
-    if r["stages"] > 1:                          # one staging folder for every stage, named by rank 0
-        token = int(_agree([float(secrets.randbits(48)) if r["main"] else 0.0], r["group"])[0])
+    if r.num_stages > 1:                          # one staging folder for every stage, named by rank 0
+        token = int(_agree([float(secrets.randbits(48)) if r.main_writer else 0.0], r.group)[0])
     error, target = None, None
-    if r["writer"]:
+    if r.stage_writer:
         try:
             target = hf_format.AtomicTarget(checkpoint, is_file=not shard, token=token)
         except Exception as e:  # noqa: BLE001 - agreed on every rank below
@@ -206,7 +195,7 @@ def save_optimizer(optimizer, model: nn.Module, checkpoint: str, shard: bool = F
     def flush():
         nonlocal pending, pending_bytes, error
         if pending and error is None:
-            name = f".part-{r['stage']}-{len(parts)}.bin"
+            name = f".part-{r.stage}-{len(parts)}.bin"
             try:
                 _write_file(pending, os.path.join(target.path, name))
             except Exception as e:  # noqa: BLE001
@@ -214,8 +203,8 @@ def save_optimizer(optimizer, model: nn.Module, checkpoint: str, shard: bool = F
             parts.append((name, list(pending), pending_bytes))
         pending, pending_bytes = {}, 0
 
-    for name, entry in _entries(optimizer, model, r["gathers"], r["dp_group"]):
-        if not r["writer"]:
+    for name, entry in _entries(optimizer, model, r.gathers, r.dp_group):
+        if not r.stage_writer:
             continue
         if not shard:
             whole[name] = entry
@@ -225,21 +214,21 @@ def save_optimizer(optimizer, model: nn.Module, checkpoint: str, shard: bool = F
             flush()
         pending[name] = entry
         pending_bytes += size
-    if r["writer"] and shard:
+    if r.stage_writer and shard:
         flush()
-    if r["writer"] and not shard and error is None:
+    if r.stage_writer and not shard and error is None:
         try:
             _write_file({"format": FORMAT, "state": whole, "extra": extra}, target.path)
         except Exception as e:  # noqa: BLE001
             error = e
     if shard:
-        counts = [0.0] * (r["stages"] + 1)
-        if r["writer"]:
-            counts[r["stage"]] = float(len(parts))
+        counts = [0.0] * (r.num_stages + 1)
+        if r.stage_writer:
+            counts[r.stage] = float(len(parts))
         counts[-1] = 1.0 if error is not None else 0.0
-        counts = _agree(counts, r["group"])
-        if counts[-1] == 0 and r["writer"]:
-            first, total = int(sum(counts[:r["stage"]])), int(sum(counts[:r["stages"]]))
+        counts = _agree(counts, r.group)
+        if counts[-1] == 0 and r.stage_writer:
+            first, total = int(sum(counts[:r.stage])), int(sum(counts[:r.num_stages]))
             try:
                 weight_map, total_size = {}, 0
                 for k, (staged, names, nbytes) in enumerate(parts, start=first + 1):
@@ -248,31 +237,27 @@ def save_optimizer(optimizer, model: nn.Module, checkpoint: str, shard: bool = F
                     weight_map.update({n: final for n in names})
                     total_size += nbytes
                 torch.save({"weight_map": weight_map, "total_size": total_size, "extra": extra},
-                           os.path.join(target.path, f".stage{r['stage']}.optim"))
+                           os.path.join(target.path, f".stage{r.stage}.optim"))
             except Exception as e:  # noqa: BLE001
                 error = e
-        if _failed(error, r["group"]) or counts[-1]:
+        if _any_failed(error, r.group) or counts[-1]:
             _abort(target, r, error, checkpoint)
-    if r["main"] and error is None:
+    if r.main_writer and error is None:
         try:
             if shard:
-                _merge_stages(target.path, r["stages"])
+                _merge_stages(target.path, r.num_stages)
             target.commit()
         except Exception as e:  # noqa: BLE001
             error = e
-    if _failed(error, r["group"]):
+    if _any_failed(error, r.group):
         _abort(target, r, error, checkpoint)
 
 
-def _failed(error, group) -> bool:
-    return _agree([1.0 if error is not None else 0.0], group)[0] > 0
-
-
 def _abort(target, r, error, checkpoint):
-    if r["main"] and target is not None:
+    if r.main_writer and target is not None:
         target.abort()
     # Every rank reaches here together; wait until the staging folder is gone before any returns.
-    _agree([0.0], r["group"])
+    _agree([0.0], r.group)
     if error is not None:
         raise error
     raise RuntimeError(f"save_optimizer({checkpoint!r}) failed on another rank; see its error. Any existing "

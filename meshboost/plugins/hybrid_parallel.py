@@ -192,9 +192,3 @@ class HybridParallelPlugin(Plugin):
                                 "booster.no_sync(model, optimizer)")
             return optimizer.no_sync()
         return model.no_sync()
-
-    def save_model(self, model, checkpoint, shard=False, gather_dtensor=True, prefix=None, size_per_shard=1024,
-                   use_safetensors=False):
-        """Full HF checkpoint: tp shards gathered over each tp group, written by global rank 0."""
-        from meshboost.checkpoint import save_model
-        save_model(model, checkpoint, self.mesh, shard, gather_dtensor, prefix, size_per_shard, use_safetensors)
