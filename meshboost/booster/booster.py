@@ -35,6 +35,8 @@ class Booster:
     def boost(self, model: nn.Module, optimizer: Optimizer | None = None, criterion: Callable | None = None,
               dataloader=None, lr_scheduler=None) -> tuple:
         """Return (model, optimizer, criterion, dataloader, lr_scheduler), made parallel by the plugin."""
+        if isinstance(model, ModelWrapper):
+            raise RuntimeError("this model was already boosted; pass the original model to boost() once")
         if self.plugin is None:
             out = (ModelWrapper(model), OptimizerWrapper(optimizer) if optimizer is not None else None,
                    criterion, dataloader, lr_scheduler)

@@ -103,8 +103,6 @@ class HybridParallelPlugin(Plugin):
         return self.mesh.dp_size
 
     def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None, lr_scheduler=None):
-        if isinstance(model, ModelWrapper):
-            raise RuntimeError("this model was already boosted; pass the original model to boost() once")
         # A model built under torch.device("meta") stays on meta until booster.load_model materialises
         # it; DDP needs real weights at construction, so that combination is refused (every rank).
         on_meta = any(p.is_meta for p in model.parameters())

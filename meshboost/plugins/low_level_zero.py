@@ -62,8 +62,6 @@ class LowLevelZeroPlugin(Plugin):
         return self.mesh.dp_size
 
     def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None, lr_scheduler=None):
-        if isinstance(model, ModelWrapper):
-            raise RuntimeError("this model was already boosted; pass the original model to boost() once")
         model = model.to(get_current_device())
         if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
             optimizer = ZeroOptimizer(optimizer, self.mesh, precision=self.precision, stage=self.stage,

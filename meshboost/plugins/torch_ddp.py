@@ -33,8 +33,6 @@ class TorchDDPPlugin(Plugin):
                                gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph)
 
     def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None, lr_scheduler=None):
-        if isinstance(model, ModelWrapper):
-            raise RuntimeError("this model was already boosted; pass the original model to boost() once")
         device = get_current_device()
         model = model.to(device)
         ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None, **self.ddp_kwargs)
