@@ -7,6 +7,7 @@ gloo on CPU, NCCL when CUDA is present (from the environment, never hard-coded).
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import traceback
@@ -28,7 +29,7 @@ def _worker(rank: int, world_size: int, port: int, fn, args, kwargs):
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
     torch.set_num_threads(1)          # N processes on 2 cores: avoid oversubscription
-    from meshboost.launch import launch
+    from meshboost.distributed.launch import launch
     launch(rank, world_size, rank, "127.0.0.1", port, seed=1024)
     try:
         fn(rank, world_size, *args, **kwargs)
@@ -36,6 +37,11 @@ def _worker(rank: int, world_size: int, port: int, fn, args, kwargs):
         traceback.print_exc()
         raise
     finally:
+        # Sharded models keep their process groups alive through reference cycles (hooks, modules);
+        # left to interpreter shutdown, a gloo group is torn down with its threads still joinable and
+        # the process aborts ("terminate called without an active exception", ~1 run in 8). Collect
+        # them while the interpreter is whole.
+        gc.collect()
         dist.destroy_process_group()
 
 

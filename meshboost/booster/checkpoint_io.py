@@ -1,0 +1,63 @@
+"""The checkpoint half of the Booster API: from boosted objects to `meshboost.checkpoint` calls.
+
+Owns: finding what a boosted object carries (the user's model inside its wrappers, the optimizer
+`Booster.boost` paired with it, its fp32 masters), calling `checkpoint/` with the plugin's mesh,
+and refreshing an optimizer's fp32 masters after its model was loaded. Must not gather tensors or
+write files itself.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from meshboost.booster.wrappers import ModelWrapper, unwrap_model
+from meshboost.checkpoint import load_model, optimizer_io, save_model
+from meshboost.checkpoint.optimizer_io import load_lr_scheduler, save_lr_scheduler
+from meshboost.distributed.launch import get_current_device
+from meshboost.optim import OptimizerWrapper
+
+
+def _optimizer_of(model: nn.Module) -> OptimizerWrapper | None:
+    return model.boosted_optimizer if isinstance(model, ModelWrapper) else None
+
+
+def save_boosted_model(model: nn.Module, checkpoint: str, mesh=None, **kwargs) -> None:
+    """Save boosted (or plain) `model`; the fp32 masters of the optimizer boosted with it are saved
+    in place of rounded half-precision weights."""
+    optimizer = _optimizer_of(model)
+    masters = optimizer.master_weight if optimizer is not None and optimizer.keeps_masters else None
+    save_model(unwrap_model(model), checkpoint, mesh, master_weight=masters, **kwargs)
+
+
+def load_boosted_model(model: nn.Module, checkpoint: str, strict: bool = True, mesh=None) -> None:
+    """Load an HF folder/file into boosted `model` in place (any layout; only owned slices are read;
+    a meta-device model is materialised on the mesh's device). With pipeline stages a stage holds
+    part of the model, so checkpoint tensors of other stages are expected and skipped. The
+    optimizer boosted with `model` gets its fp32 masters refreshed from the loaded weights."""
+    staged = mesh is not None and mesh.pp_size > 1
+    device = mesh.device if mesh is not None else get_current_device()
+    load_model(unwrap_model(model), checkpoint, strict=strict, device=device, partial_model=staged)
+    optimizer = _optimizer_of(model)
+    if optimizer is not None:
+        optimizer.sync_masters_from_model()
+
+
+def _model_of(optimizer, what: str) -> nn.Module:
+    model = optimizer.boosted_model if isinstance(optimizer, OptimizerWrapper) else None
+    if model is None:
+        raise TypeError(f"{what} needs the optimizer returned by booster.boost(model, optimizer): its states are "
+                        "keyed by the names of the model it was boosted with")
+    return unwrap_model(model)
+
+
+def save_boosted_optimizer(optimizer, checkpoint: str, shard: bool = False, gather_dtensor: bool = True,
+                           prefix: str | None = None, size_per_shard: int = 1024, mesh=None) -> None:
+    if not gather_dtensor:
+        raise NotImplementedError("save_optimizer(gather_dtensor=False) (per-rank shard files) is not supported; "
+                                  "use gather_dtensor=True: the full-tensor checkpoint loads at any layout")
+    optimizer_io.save_optimizer(optimizer, _model_of(optimizer, "save_optimizer"), checkpoint, shard=shard,
+                                size_per_shard=size_per_shard, prefix=prefix, mesh=mesh)
+
+
+def load_boosted_optimizer(optimizer, checkpoint: str) -> None:
+    optimizer_io.load_optimizer(optimizer, _model_of(optimizer, "load_optimizer"), checkpoint)

@@ -1,0 +1,176 @@
+"""Every collective meshboost issues, and each differentiable one paired with its backward twin.
+
+Owns: the raw collectives (which also feed `meshboost.distributed.profiling`) and one autograd Function per
+region transition, named forward->backward as in Megatron's mappings:
+
+    copy_to_tp          identity    -> all-reduce   (Megatron "f": input of a column-parallel block)
+    reduce_from_tp      all-reduce  -> identity     (Megatron "g": output of a row-parallel linear)
+    split_to_tp         split       -> all-gather   (last dim)
+    gather_from_tp      all-gather  -> split        (last dim)
+    gather_from_seq     all-gather  -> reduce-scatter (sequence parallelism, `dim`)
+    reduce_scatter_to_seq reduce-scatter -> all-gather (sequence parallelism, `dim`)
+
+Every function takes its `group` explicitly. Layers, optimizers and checkpoints call these and
+contain no `dist.*` collectives. A group of size 1 makes every function the identity (no
+communication).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from meshboost.distributed.profiling import record_collective
+
+# torch >= 2.10 renamed the single-tensor collectives; keep working on older releases too.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# -- raw collectives (not differentiable) -----------------------------------------------------
+def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce of `tensor` over `group`; returns it."""
+    if dist.get_world_size(group) > 1:
+        record_collective("all_reduce", group, tensor)
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+    """Concatenate each rank's `tensor` along `dim` (rank order)."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return tensor
+    dim = dim % tensor.dim()
+    moved = tensor.movedim(dim, 0).contiguous()
+    out = torch.empty((size * moved.shape[0], *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    record_collective("all_gather", group, out)
+    _all_gather_single(out, moved, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def reduce_scatter(tensor: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+    """Sum `tensor` over ranks and keep this rank's chunk along `dim`."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return tensor
+    dim = dim % tensor.dim()
+    if tensor.shape[dim] % size:
+        raise ValueError(f"reduce_scatter: dim {dim} of size {tensor.shape[dim]} is not divisible by "
+                         f"the group size {size}")
+    moved = tensor.movedim(dim, 0).contiguous()
+    out = torch.empty((moved.shape[0] // size, *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    record_collective("reduce_scatter", group, moved)
+    _reduce_scatter_single(out, moved, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def split(tensor: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+    """This rank's contiguous chunk of `tensor` along `dim` (no communication)."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return tensor
+    if tensor.shape[dim] % size:
+        raise ValueError(f"split: dim {dim} of size {tensor.shape[dim]} is not divisible by the "
+                         f"group size {size}")
+    return tensor.chunk(size, dim=dim)[dist.get_rank(group)].contiguous()
+
+
+# -- differentiable region transitions --------------------------------------------------------
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.contiguous(), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x.contiguous().clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _SplitToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return split(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.group, ctx.dim), None, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return split(grad, ctx.group, ctx.dim), None, None
+
+
+class _GatherFromSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter(grad, ctx.group, ctx.dim), None, None
+
+
+class _ReduceScatterToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return reduce_scatter(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.group, ctx.dim), None, None
+
+
+def _trivial(group) -> bool:
+    return group is None or dist.get_world_size(group) == 1
+
+
+def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """Identity forward, all-reduce of the gradient backward (Megatron f)."""
+    return x if _trivial(group) else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """All-reduce forward, identity backward (Megatron g)."""
+    return x if _trivial(group) else _ReduceFromTP.apply(x, group)
+
+
+def split_to_tp(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+    """Keep this rank's chunk forward, all-gather the gradient backward."""
+    return x if _trivial(group) else _SplitToTP.apply(x, group, dim)
+
+
+def gather_from_tp(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+    """All-gather forward, keep this rank's chunk of the gradient backward."""
+    return x if _trivial(group) else _GatherFromTP.apply(x, group, dim)
+
+
+def gather_from_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """All-gather the sequence forward, reduce-scatter the gradient backward (sequence parallel)."""
+    return x if _trivial(group) else _GatherFromSeq.apply(x, group, dim)
+
+
+def reduce_scatter_to_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """Reduce-scatter partial sums over the sequence forward, all-gather backward (sequence parallel)."""
+    return x if _trivial(group) else _ReduceScatterToSeq.apply(x, group, dim)

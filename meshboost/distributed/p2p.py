@@ -1,0 +1,84 @@
+"""Point-to-point traffic between pipeline stages, and the loss broadcast.
+
+Owns: sending activations forward and gradients backward between the ranks of one pipeline group
+(`ParallelMesh.pp_group`; each tensor-parallel rank talks to its counterpart), and broadcasting
+the loss from the last stage. Every transfer is reported to `meshboost.distributed.profiling`.
+Must not know about schedules or models.
+
+Sends are asynchronous (their handles are kept until `wait_sends`), receives block: with any
+valid schedule this cannot deadlock. Activations carry a small header (dtype and shape) so
+micro-batches may change shape from one step to the next (dynamic padding, evaluation batches);
+gradients have the shape of the activation they answer, which the receiver already knows.
+Each (receiving virtual stage, direction) pair has its own tag, so interleaved streams sharing a
+link never mix (gloo matches on tags; NCCL keeps per-pair issue order).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from meshboost.distributed.profiling import record_collective
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_MAX_DIMS = 8
+
+
+class StageComm:
+    """p2p between the pipeline ranks of `pp_group`; virtual stage v lives on pipeline rank v % size."""
+
+    def __init__(self, pp_group, device: torch.device):
+        self.group = pp_group
+        self.ranks = dist.get_process_group_ranks(pp_group)
+        self.size = len(self.ranks)
+        self.device = device
+        self._pending: list[tuple[object, torch.Tensor]] = []
+
+    def _peer(self, virtual: int) -> int:
+        return self.ranks[virtual % self.size]
+
+    def _send(self, tensor: torch.Tensor, to_virtual: int, tag: int) -> None:
+        tensor = tensor.detach().contiguous()
+        record_collective("send", self.group, tensor)
+        work = dist.isend(tensor, dst=self._peer(to_virtual), group=self.group, tag=tag)
+        self._pending.append((work, tensor))          # keep the buffer alive until sent
+
+    def _recv(self, buffer: torch.Tensor, from_virtual: int, tag: int) -> torch.Tensor:
+        dist.irecv(buffer, src=self._peer(from_virtual), group=self.group, tag=tag).wait()
+        return buffer
+
+    # -- activations: virtual stage v-1 -> v ----------------------------------------------------
+    def send_activation(self, tensor: torch.Tensor, to_virtual: int) -> None:
+        if tensor.dtype not in _DTYPES or tensor.dim() > _MAX_DIMS:
+            raise TypeError(f"pipeline stages pass one float tensor of at most {_MAX_DIMS} dims between them, "
+                            f"got {tensor.dtype} of shape {tuple(tensor.shape)}")
+        header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
+        header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
+        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        self._send(header, to_virtual, tag=2 * to_virtual)
+        self._send(tensor, to_virtual, tag=2 * to_virtual)
+
+    def recv_activation(self, at_virtual: int) -> torch.Tensor:
+        header = self._recv(torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device), at_virtual - 1,
+                            tag=2 * at_virtual)
+        dtype, ndim = _DTYPES[int(header[0])], int(header[1])
+        shape = [int(d) for d in header[2:2 + ndim]]
+        return self._recv(torch.empty(shape, dtype=dtype, device=self.device), at_virtual - 1, tag=2 * at_virtual)
+
+    # -- gradients: virtual stage v+1 -> v --------------------------------------------------------
+    def send_grad(self, grad: torch.Tensor, to_virtual: int) -> None:
+        self._send(grad, to_virtual, tag=2 * to_virtual + 1)
+
+    def recv_grad(self, at_virtual: int, like: torch.Tensor) -> torch.Tensor:
+        return self._recv(torch.empty_like(like), at_virtual + 1, tag=2 * at_virtual + 1)
+
+    def wait_sends(self) -> None:
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+
+    # -- the loss, from the last stage to every stage ----------------------------------------------
+    def broadcast_from_last(self, tensor: torch.Tensor) -> torch.Tensor:
+        record_collective("broadcast", self.group, tensor)
+        dist.broadcast(tensor, src=self.ranks[-1], group=self.group)
+        return tensor

@@ -1,0 +1,160 @@
+"""The records a parameter carries, and the one routine that maps a full tensor onto tp shards.
+
+Owns: `TensorParallelInfo` (which dim is split, over which group, the full shape, vocab padding,
+fused blocks) and `PipelineTie` (a weight held by the first and the last pipeline stage), each
+attached to the parameter itself; `local_slices`, the only code that knows which slices of a full
+tensor make up this rank's shard, and the shard/gather functions built on it. Grad-norm, ZeRO,
+sharding, pipelines and checkpoints read the records; none of them re-derives a layout from
+module types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from meshboost.distributed import comm
+
+_TP_ATTR = "tp_info"
+_TIE_ATTR = "pipeline_tie"
+
+
+@dataclass
+class TensorParallelInfo:
+    """How one parameter is split over its tensor-parallel group.
+
+    The global tensor is `full_shape`; along `dim` it is zero-padded to `padded_size` (vocab
+    padding; equal to full_shape[dim] otherwise), viewed as `num_fused` equal blocks (GPT-2's
+    fused [q | k | v] has 3), and each block is cut into `tp_size` contiguous chunks; rank r holds
+    chunk r of every block, concatenated.
+    """
+
+    dim: int
+    full_shape: tuple[int, ...]
+    padded_size: int
+    tp_rank: int
+    tp_size: int
+    num_fused: int = 1
+    group: object = field(default=None, repr=False, compare=False)
+
+    @property
+    def padding(self) -> int:
+        return self.padded_size - self.full_shape[self.dim]
+
+    @property
+    def local_size(self) -> int:
+        return self.padded_size // self.tp_size
+
+
+@dataclass(frozen=True)
+class PipelineTie:
+    """A weight that the first and the last pipeline stage both hold (an embedding tied to the LM
+    head). `replica` is True on the last stage: its gradient is summed with the first stage's,
+    and it is not counted a second time in the gradient norm."""
+
+    replica: bool
+
+
+def get_tp_info(param: torch.Tensor) -> TensorParallelInfo | None:
+    """The record of a tensor-parallel parameter, or None for a replicated one."""
+    return getattr(param, _TP_ATTR, None)
+
+
+def set_tp_info(param: torch.Tensor, info: TensorParallelInfo) -> None:
+    setattr(param, _TP_ATTR, info)
+
+
+def is_tp_sharded(param: torch.Tensor) -> bool:
+    info = get_tp_info(param)
+    return info is not None and info.tp_size > 1
+
+
+def get_pipeline_tie(param: torch.Tensor) -> PipelineTie | None:
+    return getattr(param, _TIE_ATTR, None)
+
+
+def set_pipeline_tie(param: torch.Tensor, tie: PipelineTie) -> None:
+    setattr(param, _TIE_ATTR, tie)
+
+
+def is_pipeline_replica(param: torch.Tensor) -> bool:
+    """True for the last stage's copy of a weight tied across pipeline stages."""
+    tie = get_pipeline_tie(param)
+    return tie is not None and tie.replica
+
+
+# -- the shard layout -----------------------------------------------------------------------------
+def local_slices(info: TensorParallelInfo) -> list[tuple[tuple, int]]:
+    """(index into the full tensor, zero rows to append after it) pieces whose concatenation along
+    `info.dim` is this rank's shard: one piece per fused block; the last rank's piece of a padded
+    dim is short and is completed with zeros."""
+    dim, size = info.dim, info.full_shape[info.dim]
+    if info.num_fused > 1:
+        block = size // info.num_fused
+        part = block // info.tp_size
+        ranges = [(f * block + info.tp_rank * part, f * block + (info.tp_rank + 1) * part, 0)
+                  for f in range(info.num_fused)]
+    else:
+        local = info.local_size
+        start = info.tp_rank * local
+        stop = min(start + local, size)
+        ranges = [(min(start, size), stop, local - max(stop - start, 0))]
+    rank = len(info.full_shape)
+    return [(tuple(slice(a, b) if d == dim else slice(None) for d in range(rank)), pad) for a, b, pad in ranges]
+
+
+def shard_from(read_slice: Callable[[tuple], torch.Tensor], full_shape: tuple[int, ...], info: TensorParallelInfo,
+               what: str) -> torch.Tensor:
+    """This rank's shard (zero-padded like the parameter) of a full tensor of `full_shape`, built
+    from `read_slice(index)` calls that each return `full[index]`, so a reader of a file reads only
+    the owned slices. Raises naming `what` when the full shape is not the record's."""
+    if tuple(full_shape) != tuple(info.full_shape):
+        raise ValueError(f"{what} has shape {tuple(full_shape)}, the model expects {tuple(info.full_shape)}; "
+                         "the checkpoint belongs to another configuration")
+    parts = []
+    for index, pad in local_slices(info):
+        t = read_slice(index)
+        if pad:
+            shape = list(t.shape)
+            shape[info.dim] = pad
+            t = torch.cat([t, t.new_zeros(shape)], dim=info.dim)
+        parts.append(t)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=info.dim)
+
+
+def shard_tensor(full: torch.Tensor, info: TensorParallelInfo) -> torch.Tensor:
+    """This rank's shard of the full (unpadded) tensor, as a new tensor (it never keeps the full
+    tensor's storage alive)."""
+    return shard_from(full.__getitem__, tuple(full.shape), info, "tensor").clone(memory_format=torch.contiguous_format)
+
+
+def unshard_gathered(gathered: torch.Tensor, info: TensorParallelInfo) -> torch.Tensor:
+    """Reorder rank-concatenated shards into the full tensor, dropping padding (the inverse of
+    `local_slices` applied on every rank)."""
+    dim = info.dim % gathered.dim()
+    if info.num_fused > 1:
+        per_rank = gathered.chunk(info.tp_size, dim=dim)                 # [r0: q0 k0 v0 | r1: ...]
+        pieces = [p.chunk(info.num_fused, dim=dim) for p in per_rank]
+        gathered = torch.cat([pieces[r][f] for f in range(info.num_fused) for r in range(info.tp_size)], dim=dim)
+    if info.padding:
+        gathered = gathered.narrow(dim, 0, info.full_shape[dim])
+    return gathered.contiguous()
+
+
+def gather_tensor(local: torch.Tensor, info: TensorParallelInfo | None, group=None) -> torch.Tensor:
+    """The full, unpadded tensor from every rank's shard (a collective over the tp group).
+
+    `local` may be the parameter or any tensor laid out like it (its gradient, an Adam moment).
+    """
+    if info is None or info.tp_size == 1:
+        return local if info is None or not info.padding else local.narrow(info.dim, 0, info.full_shape[info.dim])
+    gathered = comm.all_gather(local.detach(), group if group is not None else info.group, dim=info.dim)
+    return unshard_gathered(gathered, info)
+
+
+def full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The shape `tensor` has unsharded and unpadded (its record's, else its own)."""
+    info = get_tp_info(tensor)
+    return tuple(info.full_shape) if info is not None else tuple(tensor.shape)
