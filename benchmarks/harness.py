@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from benchmarks.models import ModelSpec
 from benchmarks.runners import CONFIGS, make_runner
+from meshboost.distributed.profiling import comm_counter, dispatched_comm_counter, wire_bytes
 from meshboost.optim.memory import memory_breakdown
-from meshboost.profiling import comm_counter, dispatched_comm_counter, wire_bytes
 
 
 def _sync(device) -> None:
@@ -128,7 +128,7 @@ def worker(rank: int, world: int, port: int, keys: list[str], spec_dict: dict, w
     # torch 2.13 deprecates DDP's broadcast_buffers, which the plugin passes: noise in a table.
     warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
     torch.set_num_threads(threads)
-    from meshboost.launch import launch
+    from meshboost.distributed.launch import launch
     launch(rank, world, rank, "127.0.0.1", port, seed=1024)
     try:
         results = run_group(keys, ModelSpec(**spec_dict), warmup, steps)

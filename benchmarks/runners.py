@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.models import ModelSpec, build_model, make_batch
-from meshboost.launch import get_current_device
+from meshboost.distributed.launch import get_current_device
 
 LR = 1e-4
 

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import meshboost
-from meshboost.mesh import ParallelMesh, check_mesh_shape
+from meshboost.distributed.mesh import ParallelMesh, check_mesh_shape
 from meshboost.testing import spawn
 
 

@@ -2,6 +2,7 @@
 
 from meshboost.booster.booster import Booster
 from meshboost.booster.plugin import Plugin
-from meshboost.booster.wrappers import ModelWrapper, OptimizerWrapper
+from meshboost.booster.wrappers import ModelWrapper
+from meshboost.optim import OptimizerWrapper
 
 __all__ = ["Booster", "Plugin", "ModelWrapper", "OptimizerWrapper"]

@@ -11,10 +11,14 @@ import torch
 import torch.nn as nn
 from torch.optim import Optimizer
 
+from meshboost.booster import checkpoint_io
 from meshboost.booster.mixed_precision import AutocastModel, apply_mixed_precision, check_mixed_precision
 from meshboost.booster.plugin import Plugin
-from meshboost.booster.wrappers import ModelWrapper, OptimizerWrapper
-from meshboost.launch import get_current_device
+from meshboost.booster.wrappers import ModelWrapper
+from meshboost.checkpoint import load_lr_scheduler, save_lr_scheduler
+from meshboost.distributed import ParallelMesh
+from meshboost.distributed.launch import get_current_device
+from meshboost.optim import OptimizerWrapper
 
 
 class Booster:
@@ -43,7 +47,8 @@ class Booster:
         else:
             out = self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler)
         if self.amp_dtype is not None:
-            out = (*apply_mixed_precision(out[0], out[1], self.amp_dtype, get_current_device().type), *out[2:])
+            device = self.mesh.device if self.mesh is not None else get_current_device()
+            out = (*apply_mixed_precision(out[0], out[1], self.amp_dtype, device.type), *out[2:])
         if out[1] is not None:
             # Checkpoints need the pair: optimizer states are keyed by the model's parameter names, and
             # loading a model must refresh the optimizer's fp32 masters.
@@ -74,11 +79,11 @@ class Booster:
             raise RuntimeError("execute_pipeline needs a plugin with pipeline parallelism")
         return self.plugin.execute_pipeline(data_iter, model, criterion, optimizer, return_loss, return_outputs)
 
-    # -- checkpoints (ColossalAI's signatures). The layout comes from the plugin's mesh (none: one
+    # -- checkpoints (ColossalAI's signatures). The layout is the plugin's mesh (no plugin: one
     # replicated model, rank 0 writes); the work is in meshboost/checkpoint. Call on every rank. --
     @property
-    def _mesh(self):
-        return getattr(self.plugin, "mesh", None)
+    def mesh(self) -> ParallelMesh | None:
+        return self.plugin.mesh if self.plugin is not None else None
 
     def save_model(self, model: nn.Module, checkpoint: str, shard: bool = False, gather_dtensor: bool = True,
                    prefix: str | None = None, size_per_shard: int = 1024, use_safetensors: bool = False) -> None:
@@ -86,32 +91,29 @@ class Booster:
         shard=True: a folder with size-capped weight files and the HF index json; shard=False: one
         weights file (plus config.json unless `checkpoint` is a file name). fp32 masters are saved
         when mixed precision keeps them."""
-        from meshboost.checkpoint import save_model
-        save_model(model, checkpoint, self._mesh, shard, gather_dtensor, prefix, size_per_shard, use_safetensors)
+        checkpoint_io.save_boosted_model(model, checkpoint, self.mesh, shard=shard, gather_dtensor=gather_dtensor,
+                                         prefix=prefix, size_per_shard=size_per_shard,
+                                         use_safetensors=use_safetensors)
 
     def load_model(self, model: nn.Module, checkpoint: str, strict: bool = True) -> None:
         """Load an HF folder/file (ours or `save_pretrained`'s) into boosted `model` at its layout; each rank
         reads only its slices. Refreshes the fp32 masters of the optimizer boosted with it."""
-        from meshboost.checkpoint.booster_io import load_boosted_model
-        load_boosted_model(model, checkpoint, strict, self._mesh)
+        checkpoint_io.load_boosted_model(model, checkpoint, strict, self.mesh)
 
     def save_optimizer(self, optimizer, checkpoint: str, shard: bool = False, gather_dtensor: bool = True,
                        prefix: str | None = None, size_per_shard: int = 1024) -> None:
         """Save optimizer states keyed by parameter name as full tensors (loads at any layout). shard=False:
         one file; shard=True: a folder with an index (needed with pipeline stages)."""
-        from meshboost.checkpoint.booster_io import save_boosted_optimizer
-        save_boosted_optimizer(optimizer, checkpoint, shard, gather_dtensor, prefix, size_per_shard, self._mesh)
+        checkpoint_io.save_boosted_optimizer(optimizer, checkpoint, shard, gather_dtensor, prefix, size_per_shard,
+                                             self.mesh)
 
     def load_optimizer(self, optimizer, checkpoint: str) -> None:
         """Load a `save_optimizer` checkpoint saved at any layout. Load the model first."""
-        from meshboost.checkpoint.booster_io import load_boosted_optimizer
-        load_boosted_optimizer(optimizer, checkpoint)
+        checkpoint_io.load_boosted_optimizer(optimizer, checkpoint)
 
     def save_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
         """Rank 0 writes the scheduler's state_dict to the file `checkpoint`."""
-        from meshboost.checkpoint.booster_io import save_lr_scheduler
-        save_lr_scheduler(lr_scheduler, checkpoint, self._mesh)
+        save_lr_scheduler(lr_scheduler, checkpoint, self.mesh)
 
     def load_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
-        from meshboost.checkpoint.booster_io import load_lr_scheduler
         load_lr_scheduler(lr_scheduler, checkpoint)

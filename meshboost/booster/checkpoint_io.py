@@ -12,7 +12,6 @@ import torch.nn as nn
 
 from meshboost.booster.wrappers import ModelWrapper, unwrap_model
 from meshboost.checkpoint import load_model, optimizer_io, save_model
-from meshboost.checkpoint.optimizer_io import load_lr_scheduler, save_lr_scheduler
 from meshboost.distributed.launch import get_current_device
 from meshboost.optim import OptimizerWrapper
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from meshboost.booster.wrappers import ModelWrapper, OptimizerWrapper
+from meshboost.booster.wrappers import ModelWrapper
+from meshboost.optim import OptimizerWrapper
 
 AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -24,7 +25,7 @@ def check_mixed_precision(mixed_precision: str | None, plugin) -> torch.dtype | 
         return None
     if mixed_precision not in AMP_DTYPES:
         raise ValueError(f"mixed_precision={mixed_precision!r}; expected one of {tuple(AMP_DTYPES)} or None")
-    if getattr(plugin, "precision", None) is not None:
+    if plugin is not None and plugin.precision is not None:
         raise ValueError(f"Booster(mixed_precision={mixed_precision!r}) cannot be combined with "
                          f"{type(plugin).__name__}, which has its own precision; pass "
                          f"{type(plugin).__name__}(precision={mixed_precision!r}) instead")

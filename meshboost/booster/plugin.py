@@ -1,5 +1,5 @@
 """The Plugin interface the Booster dispatches to. A plugin owns how a model, optimizer and
-dataloader are made parallel; the Booster owns none of it."""
+dataloader are made parallel and declares the mesh it does it over; the Booster owns none of it."""
 
 from __future__ import annotations
 
@@ -11,20 +11,33 @@ import torch.nn as nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Dataset
 
+from meshboost.booster.dataloader import build_dataloader
+from meshboost.distributed import ParallelMesh
+
 
 class Plugin(ABC):
-    """Base class of every parallel strategy."""
+    """Base class of every parallel strategy. Subclasses set `self.mesh` (built after their own
+    argument checks, so a bad argument raises on every rank before any collective)."""
+
+    mesh: ParallelMesh
+    precision: str | None = None      # a plugin that keeps fp32 masters itself names its working precision
 
     @abstractmethod
     def configure(self, model: nn.Module, optimizer: Optimizer | None = None, criterion: Callable | None = None,
                   dataloader: DataLoader | None = None, lr_scheduler=None) -> tuple:
         """Return boosted (model, optimizer, criterion, dataloader, lr_scheduler)."""
 
-    @abstractmethod
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.dp_size
+
     def prepare_dataloader(self, dataset: Dataset, batch_size: int, shuffle: bool = False, seed: int = 1024,
                            drop_last: bool = False, pin_memory: bool = False, num_workers: int = 0,
                            **kwargs) -> DataLoader:
-        """A DataLoader that gives each data-parallel replica its own samples."""
+        """A DataLoader that gives each data-parallel replica its own samples (tensor- and
+        pipeline-parallel ranks of one replica get the same ones)."""
+        return build_dataloader(dataset, batch_size, self.mesh.dp_size, self.mesh.dp_rank, shuffle, seed, drop_last,
+                                pin_memory, num_workers, **kwargs)
 
     def backward(self, loss, optimizer) -> None:
         optimizer.backward(loss)
@@ -35,8 +48,7 @@ class Plugin(ABC):
 
     def execute_pipeline(self, data_iter: Iterator, model, criterion, optimizer=None, return_loss: bool = True,
                          return_outputs: bool = False) -> dict:
-        raise NotImplementedError(f"{type(self).__name__} has no pipeline parallelism; use "
-                                  "HybridParallelPlugin(pp_size>1)")
+        raise TypeError(f"{type(self).__name__} has no pipeline parallelism; use HybridParallelPlugin(pp_size>1)")
 
     @property
     def supports_pipeline(self) -> bool:

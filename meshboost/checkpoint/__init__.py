@@ -1,10 +1,11 @@
-"""Checkpoint IO: HF-format model saving (gather and unpad tensor-parallel shards, atomic writes) and
-topology-free optimizer / LR-scheduler checkpoints (optimizer_io.py; Booster glue in booster_io.py)."""
+"""Checkpoint IO: HF-format model saving and loading at any layout (model_io.py, load.py),
+topology-free optimizer and LR-scheduler states (optimizer_io.py), all written by one sharded,
+atomic writer (writer.py). Booster glue lives in `meshboost.booster.checkpoint_io`."""
 
-from meshboost.checkpoint.booster_io import load_lr_scheduler, save_lr_scheduler
-from meshboost.checkpoint.hf_format import AtomicTarget, plan_files
+from meshboost.checkpoint.load import load_model
 from meshboost.checkpoint.model_io import checkpoint_entries, save_model
-from meshboost.checkpoint.optimizer_io import load_optimizer, save_optimizer
+from meshboost.checkpoint.optimizer_io import load_lr_scheduler, load_optimizer, save_lr_scheduler, save_optimizer
+from meshboost.checkpoint.writer import AtomicTarget, CheckpointWriter, save_roles
 
-__all__ = ["save_model", "checkpoint_entries", "plan_files", "AtomicTarget", "save_optimizer", "load_optimizer",
-           "save_lr_scheduler", "load_lr_scheduler"]
+__all__ = ["save_model", "load_model", "checkpoint_entries", "save_optimizer", "load_optimizer", "save_lr_scheduler",
+           "load_lr_scheduler", "CheckpointWriter", "AtomicTarget", "save_roles"]

@@ -3,8 +3,9 @@ the slices this rank owns.
 
 Owns: finding the weight files of a folder (single file or index, safetensors or torch pickle),
 refusing incomplete folders, mapping checkpoint names onto parameter names (with or without the
-base-model prefix), slicing by each parameter's `TensorParallelInfo` (vocab padding, fused
-blocks), and materialising parameters of a model built on the meta device. Must not communicate:
+base-model prefix; tied weights through `names.py`), reading each parameter's owned slices as its
+`TensorParallelInfo` says (`param_info.shard_from`: vocab padding, fused blocks), and materialising
+parameters of a model built on the meta device. Must not communicate:
 every rank reads its own slices, so no rank ever holds more than its share of a tensor
 (safetensors reads slices lazily; torch pickles are memory-mapped).
 """
@@ -18,7 +19,8 @@ import re
 import torch
 import torch.nn as nn
 
-from meshboost.shardformer.param_info import TensorParallelInfo, get_tp_info
+from meshboost.checkpoint.names import ParamNames
+from meshboost.distributed.param_info import TensorParallelInfo, get_tp_info, shard_from
 
 _INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _SINGLES = ("model.safetensors", "pytorch_model.bin")
@@ -93,50 +95,11 @@ class CheckpointReader:
         return handle.get_slice(key)[index]
 
 
-def _local_slices(info: TensorParallelInfo, full_shape: tuple[int, ...]) -> list[tuple[tuple, int]]:
-    """(index, zero padding after it) pieces whose concatenation along info.dim is this rank's shard."""
-    dim = info.dim
-    size = full_shape[dim]
-    pieces = []
-    if info.num_fused > 1:
-        block = size // info.num_fused
-        part = block // info.tp_size
-        starts = [f * block + info.tp_rank * part for f in range(info.num_fused)]
-        ranges = [(s, s + part, 0) for s in starts]
-    else:
-        local = info.local_size
-        start = info.tp_rank * local
-        stop = min(start + local, size)
-        ranges = [(min(start, size), stop, local - max(stop - start, 0))]
-    for start, stop, pad in ranges:
-        index = tuple(slice(None) if d != dim else slice(start, stop) for d in range(len(full_shape)))
-        pieces.append((index, pad))
-    return pieces
-
-
-def slice_shard(read_slice, full_shape: tuple[int, ...], info: TensorParallelInfo, what: str) -> torch.Tensor:
-    """This rank's shard (zero-padded like the parameter) of a full tensor of `full_shape`, built
-    from `read_slice(index)` calls that each return `full[index]`, so only owned slices are read."""
-    if tuple(full_shape) != tuple(info.full_shape):
-        raise ValueError(f"{what} has shape {tuple(full_shape)}, the model expects {tuple(info.full_shape)}; "
-                         "the checkpoint belongs to another configuration")
-    parts = []
-    for index, pad in _local_slices(info, tuple(full_shape)):
-        t = read_slice(index)
-        if pad:
-            shape = list(t.shape)
-            shape[info.dim] = pad
-            t = torch.cat([t, t.new_zeros(shape)], dim=info.dim)
-        parts.append(t)
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=info.dim)
-
-
 def read_shard(reader: CheckpointReader, key: str, info: TensorParallelInfo | None) -> torch.Tensor:
     """This rank's shard of checkpoint tensor `key` (the full tensor for a replicated parameter)."""
     if info is None or info.tp_size == 1 and not info.padding:
         return reader.read(key)
-    return slice_shard(lambda index: reader.read(key, index), reader.shape(key), info,
-                       f"checkpoint tensor {key!r}")
+    return shard_from(lambda index: reader.read(key, index), reader.shape(key), info, f"checkpoint tensor {key!r}")
 
 
 def _candidates(name: str, prefix: str) -> list[str]:
@@ -197,16 +160,10 @@ def load_model(model: nn.Module, checkpoint: str, strict: bool = True, device: t
     used: set[str] = set()
     missing: list[str] = []
 
-    tied = getattr(model, "_tied_weights_keys", None)
-    tied = tied if isinstance(tied, dict) else {}          # transformers 5.x: {tied copy: source}
-    aliases: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(name)
-    for names in aliases.values():
-        names.extend(tied[n] for n in list(names) if n in tied and tied[n] not in names)
-    entries = [(name, p, aliases[id(p)]) for name, p in model.named_parameters()]
+    names = ParamNames(model)
+    entries = [(name, p, names.names(p)) for name, p in model.named_parameters()]
     state = model.state_dict(keep_vars=True)
-    param_ids = set(aliases)
+    param_ids = {id(p) for _, p, _ in entries}
     entries += [(n, b, [n]) for n, b in state.items() if id(b) not in param_ids and isinstance(b, torch.Tensor)]
 
     resolved = []

@@ -1,149 +1,37 @@
-"""Topology-free optimizer checkpoints: states keyed by parameter name, stored as full tensors.
+"""Topology-free optimizer checkpoints (states keyed by parameter name, as full tensors) and the
+LR scheduler's state.
 
-Owns: turning a boosted optimizer's state (plain, MixedPrecisionOptimizer or ZeroOptimizer, at any
-dp x pp x tp layout) into one entry per HF parameter name holding full, unpadded tensors, and the
-reverse: slicing those entries back into whatever layout the loading optimizer has (tp shards with
-vocab padding from each parameter's `TensorParallelInfo`; ZeRO: only this rank's bucket slices).
+Owns: serialising what a boosted optimizer exports (`OptimizerWrapper.export_state` /
+`export_meta`, in the one format of `meshboost.optim.state`) under the names of `names.py`, and
+reading it back lazily for `import_state`, which checks names, groups and shapes and cuts each
+entry into the loading optimizer's layout. Must not know where an optimizer keeps its state (the
+optimizer does) nor how a save is staged and committed (`writer.py`).
 
-An entry is {"per_element": {key: full tensor}, "scalar": {key: value}, "master": full fp32 tensor
-(only when mixed precision / ZeRO keep masters apart from the weights)}. Adam's `exp_avg` is
-per-element, its `step` scalar (stored once per parameter). Next to the entries: the param groups
-(hyperparameters, params listed by name), the loss-scaler state and the names tied weights go by.
-
-On disk (written atomically through `hf_format.AtomicTarget`):
+On disk (written atomically by the writer):
   shard=False: one torch file at `checkpoint` {"format", "state": {name: entry}, "extra": {...}}.
   shard=True:  a folder: optimizer-0000k-of-0000N.bin ({name: entry}), optimizer.groups.bin (the
                "extra" part) and optimizer.index.json {"format", "weight_map": name -> file,
                "param_groups": "optimizer.groups.bin"}. Pipeline stages (shard=True only) each
-               write their own files (their dp 0 / tp 0 rank) into one staging folder; global rank
-               0 merges the stages' parts into the index and puts the folder in place.
-Who gathers: ZeRO shards are all-gathered over dp (every dp rank), tp shards over tp (dp replica 0
-only). Collectives only through `shardformer/comm.py`. Loading reads files memory-mapped and
-never communicates except ZeRO's write-back of loaded masters into the working weights.
+               write their own files; global rank 0 merges the stages' extras.
+"extra" = the optimizer's meta (format, param groups with params by name, loss-scaler state) plus
+"aliases" (every name a parameter goes by -> the name it is saved under). The optimizer checks the
+format when it imports.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import secrets
+from collections.abc import Mapping
 
 import torch
 import torch.nn as nn
 
-from meshboost.booster.wrappers import OptimizerWrapper
-from meshboost.checkpoint import hf_format
-from meshboost.checkpoint.load import slice_shard
-from meshboost.checkpoint.model_io import _any_failed, _roles, _unwrap
-from meshboost.launch import get_current_device
-from meshboost.optim.mixed_precision import MixedPrecisionOptimizer
-from meshboost.optim.zero import ZeroOptimizer
-from meshboost.shardformer import comm
-from meshboost.shardformer.param_info import TensorParallelInfo, gather_tensor, get_tp_info
+from meshboost.checkpoint.names import ParamNames
+from meshboost.checkpoint.writer import CheckpointWriter, save_roles
 
-FORMAT = "meshboost-optimizer-v1"
 INDEX_NAME = "optimizer.index.json"
 GROUPS_NAME = "optimizer.groups.bin"
-
-
-# -- what the optimizer holds ------------------------------------------------------------------
-def _inner(optimizer):
-    return optimizer.unwrap() if isinstance(optimizer, OptimizerWrapper) else optimizer
-
-
-def _group_params(optimizer) -> list[list[torch.Tensor]]:
-    """The working (model) parameters of each param group."""
-    if isinstance(optimizer, MixedPrecisionOptimizer):
-        return optimizer.working_params
-    return [list(g["params"]) for g in _inner(optimizer).param_groups]
-
-
-def _names(model: nn.Module) -> tuple[dict[int, str], dict[str, list[str]]]:
-    """id(param) -> its name in the checkpoint, and that name -> every name it goes by.
-
-    A weight tied by the model (transformers 5: `_tied_weights_keys = {target: source}`, e.g. the LM
-    head tied to the embedding) is saved under its source name even on a pipeline stage that holds
-    only the target, so every stage and layout agrees on one key."""
-    tied = getattr(model, "_tied_weights_keys", None)
-    tied = tied if isinstance(tied, dict) else {}
-    first, aliases = {}, {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        key = first.setdefault(id(p), tied.get(name, name))
-        names = aliases.setdefault(key, [key])
-        if name not in names:
-            names.append(name)
-    return first, aliases
-
-
-def _per_element(value, master: torch.Tensor) -> bool:
-    return torch.is_tensor(value) and value.dim() > 0 and value.shape == master.shape
-
-
-def _full(local: torch.Tensor, info: TensorParallelInfo | None, gathers: bool) -> torch.Tensor | None:
-    if not gathers:
-        return None
-    return gather_tensor(local.detach(), info).detach().to("cpu", copy=True).contiguous()
-
-
-def _entries(optimizer, model: nn.Module, gathers: bool, dp_group):
-    """Yield (name, entry) in the same order on every rank of a stage, joining every collective.
-    `gathers`: this rank joins the tp gathers (dp replica 0); entries of other ranks are None."""
-    inner = _inner(optimizer)
-    first, _ = _names(model)
-    if isinstance(optimizer, ZeroOptimizer):
-        for b in optimizer.buckets:
-            state = inner.state.get(b.master, {})
-            flat = {k: comm.all_gather(v.detach(), dp_group, dim=0) for k, v in sorted(state.items())
-                    if _per_element(v, b.master)}
-            flat["__master__"] = comm.all_gather(b.master.detach(), dp_group, dim=0)
-            for p, off in zip(b.params, b.offsets):
-                info = get_tp_info(p)
-                full = {k: _full(v[off:off + p.numel()].view(p.shape), info, gathers) for k, v in flat.items()}
-                master = full.pop("__master__")
-                yield first[id(p)], gathers and {
-                    "per_element": full, "master": master,
-                    "scalar": {k: _copy(v) for k, v in state.items() if not _per_element(v, b.master)}}
-        return
-    master_of = getattr(optimizer, "master_of", {})
-    for params in _group_params(optimizer):
-        for p in params:
-            m = master_of.get(p, p)
-            state = inner.state.get(m, {})
-            info = get_tp_info(p)
-            entry = {"per_element": {k: _full(v, info, gathers) for k, v in sorted(state.items())
-                                     if _per_element(v, m)},
-                     "scalar": {k: _copy(v) for k, v in state.items() if not _per_element(v, m)}}
-            if m is not p:
-                entry["master"] = _full(m, info, gathers)
-            yield first[id(p)], gathers and entry
-
-
-def _copy(value):
-    return value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
-
-
-def _extra(optimizer, model: nn.Module) -> dict:
-    """Param groups (params by name), loss-scaler state and tied-weight aliases."""
-    first, aliases = _names(model)
-    groups = []
-    for group, params in zip(_inner(optimizer).param_groups, _group_params(optimizer)):
-        saved = {k: _copy(v) for k, v in group.items() if k != "params"}
-        saved["params"] = [first[id(p)] for p in params]
-        groups.append(saved)
-    extra = {"param_groups": groups, "aliases": {a: n for n, names in aliases.items() for a in names}}
-    scaler = getattr(optimizer, "scaler", None)
-    if scaler is not None:
-        extra["loss_scaler"] = scaler.state_dict()
-    return extra
-
-
-# -- save ----------------------------------------------------------------------------------------
-def _agree(values: list[float], group) -> list[float]:
-    """Sum `values` over every rank (one all-reduce; also a barrier)."""
-    t = torch.tensor(values, dtype=torch.float64, device=get_current_device())
-    if group is not None:
-        comm.all_reduce(t, group)
-    return t.tolist()
 
 
 def _write_file(obj, path: str) -> None:
@@ -151,149 +39,67 @@ def _write_file(obj, path: str) -> None:
     torch.save(obj, path)
 
 
-def _shard_name(prefix: str | None, k: int, total: int) -> str:
-    return f"{prefix + '-' if prefix else ''}optimizer-{k:05d}-of-{total:05d}.bin"
+def _trained(optimizer) -> list[torch.Tensor]:
+    return [p for params in optimizer.working_param_groups for p in params]
 
 
-def _nbytes(entry: dict) -> int:
-    tensors = list(entry["per_element"].values()) + ([entry["master"]] if "master" in entry else [])
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
+# -- save ----------------------------------------------------------------------------------------
 def save_optimizer(optimizer, model: nn.Module, checkpoint: str, shard: bool = False, size_per_shard: float = 1024,
                    prefix: str | None = None, mesh=None) -> None:
-    """Write the state of boosted `optimizer` (built on boosted `model`) at `checkpoint`; call it on
-    every rank. shard=False: one file. shard=True: a folder of files of at most `size_per_shard` MB
-    plus the index. The result loads at any other layout (`load_optimizer`)."""
+    """Write the state of boosted `optimizer`, built on `model` (the user's model at its layout over
+    `mesh`), at `checkpoint`; call it on every rank. shard=False: one file. shard=True: a folder of
+    files of at most `size_per_shard` MB plus the index. The result loads at any other layout."""
     if not isinstance(size_per_shard, (int, float)) or size_per_shard <= 0:
         raise ValueError(f"size_per_shard={size_per_shard!r} must be a positive number of megabytes")
     if prefix and not shard:
         raise ValueError(f"prefix={prefix!r} names shard files; it only applies with shard=True")
-    if mesh is None:
-        mesh = getattr(optimizer, "mesh", None)
-    if mesh is None:
-        mesh = getattr(model, "mesh", None)
-    r = _roles(mesh)
-    if r.num_stages > 1 and not shard:
-        raise NotImplementedError(f"save_optimizer(shard=False) with pp_size={r.num_stages}: each pipeline stage "
+    roles = save_roles(mesh)
+    if roles.num_stages > 1 and not shard:
+        raise NotImplementedError(f"save_optimizer(shard=False) with pp_size={roles.num_stages}: each pipeline stage "
                                   "writes its own files; use shard=True")
-    model = _unwrap(model)
-    extra = _extra(optimizer, model)
-    token = None
-    if r.num_stages > 1:                          # one staging folder for every stage, named by rank 0
-        token = int(_agree([float(secrets.randbits(48)) if r.main_writer else 0.0], r.group)[0])
-    error, target = None, None
-    if r.stage_writer:
-        try:
-            target = hf_format.AtomicTarget(checkpoint, is_file=not shard, token=token)
-        except Exception as e:  # noqa: BLE001 - agreed on every rank below
-            error = e
-    limit = size_per_shard * 1024 * 1024
-    parts: list[tuple[str, list[str], int]] = []      # (staged name, entry names, bytes)
-    pending, pending_bytes, whole = {}, 0, {}
+    names = ParamNames(model)
+    key_of = names.key_of(_trained(optimizer))
+    extra = {**optimizer.export_meta(key_of), "aliases": names.aliases()}
 
-    def flush():
-        nonlocal pending, pending_bytes, error
-        if pending and error is None:
-            name = f".part-{r.stage}-{len(parts)}.bin"
-            try:
-                _write_file(pending, os.path.join(target.path, name))
-            except Exception as e:  # noqa: BLE001
-                error = e
-            parts.append((name, list(pending), pending_bytes))
-        pending, pending_bytes = {}, 0
+    def write_file(entries: dict, path: str) -> None:
+        _write_file(entries if shard else {"format": extra.get("format"), "state": entries, "extra": extra}, path)
 
-    for name, entry in _entries(optimizer, model, r.gathers, r.dp_group):
-        if not r.stage_writer:
-            continue
-        if not shard:
-            whole[name] = entry
-            continue
-        size = _nbytes(entry)
-        if pending and pending_bytes + size > limit:
-            flush()
-        pending[name] = entry
-        pending_bytes += size
-    if r.stage_writer and shard:
-        flush()
-    if r.stage_writer and not shard and error is None:
-        try:
-            _write_file({"format": FORMAT, "state": whole, "extra": extra}, target.path)
-        except Exception as e:  # noqa: BLE001
-            error = e
-    if shard:
-        counts = [0.0] * (r.num_stages + 1)
-        if r.stage_writer:
-            counts[r.stage] = float(len(parts))
-        counts[-1] = 1.0 if error is not None else 0.0
-        counts = _agree(counts, r.group)
-        if counts[-1] == 0 and r.stage_writer:
-            first, total = int(sum(counts[:r.stage])), int(sum(counts[:r.num_stages]))
-            try:
-                weight_map, total_size = {}, 0
-                for k, (staged, names, nbytes) in enumerate(parts, start=first + 1):
-                    final = _shard_name(prefix, k, total)
-                    os.replace(os.path.join(target.path, staged), os.path.join(target.path, final))
-                    weight_map.update({n: final for n in names})
-                    total_size += nbytes
-                torch.save({"weight_map": weight_map, "total_size": total_size, "extra": extra},
-                           os.path.join(target.path, f".stage{r.stage}.optim"))
-            except Exception as e:  # noqa: BLE001
-                error = e
-        if _any_failed(error, r.group) or counts[-1]:
-            _abort(target, r, error, checkpoint)
-    if r.main_writer and error is None:
-        try:
-            if shard:
-                _merge_stages(target.path, r.num_stages)
-            target.commit()
-        except Exception as e:  # noqa: BLE001
-            error = e
-    if _any_failed(error, r.group):
-        _abort(target, r, error, checkpoint)
+    writer = CheckpointWriter(
+        checkpoint, roles, shard=shard, as_file=not shard, size_per_shard_mb=size_per_shard,
+        shard_name=lambda k, total: f"{prefix + '-' if prefix else ''}optimizer-{k:05d}-of-{total:05d}.bin",
+        write_file=write_file, what="save_optimizer")
+    for key, entry in optimizer.export_state(key_of, gather=roles.gathers):
+        if roles.gathers:
+            tensors = list(entry["per_element"].values()) + ([entry["master"]] if "master" in entry else [])
+            writer.add(key, entry, sum(t.numel() * t.element_size() for t in tensors))
+    writer.finish(extra, _write_index if shard else None)
 
 
-def _abort(target, r, error, checkpoint):
-    if r.main_writer and target is not None:
-        target.abort()
-    # Every rank reaches here together; wait until the staging folder is gone before any returns.
-    _agree([0.0], r.group)
-    if error is not None:
-        raise error
-    raise RuntimeError(f"save_optimizer({checkpoint!r}) failed on another rank; see its error. Any existing "
-                       "checkpoint there is unchanged.")
-
-
-def _merge_stages(folder: str, stages: int) -> None:
-    """Merge the stages' weight maps and param groups into the index (rank 0)."""
-    weight_map, total, extra = {}, 0, None
-    for s in range(stages):
-        path = os.path.join(folder, f".stage{s}.optim")
-        part = torch.load(path, weights_only=True)
-        os.remove(path)
-        weight_map.update(part["weight_map"])
-        total += part["total_size"]
-        if extra is None:
-            extra = part["extra"]
-            continue
-        extra["aliases"].update(part["extra"]["aliases"])
-        for mine, theirs in zip(extra["param_groups"], part["extra"]["param_groups"]):
+def _write_index(folder: str, files, extras: list[dict]) -> None:
+    """Merge the stages' extras (their param groups list only their own parameters) and write the
+    groups file and the index (global rank 0)."""
+    extra = extras[0]
+    for other in extras[1:]:
+        extra["aliases"].update(other["aliases"])
+        for mine, theirs in zip(extra["param_groups"], other["param_groups"]):
             mine["params"] += [n for n in theirs["params"] if n not in mine["params"]]
     torch.save(extra, os.path.join(folder, GROUPS_NAME))
     with open(os.path.join(folder, INDEX_NAME), "w", encoding="utf-8") as fh:
-        json.dump({"format": FORMAT, "metadata": {"total_size": total}, "weight_map": weight_map,
-                   "param_groups": GROUPS_NAME}, fh, indent=2, sort_keys=True)
+        json.dump({"format": extra.get("format"), "metadata": {"total_size": sum(f.nbytes for f in files)},
+                   "weight_map": {n: f.name for f in files for n in f.names}, "param_groups": GROUPS_NAME},
+                  fh, indent=2, sort_keys=True)
 
 
 # -- load ----------------------------------------------------------------------------------------
-class OptimizerCheckpoint:
-    """The entries of a saved optimizer (memory-mapped): `entry(name)`, `extra`, `names()`."""
+class OptimizerCheckpoint(Mapping):
+    """The entries of a saved optimizer, read lazily (memory-mapped): a mapping name -> entry, plus
+    `extra` and `resolve`."""
 
     def __init__(self, path: str):
         self._files: dict[str, dict] = {}
         if os.path.isfile(path):
             blob = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-            if not isinstance(blob, dict) or blob.get("format") != FORMAT:
+            if not isinstance(blob, dict) or not {"format", "state", "extra"} <= set(blob):
                 raise ValueError(f"{path!r} is not a meshboost optimizer checkpoint (saved by save_optimizer)")
             self.extra, self.weight_map = blob["extra"], {n: path for n in blob["state"]}
             self._files[path] = blob["state"]
@@ -333,90 +139,46 @@ class OptimizerCheckpoint:
             self._files[file] = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
         return self._files[file][name]
 
+    def __getitem__(self, name: str) -> dict:
+        return self.entry(name)
 
-def _local(full: torch.Tensor, info: TensorParallelInfo | None, name: str) -> torch.Tensor:
-    """This rank's tp shard (zero-padded like the parameter) of a full saved tensor."""
-    if info is None:
-        return full
-    return slice_shard(full.__getitem__, tuple(full.shape), info, f"optimizer state of {name!r}")
+    def __contains__(self, name) -> bool:
+        return name in self.weight_map
+
+    def __iter__(self):
+        return iter(self.weight_map)
+
+    def __len__(self) -> int:
+        return len(self.weight_map)
 
 
-@torch.no_grad()
 def load_optimizer(optimizer, model: nn.Module, checkpoint: str) -> None:
-    """Load a `save_optimizer` checkpoint (saved at any layout) into boosted `optimizer`, in place.
-    Call it on every rank (ZeRO writes the loaded masters back into the weights over dp)."""
+    """Load a `save_optimizer` checkpoint (saved at any layout) into boosted `optimizer`, built on
+    `model` (the user's model), in place. Names, groups and shapes are checked before anything
+    changes. Call it on every rank (ZeRO writes the loaded masters back into the weights over dp)."""
     ckpt = OptimizerCheckpoint(checkpoint)
-    model = _unwrap(model)
-    inner = _inner(optimizer)
-    first, aliases = _names(model)
-
-    def entry_of(p):
-        name = first[id(p)]
-        saved = ckpt.resolve(aliases[name])
+    names = ParamNames(model)
+    key_of = {}
+    for p in _trained(optimizer):
+        saved = ckpt.resolve([names.key(p), *names.names(p)])
         if saved is None:
-            raise KeyError(f"optimizer checkpoint {checkpoint!r} has no state for parameter {name!r}")
-        return name, ckpt.entry(saved)
-
-    saved_groups = ckpt.extra["param_groups"]
-    if len(saved_groups) != len(inner.param_groups):
-        raise ValueError(f"optimizer checkpoint has {len(saved_groups)} param groups, this optimizer "
-                         f"{len(inner.param_groups)}; build the optimizer with the same groups")
-    for i, (group, params, saved) in enumerate(zip(inner.param_groups, _group_params(optimizer), saved_groups)):
-        known = set(saved["params"])
-        stray = [first[id(p)] for p in params if ckpt.resolve(aliases[first[id(p)]]) not in known]
-        if stray:
-            raise ValueError(f"param group {i}: parameters {stray[:5]} are not in the saved group {i}")
-        group.update({k: v for k, v in saved.items() if k != "params"})
-
-    device = get_current_device()
-    if isinstance(optimizer, ZeroOptimizer):
-        for b in optimizer.buckets:
-            entries = [entry_of(p) for p in b.params]
-            state = {k: torch.zeros_like(b.master) for k in entries[0][1]["per_element"]}
-            state.update({k: _copy(v) for k, v in entries[0][1]["scalar"].items()})
-            masters = all("master" in e for _, e in entries)
-            for (name, e), (p, start, end, s) in zip(entries, _owned(b)):
-                info = get_tp_info(p)
-                for k, full in e["per_element"].items():
-                    state[k][s:s + end - start] = _local(full, info, name).reshape(-1)[start:end]
-                src = _local(e["master"], info, name) if masters else p.detach()
-                b.master.detach()[s:s + end - start] = src.reshape(-1)[start:end].float()
-            inner.state[b.master] = {k: _to(v, device) for k, v in state.items()}
-        optimizer._write_back()                      # loaded masters -> working weights (all-gather over dp)
-        _load_scaler(optimizer, ckpt)
-        return
-    master_of = getattr(optimizer, "master_of", {})
-    wrote_masters = False
-    for params in _group_params(optimizer):
-        for p in params:
-            name, e = entry_of(p)
-            m = master_of.get(p, p)
-            info = get_tp_info(p)
-            state = {k: _local(v, info, name).to(m.device, copy=True) for k, v in e["per_element"].items()}
-            state.update({k: _copy(v) for k, v in e["scalar"].items()})
-            inner.state[m] = {k: _to(v, device) for k, v in state.items()}
-            if m is not p:
-                m.copy_(_local(e["master"], info, name) if "master" in e else p.detach().float())
-                wrote_masters = True
-    if wrote_masters:
-        optimizer._write_back()
-    _load_scaler(optimizer, ckpt)
+            raise KeyError(f"optimizer checkpoint {checkpoint!r} has no state for parameter {names.key(p)!r}")
+        key_of[p] = saved
+    optimizer.import_state(ckpt, key_of, ckpt.extra)
 
 
-def _owned(b):
-    """Every param of bucket `b` with its owned slice (empty slices too, to zip with b.params)."""
-    lo, hi = b.dp_rank * b.shard_size, (b.dp_rank + 1) * b.shard_size
-    for p, off in zip(b.params, b.offsets):
-        a, e = max(lo, off), min(hi, off + p.numel())
-        yield (p, a - off, e - off, a - lo) if a < e else (p, 0, 0, 0)
+# -- the LR scheduler ------------------------------------------------------------------------------
+def save_lr_scheduler(lr_scheduler, checkpoint: str, mesh=None) -> None:
+    """Global rank 0 writes `lr_scheduler.state_dict()` to the file `checkpoint` (atomically); every
+    rank waits and raises if it failed."""
+    writer = CheckpointWriter(checkpoint, save_roles(mesh, main_only=True), shard=False, as_file=True,
+                              write_file=lambda payload, path: _write_file(payload["state"], path),
+                              what="save_lr_scheduler")
+    writer.add("state", lr_scheduler.state_dict(), 0)
+    writer.finish()
 
 
-def _to(value, device):
-    # Adam keeps `step` on the CPU unless capturable/fused; keep scalars where they were saved.
-    return value.to(device) if torch.is_tensor(value) and value.dim() > 0 else value
-
-
-def _load_scaler(optimizer, ckpt: OptimizerCheckpoint) -> None:
-    scaler, state = getattr(optimizer, "scaler", None), ckpt.extra.get("loss_scaler")
-    if scaler is not None and state is not None:
-        scaler.load_state_dict(state)
+def load_lr_scheduler(lr_scheduler, checkpoint: str) -> None:
+    if not os.path.isfile(checkpoint):
+        raise FileNotFoundError(f"lr scheduler checkpoint {checkpoint!r} does not exist")
+    lr_scheduler.load_state_dict(torch.load(checkpoint, weights_only=True))

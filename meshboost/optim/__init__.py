@@ -1,12 +1,14 @@
 """Optimizer wrappers, composed as thin layers: the user's optimizer -> MixedPrecisionOptimizer
 (fp32 masters, loss scaling, overflow skip, clipping) -> ZeroOptimizer (masters and states
-partitioned over dp). The global gradient norm is written once, in grad_norm.py. Memory
-accounting: `meshboost.optim.memory` (not imported here so `python -m` runs it cleanly)."""
+partitioned over dp). Every wrapper exports and imports its state per parameter in one format
+(state.py). The global gradient norm is written once, in grad_norm.py; memory accounting lives in
+memory.py."""
 
 from meshboost.optim.grad_norm import clip_coefficient, counted_here, global_grad_norm
 from meshboost.optim.grad_scaler import DynamicGradScaler, GradScalerConfig
-from meshboost.optim.mixed_precision import PRECISION_DTYPES, MixedPrecisionOptimizer
-from meshboost.optim.zero import ZeroOptimizer
+from meshboost.optim.mixed_precision import PRECISION_DTYPES, MixedPrecisionOptimizer, PrecisionConfig
+from meshboost.optim.wrapper import OptimizerWrapper
+from meshboost.optim.zero import ZeroConfig, ZeroOptimizer
 
-__all__ = ["DynamicGradScaler", "GradScalerConfig", "MixedPrecisionOptimizer", "ZeroOptimizer", "PRECISION_DTYPES",
-           "global_grad_norm", "counted_here", "clip_coefficient"]
+__all__ = ["OptimizerWrapper", "DynamicGradScaler", "GradScalerConfig", "MixedPrecisionOptimizer", "PrecisionConfig",
+           "ZeroOptimizer", "ZeroConfig", "PRECISION_DTYPES", "global_grad_norm", "counted_here", "clip_coefficient"]

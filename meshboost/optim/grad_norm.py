@@ -10,8 +10,8 @@ Counting rule, with one SUM (or MAX for the inf-norm) over the world group of th
     counts its own shard. Parameters without a record are identical on every tp rank: only tp
     rank 0 counts them.
   * pipeline stages hold disjoint parameters: every stage counts its own, except a weight tied
-    across stages (GPT-2's embedding and LM head), whose last-stage replica carries
-    `pipeline_tied_replica = True` (set by meshboost.pipeline) and is not counted.
+    across stages (GPT-2's embedding and LM head), whose last-stage replica carries a
+    `PipelineTie(replica=True)` record (`meshboost.distributed.param_info`) and is not counted.
   * ZeRO partitions are disjoint over dp: every dp rank counts its own partition. Without ZeRO
     the reduced gradients are identical over dp: only dp rank 0 counts them.
 """
@@ -24,14 +24,13 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from meshboost.launch import get_current_device
-from meshboost.shardformer import comm
-from meshboost.shardformer.param_info import is_tp_sharded
+from meshboost.distributed import comm
+from meshboost.distributed.param_info import is_pipeline_replica, is_tp_sharded
 
 
 def counted_here(param: torch.Tensor, mesh, dp_partitioned: bool) -> bool:
     """True when this rank contributes `param`'s gradient (or its ZeRO partition) to the norm."""
-    if getattr(param, "pipeline_tied_replica", False):
+    if is_pipeline_replica(param):
         return False
     if not is_tp_sharded(param) and mesh.tp_rank != 0:
         return False
@@ -40,23 +39,27 @@ def counted_here(param: torch.Tensor, mesh, dp_partitioned: bool) -> bool:
     return True
 
 
-def local_norm_power(grads: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-    """sum |g|^p over `grads` (or max |g| for p = inf), accumulated in fp32, as a 1-element tensor."""
+def local_norm_power(grads: Iterable[torch.Tensor], norm_type: float = 2.0,
+                     device: torch.device | None = None) -> torch.Tensor:
+    """sum |g|^p over `grads` (or max |g| for p = inf), accumulated in fp32, as a 1-element tensor
+    (on `device` when this rank counts no gradient, e.g. a stage holding only frozen weights)."""
     grads = [g for g in grads if g is not None and g.numel()]
     if not grads:
-        return torch.zeros(1, dtype=torch.float32, device=get_current_device())
+        return torch.zeros(1, dtype=torch.float32, device=device)
     if math.isinf(norm_type):
         return torch.stack([g.detach().abs().max().float() for g in grads]).max().reshape(1)
     norms = torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type) for g in grads])
     return norms.pow(norm_type).sum().reshape(1)
 
 
-def global_grad_norm(grads: Iterable[torch.Tensor], group, norm_type: float = 2.0) -> float:
+def global_grad_norm(grads: Iterable[torch.Tensor], group, norm_type: float = 2.0,
+                     device: torch.device | None = None) -> float:
     """The norm over every rank of `group` of the gradients each rank counts (see the module
-    docstring for who counts what). inf or nan when any counted gradient is."""
+    docstring for who counts what). inf or nan when any counted gradient is. `device`: where the
+    collective runs when this rank counts nothing (the mesh's device)."""
     if norm_type <= 0:
         raise ValueError(f"norm_type={norm_type!r} must be positive (2.0 or float('inf'))")
-    partial = local_norm_power(grads, norm_type)
+    partial = local_norm_power(grads, norm_type, device)
     op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
     if dist.is_initialized():
         comm.all_reduce(partial, group, op=op)

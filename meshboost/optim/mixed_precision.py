@@ -15,23 +15,26 @@ where master weights and their gradients live):
                masters -> working weights                  (copy, or all-gather under ZeRO)
 
 The user's optimizer object is kept and its param groups are pointed at the masters, so an LR
-scheduler built on it keeps working and `optimizer.param_groups` is the real thing. Must not
-contain data-parallel partitioning (that is zero.py) or norm maths (grad_norm.py).
+scheduler built on it keeps working and `optimizer.param_groups` is the real thing. Its state is
+exported and imported per parameter in the one format of `state.py` (`state_dict` included).
+Must not contain data-parallel partitioning (that is zero.py) or norm maths (grad_norm.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from meshboost.booster.wrappers import OptimizerWrapper
-from meshboost.launch import get_current_device
+from meshboost.distributed import comm
+from meshboost.optim import state as fmt
 from meshboost.optim.grad_norm import clip_coefficient, counted_here, global_grad_norm
 from meshboost.optim.grad_scaler import DynamicGradScaler, GradScalerConfig
-from meshboost.shardformer import comm
+from meshboost.optim.wrapper import OptimizerWrapper
 
 PRECISION_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -40,6 +43,27 @@ def check_precision(precision: str) -> torch.dtype:
     if precision not in PRECISION_DTYPES:
         raise ValueError(f"precision={precision!r}; expected one of {tuple(PRECISION_DTYPES)}")
     return PRECISION_DTYPES[precision]
+
+
+@dataclass
+class PrecisionConfig:
+    """Working precision and the step's numerics, checked when built (before any collective)."""
+
+    precision: str = "fp32"       # working weights: "fp32" | "fp16" (loss-scaled) | "bf16"; masters are fp32
+    max_norm: float = 0.0         # clip by the global gradient norm when > 0
+    norm_type: float = 2.0        # 2.0 or float("inf")
+    scaler: GradScalerConfig = field(default_factory=GradScalerConfig)    # fp16's dynamic loss scale
+
+    def __post_init__(self):
+        check_precision(self.precision)
+        if not isinstance(self.max_norm, (int, float)) or self.max_norm < 0:
+            raise ValueError(f"max_norm={self.max_norm!r} must be >= 0 (0 disables clipping)")
+        if not isinstance(self.norm_type, (int, float)) or not (self.norm_type > 0 or math.isinf(self.norm_type)):
+            raise ValueError(f"norm_type={self.norm_type!r} must be positive (2.0 or float('inf'))")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return PRECISION_DTYPES[self.precision]
 
 
 def _copy_into_master(master: torch.Tensor, value: torch.Tensor | None, like: torch.Tensor) -> None:
@@ -56,10 +80,9 @@ def _copy_into_master(master: torch.Tensor, value: torch.Tensor | None, like: to
 class MixedPrecisionOptimizer(OptimizerWrapper):
     """Wrap `optim` (built on the model's parameters) for training with `precision` working weights.
 
-    mesh: the `ParallelMesh` (overflow and norms are agreed over its world group).
-    precision: "fp32" (masters are the parameters themselves), "fp16" (loss-scaled) or "bf16".
-    max_norm: clip by the global gradient norm when > 0. norm_type: 2.0 or inf.
-    scaler_config: `GradScalerConfig` for fp16 (defaults when None); ignored otherwise.
+    mesh: the `ParallelMesh` (overflow and norms are agreed over its world group, on its device).
+    precision / max_norm / norm_type / scaler_config: see `PrecisionConfig` (scaler_config: the
+    fp16 `GradScalerConfig`, defaults when None; ignored otherwise).
 
     Build it while the parameters are still fp32 (before casting the model) so the masters start
     from the exact fp32 weights.
@@ -70,24 +93,31 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     def __init__(self, optim: Optimizer, mesh, precision: str = "fp32", max_norm: float = 0.0,
                  norm_type: float = 2.0, scaler_config: GradScalerConfig | None = None):
         super().__init__(optim)
-        self.working_dtype = check_precision(precision)
-        if max_norm < 0:
-            raise ValueError(f"max_norm={max_norm!r} must be >= 0 (0 disables clipping)")
+        self.config = PrecisionConfig(precision, max_norm, norm_type, scaler_config or GradScalerConfig())
         if len(optim.state) > 0:
             raise ValueError("the optimizer already has state (it has stepped); boost it before its first step")
-        self.mesh, self.precision, self.max_norm, self.norm_type = mesh, precision, float(max_norm), norm_type
-        self.scaler = DynamicGradScaler(scaler_config) if precision == "fp16" else None
+        self.mesh, self.working_dtype = mesh, self.config.dtype
+        self.precision, self.max_norm, self.norm_type = precision, float(max_norm), norm_type
+        self.scaler = DynamicGradScaler(self.config.scaler) if precision == "fp16" else None
         self._grad_norm: float | None = None
         self._grad_sync = True
-        self.working_params = [[p for p in g["params"] if p.requires_grad] for g in optim.param_groups]
+        self._working = [[p for p in g["params"] if p.requires_grad] for g in optim.param_groups]
         self._build_masters()
+
+    @property
+    def working_param_groups(self) -> list[list[torch.Tensor]]:
+        return self._working
+
+    @property
+    def keeps_masters(self) -> bool:
+        return self.working_dtype != torch.float32
 
     # -- layout hooks (ZeroOptimizer overrides these) ------------------------------------------
     def _build_masters(self) -> None:
         """One fp32 master per working parameter (the parameter itself in fp32), swapped into the
         user's param groups."""
         self.master_of: dict[torch.Tensor, torch.Tensor] = {}
-        for group, params in zip(self.optim.param_groups, self.working_params):
+        for group, params in zip(self.optim.param_groups, self._working):
             masters = []
             for p in params:
                 m = p if self.working_dtype == torch.float32 else torch.nn.Parameter(p.detach().float().clone())
@@ -98,7 +128,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     def _master_grads(self) -> list[tuple[torch.Tensor, bool]]:
         """Fill master grads from the working grads; return [(grad, counted_in_norm_here)]."""
         out = []
-        for params in self.working_params:
+        for params in self._working:
             for p in params:
                 m = self.master_of[p]
                 if p.grad is None:
@@ -121,7 +151,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         """Refresh fp32 masters from the working weights (after the model was loaded in place), so the
         next step does not overwrite the loaded weights with stale masters. Masters still on the
         meta device (a model boosted on meta, then loaded) get real storage here."""
-        for p, m in self._master_pairs():
+        for p, m in self.master_of.items():
             if m is not p:
                 _copy_into_master(m, p.detach(), p)
 
@@ -136,13 +166,38 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             if m is not p:
                 m.grad = None
 
-    def full_masters(self) -> dict:
-        """{working param: its fp32 master} where the two differ (fp16/bf16). Checkpoints save these
-        instead of the rounded working weights."""
-        return {p: m.detach() for p, m in self.master_of.items() if m is not p}
+    # -- state by parameter (optim/state.py) ----------------------------------------------------
+    def master_weight(self, param: torch.Tensor) -> torch.Tensor | None:
+        m = self.master_of.get(param)
+        return None if m is None or m is param else m.detach()
 
-    def masters(self) -> list[torch.Tensor]:
-        return [m for group in self.optim.param_groups for m in group["params"]]
+    def _local_state(self, param: torch.Tensor) -> tuple[dict, torch.Tensor | None]:
+        m = self.master_of[param]
+        return self.optim.state.get(m, {}), (None if m is param else m.detach())
+
+    def _import_param(self, param: torch.Tensor, state: dict, master: torch.Tensor | None) -> None:
+        m = self.master_of[param]
+        if m is not param:
+            _copy_into_master(m, master if master is not None else param.detach(), param)
+        self.optim.state[m] = {k: fmt.to_device(v, m.device) for k, v in state.items()}
+
+    def _after_import(self) -> None:
+        self._write_back()
+
+    def state_dict(self) -> dict:
+        """Every parameter's state as full tensors keyed by position, with the param groups and the
+        loss scaler (the format of `meshboost.optim.state`). A collective when tp/dp shard the state:
+        call it on every rank."""
+        keys = self._positions()
+        return {"state": dict(self.export_state(keys)), **self.export_meta(keys)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a `state_dict()` of a meshboost optimizer over the same parameters (any layout)."""
+        if not isinstance(state_dict, dict) or state_dict.get("format") != fmt.FORMAT:
+            raise ValueError("load_state_dict needs a meshboost optimizer state_dict (format "
+                             f"{fmt.FORMAT!r}); torch optimizer state dicts are keyed by position of the fp32 "
+                             "masters and cannot be mapped onto the parameters")
+        self.import_state(state_dict["state"], self._positions(), state_dict)
 
     # -- the step --------------------------------------------------------------------------------
     @property
@@ -165,7 +220,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
 
     def _found_inf(self, grads) -> bool:
         """Overflow anywhere on any rank of the step: one all-reduce MAX over the world group."""
-        flag = torch.zeros(1, device=self._device())
+        flag = torch.zeros(1, device=self.mesh.device)
         for g, _ in grads:
             flag += (~torch.isfinite(g)).any()
         if dist.is_initialized():
@@ -183,7 +238,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             self._release_grads()
             return None
         inv_scale = 1.0 / self.loss_scale
-        norm = global_grad_norm([g for g, counted in grads if counted], self.mesh.world_group, self.norm_type)
+        norm = global_grad_norm([g for g, counted in grads if counted], self.mesh.world_group, self.norm_type,
+                                self.mesh.device)
         self._grad_norm = norm * inv_scale
         factor = inv_scale * clip_coefficient(self._grad_norm, self.max_norm)
         if factor != 1.0:
@@ -214,35 +270,3 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             yield
         finally:
             self._grad_sync = previous
-
-    # -- checkpoint -----------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        state = self.optim.state_dict()
-        if self.scaler is not None:
-            state["loss_scaler"] = self.scaler.state_dict()
-        if any(m is not p for p, m in self._master_pairs()):
-            state["master_weights"] = [m.detach().clone() for m in self.masters()]
-        return state
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        state_dict = dict(state_dict)
-        scaler_state = state_dict.pop("loss_scaler", None)
-        masters = state_dict.pop("master_weights", None)
-        self.optim.load_state_dict(state_dict)
-        if self.scaler is not None and scaler_state is not None:
-            self.scaler.load_state_dict(scaler_state)
-        if masters is not None:
-            own = self.masters()
-            if len(masters) != len(own):
-                raise ValueError(f"checkpoint has {len(masters)} master tensors, this optimizer {len(own)}; "
-                                 "the parallel layout differs")
-            with torch.no_grad():
-                for m, saved in zip(own, masters):
-                    m.copy_(saved)
-            self._write_back()
-
-    def _master_pairs(self):
-        return self.master_of.items()
-
-    def _device(self) -> torch.device:
-        return get_current_device()

@@ -5,7 +5,8 @@ parameters of each param group are flattened into buckets (tensor-parallel shard
 parameters and pipeline-tied replicas never share a bucket, so the norm counts each once), each
 padded to a multiple of dp_size; dp rank r owns the r-th 1/dp of every bucket: its fp32 master
 shard (which the user's optimizer steps, so the Adam moments are 1/dp too) and its reduced
-gradient.
+gradient. `ZeroBucket.piece` is the one routine that says which elements of a parameter a rank
+owns; building masters, refreshing them, exporting and importing state all read it.
 
     stage 1: working gradients accumulate in `param.grad` over any number of backward passes and
              are reduce-scattered once, at `step()` (or from gradient hooks with
@@ -26,13 +27,30 @@ import torch
 import torch.nn as nn
 from torch.optim import Optimizer
 
+from meshboost.distributed import comm
+from meshboost.distributed.param_info import is_pipeline_replica, is_tp_sharded
+from meshboost.optim import state as fmt
 from meshboost.optim.grad_norm import counted_here
 from meshboost.optim.grad_scaler import GradScalerConfig
 from meshboost.optim.mixed_precision import MixedPrecisionOptimizer, _copy_into_master
-from meshboost.shardformer import comm
-from meshboost.shardformer.param_info import is_tp_sharded
 
 DEFAULT_BUCKET_ELEMENTS = 12 * 1024 * 1024
+
+
+@dataclass
+class ZeroConfig:
+    """ZeRO settings, checked when built (before any collective)."""
+
+    stage: int = 0                       # 0: off (DDP or the pipeline reduces), 1: states, 2: + gradients
+    overlap_communication: bool = False  # reduce-scatter a bucket from the gradient hook of its last parameter
+    reduce_bucket_size: int = DEFAULT_BUCKET_ELEMENTS     # elements per bucket (also the unit of overlap)
+
+    def __post_init__(self):
+        if self.stage not in (0, 1, 2):
+            raise ValueError(f"zero_stage={self.stage!r}; expected 0, 1 or 2")
+        if not isinstance(self.reduce_bucket_size, int) or self.reduce_bucket_size < 1:
+            raise ValueError(f"reduce_bucket_size={self.reduce_bucket_size!r} must be a positive number of elements")
+        self.overlap_communication = bool(self.overlap_communication)
 
 
 _KINDS = [(sharded, tied) for sharded in (True, False) for tied in (False, True)]
@@ -40,41 +58,71 @@ _KINDS = [(sharded, tied) for sharded in (True, False) for tied in (False, True)
 
 def _kind(p: torch.Tensor) -> tuple[bool, bool]:
     """What decides who counts a gradient in the norm: a bucket holds one kind only."""
-    return is_tp_sharded(p), bool(getattr(p, "pipeline_tied_replica", False))
+    return is_tp_sharded(p), is_pipeline_replica(p)
 
 
 @dataclass(eq=False)
 class ZeroBucket:
-    """A flat run of parameters of one param group; this rank owns `master` = elements
-    [dp_rank * shard_size, (dp_rank + 1) * shard_size) of the padded flat bucket."""
+    """A flat run of parameters of one param group, padded to `shard_size * dp_size`; rank r owns
+    elements [r * shard_size, (r + 1) * shard_size), this rank's being `master`."""
 
     params: list
     offsets: list             # start of each param in the flat bucket
     numel: int                # real elements (the rest up to shard_size * dp_size is padding)
     shard_size: int
     dp_rank: int
+    dp_size: int
     master: nn.Parameter      # fp32 shard, stepped by the user's optimizer
     counted: bool             # does this rank count the bucket's gradient in the global norm
     grad_shard: torch.Tensor | None = None       # reduced gradient partition (working dtype)
     ready: set = field(default_factory=set)      # params whose grad arrived (overlap hooks)
 
+    def piece(self, index: int, rank: int | None = None) -> tuple[int, int, int]:
+        """(start, end, shard_start): elements [start, end) of params[index].view(-1) are rank
+        `rank`'s (default: this rank's) shard[shard_start : shard_start + end - start]; start == end
+        when the rank owns none of it."""
+        rank = self.dp_rank if rank is None else rank
+        lo, hi = rank * self.shard_size, (rank + 1) * self.shard_size
+        off = self.offsets[index]
+        a, b = max(lo, off), min(hi, off + self.params[index].numel())
+        return (a - off, b - off, a - lo) if a < b else (0, 0, 0)
+
     def owned_slices(self):
-        """(param, start, end, shard_start): elements [start, end) of param.view(-1) are this
-        rank's master[shard_start : shard_start + end - start]."""
-        lo, hi = self.dp_rank * self.shard_size, (self.dp_rank + 1) * self.shard_size
-        for p, off in zip(self.params, self.offsets):
-            a, b = max(lo, off), min(hi, off + p.numel())
-            if a < b:
-                yield p, a - off, b - off, a - lo
+        """(param, start, end, shard_start) for every param this rank owns a part of."""
+        for i, p in enumerate(self.params):
+            start, end, s = self.piece(i)
+            if start < end:
+                yield p, start, end, s
+
+    def gather_param(self, index: int, shards: list[torch.Tensor], group) -> list[torch.Tensor]:
+        """params[index]'s part of each shard-sized tensor in `shards` (its master, its moments),
+        assembled from every rank's piece and shaped like the parameter. A collective over `group`
+        (the dp group) moving only the parameter's elements, not the bucket's."""
+        p = self.params[index]
+        pieces = [self.piece(index, r) for r in range(self.dp_size)]
+        width = max(end - start for start, end, _ in pieces)
+        start, end, s = pieces[self.dp_rank]
+        out = []
+        for dtype in dict.fromkeys(t.dtype for t in shards):          # one all-gather per dtype
+            same = [t for t in shards if t.dtype == dtype]
+            send = torch.zeros(len(same), width, dtype=dtype, device=self.master.device)
+            for row, t in zip(send, same):
+                row[:end - start] = t.detach()[s:s + end - start]
+            got = comm.all_gather(send, group, dim=0).view(self.dp_size, len(same), width)
+            full = torch.empty(len(same), p.numel(), dtype=dtype, device=send.device)
+            for r, (a, b, _) in enumerate(pieces):
+                full[:, a:b] = got[r, :, :b - a]
+            out += [(t, f.view(p.shape)) for t, f in zip(same, full)]
+        by_id = {id(t): f for t, f in out}
+        return [by_id[id(t)] for t in shards]
 
 
 class ZeroOptimizer(MixedPrecisionOptimizer):
     """ZeRO-`stage` (1 or 2) around the user's `optim`, over `mesh.dp_group`.
 
     precision / max_norm / norm_type / scaler_config: as MixedPrecisionOptimizer (fp32 works too:
-    the point is then the 1/dp optimizer state). overlap_communication: launch a bucket's
-    reduce-scatter from the gradient hook of its last parameter during backward.
-    reduce_bucket_size: elements per bucket (buckets are also the unit of overlap).
+    the point is then the 1/dp optimizer state). overlap_communication / reduce_bucket_size: see
+    `ZeroConfig`.
     """
 
     dp_partitioned = True
@@ -84,9 +132,8 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
                  overlap_communication: bool = False, reduce_bucket_size: int = DEFAULT_BUCKET_ELEMENTS):
         if stage not in (1, 2):
             raise ValueError(f"stage={stage!r}; ZeroOptimizer implements stages 1 and 2")
-        if not isinstance(reduce_bucket_size, int) or reduce_bucket_size < 1:
-            raise ValueError(f"reduce_bucket_size={reduce_bucket_size!r} must be a positive number of elements")
-        self.stage, self.overlap_communication = stage, bool(overlap_communication)
+        self.zero_config = ZeroConfig(stage, overlap_communication, reduce_bucket_size)
+        self.stage, self.overlap_communication = stage, self.zero_config.overlap_communication
         self.bucket_elements = reduce_bucket_size
         self.dp_group, self.dp_size, self.dp_rank = mesh.dp_group, mesh.dp_size, mesh.dp_rank
         super().__init__(optim, mesh, precision, max_norm, norm_type, scaler_config)
@@ -95,11 +142,15 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
                 for p in b.params:
                     p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
+    @property
+    def keeps_masters(self) -> bool:
+        return True             # the master shards are tensors of their own even in fp32
+
     # -- layout ---------------------------------------------------------------------------------
     def _build_masters(self) -> None:
         self.buckets: list[ZeroBucket] = []
-        self._bucket_of: dict[torch.Tensor, ZeroBucket] = {}
-        for group, params in zip(self.optim.param_groups, self.working_params):
+        self._bucket_of: dict[torch.Tensor, tuple[ZeroBucket, int]] = {}
+        for group, params in zip(self.optim.param_groups, self.working_param_groups):
             group_buckets = []
             for kind in _KINDS:
                 same_kind = [p for p in params if _kind(p) == kind]
@@ -121,33 +172,26 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
             offsets.append(numel)
             numel += p.numel()
         shard_size = -(-numel // self.dp_size)
-        lo = self.dp_rank * shard_size
         master = torch.zeros(shard_size, dtype=torch.float32, device=params[0].device)
-        with torch.no_grad():
-            for p, off in zip(params, offsets):       # copy only the owned slices: no full flat copy
-                a, b = max(lo, off), min(lo + shard_size, off + p.numel())
-                if a < b:
-                    master[a - lo:b - lo].copy_(p.detach().reshape(-1)[a - off:b - off])
-        bucket = ZeroBucket(params, offsets, numel, shard_size, self.dp_rank, nn.Parameter(master),
+        bucket = ZeroBucket(params, offsets, numel, shard_size, self.dp_rank, self.dp_size, nn.Parameter(master),
                             counted_here(params[0], self.mesh, dp_partitioned=True))
-        for p in params:
-            self._bucket_of[p] = bucket
+        self._copy_owned(bucket)                     # only the owned slices: no full flat copy
+        for i, p in enumerate(params):
+            self._bucket_of[p] = (bucket, i)
         return bucket
 
-    def param_slices(self):
-        """Every (param, start, end, master_view) this rank owns: maps master shards back to the
-        model's parameters (checkpoints key them by name through the model)."""
-        for b in self.buckets:
-            for p, start, end, s in b.owned_slices():
-                yield p, start, end, b.master.detach()[s:s + end - start]
+    @staticmethod
+    @torch.no_grad()
+    def _copy_owned(b: ZeroBucket) -> None:
+        for p, start, end, s in b.owned_slices():
+            b.master.detach()[s:s + end - start].copy_(p.detach().reshape(-1)[start:end])
 
     @torch.no_grad()
     def sync_masters_from_model(self) -> None:
         """Refresh this rank's master shards from the working weights (see MixedPrecisionOptimizer)."""
         for b in self.buckets:
             _copy_into_master(b.master, None, b.params[0])
-            for p, start, end, s in b.owned_slices():
-                b.master.detach()[s:s + end - start].copy_(p.detach().reshape(-1)[start:end])
+            self._copy_owned(b)
 
     # -- gradient reduction ------------------------------------------------------------------------
     def _reduce_bucket(self, b: ZeroBucket) -> None:
@@ -167,7 +211,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if not self._grad_sync:
             return
-        b = self._bucket_of[p]
+        b, _ = self._bucket_of[p]
         b.ready.add(p)
         if len(b.ready) == len(b.params):
             self._reduce_bucket(b)
@@ -227,24 +271,36 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         b.master.grad = None
         b.ready.clear()
 
-    def _master_pairs(self):
-        return [(p, b.master) for b in self.buckets for p in b.params]
-
-    @torch.no_grad()
-    def full_masters(self) -> dict:
-        """{working param: its fp32 master, shaped like the param} for every param, gathered over dp
-        (a collective: every dp rank calls it). Checkpoints save these instead of the rounded
-        working weights."""
-        out = {}
-        for b in self.buckets:
-            if self.working_dtype == torch.float32:
-                continue                                   # the weights are the masters, bit for bit
-            full = comm.all_gather(b.master.detach(), self.dp_group, dim=0)
-            for p, off in zip(b.params, b.offsets):
-                out[p] = full[off:off + p.numel()].view_as(p)
-        return out
-
     def grad_bytes(self) -> int:
         """Bytes of reduced gradient partitions held (stage 2 between backward and step)."""
         return sum(b.grad_shard.numel() * b.grad_shard.element_size() for b in self.buckets
                    if b.grad_shard is not None)
+
+    # -- state by parameter: each parameter's partitions gathered over dp as it goes ----------------
+    def master_weight(self, param: torch.Tensor) -> torch.Tensor | None:
+        if param not in self._bucket_of or self.working_dtype == torch.float32:
+            return None                          # fp32: write-back made the weights the masters, bit for bit
+        b, i = self._bucket_of[param]
+        return b.gather_param(i, [b.master], self.dp_group)[0]
+
+    def _local_state(self, param: torch.Tensor) -> tuple[dict, torch.Tensor | None]:
+        b, i = self._bucket_of[param]
+        state = self.optim.state.get(b.master, {})
+        keys = [k for k, v in sorted(state.items()) if fmt.is_per_element(v, b.master)]
+        master, *moments = b.gather_param(i, [b.master] + [state[k] for k in keys], self.dp_group)
+        local = dict(zip(keys, moments))
+        local.update({k: v for k, v in state.items() if k not in local})
+        return local, master
+
+    def _import_param(self, param: torch.Tensor, state: dict, master: torch.Tensor | None) -> None:
+        b, i = self._bucket_of[param]
+        start, end, s = b.piece(i)
+        own = self.optim.state.setdefault(b.master, {})
+        source = master if master is not None else param.detach()
+        b.master.detach()[s:s + end - start] = source.reshape(-1)[start:end].float()
+        for k, v in state.items():
+            if fmt.is_per_element(v, param):
+                buf = own.setdefault(k, torch.zeros_like(b.master.detach()))
+                buf[s:s + end - start] = v.reshape(-1)[start:end].to(buf.device)
+            else:
+                own[k] = fmt.to_device(v, b.master.device)

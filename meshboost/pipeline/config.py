@@ -1,4 +1,5 @@
-"""PipelineConfig: the pipeline knobs of HybridParallelPlugin, checked before any collective."""
+"""PipelineConfig: the pipeline knobs of HybridParallelPlugin, checked before any collective.
+How they combine with ZeRO is the plugin's decision (`meshboost.plugins.config`)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,6 @@ class PipelineConfig:
     num_model_chunks: model chunks per rank; the model has pp_size * num_model_chunks stages.
     num_microbatches / microbatch_size: how a batch is split; exactly one is required with pp.
     num_layers_per_stage: layers per stage (pp_size * num_model_chunks entries), else even split.
-    zero_stage: the plugin's ZeRO stage (stage 2 reduces gradients inside every backward, which
-        a pipeline runs once per micro-batch: refused).
     """
 
     pp_size: int = 1
@@ -26,7 +25,6 @@ class PipelineConfig:
     num_microbatches: int | None = None
     microbatch_size: int | None = None
     num_layers_per_stage: list[int] | None = None
-    zero_stage: int = 0
 
     def __post_init__(self):
         if not isinstance(self.pp_size, int) or self.pp_size < 1:
@@ -56,9 +54,6 @@ class PipelineConfig:
         if self.num_layers_per_stage is not None and len(self.num_layers_per_stage) != self.num_stages:
             raise ValueError(f"num_layers_per_stage={self.num_layers_per_stage} needs {self.num_stages} entries "
                              f"(pp_size x num_model_chunks = {self.pp_size} x {self.num_model_chunks})")
-        if self.zero_stage == 2:
-            raise NotImplementedError("zero_stage=2 with pp_size > 1 is not supported (gradients would be "
-                                      "reduce-scattered once per micro-batch); use zero_stage=1 or 0")
 
     @property
     def num_stages(self) -> int:

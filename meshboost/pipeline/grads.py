@@ -1,9 +1,9 @@
 """Gradient reductions a pipeline step owes after its schedule ran.
 
-Owns: the process groups joining the first and last stage (weights tied across them, e.g. GPT-2
-`wte` / `lm_head`), summing those weights' gradients over them, and averaging stage gradients
-over the data-parallel group when no ZeRO optimizer does it. Collectives go through
-`meshboost.shardformer.comm`. Must not know about schedules.
+Owns: summing the gradients of weights tied across the first and last stage (e.g. GPT-2 `wte` /
+`lm_head`) over the group joining those stages (`ParallelMesh.tied_stage_group`), and averaging
+stage gradients over the data-parallel group when the plugin decided the pipeline reduces them.
+Collectives go through `meshboost.distributed.comm`. Must not know about schedules.
 
 Why not DDP around a stage: DDP reduces during every backward (one per micro-batch unless told
 otherwise) and expects each forward to reach its end, which a stage's forward does not; one
@@ -17,21 +17,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from meshboost.shardformer import comm
-
-
-def tied_stage_group(mesh):
-    """The group {first stage, last stage} of this rank's (dp, tp) coordinate, or None for a middle
-    stage. Every rank must call this (it creates one group per coordinate)."""
-    grid = mesh.device_mesh.mesh
-    mine = None
-    for d in range(mesh.dp_size):
-        for t in range(mesh.tp_size):
-            ranks = [int(grid[d, 0, t]), int(grid[d, mesh.pp_size - 1, t])]
-            group = dist.new_group(ranks)
-            if mesh.global_rank in ranks:
-                mine = group
-    return mine
+from meshboost.distributed import comm
 
 
 def _flat_all_reduce(params: list[torch.nn.Parameter], group, average: bool) -> None:

@@ -1,10 +1,11 @@
-"""Where the pipeline pieces of each model family live, as data, and how layers split over stages.
+"""A model's pipeline anatomy (which modules the first, middle and last stages run) and how its
+layers split over stages.
 
 Owns: `StageLayout` (module paths relative to `model.base_model`: the embeddings the first stage
-runs, the `nn.ModuleList` of layers the stages share, the tail the last stage runs), the table of
-layouts written here, the fallback that reads transformers' own `config.base_model_pp_plan`, and
-`split_layers` (contiguous, even, remainder to the middle stages). Must not touch a model: stage
-construction lives in stage.py.
+runs, the `nn.ModuleList` of layers the stages share, the tail the last stage runs), choosing a
+model's layout (the one its family's policy declares, passed in by the plugin, else transformers'
+own `config.base_model_pp_plan`), and `split_layers` (contiguous, even, remainder to the middle
+stages). Must not touch a model (stage construction lives in stage.py) nor know a family.
 
 Every module outside the base model (LM head, classifier, ...) belongs to the tail. The layout is
 checked against the model's parameters, so a family whose layout misses a parameter fails loudly
@@ -36,13 +37,6 @@ class StageLayout:
     tail: tuple[str, ...] = ()
 
 
-# Families whose config ships no `base_model_pp_plan`. Llama, Qwen2, Mistral, ... ship one.
-LAYOUTS: dict[str, StageLayout] = {
-    "gpt2": StageLayout("gpt2", embeddings=("wte", "wpe"), layers="h", tail=("ln_f",)),
-    "bert": StageLayout("bert", embeddings=("embeddings",), layers="encoder.layer", tail=("pooler",)),
-}
-
-
 def layout_from_pp_plan(base: nn.Module) -> StageLayout | None:
     """Read transformers' `config.base_model_pp_plan` (ordered: embeddings -> layers -> norm):
     the entry that is an `nn.ModuleList` is the layer list, entries before it are embeddings,
@@ -59,17 +53,22 @@ def layout_from_pp_plan(base: nn.Module) -> StageLayout | None:
     return StageLayout(f"pp_plan:{config.model_type}", tuple(names[:i]), lists[0], tuple(names[i + 1:]))
 
 
-def get_layout(model: nn.Module) -> StageLayout:
-    """The layout for `model`'s family, or a ValueError naming the supported families."""
+def get_layout(model: nn.Module, declared: dict | None = None) -> StageLayout:
+    """The layout of `model`: `declared` ({"embeddings", "layers", "tail"}, from the family's policy)
+    or transformers' `base_model_pp_plan`; a ValueError naming both ways out otherwise."""
     base = getattr(model, "base_model", model)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    layout = LAYOUTS.get(model_type) or layout_from_pp_plan(base)
+    if declared is not None:
+        layout = StageLayout(f"policy:{model_type}", tuple(declared.get("embeddings", ())), declared["layers"],
+                             tuple(declared.get("tail", ())))
+    else:
+        layout = layout_from_pp_plan(base)
     if layout is None:
         raise ValueError(
-            f"no pipeline stage layout for {type(model).__name__} (model_type={model_type!r}). Supported: "
-            f"{sorted(LAYOUTS)} and any model whose config ships `base_model_pp_plan` (Llama, Qwen2, Mistral, "
-            "...). Add a StageLayout(embeddings=..., layers=..., tail=...) to meshboost/pipeline/layout.py "
-            "or use pp_size=1.")
+            f"no pipeline stage layout for {type(model).__name__} (model_type={model_type!r}). Supported: families "
+            "whose policy declares one (bert, gpt2) and any model whose config ships `base_model_pp_plan` (Llama, "
+            "Qwen2, Mistral, ...). Pass custom_policy=Policy(..., pipeline_layout={'embeddings': (...), "
+            "'layers': ..., 'tail': (...)}) or use pp_size=1.")
     if not isinstance(_get(base, layout.layers), nn.ModuleList):
         raise ValueError(f"layout {layout.name!r}: {type(base).__name__}.{layout.layers} is not an nn.ModuleList")
     return layout

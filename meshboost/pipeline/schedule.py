@@ -4,7 +4,7 @@ Owns: splitting a batch into micro-batches, the order in which each rank runs it
 and backward (B) units, and executing that order: receive, run the chunk, send, with the loss
 computed by `criterion(outputs, inputs)` on the last stage, divided by the number of
 micro-batches (the step's loss is their mean) and broadcast to every stage. Must not build
-stages or hold process groups of its own (stage.py, p2p.py, grads.py).
+stages or hold process groups of its own (stage.py, grads.py, `meshboost.distributed.p2p`).
 
 Why not torch.distributed.pipelining: see docs/pipeline.md (it fixes tensor shapes at the first
 step, gives only the first stage the inputs, and calls the loss as loss_fn(output, target)).
@@ -23,8 +23,8 @@ from collections.abc import Mapping
 
 import torch
 
+from meshboost.distributed.p2p import StageComm
 from meshboost.pipeline.grads import average_grads, sum_tied_grads
-from meshboost.pipeline.p2p import StageComm
 from meshboost.pipeline.stage import PipelineStages
 
 
@@ -75,8 +75,9 @@ def schedule_order(num_ranks: int, rank: int, num_microbatches: int, num_chunks:
 class PipelineSchedule:
     """Runs one pipeline step over the stages of this rank.
 
-    dp_group: average gradients over it after the schedule (None when an optimizer wrapper such
-    as ZeRO reduces them itself). tied_group: the first/last-stage group for tied weights.
+    dp_group: average gradients over it after the schedule (None when something else reduces them:
+    the plugin decides, see `meshboost.plugins.config.dp_reducer`). tied_group: the
+    first/last-stage group for tied weights.
     """
 
     def __init__(self, stages: PipelineStages, comm: StageComm, num_microbatches: int | None = None,

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from meshboost.distributed.param_info import PipelineTie, set_pipeline_tie
 from meshboost.pipeline.layout import StageLayout, get_layout, split_layers
 
 
@@ -190,10 +191,11 @@ def _owner(name: str, layout: StageLayout, base_prefix: str, layer_ranges: list[
 
 
 def build_stages(model: nn.Module, pp_rank: int, pp_size: int, num_chunks: int = 1,
-                 num_layers_per_stage: list[int] | None = None) -> PipelineStages:
-    """Cut `model` in place down to the chunks of pipeline rank `pp_rank`. Every check runs before
-    the model is touched, and none communicates, so every rank raises the same error."""
-    layout = get_layout(model)
+                 num_layers_per_stage: list[int] | None = None, layout: dict | None = None) -> PipelineStages:
+    """Cut `model` in place down to the chunks of pipeline rank `pp_rank`. `layout`: the family's
+    declared pipeline layout (see `get_layout`). Every check runs before the model is touched, and
+    none communicates, so every rank raises the same error."""
+    layout = get_layout(model, layout)
     base = getattr(model, "base_model", model)
     base_prefix = next((n for n, m in model.named_modules() if m is base), "")
     layers = base.get_submodule(layout.layers)
@@ -237,10 +239,10 @@ def build_stages(model: nn.Module, pp_rank: int, pp_size: int, num_chunks: int =
                 setattr(model, name, AbsentModule(name, "last"))
 
     holds_tied = pp_rank in (0, pp_size - 1)
-    if pp_rank == pp_size - 1 and pp_size > 1:
+    if holds_tied and pp_size > 1:
         for p in tied:
-            # The first stage's copy is the weight; this one is a replica (not counted twice in norms).
-            p.pipeline_tied_replica = True
+            # The first stage's copy is the weight; the last stage's is a replica (not counted twice in norms).
+            set_pipeline_tie(p, PipelineTie(replica=pp_rank == pp_size - 1))
     model.register_forward_pre_hook(_only_through_schedule(base.get_submodule(layout.layers)))
     return PipelineStages(model, layout, pp_rank, pp_size, num_chunks, layer_ranges, chunk_layers, stand_ins,
                           tied_params=tied if holds_tied else [], has_tied=bool(tied))

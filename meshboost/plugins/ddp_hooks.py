@@ -1,12 +1,13 @@
-"""DDP communication hook that reports its all-reduces to `meshboost.profiling`, so data-parallel
-traffic is counted like tensor-parallel traffic. Numerically identical to DDP's default."""
+"""DDP communication hook that reports its all-reduces to `meshboost.distributed.profiling`, so
+data-parallel traffic is counted like tensor-parallel traffic. Numerically identical to DDP's
+default."""
 
 from __future__ import annotations
 
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from meshboost.profiling import record_collective
+from meshboost.distributed.profiling import record_collective
 
 
 def _counting_allreduce(process_group, bucket):

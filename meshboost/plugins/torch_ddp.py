@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import torch.distributed as dist
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.nn.parallel import DistributedDataParallel
 
-from meshboost.booster.plugin import Plugin
-from meshboost.booster.wrappers import ModelWrapper, OptimizerWrapper
-from meshboost.launch import get_current_device
-from meshboost.plugins.dataloader import build_dataloader
+from meshboost.booster import ModelWrapper, OptimizerWrapper, Plugin
+from meshboost.distributed import ParallelMesh
+from meshboost.plugins.config import DDPConfig
 from meshboost.plugins.ddp_hooks import register_counting_allreduce
 
 
@@ -19,32 +17,27 @@ class TorchDDPModel(ModelWrapper):
 
 
 class TorchDDPPlugin(Plugin):
-    """Replicate the model on every rank and average gradients with torch DDP.
+    """Replicate the model on every rank and average gradients with torch DDP over a dp-only mesh.
 
-    Arguments are passed to `torch.nn.parallel.DistributedDataParallel`.
+    Arguments are passed to `torch.nn.parallel.DistributedDataParallel` (`DDPConfig`).
     """
 
     def __init__(self, broadcast_buffers: bool = True, bucket_cap_mb: int = 25, find_unused_parameters: bool = False,
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False, static_graph: bool = False):
-        if not dist.is_initialized():
-            raise RuntimeError("TorchDDPPlugin needs an initialised process group: call meshboost.launch_from_torch()")
-        self.ddp_kwargs = dict(broadcast_buffers=broadcast_buffers, bucket_cap_mb=bucket_cap_mb,
-                               find_unused_parameters=find_unused_parameters, check_reduction=check_reduction,
-                               gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph)
+        self.ddp_config = DDPConfig(broadcast_buffers, bucket_cap_mb, find_unused_parameters, check_reduction,
+                                    gradient_as_bucket_view, static_graph)
+        self.mesh = ParallelMesh(tp_size=1, pp_size=1)                  # collective: after the checks
 
     def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None, lr_scheduler=None):
-        device = get_current_device()
+        device = self.mesh.device
         model = model.to(device)
-        ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None, **self.ddp_kwargs)
-        register_counting_allreduce(ddp, None)
+        ddp = DistributedDataParallel(model, process_group=self.mesh.dp_group,
+                                      device_ids=[device] if device.type == "cuda" else None,
+                                      **self.ddp_config.kwargs())
+        register_counting_allreduce(ddp, self.mesh.dp_group)
         if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
             optimizer = OptimizerWrapper(optimizer)
         return TorchDDPModel(ddp), optimizer, criterion, dataloader, lr_scheduler
-
-    def prepare_dataloader(self, dataset, batch_size, shuffle=False, seed=1024, drop_last=False, pin_memory=False,
-                           num_workers=0, **kwargs):
-        return build_dataloader(dataset, batch_size, dist.get_world_size(), dist.get_rank(), shuffle, seed,
-                                drop_last, pin_memory, num_workers, **kwargs)
 
     def no_sync(self, model, optimizer=None):
         if not isinstance(model, TorchDDPModel):

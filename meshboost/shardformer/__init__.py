@@ -1,7 +1,10 @@
-"""Tensor-parallel sharding of unmodified HuggingFace models (layers, policies, sharder)."""
+"""Tensor-parallel sharding of unmodified HuggingFace models (layers, style registry, policies,
+sharder)."""
 
-from meshboost.shardformer.policies import Policy, get_policy
+from meshboost.shardformer.policies import Policy, get_policy, pipeline_layout
 from meshboost.shardformer.shard_config import ShardConfig
-from meshboost.shardformer.sharder import ShardFormer
+from meshboost.shardformer.sharder import ShardFormer, tied_parameters
+from meshboost.shardformer.styles import register_attribute_rule, register_style
 
-__all__ = ["ShardConfig", "ShardFormer", "Policy", "get_policy"]
+__all__ = ["ShardConfig", "ShardFormer", "Policy", "get_policy", "pipeline_layout", "tied_parameters",
+           "register_style", "register_attribute_rule"]

@@ -1,43 +1,45 @@
-"""Apply a Policy to a model: match module paths, swap leaves in place, fix attributes, tag
-parameters.
+"""Apply a Policy to a model: match module paths, swap leaves in place, fix attributes, shard the
+vocabulary.
 
 Owns: validation (every check runs before anything is modified or communicated, so every rank
-raises the same error), leaf replacement, block-input hooks, and the loss-function swap for
-vocab-parallel LM heads. Must not copy or fork any HuggingFace forward.
+raises the same error), applying each matched style from the registry (`styles.py`) at every path
+the module is reached by, the per-rank attribute values, and the vocab-parallel embedding / LM
+head with the loss-function swap. Must not copy or fork any HuggingFace forward, and must not
+know a model family (those are tables in `policies/`).
 """
 
 from __future__ import annotations
 
 import inspect
-from functools import partial
+from dataclasses import dataclass, field
 
-import torch
 import torch.nn as nn
 
-from meshboost.shardformer import comm
-from meshboost.shardformer.layers import (
-    ColumnParallelConv1D,
-    ColumnParallelLinear,
-    RowParallelConv1D,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    VocabParallelLMHead,
-    make_causal_lm_loss,
-)
-from meshboost.shardformer.layers.linear import _is_conv1d
+from meshboost.shardformer.layers import VocabParallelEmbedding, VocabParallelLMHead, make_causal_lm_loss
 from meshboost.shardformer.policies import Policy, get_policy
-from meshboost.shardformer.policies.base import BLOCK_INPUT, COLWISE, ROWWISE, parse_style, pattern_to_regex
+from meshboost.shardformer.policies.base import pattern_to_regex
 from meshboost.shardformer.shard_config import ShardConfig
+from meshboost.shardformer.styles import BLOCK_INPUT, ShardContext, ShardStyle, attribute_rule, parse_style
 
 
-def _copy_block_input(group, module, args, kwargs):
-    """Megatron f once at a block's input: identity forward, one all-reduce of its grad backward."""
-    args = tuple(comm.copy_to_tp(a, group) if torch.is_tensor(a) and a.requires_grad else a for a in args)
-    for key in ("hidden_states", "encoder_hidden_states"):
-        value = kwargs.get(key)
-        if torch.is_tensor(value) and value.requires_grad:
-            kwargs[key] = comm.copy_to_tp(value, group)
-    return args, kwargs
+@dataclass
+class _Match:
+    """One module a plan entry matched, with every path it is reached by (a module may be shared)."""
+
+    module: nn.Module
+    paths: list[str]
+    style: ShardStyle
+    args: tuple[int, ...]
+
+
+@dataclass
+class _Plan:
+    """Everything `_apply` will do, decided by `_validate` before anything is modified."""
+
+    matches: list[_Match]
+    attributes: list[tuple[nn.Module, str, object]] = field(default_factory=list)   # (module, attr, value)
+    embedding_paths: list[str] = field(default_factory=list)
+    head_paths: list[str] = field(default_factory=list)
 
 
 def _set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
@@ -46,11 +48,9 @@ def _set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
     setattr(parent, leaf, new)
 
 
-def _module_path(root: nn.Module, target: nn.Module) -> str | None:
-    for name, module in root.named_modules():
-        if module is target:
-            return name
-    return None
+def _module_paths(root: nn.Module, target: nn.Module) -> list[str]:
+    """Every path under `root` that reaches `target` (T5's shared embedding has three)."""
+    return [name for name, module in root.named_modules(remove_duplicate=False) if module is target]
 
 
 def _uses_loss_function(model: nn.Module) -> bool:
@@ -64,6 +64,15 @@ def _uses_loss_function(model: nn.Module) -> bool:
         return False
 
 
+def tied_parameters(model: nn.Module) -> list[dict[str, nn.Parameter]]:
+    """Parameters reached under several names ({name: param} per shared weight, e.g. GPT-2's `wte`
+    and `lm_head`): the weights whose gradients must be summed wherever the copies are split up."""
+    names: dict[int, dict[str, nn.Parameter]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), {})[name] = p
+    return [group for group in names.values() if len(group) > 1]
+
+
 class ShardFormer:
     """Shards a HuggingFace model in place with 1D tensor parallelism.
 
@@ -74,21 +83,19 @@ class ShardFormer:
         self.shard_config = shard_config
 
     def optimize(self, model: nn.Module, policy: Policy | None = None) -> tuple[nn.Module, list]:
-        """Shard `model` in place; returns (model, shared_params).
+        """Shard `model` in place; returns (model, shared_params) as ColossalAI's ShardFormer does.
 
-        shared_params lists parameters shared across pipeline stages ({stage: param} per tied
-        group), empty without pipeline parallelism.
+        shared_params lists the weights the model reaches under several names (`tied_parameters`),
+        which keep being one parameter after sharding.
         """
         tp_size = self.shard_config.tensor_parallel_size
-        if tp_size == 1:
-            return model, []
-        policy = policy or get_policy(model)
-        matches = self._validate(model, policy, tp_size)
-        self._apply(model, policy, matches)
-        return model, []
+        if tp_size > 1:
+            policy = policy or get_policy(model)
+            self._apply(model, policy, self._validate(model, policy, tp_size))
+        return model, tied_parameters(model)
 
     # -- validation: pure, identical on every rank ---------------------------------------------
-    def _validate(self, model: nn.Module, policy: Policy, tp_size: int) -> list[tuple[str, str, int]]:
+    def _validate(self, model: nn.Module, policy: Policy, tp_size: int) -> _Plan:
         config = getattr(model, "config", None)
         for field_name in policy.divisible:
             value = getattr(config, field_name, None)
@@ -97,81 +104,79 @@ class ShardFormer:
                     f"{type(model).__name__}: config.{field_name}={value} is not divisible by tp_size={tp_size}; "
                     f"choose a tp_size that divides {value}")
         base = model.base_model
-        prefix = _module_path(model, base) or ""
+        prefix = (_module_paths(model, base) or [""])[0]
+
+        def full(name: str) -> str:
+            return f"{prefix}.{name}" if prefix else name
+
         compiled = [(pattern_to_regex(p), *parse_style(s)) for p, s in policy.plan.items()]
-        matches = []
-        for name, module in base.named_modules():
-            for regex, style, fused in compiled:
-                if name and regex.match(name):
-                    full_name = f"{prefix}.{name}" if prefix else name
-                    if style in (COLWISE, ROWWISE):
-                        self._check_leaf(full_name, module, style, fused, tp_size)
-                    matches.append((full_name, style, fused))
-                    break
-        if not any(style != BLOCK_INPUT for _, style, _ in matches):
+        by_module: dict[int, _Match] = {}
+        for name, module in base.named_modules(remove_duplicate=False):
+            hit = next(((style, args) for regex, style, args in compiled if name and regex.match(name)), None)
+            if hit is None:
+                continue
+            match = by_module.get(id(module))
+            if match is None:
+                hit[0].validate(full(name), module, tp_size, *hit[1])
+                by_module[id(module)] = _Match(module, [full(name)], *hit)
+            elif (match.style, match.args) != hit:
+                raise ValueError(f"{full(name)} and {match.paths[0]} are one module that the plan gives two styles "
+                                 f"({hit[0].name} and {match.style.name}); give both paths the same style")
+            else:
+                match.paths.append(full(name))
+        matches = list(by_module.values())
+        if not any(m.style.name != BLOCK_INPUT for m in matches):
             raise ValueError(f"policy {policy.name!r} matched no module of {type(model).__name__}; check the "
                              "plan's paths against model.base_model.named_modules()")
-        return matches
-
-    @staticmethod
-    def _check_leaf(name: str, module: nn.Module, style: str, fused: int, tp_size: int) -> None:
-        if not (isinstance(module, nn.Linear) or _is_conv1d(module)):
-            raise TypeError(f"{name}: style {style!r} needs nn.Linear or Conv1D, found {type(module).__name__}")
-        conv1d = _is_conv1d(module)
-        out_dim = 1 if conv1d else 0
-        dim = out_dim if style == COLWISE else 1 - out_dim
-        size = module.weight.shape[dim]
-        if size % (tp_size * fused):
-            raise ValueError(f"{name}: {'output' if style == COLWISE else 'input'} features {size} are not "
-                             f"divisible by tp_size={tp_size}" + (f" x {fused} fused blocks" if fused > 1 else ""))
-
-    # -- application ---------------------------------------------------------------------------
-    def _apply(self, model: nn.Module, policy: Policy, matches) -> None:
-        group = self.shard_config.tensor_parallel_process_group
-        block_inputs = [name for name, style, _ in matches if style == BLOCK_INPUT]
-        for name, style, fused in matches:
-            module = model.get_submodule(name)
-            if style == BLOCK_INPUT:
-                module.register_forward_pre_hook(partial(_copy_block_input, group), with_kwargs=True)
-            elif style == COLWISE:
-                inside_block = any(name.startswith(b + ".") for b in block_inputs)
-                cls = ColumnParallelConv1D if _is_conv1d(module) else ColumnParallelLinear
-                _set_submodule(model, name, cls.from_native(module, group, copy_input=not inside_block,
-                                                            num_fused=fused))
-            else:
-                cls = RowParallelConv1D if _is_conv1d(module) else RowParallelLinear
-                _set_submodule(model, name, cls.from_native(module, group))
-        self._fix_attributes(model, policy)
-        if policy.vocab_parallel:
-            self._shard_vocab(model, group)
-
-    def _fix_attributes(self, model: nn.Module, policy: Policy) -> None:
-        tp_size = self.shard_config.tensor_parallel_size
-        base = model.base_model
-        for pattern, attrs in policy.attributes.items():
+        plan = _Plan(matches)
+        for pattern, rules in policy.attributes.items():
             regex = pattern_to_regex(pattern)
             for name, module in base.named_modules():
-                if not regex.match(name):
-                    continue
-                for attr, rule in attrs.items():
-                    if rule != "divide":
-                        raise ValueError(f"attribute rule {rule!r} for {pattern}.{attr}: only 'divide' exists")
-                    if hasattr(module, attr):
-                        setattr(module, attr, getattr(module, attr) // tp_size)
+                if regex.match(name):
+                    for attr, rule in rules.items():
+                        if hasattr(module, attr):
+                            value = attribute_rule(rule)(full(name), attr, getattr(module, attr), tp_size)
+                            plan.attributes.append((module, attr, value))
+        if policy.vocab_parallel:
+            self._validate_vocab(model, plan)
+        return plan
 
-    def _shard_vocab(self, model: nn.Module, group) -> None:
-        cfg = self.shard_config
+    @staticmethod
+    def _validate_vocab(model: nn.Module, plan: _Plan) -> None:
         embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         if isinstance(embedding, nn.Embedding):
-            path = _module_path(model, embedding)
-            _set_submodule(model, path, VocabParallelEmbedding.from_native(
-                embedding, group, cfg.make_vocab_size_divisible_by))
+            if embedding.max_norm is not None or embedding.sparse:
+                raise ValueError("VocabParallelEmbedding does not support max_norm or sparse embeddings; "
+                                 "pass a custom_policy with vocab_parallel=False")
+            plan.embedding_paths = _module_paths(model, embedding)
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if isinstance(head, nn.Linear):
+            plan.head_paths = _module_paths(model, head)
+
+    # -- application ---------------------------------------------------------------------------
+    def _apply(self, model: nn.Module, policy: Policy, plan: _Plan) -> None:
+        cfg = self.shard_config
+        ctx = ShardContext(cfg.tensor_parallel_process_group, cfg.tensor_parallel_size,
+                           tuple(p for m in plan.matches if m.style.name == BLOCK_INPUT for p in m.paths),
+                           policy.block_input_kwargs)
+        for m in plan.matches:
+            new = m.style.apply(ctx, m.paths[0], m.module, *m.args)
+            if new is not None:
+                for path in m.paths:
+                    _set_submodule(model, path, new)
+        for module, attr, value in plan.attributes:
+            setattr(module, attr, value)
+        if plan.embedding_paths:
+            embedding = model.get_submodule(plan.embedding_paths[0])
+            new = VocabParallelEmbedding.from_native(embedding, ctx.group, cfg.make_vocab_size_divisible_by)
+            for path in plan.embedding_paths:
+                _set_submodule(model, path, new)
+        if plan.head_paths:
+            head = model.get_submodule(plan.head_paths[0])
             parallel_loss = cfg.parallel_output and _uses_loss_function(model)
-            path = _module_path(model, head)
-            new_head = VocabParallelLMHead.from_native(head, group, cfg.make_vocab_size_divisible_by,
-                                                       parallel_output=parallel_loss)
-            _set_submodule(model, path, new_head)
+            new = VocabParallelLMHead.from_native(head, ctx.group, cfg.make_vocab_size_divisible_by,
+                                                  parallel_output=parallel_loss)
+            for path in plan.head_paths:
+                _set_submodule(model, path, new)
             if parallel_loss:
-                model.loss_function = make_causal_lm_loss(new_head)
+                model.loss_function = make_causal_lm_loss(new)

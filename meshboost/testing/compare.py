@@ -10,8 +10,8 @@ import copy
 
 import torch
 
+from meshboost.distributed.param_info import gather_tensor, get_tp_info
 from meshboost.shardformer import ShardConfig, ShardFormer
-from meshboost.shardformer.param_info import gather_tensor, get_tp_info
 from meshboost.testing.models import build_model, tiny_batch, tiny_config
 from meshboost.testing.tolerance import LOSS_ATOL, assert_close
 

@@ -58,15 +58,6 @@ def state_by_name(opt, names, model) -> dict:
     return out
 
 
-class _DataParallelOnly:
-    """The mesh facts `train` needs, for TorchDDPPlugin (which has no mesh)."""
-
-    pp_size = 1
-
-    def __init__(self):
-        self.dp_size, self.dp_rank = dist.get_world_size(), dist.get_rank()
-
-
 def boosted(seed: int = 0, model=None, plugin_cls=HybridParallelPlugin, **plugin_kwargs):
     """(booster, mesh, model, optimizer, scheduler) boosted by `plugin_cls(**plugin_kwargs)`."""
     plugin = plugin_cls(**plugin_kwargs)
@@ -74,7 +65,7 @@ def boosted(seed: int = 0, model=None, plugin_cls=HybridParallelPlugin, **plugin
     model = model if model is not None else build_model(CLS, copy.deepcopy(config()), seed=seed)
     opt, sched = make_optimizer(model)
     model, opt, _, _, sched = booster.boost(model, opt, lr_scheduler=sched)
-    return booster, getattr(plugin, "mesh", None) or _DataParallelOnly(), model, opt, sched
+    return booster, plugin.mesh, model, opt, sched
 
 
 def train(booster, mesh, model, opt, sched, steps) -> list[float]:

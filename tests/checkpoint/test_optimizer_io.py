@@ -13,13 +13,13 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
+from _train_helpers import CLS, assert_losses_close, batch, boosted, config, reference, train
 from transformers import AutoModelForCausalLM
 
-from _train_helpers import (CLS, assert_losses_close, batch, boosted, config, reference, train)
 from meshboost.checkpoint import optimizer_io
 from meshboost.checkpoint.optimizer_io import OptimizerCheckpoint
+from meshboost.distributed.param_info import gather_tensor, get_tp_info
 from meshboost.plugins import LowLevelZeroPlugin, TorchDDPPlugin
-from meshboost.shardformer.param_info import gather_tensor, get_tp_info
 from meshboost.testing import assert_close, spawn
 from meshboost.testing.models import build_model
 
@@ -170,8 +170,9 @@ def test_optimizer_reshard(tmp_path):
 def test_no_plugin_single_process(tmp_path):
     """Booster() without a plugin (no process group): save after 3 steps, load into a fresh model, and the
     next 2 steps equal the uninterrupted run bitwise."""
-    from meshboost import Booster
     from _train_helpers import make_optimizer
+
+    from meshboost import Booster
 
     def setup(seed):
         booster = Booster()

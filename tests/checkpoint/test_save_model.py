@@ -14,8 +14,9 @@ from transformers import AutoModelForSequenceClassification
 
 from meshboost import Booster
 from meshboost.checkpoint import hf_format
+from meshboost.checkpoint.writer import CheckpointWriter, save_roles
+from meshboost.distributed.param_info import gather_tensor, get_tp_info
 from meshboost.plugins import HybridParallelPlugin, TorchDDPPlugin
-from meshboost.shardformer.param_info import gather_tensor, get_tp_info
 from meshboost.testing import assert_close, spawn
 from meshboost.testing.models import VOCAB, build_model, tiny_batch, tiny_config
 
@@ -170,12 +171,29 @@ def test_save_model_tp2(tmp_path):
     assert loaded.config.num_labels == 3 and loaded.config.architectures == [CLS]
 
 
-def test_plan_files_names_and_limits():
+def test_shard_files_names_and_limits(tmp_path):
+    """The writer (no process group: this process writes) groups items greedily into files of at most
+    size_per_shard and names them k-of-N as HF does (optional prefix); shard=False writes one file."""
     sizes = {"a": 600, "b": 600, "d": 10, "c": 2000}        # 1000-byte shards; c alone exceeds the limit
-    files = hf_format.plan_files(sizes, shard=True, use_safetensors=True, size_per_shard_mb=1000 / 2**20)
+
+    def save(name, shard, use_safetensors, size_per_shard_mb=1024, prefix=None):
+        planned = []
+        writer = CheckpointWriter(
+            str(tmp_path / name), save_roles(), shard=shard, size_per_shard_mb=size_per_shard_mb,
+            shard_name=lambda k, total: hf_format.shard_name(use_safetensors, prefix, k, total),
+            single_name=hf_format.weights_name(use_safetensors),
+            write_file=lambda items, path: json.dump(list(items), open(path, "w")))
+        for item, nbytes in sizes.items():
+            writer.add(item, None, nbytes)
+        writer.finish(finalize=lambda folder, files, extras: planned.extend(files))
+        on_disk = {f: json.load(open(tmp_path / name / f)) for f in sorted(os.listdir(tmp_path / name))}
+        assert on_disk == {f.name: f.names for f in planned}, name
+        return planned
+
+    files = save("sharded", shard=True, use_safetensors=True, size_per_shard_mb=1000 / 2**20)
     assert [f.name for f in files] == [f"model-0000{k}-of-00003.safetensors" for k in (1, 2, 3)]
-    assert [f.tensor_names for f in files] == [["a"], ["b", "d"], ["c"]]
-    one = hf_format.plan_files(sizes, shard=False, use_safetensors=False)
+    assert [f.names for f in files] == [["a"], ["b", "d"], ["c"]]
+    one = save("one", shard=False, use_safetensors=False)
     assert [f.name for f in one] == ["pytorch_model.bin"] and one[0].nbytes == 3210
-    prefixed = hf_format.plan_files(sizes, shard=True, use_safetensors=False, prefix="stage0")
+    prefixed = save("prefixed", shard=True, use_safetensors=False, prefix="stage0")
     assert [f.name for f in prefixed] == ["stage0-pytorch_model-00001-of-00001.bin"]

@@ -10,7 +10,7 @@ import torch
 from meshboost.optim import MixedPrecisionOptimizer
 from meshboost.optim.memory import memory_breakdown, memory_theory
 
-ONE_RANK = types.SimpleNamespace(tp_rank=0, dp_rank=0, world_group=None)
+ONE_RANK = types.SimpleNamespace(tp_rank=0, dp_rank=0, world_group=None, device=torch.device("cpu"))
 
 
 def _mlp():

@@ -24,6 +24,7 @@ from meshboost import Booster
 from meshboost.pipeline import PipelineConfig, schedule_order, split_layers, split_microbatches
 from meshboost.pipeline.layout import get_layout
 from meshboost.plugins import HybridParallelPlugin
+from meshboost.shardformer import pipeline_layout
 from meshboost.testing import LOSS_ATOL, assert_close, spawn
 from meshboost.testing.compare import gathered
 from meshboost.testing.models import build_model, tiny_batch, tiny_config
@@ -276,7 +277,8 @@ def test_split_layers_even_remainder_to_middle():
 
 def test_layouts_cover_families():
     for family, cls in FAMILIES:
-        layout = get_layout(build_model(cls, tiny_config(family)))
+        model = build_model(cls, tiny_config(family))
+        layout = get_layout(model, pipeline_layout(model))         # as the plugin looks it up
         assert layout.layers in ("encoder.layer", "h", "layers")
     assert get_layout(build_model("Qwen2ForCausalLM", tiny_config("qwen2"))).name == "pp_plan:qwen2"
 
@@ -296,7 +298,7 @@ def test_config_errors_before_any_collective():
         PipelineConfig(pp_size=2, num_microbatches=4, pp_style="interleaved", num_model_chunks=2,
                        num_layers_per_stage=[2, 2])
     with pytest.raises(NotImplementedError, match="zero_stage=2"):
-        PipelineConfig(pp_size=2, num_microbatches=4, zero_stage=2)
+        HybridParallelPlugin(tp_size=1, pp_size=2, num_microbatches=4, zero_stage=2)
     with pytest.raises(ValueError, match="only apply with pp_size > 1"):
         PipelineConfig(pp_size=1, num_microbatches=4)
     # the plugin raises them before building its mesh (no process group here)

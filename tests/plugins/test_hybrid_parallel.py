@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch.utils.data import TensorDataset
 
 from meshboost import Booster
+from meshboost.distributed.param_info import gather_tensor, get_tp_info
 from meshboost.plugins import HybridParallelPlugin, TorchDDPPlugin
-from meshboost.shardformer.param_info import gather_tensor, get_tp_info
 from meshboost.testing import assert_close, spawn
 from meshboost.testing.models import build_model, tiny_config
 
@@ -53,8 +53,8 @@ def _train_boosted(cls, config, batches_for_me, lr, plugin):
         opt.step(), opt.zero_grad(), sched.step()
         # the loss reported to the user: mean over data-parallel replicas
         t = loss.detach().clone()
-        dist.all_reduce(t, group=plugin.mesh.dp_group if hasattr(plugin, "mesh") else None)
-        losses.append(t.item() / (plugin.dp_size if hasattr(plugin, "dp_size") else dist.get_world_size()))
+        dist.all_reduce(t, group=plugin.mesh.dp_group)
+        losses.append(t.item() / plugin.dp_size)
     return losses, model
 
 

@@ -11,17 +11,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers.pytorch_utils import Conv1D
 
-from meshboost.profiling import comm_counter
+from meshboost.distributed.param_info import gather_tensor, get_tp_info
+from meshboost.distributed.profiling import comm_counter
 from meshboost.shardformer.layers import (
-    ColumnParallelConv1D,
     ColumnParallelLinear,
-    RowParallelConv1D,
     RowParallelLinear,
     VocabParallelEmbedding,
     VocabParallelLMHead,
     vocab_parallel_cross_entropy,
 )
-from meshboost.shardformer.param_info import gather_tensor, get_tp_info
 from meshboost.testing import assert_close, spawn
 
 
@@ -67,18 +65,18 @@ def _layers_body(rank, world):
     _check_pair(mlp, lambda m: nn.Sequential(ColumnParallelLinear.from_native(m[0], group), m[1],
                                              RowParallelLinear.from_native(m[2], group)), x, "column->row MLP")
     # GPT-2 Conv1D in both roles.
-    _check_pair(Conv1D(8 * world, 16), lambda m: ColumnParallelConv1D.from_native(m, group, gather_output=True), x,
+    _check_pair(Conv1D(8 * world, 16), lambda m: ColumnParallelLinear.from_native(m, group, gather_output=True), x,
                 "Conv1D column")
-    _check_pair(Conv1D(16, 8 * world), lambda m: RowParallelConv1D.from_native(m, group, input_is_parallel=False),
+    _check_pair(Conv1D(16, 8 * world), lambda m: RowParallelLinear.from_native(m, group, input_is_parallel=False),
                 torch.randn(3, 5, 8 * world), "Conv1D row")
     # Fused [q | k | v]: every third split by heads; gathering with the record restores the layout.
     fused = Conv1D(3 * 8 * world, 16)
-    _check_pair(fused, lambda m: ColumnParallelConv1D.from_native(m, group, num_fused=3),
+    _check_pair(fused, lambda m: ColumnParallelLinear.from_native(m, group, num_fused=3),
                 x, "Conv1D fused qkv", out_transform=lambda y: _unfuse(y, group, world))
     # A contiguous split of the fused weight runs but is wrong: prove the test would see it.
     fused = Conv1D(3 * 8 * world, 16)
     ref_out = fused(x)
-    wrong = ColumnParallelConv1D.from_native(copy.deepcopy(fused), group, num_fused=1)
+    wrong = ColumnParallelLinear.from_native(copy.deepcopy(fused), group, num_fused=1)
     assert not torch.allclose(_unfuse(wrong(x), group, world), ref_out, atol=1e-3), "contiguous split not detected"
 
     # Vocab-parallel embedding with a padding row (its grad must stay zero) and vocab padding.
@@ -130,13 +128,13 @@ def _layers_body(rank, world):
 
 
 def _gather_last(y, group):
-    from meshboost.shardformer.comm import gather_from_tp
+    from meshboost.distributed.comm import gather_from_tp
     return gather_from_tp(y, group, dim=-1)
 
 
 def _unfuse(y, group, world):
     """Gather a fused-qkv column output [.., q_r k_r v_r] from all ranks into [.., q k v]."""
-    from meshboost.shardformer.comm import gather_from_tp
+    from meshboost.distributed.comm import gather_from_tp
     full = gather_from_tp(y, group, dim=-1)
     per_rank = full.chunk(world, dim=-1)
     thirds = [r.chunk(3, dim=-1) for r in per_rank]

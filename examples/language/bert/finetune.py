@@ -112,13 +112,10 @@ def build_plugin(args):
 
 
 def plugin_layout(plugin) -> dict:
-    """dp/pp/tp sizes and coordinates of this rank, for any plugin."""
-    import torch.distributed as dist
-    mesh = getattr(plugin, "mesh", None)
-    if mesh is not None:
-        return dict(dp=mesh.dp_size, pp=mesh.pp_size, tp=mesh.tp_size, dp_rank=mesh.dp_rank, pp_rank=mesh.pp_rank,
-                    tp_rank=mesh.tp_rank, dp_group=mesh.dp_group)
-    return dict(dp=dist.get_world_size(), pp=1, tp=1, dp_rank=dist.get_rank(), pp_rank=0, tp_rank=0, dp_group=None)
+    """dp/pp/tp sizes and coordinates of this rank, for any plugin (each declares its mesh)."""
+    mesh = plugin.mesh
+    return dict(dp=mesh.dp_size, pp=mesh.pp_size, tp=mesh.tp_size, dp_rank=mesh.dp_rank, pp_rank=mesh.pp_rank,
+                tp_rank=mesh.tp_rank, dp_group=mesh.dp_group)
 
 
 def build_optimizer(model, args, total_steps: int):
@@ -164,7 +161,7 @@ def evaluate(model, booster, loader, layout, info, device, show: bool = False) -
     Each dp replica predicts its DistributedSampler share; predictions are gathered over dp with
     their dataset indices, and the sampler's padding duplicates are dropped by index.
     """
-    from meshboost.shardformer import comm
+    from meshboost.distributed import comm
     model.eval()
     indices = torch.tensor(list(iter(loader.sampler)), dtype=torch.long)
     preds, labels = [], []
@@ -204,7 +201,7 @@ def agree_any(flag: bool, device) -> bool:
     """True on every rank when `flag` is True on any rank (one MAX all-reduce over the world)."""
     import torch.distributed as dist
 
-    from meshboost.shardformer import comm
+    from meshboost.distributed import comm
     t = torch.tensor([1.0 if flag else 0.0], device=device)
     comm.all_reduce(t, dist.group.WORLD, op=dist.ReduceOp.MAX)
     return bool(t.item() > 0)

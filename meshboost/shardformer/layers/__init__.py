@@ -1,12 +1,6 @@
 """Tensor-parallel layers built from native modules (see each file's docstring)."""
 
-from meshboost.shardformer.layers.linear import (
-    ColumnParallelConv1D,
-    ColumnParallelLinear,
-    RowParallelConv1D,
-    RowParallelLinear,
-    shard_parameter_,
-)
+from meshboost.shardformer.layers.linear import ColumnParallelLinear, RowParallelLinear, is_conv1d, shard_parameter_
 from meshboost.shardformer.layers.vocab import (
     VocabParallelEmbedding,
     VocabParallelLMHead,
@@ -15,7 +9,6 @@ from meshboost.shardformer.layers.vocab import (
 )
 
 __all__ = [
-    "ColumnParallelLinear", "RowParallelLinear", "ColumnParallelConv1D", "RowParallelConv1D",
-    "VocabParallelEmbedding", "VocabParallelLMHead", "vocab_parallel_cross_entropy",
-    "make_causal_lm_loss", "shard_parameter_",
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "VocabParallelLMHead",
+    "vocab_parallel_cross_entropy", "make_causal_lm_loss", "shard_parameter_", "is_conv1d",
 ]

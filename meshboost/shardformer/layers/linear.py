@@ -1,6 +1,7 @@
 """Column- and row-parallel linear layers, for `nn.Linear` and GPT-2's `Conv1D`.
 
-Owns: building a parallel layer from an already-loaded native module by slicing its *own*
+Owns: building a parallel layer from an already-loaded native module (`nn.Linear`, or GPT-2's
+`Conv1D`, whose transposed weight the same classes handle) by slicing its *own*
 parameters in place (the same `nn.Parameter` objects keep living, now holding shards, so an
 optimizer built before sharding stays valid) and the forward that wires in the collectives.
 
@@ -16,11 +17,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from meshboost.shardformer import comm
-from meshboost.shardformer.param_info import TensorParallelInfo, get_tp_info, set_tp_info, shard_tensor
+from meshboost.distributed import comm
+from meshboost.distributed.param_info import TensorParallelInfo, get_tp_info, set_tp_info, shard_tensor
 
 
-def _is_conv1d(module: nn.Module) -> bool:
+def is_conv1d(module: nn.Module) -> bool:
     # transformers' GPT-2 Conv1D: weight [nx, nf] and an attribute `nf`; checked by name so this
     # file does not import transformers.
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
@@ -97,7 +98,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
     @classmethod
     def from_native(cls, module: nn.Module, group, gather_output: bool = False, copy_input: bool = True,
                     num_fused: int = 1) -> "ColumnParallelLinear":
-        conv1d = _is_conv1d(module)
+        conv1d = is_conv1d(module)
         out_dim = 1 if conv1d else 0
         shard_parameter_(module.weight, out_dim, group, num_fused=num_fused)
         if module.bias is not None:
@@ -127,7 +128,7 @@ class RowParallelLinear(_ParallelLinearBase):
 
     @classmethod
     def from_native(cls, module: nn.Module, group, input_is_parallel: bool = True) -> "RowParallelLinear":
-        conv1d = _is_conv1d(module)
+        conv1d = is_conv1d(module)
         in_dim = 0 if conv1d else 1
         shard_parameter_(module.weight, in_dim, group)
         return cls(module.weight, module.bias, group, input_is_parallel, conv1d)
@@ -138,10 +139,3 @@ class RowParallelLinear(_ParallelLinearBase):
         y = comm.reduce_from_tp(self._matmul(x, None), self.process_group)
         return y if self.bias is None else y + self.bias
 
-
-class ColumnParallelConv1D(ColumnParallelLinear):
-    """Column-parallel GPT-2 `Conv1D` (weight [in, out] split on dim 1); see ColumnParallelLinear."""
-
-
-class RowParallelConv1D(RowParallelLinear):
-    """Row-parallel GPT-2 `Conv1D` (weight [in, out] split on dim 0); see RowParallelLinear."""

@@ -13,9 +13,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from meshboost.shardformer import comm
+from meshboost.distributed import comm
+from meshboost.distributed.param_info import get_tp_info
 from meshboost.shardformer.layers.linear import shard_parameter_
-from meshboost.shardformer.param_info import get_tp_info
 
 
 class VocabParallelEmbedding(nn.Module):

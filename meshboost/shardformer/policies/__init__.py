@@ -1,5 +1,5 @@
 """Policy registry: model family (config.model_type) -> Policy, with transformers' own
-`base_model_tp_plan` as the fallback."""
+`base_model_tp_plan` as the fallback (Llama, Qwen2, Mistral, ... need no table of their own)."""
 
 from __future__ import annotations
 
@@ -8,18 +8,21 @@ import torch.nn as nn
 from meshboost.shardformer.policies.base import Policy
 from meshboost.shardformer.policies.bert import BERT_POLICY
 from meshboost.shardformer.policies.gpt2 import GPT2_POLICY
-from meshboost.shardformer.policies.llama import LLAMA_POLICY
 from meshboost.shardformer.policies.tp_plan import policy_from_tp_plan
 
-POLICIES: dict[str, Policy] = {"bert": BERT_POLICY, "gpt2": GPT2_POLICY, "llama": LLAMA_POLICY}
+POLICIES: dict[str, Policy] = {"bert": BERT_POLICY, "gpt2": GPT2_POLICY}
+
+
+def _model_type(model: nn.Module):
+    return getattr(getattr(model, "config", None), "model_type", None)
 
 
 def get_policy(model: nn.Module) -> Policy:
     """The policy for `model`, or a ValueError naming the supported families and the way out."""
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
+    model_type = _model_type(model)
     if model_type in POLICIES:
         return POLICIES[model_type]
+    config = getattr(model, "config", None)
     policy = policy_from_tp_plan(config) if config is not None else None
     if policy is not None:
         return policy
@@ -30,4 +33,14 @@ def get_policy(model: nn.Module) -> Policy:
         "...}) to HybridParallelPlugin or ShardFormer.optimize().")
 
 
-__all__ = ["Policy", "POLICIES", "get_policy", "policy_from_tp_plan"]
+def pipeline_layout(model: nn.Module, custom_policy: Policy | None = None) -> dict | None:
+    """The pipeline layout a family's table declares (the custom policy's first), or None to let the
+    pipeline read transformers' `base_model_pp_plan`. Never raises: pipeline stages need no
+    tensor-parallel policy."""
+    if custom_policy is not None and custom_policy.pipeline_layout is not None:
+        return custom_policy.pipeline_layout
+    policy = POLICIES.get(_model_type(model))
+    return policy.pipeline_layout if policy is not None else None
+
+
+__all__ = ["Policy", "POLICIES", "get_policy", "pipeline_layout", "policy_from_tp_plan"]

@@ -1,55 +1,61 @@
 """What a sharding policy is: a small table of data, no code paths per model head.
 
 A `Policy` maps module-path patterns (relative to the model's *base* model, `*` = one path
-component such as a layer index) to a style name, plus attribute fix-ups and the config fields
-that must divide by tp. Head classes need no policy of their own: the input embedding and the LM
-head are found through `get_input_embeddings()` / `get_output_embeddings()`, and any other head
-(a classifier, a QA span head) stays replicated, so every `num_labels` works.
+component such as a layer index) to a registered style name (`meshboost.shardformer.styles`),
+plus attribute fix-ups, the config fields that must divide by tp, the keyword arguments a block
+input receives its hidden states through, and where the model's pipeline pieces live. Head
+classes need no policy of their own: the input embedding and the LM head are found through
+`get_input_embeddings()` / `get_output_embeddings()`, and any other head (a classifier, a QA span
+head) stays replicated, so every `num_labels` works.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Callable
 
-# Style names a plan may use.
-COLWISE = "colwise"              # output features split; Megatron f on its input
-ROWWISE = "rowwise"              # input features split; one all-reduce on its output
-BLOCK_INPUT = "block_input"      # module whose input feeds only column-parallel linears: f once
-STYLES = (COLWISE, ROWWISE, BLOCK_INPUT)
-_FUSED = re.compile(r"colwise_fused\((\d+)\)$")   # e.g. GPT-2 c_attn [q|k|v]: colwise_fused(3)
+from meshboost.shardformer.styles import DEFAULT_BLOCK_INPUT_KWARGS, attribute_rule, parse_style
 
-
-def parse_style(style: str) -> tuple[str, int]:
-    """("colwise", fused blocks) for a style string; raises on an unknown style."""
-    m = _FUSED.match(style)
-    if m:
-        return COLWISE, int(m.group(1))
-    if style in STYLES:
-        return style, 1
-    raise ValueError(f"unknown sharding style {style!r}; expected one of {STYLES} or 'colwise_fused(N)'")
+PIPELINE_LAYOUT_KEYS = ("embeddings", "layers", "tail")
 
 
 @dataclass(frozen=True)
 class Policy:
-    """Tensor-parallel plan for one model family.
+    """Tensor-parallel plan (and pipeline anatomy) of one model family.
 
     plan: pattern -> style, relative to the base model (`model.base_model`).
-    attributes: pattern -> {attribute: "divide"}: per-rank values set on modules after sharding
-        (never on the shared config, which rope/ALiBi code reads).
+    attributes: pattern -> {attribute: rule}: per-rank values set on modules after sharding (never
+        on the shared config, which rope/ALiBi code reads). A rule is a registered name ("divide")
+        or a callable(path, attribute, value, tp_size) -> per-rank value that raises when the
+        value cannot be split.
     divisible: config fields that must be divisible by tp_size.
     vocab_parallel: shard the input embedding and LM head over the vocabulary.
+    block_input_kwargs: keyword arguments through which a block_input module receives tensors
+        that feed its column-parallel linears (positional tensors always count).
+    pipeline_layout: {"embeddings": paths, "layers": path of the layer ModuleList, "tail": paths},
+        relative to the base model; None reads transformers' `base_model_pp_plan`.
     """
 
     name: str
     plan: dict[str, str]
-    attributes: dict[str, dict[str, str]] = field(default_factory=dict)
+    attributes: dict[str, dict[str, str | Callable]] = field(default_factory=dict)
     divisible: tuple[str, ...] = ("num_attention_heads",)
     vocab_parallel: bool = True
+    block_input_kwargs: tuple[str, ...] = DEFAULT_BLOCK_INPUT_KWARGS
+    pipeline_layout: dict | None = None
 
     def __post_init__(self):
-        for pattern, style in self.plan.items():
+        for style in self.plan.values():
             parse_style(style)
+        for rules in self.attributes.values():
+            for rule in rules.values():
+                attribute_rule(rule)
+        if self.pipeline_layout is not None:
+            unknown = set(self.pipeline_layout) - set(PIPELINE_LAYOUT_KEYS)
+            if unknown or "layers" not in self.pipeline_layout:
+                raise ValueError(f"policy {self.name!r}: pipeline_layout needs 'layers' and may have "
+                                 f"{PIPELINE_LAYOUT_KEYS}; got {sorted(self.pipeline_layout)}")
 
 
 def pattern_to_regex(pattern: str) -> re.Pattern:

@@ -26,4 +26,7 @@ BERT_POLICY = Policy(
         "encoder.layer.*.crossattention.self": {"num_attention_heads": "divide", "all_head_size": "divide"},
     },
     divisible=("num_attention_heads", "intermediate_size"),
+    # cross-attention's key/value read the encoder's hidden states
+    block_input_kwargs=("hidden_states", "encoder_hidden_states"),
+    pipeline_layout={"embeddings": ("embeddings",), "layers": "encoder.layer", "tail": ("pooler",)},
 )

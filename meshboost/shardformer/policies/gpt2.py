@@ -17,4 +17,5 @@ GPT2_POLICY = Policy(
     # The forward splits c_attn's output with split_size: it must be the per-rank width.
     attributes={"h.*.attn": {"split_size": "divide", "num_heads": "divide"}},
     divisible=("num_attention_heads",),
+    pipeline_layout={"embeddings": ("wte", "wpe"), "layers": "h", "tail": ("ln_f",)},
 )

@@ -1,0 +1,272 @@
+"""The one checkpoint writer: every save (model, optimizer, LR scheduler) goes through it.
+
+Owns who does what on a save (`SaveRoles`, from the mesh), the staging folder beside the target
+(`AtomicTarget`), writing each shard file as soon as it fills, numbering the files k-of-N across
+pipeline stages, merging the stages' parts on global rank 0, agreeing on failure over every rank,
+and the atomic commit. Callers only produce (name, payload, bytes) items in the same order on every
+rank of a stage (joining their own gathers) and say how a file and the finishing touches (index,
+config) are written. Must not gather tensors (the callers do).
+
+Who does what (mesh order dp x pp x tp, tp innermost):
+  * the tp ranks of data-parallel replica 0 join the tp gathers (`gathers`); other replicas hold
+    the same values and skip them (ZeRO's dp gathers are joined by everyone, inside the callers);
+  * each stage's (dp 0, tp 0) rank writes that stage's files (`stage_writer`) into one staging
+    folder, named by a token rank 0 draws; with pipeline stages this needs a file system every
+    writer shares (one node, or a shared mount);
+  * global rank 0 (`main_writer`) merges the stages' parts, writes the index and extras, commits;
+  * every rank joins the agreements, so a failed write raises on every rank, nobody returns before
+    the staging folder is gone, and a checkpoint already at the target is never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from meshboost.distributed import comm
+from meshboost.distributed.launch import get_current_device
+
+
+@dataclass
+class SaveRoles:
+    gathers: bool          # joins the tp gathers of its stage (data-parallel replica 0)
+    stage_writer: bool     # writes its stage's files (dp 0, tp 0 of the stage)
+    main_writer: bool      # global rank 0: merge, index, extras, commit
+    stage: int
+    num_stages: int
+    group: object          # every rank: agreements run over it (None without a process group)
+    device: torch.device   # where the agreement tensors live
+
+
+def save_roles(mesh=None, main_only: bool = False) -> SaveRoles:
+    """The roles of this rank on a save over `mesh` (None: one replicated model, rank 0 writes).
+    main_only: a small state only global rank 0 writes (an LR scheduler)."""
+    if mesh is None:
+        initialized = dist.is_initialized()
+        rank = dist.get_rank() if initialized else 0
+        roles = SaveRoles(True, rank == 0, rank == 0, 0, 1, dist.group.WORLD if initialized else None,
+                          get_current_device())
+    else:
+        roles = SaveRoles(mesh.dp_rank == 0, mesh.dp_rank == 0 and mesh.tp_rank == 0, mesh.global_rank == 0,
+                          mesh.pp_rank, mesh.pp_size, mesh.world_group, mesh.device)
+    if main_only:
+        roles.stage_writer, roles.stage, roles.num_stages = roles.main_writer, 0, 1
+    return roles
+
+
+def agree(values: list[float], roles: SaveRoles) -> list[float]:
+    """Sum `values` over every rank (one all-reduce; also a barrier)."""
+    t = torch.tensor(values, dtype=torch.float64, device=roles.device)
+    if roles.group is not None:
+        comm.all_reduce(t, roles.group)
+    return t.tolist()
+
+
+class AtomicTarget:
+    """Stage a checkpoint folder (or single file) beside `target`; `commit()` puts it in place.
+
+    Until `commit()`, `target` is untouched; `abort()` removes the staging folder. A folder target
+    that already exists is moved aside, replaced, then deleted, so a reader only ever sees the old
+    complete checkpoint or the new complete one.
+    """
+
+    def __init__(self, target: str, is_file: bool, token: int | None = None):
+        self.target = os.path.abspath(target)
+        self.is_file = is_file
+        parent = os.path.dirname(self.target)
+        if os.path.isdir(self.target) if is_file else os.path.isfile(self.target):
+            kind = "a folder" if is_file else "a file"
+            raise ValueError(f"checkpoint path {target!r} is {kind}; pass a "
+                             f"{'file name ending in .safetensors/.bin' if is_file else 'folder path'} instead")
+        os.makedirs(parent, exist_ok=True)
+        if token is None:
+            self.staging = tempfile.mkdtemp(prefix=f".{os.path.basename(self.target)}.tmp-", dir=parent)
+        else:  # one staging folder shared by several writers (pipeline stages), named by an agreed token
+            self.staging = os.path.join(parent, f".{os.path.basename(self.target)}.tmp-{token:012x}")
+            os.makedirs(self.staging, exist_ok=True)
+        self.path = (os.path.join(self.staging, os.path.basename(self.target)) if is_file else self.staging)
+
+    def _apply_umask(self) -> None:
+        """mkdtemp makes the staging folder private (0700); give the result ordinary permissions."""
+        umask = os.umask(0)
+        os.umask(umask)
+        for root, _, names in os.walk(self.staging):
+            os.chmod(root, 0o777 & ~umask)
+            for n in names:
+                os.chmod(os.path.join(root, n), 0o666 & ~umask)
+
+    def commit(self) -> None:
+        self._apply_umask()
+        if self.is_file:
+            os.replace(self.path, self.target)            # atomic on POSIX
+            shutil.rmtree(self.staging, ignore_errors=True)
+            return
+        old = None
+        if os.path.exists(self.target):
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(self.target)}.old-", dir=os.path.dirname(self.target))
+            os.replace(self.target, os.path.join(old, "ckpt"))
+        try:
+            os.replace(self.staging, self.target)
+        except BaseException:
+            if old is not None:                            # put the old checkpoint back
+                os.replace(os.path.join(old, "ckpt"), self.target)
+            raise
+        finally:
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def abort(self) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def starts_new_file(file_bytes: int, file_empty: bool, nbytes: int, limit: float) -> bool:
+    """The grouping rule of sharded files: an item opens a new file when the current one holds
+    something and the item would take it over `limit` bytes (a larger item gets a file of its own)."""
+    return not file_empty and file_bytes + nbytes > limit
+
+
+@dataclass
+class WrittenFile:
+    """One file of a checkpoint: its name inside the folder, the items it holds and their bytes."""
+
+    name: str
+    names: list
+    nbytes: int
+
+
+class CheckpointWriter:
+    """One save at `checkpoint`, on every rank of `roles`.
+
+    shard: items go into files of at most `size_per_shard_mb` MB, named `shard_name(k, total)`;
+    otherwise into one file (`single_name` inside the folder, or the target itself when `as_file`).
+    write_file(payload: {name: item}, path) writes one file. On the stage writer, `add` items in
+    order; then every rank calls `finish`.
+    """
+
+    def __init__(self, checkpoint: str, roles: SaveRoles, *, shard: bool, as_file: bool = False,
+                 size_per_shard_mb: float = 1024, shard_name: Callable[[int, int], str] | None = None,
+                 single_name: str | None = None, write_file: Callable[[dict, str], None], what: str = "save"):
+        self.checkpoint, self.roles, self.what = checkpoint, roles, what
+        self.shard, self.as_file, self.limit = shard, as_file, size_per_shard_mb * 1024 * 1024
+        self.shard_name, self.single_name, self.write_file = shard_name, single_name, write_file
+        self.error: BaseException | None = None
+        self.target: AtomicTarget | None = None
+        self.parts: list[WrittenFile] = []
+        self._pending: dict = {}
+        self._pending_bytes = 0
+        token = None
+        if roles.num_stages > 1:                  # one staging folder for every stage, named by rank 0
+            token = int(agree([float(secrets.randbits(48)) if roles.main_writer else 0.0], roles)[0])
+        if roles.stage_writer:
+            try:
+                self.target = AtomicTarget(checkpoint, is_file=as_file, token=token)
+            except Exception as e:  # noqa: BLE001 - agreed on every rank in finish()
+                self.error = e
+
+    def add(self, name, payload, nbytes: int) -> None:
+        """Queue one item (stage writer only; a no-op elsewhere); a full shard file is written now."""
+        if not self.roles.stage_writer:
+            return
+        if self.shard and starts_new_file(self._pending_bytes, not self._pending, nbytes, self.limit):
+            self._flush()
+        self._pending[name] = payload
+        self._pending_bytes += nbytes
+
+    def _write(self, payload: dict, path: str) -> None:
+        if self.error is None:
+            try:
+                self.write_file(payload, path)
+            except Exception as e:  # noqa: BLE001
+                self.error = e
+
+    def _flush(self) -> None:
+        if self._pending:
+            staged = f".part-{self.roles.stage}-{len(self.parts)}.tmp"   # torch.save needs an extension
+            self._write(self._pending, os.path.join(self.target.path, staged) if self.target else staged)
+            self.parts.append(WrittenFile(staged, list(self._pending), self._pending_bytes))
+        self._pending, self._pending_bytes = {}, 0
+
+    def finish(self, extra=None, finalize: Callable[[str, list[WrittenFile], list], None] | None = None) -> None:
+        """Write what is left, agree, let global rank 0 `finalize(folder, files of every stage, extras
+        of every stage)` (index, config) and commit. Raises on every rank when any rank failed."""
+        roles = self.roles
+        if roles.stage_writer:
+            if self.shard:
+                self._flush()
+            elif self.target is not None:
+                path = self.target.path if self.as_file else os.path.join(self.target.path, self.single_name)
+                self._write(self._pending, path)
+                self.parts = [WrittenFile(os.path.basename(path), list(self._pending), self._pending_bytes)]
+                self._pending = {}
+        if self.shard:
+            first, total = 0, len(self.parts)
+            if roles.num_stages > 1:             # number the files across stages (one all-reduce)
+                counts = [0.0] * (roles.num_stages + 1)
+                if roles.stage_writer:
+                    counts[roles.stage] = float(len(self.parts))
+                counts[-1] = float(self.error is not None)
+                counts = agree(counts, roles)
+                if counts[-1]:
+                    self._abort()
+                first, total = int(sum(counts[:roles.stage])), int(sum(counts[:roles.num_stages]))
+            if roles.stage_writer:
+                self._number(first, total)
+        if roles.num_stages > 1:
+            if roles.stage_writer and not roles.main_writer and self.error is None:
+                try:
+                    torch.save({"files": [(f.name, f.names, f.nbytes) for f in self.parts], "extra": extra},
+                               os.path.join(self.target.path, f".stage{roles.stage}.part"))
+                except Exception as e:  # noqa: BLE001
+                    self.error = e
+            if self._failed():                   # every stage has written its part (a barrier)
+                self._abort()
+        if roles.main_writer and self.error is None:
+            try:
+                files, extras = list(self.parts), [extra]
+                for s in range(1, roles.num_stages):
+                    path = os.path.join(self.target.path, f".stage{s}.part")
+                    part = torch.load(path, weights_only=True)
+                    os.remove(path)
+                    files += [WrittenFile(*f) for f in part["files"]]
+                    extras.append(part["extra"])
+                if finalize is not None:
+                    finalize(self.target.path if not self.as_file else self.target.staging, files, extras)
+                self.target.commit()
+            except Exception as e:  # noqa: BLE001
+                self.error = e
+        if self._failed():
+            self._abort()
+
+    def _number(self, first: int, total: int) -> None:
+        """Rename this stage's parts to their final names, k-of-N across stages."""
+        for k, f in enumerate(self.parts, start=first + 1):
+            final = self.shard_name(k, total)
+            if self.error is None:
+                try:
+                    os.replace(os.path.join(self.target.path, f.name), os.path.join(self.target.path, final))
+                except Exception as e:  # noqa: BLE001
+                    self.error = e
+            f.name = final
+
+    def _failed(self) -> bool:
+        """Agree over every rank whether any rank failed (one MAX all-reduce; also a barrier)."""
+        flag = torch.tensor([1.0 if self.error is not None else 0.0], device=self.roles.device)
+        if self.roles.group is not None:
+            comm.all_reduce(flag, self.roles.group, op=dist.ReduceOp.MAX)
+        return flag.item() > 0
+
+    def _abort(self) -> None:
+        if self.target is not None:               # any stage writer may hold the shared folder
+            self.target.abort()
+        agree([0.0], self.roles)                  # nobody returns before the staging folder is gone
+        if self.error is not None:
+            raise self.error
+        raise RuntimeError(f"{self.what}({self.checkpoint!r}) failed on another rank; see its error. Any existing "
+                           "checkpoint there is unchanged.")

@@ -1,0 +1,79 @@
+"""The settings a plugin composes, grouped into typed configs, and the one place that decides how
+they combine.
+
+Owns: `DDPConfig` (torch DDP's arguments), `HybridParallelConfig` (tensor-parallel size and
+sharding, pipeline, precision and loss scaler, ZeRO, DDP: each group validated by its own config,
+the combinations here), and `dp_reducer`, which decides once who averages the data-parallel
+gradients. Every check is pure: a bad setting raises on every rank before any collective. Must not
+build groups or touch a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from meshboost.optim import PrecisionConfig, ZeroConfig
+from meshboost.pipeline import PipelineConfig
+from meshboost.shardformer import Policy, ShardConfig
+
+# Who averages gradients over the data-parallel group; exactly one of them does, decided by `dp_reducer`.
+NO_REDUCTION = "none"        # dp_size == 1
+DDP = "ddp"                  # torch DDP around the model, during backward
+PIPELINE = "pipeline"        # one flat all-reduce after the pipeline schedule (DDP cannot wrap a stage)
+ZERO = "zero"                # the ZeRO optimizer reduce-scatters (stage 1: at step; stage 2: every backward)
+
+
+def dp_reducer(dp_size: int, pp_size: int, zero_stage: int) -> str:
+    """Who reduces the data-parallel gradients, decided once for a plugin."""
+    if zero_stage > 0:
+        return ZERO
+    if dp_size == 1:
+        return NO_REDUCTION
+    return PIPELINE if pp_size > 1 else DDP
+
+
+@dataclass
+class DDPConfig:
+    """Arguments passed to `torch.nn.parallel.DistributedDataParallel` (see its documentation)."""
+
+    broadcast_buffers: bool = False
+    bucket_cap_mb: int = 25
+    find_unused_parameters: bool = False
+    check_reduction: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.bucket_cap_mb, (int, float)) or self.bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb!r} must be a positive number of megabytes")
+
+    def kwargs(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class HybridParallelConfig:
+    """Everything HybridParallelPlugin composes; each field validates itself, `__post_init__` the
+    combinations."""
+
+    tp_size: int = 1
+    sharding: ShardConfig = field(default_factory=ShardConfig)      # its process group is set from the mesh
+    custom_policy: Policy | None = None                             # instead of the family's table
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+
+    def __post_init__(self):
+        if not isinstance(self.tp_size, int) or isinstance(self.tp_size, bool) or self.tp_size < 1:
+            raise ValueError(f"tp_size={self.tp_size!r} must be a positive integer")
+        if self.custom_policy is not None and not isinstance(self.custom_policy, Policy):
+            raise TypeError(f"custom_policy must be a meshboost.shardformer.Policy, got "
+                            f"{type(self.custom_policy).__name__}")
+        if self.zero.stage == 2 and self.pipeline.pp_size > 1:
+            raise NotImplementedError("zero_stage=2 with pp_size > 1 is not supported (gradients would be "
+                                      "reduce-scattered once per micro-batch); use zero_stage=1 or 0")
+
+    @property
+    def pp_size(self) -> int:
+        return self.pipeline.pp_size

@@ -1,0 +1,151 @@
+"""Sharding styles and attribute rules: open registries, so a new family adds data, never an `elif`.
+
+Owns: the style names a policy's plan may use ("colwise", "rowwise", "block_input",
+"colwise_fused(3)", ...) and, for each, `validate` (pure: it runs on every rank before any module
+is touched, so every rank raises the same error) and `apply` (returns the module to put at the
+matched path, or None to keep the module, e.g. after adding a hook); the attribute rules
+("divide") that set per-rank values on modules. `register_style` / `register_attribute_rule` add
+entries. Must not know any model family: families are tables in `policies/`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from meshboost.distributed import comm
+from meshboost.shardformer.layers import ColumnParallelLinear, RowParallelLinear, is_conv1d
+
+BLOCK_INPUT = "block_input"     # a module whose input feeds only column-parallel linears: Megatron f once
+DEFAULT_BLOCK_INPUT_KWARGS = ("hidden_states", "encoder_hidden_states")
+
+
+@dataclass
+class ShardContext:
+    """What every style's `apply` may read: the tp group and where the block inputs are."""
+
+    group: object
+    tp_size: int
+    block_inputs: tuple[str, ...] = ()                         # paths of modules with a block_input hook
+    block_input_kwargs: tuple[str, ...] = DEFAULT_BLOCK_INPUT_KWARGS
+
+    def inside_block(self, path: str) -> bool:
+        """True when `path` lies inside a block whose input already passed through Megatron f."""
+        return any(path.startswith(b + ".") for b in self.block_inputs)
+
+
+@dataclass(frozen=True)
+class ShardStyle:
+    """validate(path, module, tp_size, *args) raises on a module the style cannot shard;
+    apply(ctx, path, module, *args) returns the replacement (or None to keep `module`)."""
+
+    name: str
+    validate: Callable[..., None]
+    apply: Callable[..., nn.Module | None]
+    num_args: int = 0
+
+
+STYLES: dict[str, ShardStyle] = {}
+_SPEC = re.compile(r"^([A-Za-z_]\w*)(?:\(([^)]*)\))?$")
+
+
+def register_style(name: str, validate: Callable[..., None], apply: Callable[..., nn.Module | None],
+                   num_args: int = 0) -> None:
+    """Add a style; `num_args` integer arguments are written `name(a, b)` in a plan."""
+    if name in STYLES:
+        raise ValueError(f"sharding style {name!r} is already registered")
+    STYLES[name] = ShardStyle(name, validate, apply, num_args)
+
+
+def parse_style(spec: str) -> tuple[ShardStyle, tuple[int, ...]]:
+    """The registered style and its integer arguments for a plan entry such as 'colwise_fused(3)'."""
+    m = _SPEC.match(spec) if isinstance(spec, str) else None
+    style = STYLES.get(m.group(1)) if m else None
+    if style is None:
+        raise ValueError(f"unknown sharding style {spec!r}; registered: {sorted(STYLES)} "
+                         "(add one with meshboost.shardformer.styles.register_style)")
+    raw = [a.strip() for a in m.group(2).split(",")] if m.group(2) else []
+    if len(raw) != style.num_args or not all(a.isdigit() and int(a) > 0 for a in raw):
+        raise ValueError(f"sharding style {spec!r}: {style.name} takes {style.num_args} positive integer "
+                         f"argument(s), e.g. {style.name}({', '.join(['3'] * style.num_args)})"
+                         if style.num_args else f"sharding style {spec!r}: {style.name} takes no arguments")
+    return style, tuple(int(a) for a in raw)
+
+
+# -- linear styles ------------------------------------------------------------------------------
+def _check_linear(path: str, module: nn.Module, tp_size: int, column: bool, fused: int = 1) -> None:
+    kind = "colwise" if column else "rowwise"
+    if not (isinstance(module, nn.Linear) or is_conv1d(module)):
+        raise TypeError(f"{path}: style {kind!r} needs nn.Linear or Conv1D, found {type(module).__name__}")
+    out_dim = 1 if is_conv1d(module) else 0
+    dim = out_dim if column else 1 - out_dim
+    size = module.weight.shape[dim]
+    if size % (tp_size * fused):
+        raise ValueError(f"{path}: {'output' if column else 'input'} features {size} are not divisible by "
+                         f"tp_size={tp_size}" + (f" x {fused} fused blocks" if fused > 1 else ""))
+
+
+def _colwise(ctx: ShardContext, path: str, module: nn.Module, fused: int = 1) -> nn.Module:
+    return ColumnParallelLinear.from_native(module, ctx.group, copy_input=not ctx.inside_block(path),
+                                            num_fused=fused)
+
+
+def _rowwise(ctx: ShardContext, path: str, module: nn.Module) -> nn.Module:
+    return RowParallelLinear.from_native(module, ctx.group)
+
+
+# -- block inputs -------------------------------------------------------------------------------
+def _copy_block_input(group, kwarg_names, module, args, kwargs):
+    """Megatron f once at a block's input: identity forward, one all-reduce of its grad backward."""
+    args = tuple(comm.copy_to_tp(a, group) if torch.is_tensor(a) and a.requires_grad else a for a in args)
+    for key in kwarg_names:
+        value = kwargs.get(key)
+        if torch.is_tensor(value) and value.requires_grad:
+            kwargs[key] = comm.copy_to_tp(value, group)
+    return args, kwargs
+
+
+def _block_input(ctx: ShardContext, path: str, module: nn.Module) -> None:
+    module.register_forward_pre_hook(partial(_copy_block_input, ctx.group, ctx.block_input_kwargs), with_kwargs=True)
+    return None
+
+
+register_style("colwise", lambda path, module, tp: _check_linear(path, module, tp, column=True), _colwise)
+register_style("colwise_fused", lambda path, module, tp, n: _check_linear(path, module, tp, column=True, fused=n),
+               _colwise, num_args=1)      # GPT-2 c_attn [q | k | v]: colwise_fused(3)
+register_style("rowwise", lambda path, module, tp: _check_linear(path, module, tp, column=False), _rowwise)
+register_style(BLOCK_INPUT, lambda path, module, tp: None, _block_input)
+
+
+# -- attribute rules: (path, attribute, value, tp_size) -> the per-rank value, or raise -----------
+def _divide(path: str, attr: str, value, tp_size: int):
+    if not isinstance(value, int) or value % tp_size:
+        raise ValueError(f"{path}.{attr}={value!r} is not divisible by tp_size={tp_size}; choose a tp_size "
+                         f"that divides it")
+    return value // tp_size
+
+
+ATTRIBUTE_RULES: dict[str, Callable] = {"divide": _divide}
+
+
+def register_attribute_rule(name: str, rule: Callable) -> None:
+    """Add a named rule(path, attribute, value, tp_size) -> per-rank value. A policy may also give
+    the callable itself instead of a name."""
+    if name in ATTRIBUTE_RULES:
+        raise ValueError(f"attribute rule {name!r} is already registered")
+    ATTRIBUTE_RULES[name] = rule
+
+
+def attribute_rule(rule: str | Callable) -> Callable:
+    """The callable for a rule given by name or as a callable; raises on an unknown name."""
+    if callable(rule):
+        return rule
+    if rule not in ATTRIBUTE_RULES:
+        raise ValueError(f"unknown attribute rule {rule!r}; registered: {sorted(ATTRIBUTE_RULES)} (or pass a "
+                         "callable(path, attribute, value, tp_size))")
+    return ATTRIBUTE_RULES[rule]
