@@ -122,9 +122,15 @@ class ShardFormer:
             elif (match.style, match.args) != hit:
                 raise ValueError(f"{full(name)} and {match.paths[0]} are one module that the plan gives two styles "
                                  f"({hit[0].name} and {match.style.name}); give both paths the same style")
-            else:
-                match.paths.append(full(name))
+        # A replaced module must be replaced wherever the model reaches it, matched by the plan or not:
+        # its parameters are sliced in place, so a path left with the native module computes garbage.
+        paths: dict[int, list[str]] = {}
+        for name, module in model.named_modules(remove_duplicate=False):
+            if id(module) in by_module:
+                paths.setdefault(id(module), []).append(name)
         matches = list(by_module.values())
+        for m in matches:
+            m.paths = [m.paths[0]] + [p for p in paths[id(m.module)] if p != m.paths[0]]
         if not any(m.style.name != BLOCK_INPUT for m in matches):
             raise ValueError(f"policy {policy.name!r} matched no module of {type(model).__name__}; check the "
                              "plan's paths against model.base_model.named_modules()")

@@ -92,8 +92,61 @@ def test_policies_match_unsharded(world):
     spawn(_policies_body, world)
 
 
+def _registry_and_shared_paths_body(rank, world):
+    """A style registered from outside the sharder and a family's own attribute rule (a callable)
+    shard GPT-2 exactly; a module the model reaches by several paths (a linear shared by two layers,
+    an aliased linear and embedding) is replaced at every path, including paths the plan does not
+    name."""
+    import copy
+
+    from meshboost.shardformer.layers import ColumnParallelLinear, VocabParallelEmbedding
+    from meshboost.shardformer.policies.gpt2 import GPT2_POLICY
+    from meshboost.shardformer.styles import STYLES, register_style
+    from meshboost.testing.compare import gathered, model_loss
+    from meshboost.testing.models import tiny_batch
+    from meshboost.testing.tolerance import assert_close
+
+    colwise = STYLES["colwise"]
+    register_style("colwise_registered", colwise.validate, colwise.apply)
+    per_rank_width = lambda path, attr, value, tp: value // tp          # noqa: E731 - a family's own rule
+    policy = Policy(name="gpt2-registered", plan={**GPT2_POLICY.plan, "h.*.mlp.c_fc": "colwise_registered"},
+                    attributes={"h.*.attn": {"split_size": per_rank_width, "num_heads": "divide"}})
+    config = tiny_config("gpt2", n_layer=2)
+
+    def shared_leaf(seed):
+        model = build_model("GPT2LMHeadModel", copy.deepcopy(config), seed=seed)
+        model.transformer.h[1].mlp.c_fc = model.transformer.h[0].mlp.c_fc     # one linear, two layers
+        return model
+
+    ref, par = shared_leaf(0), shared_leaf(0)
+    par.transformer.aux_fc = par.transformer.h[0].mlp.c_fc               # paths the plan does not name
+    par.transformer.aux_wte = par.transformer.wte
+    ShardFormer(ShardConfig(tensor_parallel_process_group=dist.group.WORLD)).optimize(par, policy)
+    c_fc = par.transformer.h[0].mlp.c_fc
+    assert isinstance(c_fc, ColumnParallelLinear)
+    assert par.transformer.h[1].mlp.c_fc is c_fc and par.transformer.aux_fc is c_fc, "a path kept the native module"
+    assert isinstance(par.transformer.aux_wte, VocabParallelEmbedding) and par.transformer.aux_wte is par.transformer.wte
+    assert par.transformer.h[0].attn.split_size == config.n_embd // world
+    batch = tiny_batch("GPT2LMHeadModel", config)
+    ref_loss, _ = model_loss(ref, batch)
+    par_loss, _ = model_loss(par, batch)
+    assert abs(ref_loss.item() - par_loss.item()) <= 1e-5, f"shared layers: {par_loss.item()} vs {ref_loss.item()}"
+    ref_loss.backward(), par_loss.backward()
+    ref_params = dict(ref.named_parameters())
+    for name, p in par.named_parameters():
+        assert_close(gathered(p, p.grad), ref_params[name].grad, msg=f"shared layers grad {name}")
+
+    with pytest.raises(ValueError, match="unknown sharding style 'diagonal'.*colwise_registered"):
+        Policy(name="bad", plan={"h.*.mlp.c_fc": "diagonal"})
+    with pytest.raises(ValueError, match="colwise_fused takes 1 positive integer"):
+        Policy(name="bad", plan={"h.*.attn.c_attn": "colwise_fused"})
+    with pytest.raises(ValueError, match="unknown attribute rule 'halve'"):
+        Policy(name="bad", plan={"h.*.mlp.c_fc": "colwise"}, attributes={"h.*.attn": {"num_heads": "halve"}})
+
+
 def _custom_policy_and_errors_body(rank, world):
     _custom_policy_body(rank, world)
+    _registry_and_shared_paths_body(rank, world)
     _errors_body(rank, world)
 
 
