@@ -126,7 +126,7 @@ def _registry_and_shared_paths_body(rank, world):
     assert isinstance(c_fc, ColumnParallelLinear)
     assert par.transformer.h[1].mlp.c_fc is c_fc and par.transformer.aux_fc is c_fc, "a path kept the native module"
     wte = par.transformer.wte
-    assert isinstance(wte, VocabParallelEmbedding) and par.transformer.aux_wte is wte, "an embedding path kept the native"
+    assert isinstance(wte, VocabParallelEmbedding) and par.transformer.aux_wte is wte, "an embedding path was missed"
     assert par.transformer.h[0].attn.split_size == config.n_embd // world
     batch = tiny_batch("GPT2LMHeadModel", config)
     ref_loss, _ = model_loss(ref, batch)
