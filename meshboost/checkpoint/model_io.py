@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from meshboost.checkpoint import hf_format
 from meshboost.checkpoint.writer import CheckpointWriter, save_roles
-from meshboost.distributed.param_info import gather_tensor, get_tp_info
+from meshboost.distributed.param_info import full_on_cpu, get_tp_info
 
 
 def checkpoint_entries(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -43,9 +43,9 @@ def save_model(model: nn.Module, checkpoint: str, mesh=None, shard: bool = False
     shard=False: a folder with config.json and one model.safetensors / pytorch_model.bin; or, when
     `checkpoint` ends in .safetensors/.bin/.pt/.pth, just that file (ColossalAI's behaviour).
     `prefix` is prepended to shard file names (the index still finds them). master_weight(param):
-    its fp32 master laid out like the parameter, or None (a collective over dp under ZeRO); when
-    given, the files and config.json hold fp32. The target appears only once complete; an existing
-    checkpoint there is replaced atomically.
+    its fp32 master laid out like the parameter on data-parallel replica 0, or None (under ZeRO a
+    collective over dp); when given, the files and config.json hold fp32. The target appears only
+    once complete; an existing checkpoint there is replaced atomically.
     """
     # -- pure checks: the same answer on every rank, before any collective ----------------------
     if not gather_dtensor:
@@ -69,11 +69,12 @@ def save_model(model: nn.Module, checkpoint: str, mesh=None, shard: bool = False
         single_name=hf_format.weights_name(use_safetensors), what="save_model",
         write_file=lambda tensors, path: hf_format.write_weights(tensors, path, use_safetensors))
     for name, tensor in checkpoint_entries(model).items():
-        # Every rank fetches the master (ZeRO gathers it over dp); replica 0 gathers it over tp.
+        # Every rank joins the master's gather (ZeRO sends each partition to dp rank 0); replica 0
+        # then gathers it over tp.
         source = master_weight(tensor) if master_weight is not None else None
         source = tensor if source is None else source
         if roles.gathers:
-            full = gather_tensor(source.detach(), get_tp_info(tensor)).detach().to("cpu", copy=True).contiguous()
+            full = full_on_cpu(source, get_tp_info(tensor), reuse=source is not tensor)
             writer.add(name, full, full.numel() * full.element_size())
 
     def finalize(folder: str, files, extras) -> None:

@@ -68,8 +68,8 @@ def save_optimizer(optimizer, model: nn.Module, checkpoint: str, shard: bool = F
         checkpoint, roles, shard=shard, as_file=not shard, size_per_shard_mb=size_per_shard,
         shard_name=lambda k, total: f"{prefix + '-' if prefix else ''}optimizer-{k:05d}-of-{total:05d}.bin",
         write_file=write_file, what="save_optimizer")
-    for key, entry in optimizer.export_state(key_of, gather=roles.gathers):
-        if roles.gathers:
+    for key, entry in optimizer.export_state(key_of, replica0_only=True):
+        if entry is not None:
             tensors = list(entry["per_element"].values()) + ([entry["master"]] if "master" in entry else [])
             writer.add(key, entry, sum(t.numel() * t.element_size() for t in tensors))
     writer.finish(extra, _write_index if shard else None)

@@ -9,7 +9,8 @@ config) are written. Must not gather tensors (the callers do).
 
 Who does what (mesh order dp x pp x tp, tp innermost):
   * the tp ranks of data-parallel replica 0 join the tp gathers (`gathers`); other replicas hold
-    the same values and skip them (ZeRO's dp gathers are joined by everyone, inside the callers);
+    the same values and skip them (under ZeRO they still send their partitions to dp rank 0,
+    inside the callers);
   * each stage's (dp 0, tp 0) rank writes that stage's files (`stage_writer`) into one staging
     folder, named by a token rank 0 draws; with pipeline stages this needs a file system every
     writer shares (one node, or a shared mount);

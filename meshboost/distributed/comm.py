@@ -65,6 +65,29 @@ def reduce_scatter(tensor: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     return out.movedim(0, dim).contiguous()
 
 
+def gather_spans(piece: torch.Tensor, spans: list[tuple[int, int]], group, dst: int = 0,
+                 out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Assemble a flat tensor whose elements [a_r, b_r) = spans[r] live on group rank r (`piece`,
+    b_r - a_r elements, possibly none) on group rank `dst` only: each owner sends its span straight
+    into its place in `out` (allocated when None), so no rank holds padding or a copy of another
+    rank's part. Returns `out` on `dst`, None elsewhere. Spans may differ in size, unlike a gather."""
+    size = dist.get_world_size(group)
+    me = dist.get_group_rank(group, dist.get_rank()) if size > 1 else 0
+    if me != dst:
+        if piece.numel():
+            record_collective("send", group, piece)
+            dist.send(piece.contiguous(), dst=dist.get_global_rank(group, dst), group=group)
+        return None
+    if out is None:
+        out = torch.empty(max(b for _, b in spans), dtype=piece.dtype, device=piece.device)
+    for r, (a, b) in enumerate(spans):
+        if r == me:
+            out[a:b] = piece
+        elif b > a:
+            dist.recv(out[a:b], src=dist.get_global_rank(group, r), group=group)
+    return out
+
+
 def split(tensor: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     """This rank's contiguous chunk of `tensor` along `dim` (no communication)."""
     size = dist.get_world_size(group)

@@ -154,6 +154,19 @@ def gather_tensor(local: torch.Tensor, info: TensorParallelInfo | None, group=No
     return unshard_gathered(gathered, info)
 
 
+def full_on_cpu(local: torch.Tensor, info: TensorParallelInfo | None, reuse: bool = False) -> torch.Tensor:
+    """`gather_tensor`, on the CPU, as a compact tensor the caller may keep: copied only when it would
+    alias live state (`local` is a parameter or an optimizer moment; reuse=True says `local` is a
+    temporary the caller built, whose storage may be handed back) or is a view into a larger storage
+    (torch.save would write all of it)."""
+    full = gather_tensor(local.detach(), info).to("cpu")
+    storage = full.untyped_storage()
+    aliased = not reuse and storage.data_ptr() == local.untyped_storage().data_ptr()
+    if aliased or not full.is_contiguous() or storage.nbytes() != full.numel() * full.element_size():
+        full = full.clone(memory_format=torch.contiguous_format)
+    return full
+
+
 def full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
     """The shape `tensor` has unsharded and unpadded (its record's, else its own)."""
     info = get_tp_info(tensor)

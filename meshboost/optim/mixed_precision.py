@@ -171,7 +171,10 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         m = self.master_of.get(param)
         return None if m is None or m is param else m.detach()
 
-    def _local_state(self, param: torch.Tensor) -> tuple[dict, torch.Tensor | None]:
+    def _dp_rank(self) -> int:
+        return self.mesh.dp_rank
+
+    def _local_state(self, param: torch.Tensor, replica0_only: bool = False) -> tuple[dict, torch.Tensor | None]:
         m = self.master_of[param]
         return self.optim.state.get(m, {}), (None if m is param else m.detach())
 

@@ -23,6 +23,7 @@ class OptimizerWrapper:
     `backward`, `step` and where state lives."""
 
     scaler = None           # a loss scaler with state_dict()/load_state_dict(), in wrappers that scale
+    _gathers_state = False  # `_local_state` returns temporaries (ZeRO's gathered partitions), not live state
     boosted_model = None    # the model `Booster.boost` paired with it: states are keyed by its names
 
     def __init__(self, optim: Optimizer):
@@ -83,15 +84,18 @@ class OptimizerWrapper:
 
     def master_weight(self, param: torch.Tensor) -> torch.Tensor | None:
         """`param`'s fp32 master laid out like `param` on this rank, or None where the weight is its
-        own master. A collective over dp under ZeRO: every dp rank calls it for the same params."""
+        own master. Under ZeRO a collective over dp whose result only dp rank 0 gets: every dp rank
+        calls it for the same params."""
         return None
 
     def sync_masters_from_model(self) -> None:
         """Refresh separate fp32 masters from the model's weights after the model was loaded in
         place (nothing to do where the weights are the masters)."""
 
-    def _local_state(self, param: torch.Tensor) -> tuple[dict, torch.Tensor | None]:
-        """(`param`'s optimizer state laid out like `param` on this rank, its separate master or None)."""
+    def _local_state(self, param: torch.Tensor, replica0_only: bool = False) -> tuple[dict, torch.Tensor | None]:
+        """(`param`'s optimizer state laid out like `param` on this rank, its separate master or None).
+        replica0_only: only data-parallel replica 0 needs the result (a wrapper that partitions
+        state over dp may then gather it to dp rank 0 only)."""
         return self.optim.state.get(param, {}), None
 
     def _clear_state(self) -> None:
@@ -105,14 +109,21 @@ class OptimizerWrapper:
         """Masters changed: bring the working weights in line (mixed precision, ZeRO)."""
 
     # -- state keyed by parameter (optim/state.py) ------------------------------------------------
-    def export_state(self, key_of: Mapping[torch.Tensor, object], gather: bool = True) -> Iterator[tuple]:
-        """(key, entry) for every trained parameter, in the same order on every rank. `gather`: this
-        rank joins the tp gathers and gets entries (else None). Every rank of the step must iterate
-        to the end: ZeRO gathers each parameter's partitions over dp as it goes."""
+    def export_state(self, key_of: Mapping[torch.Tensor, object], replica0_only: bool = False) -> Iterator[tuple]:
+        """(key, entry) for every trained parameter, in the same order on every rank; every rank must
+        iterate to the end (ZeRO gathers each parameter's partitions over dp as it goes, tp shards are
+        gathered over tp). replica0_only: entries only on data-parallel replica 0 (what a checkpoint
+        writes), None elsewhere, so the other replicas skip the tp gathers and ZeRO sends each
+        partition to dp rank 0 instead of to everyone."""
+        here = not replica0_only or self._dp_rank() == 0
         for params in self.working_param_groups:
             for p in params:
-                state, master = self._local_state(p)
-                yield key_of[p], (fmt.build_entry(p, state, master) if gather else None)
+                state, master = self._local_state(p, replica0_only)
+                yield key_of[p], (fmt.build_entry(p, state, master, self._gathers_state) if here else None)
+
+    def _dp_rank(self) -> int:
+        """This rank's data-parallel coordinate (a plain wrapper has no mesh: every rank is a replica 0)."""
+        return 0
 
     def export_meta(self, key_of: Mapping[torch.Tensor, object]) -> dict:
         """The format, the param groups (hyperparameters; params by key) and the loss-scaler state."""

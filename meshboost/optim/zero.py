@@ -94,27 +94,30 @@ class ZeroBucket:
             if start < end:
                 yield p, start, end, s
 
-    def gather_param(self, index: int, shards: list[torch.Tensor], group) -> list[torch.Tensor]:
+    def gather_param(self, index: int, shards: list[torch.Tensor], group, dst: int | None = None):
         """params[index]'s part of each shard-sized tensor in `shards` (its master, its moments),
-        assembled from every rank's piece and shaped like the parameter. A collective over `group`
-        (the dp group) moving only the parameter's elements, not the bucket's."""
+        assembled from every rank's piece and shaped like the parameter: a collective over `group`
+        (the dp group) that moves only the parameter's elements, not the bucket's. dst=None: every
+        rank gets the result; dst=r: only dp rank r does (each owner sends its piece straight into
+        place), the others get None."""
         p = self.params[index]
         pieces = [self.piece(index, r) for r in range(self.dp_size)]
-        width = max(end - start for start, end, _ in pieces)
         start, end, s = pieces[self.dp_rank]
+        if dst is not None:
+            spans = [(a, b) for a, b, _ in pieces]
+            full = [comm.gather_spans(t.detach()[s:s + end - start], spans, group, dst) for t in shards]
+            return None if full[0] is None else [f.view(p.shape) for f in full]
+        width = max(b - a for a, b, _ in pieces)
         out = []
-        for dtype in dict.fromkeys(t.dtype for t in shards):          # one all-gather per dtype
-            same = [t for t in shards if t.dtype == dtype]
-            send = torch.zeros(len(same), width, dtype=dtype, device=self.master.device)
-            for row, t in zip(send, same):
-                row[:end - start] = t.detach()[s:s + end - start]
-            got = comm.all_gather(send, group, dim=0).view(self.dp_size, len(same), width)
-            full = torch.empty(len(same), p.numel(), dtype=dtype, device=send.device)
+        for t in shards:
+            send = torch.zeros(width, dtype=t.dtype, device=t.device)
+            send[:end - start] = t.detach()[s:s + end - start]
+            got = comm.all_gather(send, group, dim=0).view(self.dp_size, width)
+            full = torch.empty(p.numel(), dtype=t.dtype, device=t.device)
             for r, (a, b, _) in enumerate(pieces):
-                full[:, a:b] = got[r, :, :b - a]
-            out += [(t, f.view(p.shape)) for t, f in zip(same, full)]
-        by_id = {id(t): f for t, f in out}
-        return [by_id[id(t)] for t in shards]
+                full[a:b] = got[r, :b - a]
+            out.append(full.view(p.shape))
+        return out
 
 
 class ZeroOptimizer(MixedPrecisionOptimizer):
@@ -126,6 +129,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
     """
 
     dp_partitioned = True
+    _gathers_state = True       # per-element state and masters come back freshly gathered
 
     def __init__(self, optim: Optimizer, mesh, precision: str = "fp32", stage: int = 1, max_norm: float = 0.0,
                  norm_type: float = 2.0, scaler_config: GradScalerConfig | None = None,
@@ -278,16 +282,22 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
 
     # -- state by parameter: each parameter's partitions gathered over dp as it goes ----------------
     def master_weight(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The parameter's fp32 master, gathered to dp rank 0 (None on the other dp ranks, and where
+        the weights are the masters). A collective over dp: every dp rank calls it."""
         if param not in self._bucket_of or self.working_dtype == torch.float32:
             return None                          # fp32: write-back made the weights the masters, bit for bit
         b, i = self._bucket_of[param]
-        return b.gather_param(i, [b.master], self.dp_group)[0]
+        full = b.gather_param(i, [b.master], self.dp_group, dst=0)
+        return None if full is None else full[0]
 
-    def _local_state(self, param: torch.Tensor) -> tuple[dict, torch.Tensor | None]:
+    def _local_state(self, param: torch.Tensor, replica0_only: bool = False) -> tuple[dict, torch.Tensor | None]:
         b, i = self._bucket_of[param]
         state = self.optim.state.get(b.master, {})
         keys = [k for k, v in sorted(state.items()) if fmt.is_per_element(v, b.master)]
-        master, *moments = b.gather_param(i, [b.master] + [state[k] for k in keys], self.dp_group)
+        full = b.gather_param(i, [b.master] + [state[k] for k in keys], self.dp_group, 0 if replica0_only else None)
+        if full is None:
+            return {}, None                      # another dp rank assembles this parameter's state
+        master, *moments = full
         local = dict(zip(keys, moments))
         local.update({k: v for k, v in state.items() if k not in local})
         return local, master
