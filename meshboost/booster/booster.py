@@ -21,6 +21,17 @@ from meshboost.distributed.launch import get_current_device
 from meshboost.optim import OptimizerWrapper
 
 
+def _check_optimizer_trains(model: nn.Module, optimizer) -> None:
+    """The optimizer must step this model's parameters (checked on every rank, before anything)."""
+    inner = optimizer.unwrap() if isinstance(optimizer, OptimizerWrapper) else optimizer
+    own = {id(p) for p in model.parameters()}
+    foreign = sum(1 for g in inner.param_groups for p in g["params"] if id(p) not in own)
+    if foreign:
+        raise ValueError(f"the optimizer holds {foreign} parameters that are not {type(model).__name__}'s (was it "
+                         "built on another model, or on a copy?); build it on the model you boost: "
+                         "torch.optim.AdamW(model.parameters(), ...)")
+
+
 class Booster:
     """Boost a model, optimizer, criterion, dataloader and scheduler with a parallel `plugin`.
 
@@ -41,6 +52,8 @@ class Booster:
         """Return (model, optimizer, criterion, dataloader, lr_scheduler), made parallel by the plugin."""
         if isinstance(model, ModelWrapper):
             raise RuntimeError("this model was already boosted; pass the original model to boost() once")
+        if optimizer is not None:
+            _check_optimizer_trains(model, optimizer)
         if self.plugin is None:
             out = (ModelWrapper(model), OptimizerWrapper(optimizer) if optimizer is not None else None,
                    criterion, dataloader, lr_scheduler)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import warnings
 
 import numpy as np
 import torch
@@ -31,6 +32,11 @@ def build_dataloader(dataset: Dataset, batch_size: int, num_replicas: int, rank:
     for forbidden in ("sampler", "batch_sampler"):
         if forbidden in kwargs:
             raise ValueError(f"prepare_dataloader builds its own data-parallel sampler; do not pass {forbidden}=")
+    size = len(dataset) if hasattr(dataset, "__len__") else None
+    if size is not None and size < num_replicas:
+        effect = "some replicas get no sample" if drop_last else "samples are repeated to give every replica one"
+        warnings.warn(f"the dataset has {size} samples for {num_replicas} data-parallel replicas: {effect}; use a "
+                      "larger dataset or fewer data-parallel ranks", stacklevel=3)
     sampler = DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
                                  drop_last=drop_last)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, pin_memory=pin_memory,

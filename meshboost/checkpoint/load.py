@@ -151,7 +151,7 @@ def load_model(model: nn.Module, checkpoint: str, strict: bool = True, device: t
     not hold are expected, only missing ones are errors.
 
     A weight tied to another (GPT-2's lm_head to wte) is stored once, under the name HF keeps
-    (`_tied_weights_keys`); it is found under that name even where a pipeline stage holds only
+    (`all_tied_weights_keys`); it is found under that name even where a pipeline stage holds only
     the tied copy.
     """
     reader = CheckpointReader(checkpoint)

@@ -2,9 +2,10 @@
 
 Owns: one name per parameter for keying saved state, and every name a parameter may be found under
 when reading (its own names in this model, then the names of the weights the model ties it to).
-A weight tied by the model (transformers 5: `_tied_weights_keys = {target: source}`, e.g. the LM
-head tied to the embedding) is keyed by its source name even on a pipeline stage that holds only
-the target, so every stage and layout agrees on one key. Must not read files.
+A weight the model ties (transformers 5: `all_tied_weights_keys = {target: source}`, e.g. the LM
+head tied to the embedding when `config.tie_word_embeddings`) is keyed by its source name even on
+a pipeline stage that holds only the target, so every stage and layout agrees on one key; an
+untied LM head keeps its own name. Must not read files.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import torch.nn as nn
 
 
 def tied_weights(model: nn.Module) -> dict[str, str]:
-    """{tied copy: source} as the model declares it (transformers 5.x); {} otherwise."""
-    tied = getattr(model, "_tied_weights_keys", None)
-    return tied if isinstance(tied, dict) else {}
+    """{tied copy: source} for the weights this model really ties: transformers 5.x's
+    `all_tied_weights_keys`, which honours `config.tie_word_embeddings` (the class attribute
+    `_tied_weights_keys` lists what the class *may* tie: an untied Llama lists its LM head too)."""
+    tied = getattr(model, "all_tied_weights_keys", None)
+    return dict(tied) if isinstance(tied, dict) else {}
 
 
 class ParamNames:

@@ -86,12 +86,16 @@ class AtomicTarget:
             kind = "a folder" if is_file else "a file"
             raise ValueError(f"checkpoint path {target!r} is {kind}; pass a "
                              f"{'file name ending in .safetensors/.bin' if is_file else 'folder path'} instead")
-        os.makedirs(parent, exist_ok=True)
-        if token is None:
-            self.staging = tempfile.mkdtemp(prefix=f".{os.path.basename(self.target)}.tmp-", dir=parent)
-        else:  # one staging folder shared by several writers (pipeline stages), named by an agreed token
-            self.staging = os.path.join(parent, f".{os.path.basename(self.target)}.tmp-{token:012x}")
-            os.makedirs(self.staging, exist_ok=True)
+        try:
+            os.makedirs(parent, exist_ok=True)
+            if token is None:
+                self.staging = tempfile.mkdtemp(prefix=f".{os.path.basename(self.target)}.tmp-", dir=parent)
+            else:  # one staging folder shared by several writers (pipeline stages), named by an agreed token
+                self.staging = os.path.join(parent, f".{os.path.basename(self.target)}.tmp-{token:012x}")
+                os.makedirs(self.staging, exist_ok=True)
+        except OSError as e:
+            raise OSError(e.errno, f"cannot write a checkpoint at {target!r}: staging beside it in {parent!r} "
+                                   f"failed ({e.strerror}); choose a folder this process can write") from e
         self.path = (os.path.join(self.staging, os.path.basename(self.target)) if is_file else self.staging)
 
     def _apply_umask(self) -> None:
@@ -266,8 +270,16 @@ class CheckpointWriter:
     def _abort(self) -> None:
         if self.target is not None:               # any stage writer may hold the shared folder
             self.target.abort()
-        agree([0.0], self.roles)                  # nobody returns before the staging folder is gone
+        # Every rank learns what failed where (also the barrier: nobody returns before the staging
+        # folder is gone), so a rank that did not write reports the writer's error, not a pointer to it.
+        mine = None if self.error is None else f"{type(self.error).__name__}: {self.error}"
+        if self.roles.group is not None:
+            errors = [None] * dist.get_world_size(self.roles.group)
+            dist.all_gather_object(errors, mine, group=self.roles.group)
+        else:
+            errors = [mine]
         if self.error is not None:
             raise self.error
-        raise RuntimeError(f"{self.what}({self.checkpoint!r}) failed on another rank; see its error. Any existing "
+        rank, message = next((r, e) for r, e in enumerate(errors) if e is not None)
+        raise RuntimeError(f"{self.what}({self.checkpoint!r}) failed on rank {rank}: {message}. Any existing "
                            "checkpoint there is unchanged.")

@@ -10,9 +10,9 @@ region transition, named forward->backward as in Megatron's mappings:
     gather_from_seq     all-gather  -> reduce-scatter (sequence parallelism, `dim`)
     reduce_scatter_to_seq reduce-scatter -> all-gather (sequence parallelism, `dim`)
 
-Every function takes its `group` explicitly. Layers, optimizers and checkpoints call these and
-contain no `dist.*` collectives. A group of size 1 makes every function the identity (no
-communication).
+Every function takes its `group` explicitly; None means torch's default group (the world), as
+in torch.distributed. Layers, optimizers and checkpoints call these and contain no `dist.*`
+collectives. A group of size 1 (or no process group) makes every function the identity.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from meshboost.distributed.launch import TIMEOUT_ENV, group_timeout
 from meshboost.distributed.profiling import record_collective
 
 # torch >= 2.10 renamed the single-tensor collectives; keep working on older releases too.
@@ -27,12 +28,32 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete within the process group's timeout: a peer stalled, died, or
+    runs different code (a different configuration, a different number of steps)."""
+
+
+def run_collective(op: str, group, call):
+    """Run `call()`, turning the backend's timeout error into a `CollectiveTimeout` that says which
+    collective over which ranks, and how to change the timeout."""
+    try:
+        return call()
+    except RuntimeError as e:
+        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+            raise
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        raise CollectiveTimeout(
+            f"{op} over ranks {ranks} did not complete within {group_timeout(group)}: a peer stalled, crashed or "
+            f"runs different code (check every rank's log). Raise the limit with "
+            f"launch_from_torch(timeout=...) or {TIMEOUT_ENV}=<seconds>. Backend error: {e}") from e
+
+
 # -- raw collectives (not differentiable) -----------------------------------------------------
 def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce of `tensor` over `group`; returns it."""
     if dist.get_world_size(group) > 1:
         record_collective("all_reduce", group, tensor)
-        dist.all_reduce(tensor, op=op, group=group)
+        run_collective("all_reduce", group, lambda: dist.all_reduce(tensor, op=op, group=group))
     return tensor
 
 
@@ -45,7 +66,7 @@ def all_gather(tensor: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     moved = tensor.movedim(dim, 0).contiguous()
     out = torch.empty((size * moved.shape[0], *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
     record_collective("all_gather", group, out)
-    _all_gather_single(out, moved, group=group)
+    run_collective("all_gather", group, lambda: _all_gather_single(out, moved, group=group))
     return out.movedim(0, dim).contiguous()
 
 
@@ -61,7 +82,7 @@ def reduce_scatter(tensor: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     moved = tensor.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] // size, *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
     record_collective("reduce_scatter", group, moved)
-    _reduce_scatter_single(out, moved, group=group)
+    run_collective("reduce_scatter", group, lambda: _reduce_scatter_single(out, moved, group=group))
     return out.movedim(0, dim).contiguous()
 
 
@@ -76,7 +97,8 @@ def gather_spans(piece: torch.Tensor, spans: list[tuple[int, int]], group, dst: 
     if me != dst:
         if piece.numel():
             record_collective("send", group, piece)
-            dist.send(piece.contiguous(), dst=dist.get_global_rank(group, dst), group=group)
+            run_collective("send", group,
+                           lambda: dist.send(piece.contiguous(), dst=dist.get_global_rank(group, dst), group=group))
         return None
     if out is None:
         out = torch.empty(max(b for _, b in spans), dtype=piece.dtype, device=piece.device)
@@ -84,7 +106,8 @@ def gather_spans(piece: torch.Tensor, spans: list[tuple[int, int]], group, dst: 
         if r == me:
             out[a:b] = piece
         elif b > a:
-            dist.recv(out[a:b], src=dist.get_global_rank(group, r), group=group)
+            src = dist.get_global_rank(group, r)
+            run_collective("recv", group, lambda: dist.recv(out[a:b], src=src, group=group))
     return out
 
 
@@ -166,7 +189,9 @@ class _ReduceScatterToSeq(torch.autograd.Function):
 
 
 def _trivial(group) -> bool:
-    return group is None or dist.get_world_size(group) == 1
+    """No communication needed: a group of one (None is torch's default group, as everywhere in
+    torch.distributed), or no process group at all."""
+    return not dist.is_initialized() or dist.get_world_size(group) == 1
 
 
 def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:

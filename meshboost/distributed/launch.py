@@ -1,11 +1,14 @@
 """Process-group start-up from the torchrun environment.
 
 Owns: reading RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT, choosing the backend and device,
-and seeding every random generator. Must not build parallel groups (that is `ParallelMesh`).
+the collective timeout (argument, else MESHBOOST_DIST_TIMEOUT seconds, else torch's default) and
+seeding every random generator. Must not build parallel groups (that is `ParallelMesh`, which
+gives its groups the default group's timeout).
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import random
 
@@ -14,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 _REQUIRED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+TIMEOUT_ENV = "MESHBOOST_DIST_TIMEOUT"      # seconds; torch itself reads no such variable
 
 
 def get_current_device() -> torch.device:
@@ -37,27 +41,54 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def resolve_timeout(timeout: datetime.timedelta | float | None) -> datetime.timedelta | None:
+    """The collective timeout to use: `timeout` (a timedelta or seconds), else the environment's
+    MESHBOOST_DIST_TIMEOUT (seconds), else None (torch's default: 10 min NCCL, 30 min gloo).
+    Pure: the same answer and the same error on every rank."""
+    source = "timeout"
+    if timeout is None and os.environ.get(TIMEOUT_ENV, "").strip():
+        timeout, source = os.environ[TIMEOUT_ENV].strip(), f"{TIMEOUT_ENV}"
+        try:
+            timeout = float(timeout)
+        except ValueError:
+            raise ValueError(f"{TIMEOUT_ENV}={timeout!r} is not a number of seconds; set it to e.g. 600") from None
+    if timeout is None:
+        return None
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        timeout = datetime.timedelta(seconds=timeout)
+    if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
+        raise ValueError(f"{source}={timeout!r} must be a positive number of seconds or datetime.timedelta "
+                         "(torch reads 0 as 'expire at once')")
+    return timeout
+
+
 def launch(rank: int, world_size: int, local_rank: int, host: str, port: int | str,
-           backend: str | None = None, seed: int = 1024) -> None:
+           backend: str | None = None, seed: int = 1024,
+           timeout: datetime.timedelta | float | None = None) -> None:
     """Initialise the default process group from explicit values (used by tests and by
-    `launch_from_torch`)."""
+    `launch_from_torch`). `timeout`: see `resolve_timeout`; every group the mesh builds inherits it."""
     backend = backend or default_backend()
+    timeout = resolve_timeout(timeout)
     if backend == "nccl" and not torch.cuda.is_available():
         raise RuntimeError("backend='nccl' needs CUDA, but torch.cuda.is_available() is False; "
                            "pass backend='gloo' (or None to choose automatically)")
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, init_method=f"tcp://{host}:{port}",
-                                rank=rank, world_size=world_size)
+        dist.init_process_group(backend=backend, init_method=f"tcp://{host}:{port}", rank=rank,
+                                world_size=world_size, **({"timeout": timeout} if timeout is not None else {}))
     set_seed(seed)
 
 
-def launch_from_torch(seed: int = 1024, backend: str | None = None) -> None:
+def launch_from_torch(seed: int = 1024, backend: str | None = None,
+                      timeout: datetime.timedelta | float | None = None) -> None:
     """Initialise the default process group from the environment `torchrun` sets.
 
     Uses NCCL when CUDA is available and gloo otherwise (or `backend`), binds this process to
-    cuda:LOCAL_RANK, and seeds Python, NumPy and torch with `seed` on every rank.
+    cuda:LOCAL_RANK, and seeds Python, NumPy and torch with `seed` on every rank. `timeout` (a
+    timedelta or seconds; default: the MESHBOOST_DIST_TIMEOUT environment variable, else torch's
+    10 min for NCCL and 30 min for gloo) bounds every collective: a stalled peer makes the others
+    raise `CollectiveTimeout` after it instead of hanging.
     """
     missing = [k for k in _REQUIRED_ENV if k not in os.environ]
     if missing:
@@ -67,4 +98,17 @@ def launch_from_torch(seed: int = 1024, backend: str | None = None) -> None:
             "MASTER_ADDR and MASTER_PORT yourself)")
     launch(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
            local_rank=int(os.environ["LOCAL_RANK"]), host=os.environ["MASTER_ADDR"],
-           port=os.environ["MASTER_PORT"], backend=backend, seed=seed)
+           port=os.environ["MASTER_PORT"], backend=backend, seed=seed, timeout=timeout)
+
+
+def group_timeout(group=None) -> datetime.timedelta | None:
+    """The timeout `group` (default: the world) was created with, where the backend says."""
+    device = get_current_device()
+    try:
+        return group_or_world(group)._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def group_or_world(group):
+    return dist.group.WORLD if group is None else group

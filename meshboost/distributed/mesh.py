@@ -1,9 +1,10 @@
 """ParallelMesh: the (dp, pp, tp) process-group mesh, built once and passed down.
 
-Owns: validating the factorisation of the world, building the groups through torch's DeviceMesh,
-answering "which group / size / coordinate" for each axis, the device this rank computes on, and
-the group joining the first and last pipeline stage (weights tied across them). Must not hold
-module-level state: two meshes can coexist in one process.
+Owns: agreeing that every rank asks for the same mesh (and, for plugins, the same settings:
+`agree_settings`), validating the factorisation of the world, building the groups through torch's
+DeviceMesh with the default group's timeout, answering "which group / size / coordinate" for each
+axis, the device this rank computes on, and the group joining the first and last pipeline stage
+(weights tied across them). Must not hold module-level state: two meshes can coexist in one process.
 
 Axis order is (dp, pp, tp) with tp innermost, so the ranks of one tensor-parallel group are
 adjacent (on one node when tp <= GPUs per node) and its all-reduces stay on the fastest links.
@@ -13,9 +14,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_nccl_timeout, default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from meshboost.distributed.launch import get_current_device
+from meshboost.distributed.agreement import agree_settings
+from meshboost.distributed.launch import get_current_device, group_timeout
 
 AXES = ("dp", "pp", "tp")
 
@@ -51,19 +54,38 @@ class ParallelMesh:
         if not dist.is_initialized():
             raise RuntimeError("ParallelMesh needs an initialised process group: call "
                                "meshboost.launch_from_torch() first")
+        current = get_current_device()
+        device_type = device_type or current.type
+        # Before anything that could differ by rank: ranks with different shapes would build different
+        # groups and hang in torch's group creation.
+        agree_settings({"tp_size": tp_size, "pp_size": pp_size, "dp_size": dp_size, "device_type": device_type},
+                       "mesh shape (ParallelMesh arguments)")
         self.world_size = dist.get_world_size()
         self.dp_size = check_mesh_shape(self.world_size, tp_size, pp_size, dp_size)
         self.pp_size, self.tp_size = pp_size, tp_size
-        current = get_current_device()
-        device_type = device_type or current.type
         # The device every tensor this mesh's collectives touch lives on (launch bound cuda:LOCAL_RANK).
         self.device: torch.device = current if current.type == device_type else torch.device(device_type)
+        # Every group inherits the default group's timeout (launch_from_torch(timeout=...)); torch would
+        # give new groups its own default instead.
+        self.timeout = group_timeout()
         self.device_mesh: DeviceMesh = init_device_mesh(
-            device_type, (self.dp_size, self.pp_size, self.tp_size), mesh_dim_names=AXES)
+            device_type, (self.dp_size, self.pp_size, self.tp_size), mesh_dim_names=AXES,
+            **self._timeout_override(device_type))
         self.global_rank = dist.get_rank()
         self.dp_rank, self.pp_rank, self.tp_rank = self.device_mesh.get_coordinate()
         self._tied_stage_group: dist.ProcessGroup | None = None
         self._tied_stage_built = False
+
+    def _timeout_override(self, device_type: str) -> dict:
+        """DeviceMesh creates its groups with torch's default timeout unless given backend options
+        carrying another one; only pass them when the timeout is not torch's default."""
+        backend = dist.get_backend()
+        default = default_pg_timeout if backend == "gloo" else default_pg_nccl_timeout
+        if self.timeout is None or backend not in ("gloo", "nccl") or self.timeout == default:
+            return {}
+        options = dist.ProcessGroupGloo._Options() if backend == "gloo" else dist.ProcessGroupNCCL.Options()
+        options._timeout = self.timeout
+        return {"backend_override": {axis: (backend, options) for axis in AXES}}
 
     # -- groups -------------------------------------------------------------------------------
     def group(self, axis: str) -> dist.ProcessGroup:
@@ -98,7 +120,7 @@ class ParallelMesh:
             for d in range(self.dp_size):
                 for t in range(self.tp_size):
                     ranks = [int(grid[d, 0, t]), int(grid[d, self.pp_size - 1, t])]
-                    group = dist.new_group(ranks)
+                    group = dist.new_group(ranks, timeout=self.timeout)
                     if self.global_rank in ranks:
                         self._tied_stage_group = group
         self._tied_stage_built = True

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from meshboost.distributed.comm import run_collective
 from meshboost.distributed.profiling import record_collective
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -44,7 +45,8 @@ class StageComm:
         self._pending.append((work, tensor))          # keep the buffer alive until sent
 
     def _recv(self, buffer: torch.Tensor, from_virtual: int, tag: int) -> torch.Tensor:
-        dist.irecv(buffer, src=self._peer(from_virtual), group=self.group, tag=tag).wait()
+        work = dist.irecv(buffer, src=self._peer(from_virtual), group=self.group, tag=tag)
+        run_collective("recv", self.group, work.wait)
         return buffer
 
     # -- activations: virtual stage v-1 -> v ----------------------------------------------------
@@ -74,11 +76,11 @@ class StageComm:
 
     def wait_sends(self) -> None:
         for work, _ in self._pending:
-            work.wait()
+            run_collective("send", self.group, work.wait)
         self._pending.clear()
 
     # -- the loss, from the last stage to every stage ----------------------------------------------
     def broadcast_from_last(self, tensor: torch.Tensor) -> torch.Tensor:
         record_collective("broadcast", self.group, tensor)
-        dist.broadcast(tensor, src=self.ranks[-1], group=self.group)
+        run_collective("broadcast", self.group, lambda: dist.broadcast(tensor, src=self.ranks[-1], group=self.group))
         return tensor

@@ -101,6 +101,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         self.scaler = DynamicGradScaler(self.config.scaler) if precision == "fp16" else None
         self._grad_norm: float | None = None
         self._grad_sync = True
+        self._scaled_backward = False     # did this step's gradients come through backward() (fp16 check)
         self._working = [[p for p in g["params"] if p.requires_grad] for g in optim.param_groups]
         self._build_masters()
 
@@ -156,6 +157,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 _copy_into_master(m, p.detach(), p)
 
     def _release_grads(self) -> None:
+        self._scaled_backward = False
         for p, m in self.master_of.items():
             p.grad = None
             m.grad = None
@@ -210,25 +212,36 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
         # Scale (fp16) so small gradients stay representable in half precision.
         (loss * self.loss_scale if self.scaler is not None else loss).backward(*args, **kwargs)
+        self._scaled_backward = True
         self._after_backward()
 
     def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
         """Backward from an upstream gradient (pipeline stages): `grad` is already scaled by the
         last stage's loss scaling, so no scaling here."""
         torch.autograd.backward(tensor, grad)
+        self._scaled_backward = True
         self._after_backward()
 
     def _after_backward(self) -> None:
         pass
 
     def _found_inf(self, grads) -> bool:
-        """Overflow anywhere on any rank of the step: one all-reduce MAX over the world group."""
-        flag = torch.zeros(1, device=self.mesh.device)
+        """Overflow anywhere on any rank of the step: one all-reduce MAX over the world group, which
+        also carries whether some rank made its gradients without the loss scale (`loss.backward()`
+        instead of `booster.backward`), so every rank raises together."""
+        flags = torch.zeros(2, device=self.mesh.device)
         for g, _ in grads:
-            flag += (~torch.isfinite(g)).any()
+            flags[0] += (~torch.isfinite(g)).any()
+        flags[1] = float(bool(grads) and not self._scaled_backward)
         if dist.is_initialized():
-            comm.all_reduce(flag, self.mesh.world_group, op=dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
+            comm.all_reduce(flags, self.mesh.world_group, op=dist.ReduceOp.MAX)
+        if flags[1] > 0:
+            self._release_grads()
+            raise RuntimeError(
+                "fp16: gradients reached optimizer.step() without the loss scale: call booster.backward(loss, "
+                "optimizer) (or optimizer.backward(loss)) instead of loss.backward(), or the update is "
+                f"{self.loss_scale:g}x too small. The gradients were dropped and the weights are unchanged")
+        return bool(flags[0] > 0)
 
     def step(self, closure=None):
         if closure is not None:
@@ -236,9 +249,9 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         grads = self._master_grads()
         if self.scaler is not None and self._found_inf(grads):
             # Every rank saw the same verdict: skip together, keep weights bitwise unchanged.
-            self.scaler.update(found_inf=True)
             self._grad_norm = None
             self._release_grads()
+            self.scaler.update(found_inf=True)     # raises after too many skips at the minimum scale
             return None
         inv_scale = 1.0 / self.loss_scale
         norm = global_grad_norm([g for g, counted in grads if counted], self.mesh.world_group, self.norm_type,
@@ -253,6 +266,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         if self.scaler is not None:
             self.scaler.update(found_inf=False)
         self._clear_master_grads()
+        self._scaled_backward = False
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -260,6 +260,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
                     p.copy_(full[off:off + p.numel()].view_as(p))
 
     def _release_grads(self) -> None:
+        self._scaled_backward = False
         for b in self.buckets:
             self._clear_bucket(b)
             for p in b.params:

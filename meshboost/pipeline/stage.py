@@ -197,6 +197,9 @@ def build_stages(model: nn.Module, pp_rank: int, pp_size: int, num_chunks: int =
     none communicates, so every rank raises the same error."""
     layout = get_layout(model, layout)
     base = getattr(model, "base_model", model)
+    if isinstance(base.get_submodule(layout.layers), StageLayerList):
+        raise ValueError(f"{type(model).__name__} was already cut into pipeline stages by an earlier boost: boost the "
+                         "original model once; to start over, build a fresh model (or load its checkpoint into one)")
     base_prefix = next((n for n, m in model.named_modules() if m is base), "")
     layers = base.get_submodule(layout.layers)
     num_virtual = pp_size * num_chunks

@@ -10,7 +10,10 @@ build groups or touch a model.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import asdict, dataclass, field
+
+from torch.nn.parallel import DistributedDataParallel
 
 from meshboost.optim import PrecisionConfig, ZeroConfig
 from meshboost.pipeline import PipelineConfig
@@ -21,6 +24,9 @@ NO_REDUCTION = "none"        # dp_size == 1
 DDP = "ddp"                  # torch DDP around the model, during backward
 PIPELINE = "pipeline"        # one flat all-reduce after the pipeline schedule (DDP cannot wrap a stage)
 ZERO = "zero"                # the ZeRO optimizer reduce-scatters (stage 1: at step; stage 2: every backward)
+
+
+CHECK_INPUTS = ("first", "always", "never")
 
 
 def dp_reducer(dp_size: int, pp_size: int, zero_stage: int) -> str:
@@ -48,7 +54,13 @@ class DDPConfig:
             raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb!r} must be a positive number of megabytes")
 
     def kwargs(self) -> dict:
-        return asdict(self)
+        """The arguments for this torch's DDP: from torch 2.13 `forward_sync_buffers` replaces the
+        deprecated `broadcast_buffers` (same per-forward meaning; buffers are then always synced
+        once at construction, which only copies rank 0's identical buffers)."""
+        out = asdict(self)
+        if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+            out["forward_sync_buffers"] = out.pop("broadcast_buffers")
+        return out
 
 
 @dataclass
@@ -63,8 +75,12 @@ class HybridParallelConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
+    # Agree over tp (and pp) that every rank was fed the same batch: "first" call, "always", "never".
+    check_inputs: str = "first"
 
     def __post_init__(self):
+        if self.check_inputs not in CHECK_INPUTS:
+            raise ValueError(f"check_inputs={self.check_inputs!r}; expected one of {CHECK_INPUTS}")
         if not isinstance(self.tp_size, int) or isinstance(self.tp_size, bool) or self.tp_size < 1:
             raise ValueError(f"tp_size={self.tp_size!r} must be a positive integer")
         if self.custom_policy is not None and not isinstance(self.custom_policy, Policy):

@@ -16,23 +16,66 @@ from torch.nn.parallel import DistributedDataParallel
 
 from meshboost.booster import ModelWrapper, OptimizerWrapper, Plugin
 from meshboost.distributed import ParallelMesh
+from meshboost.distributed.agreement import (
+    agree_settings,
+    check_same_inputs,
+    tensors_of,
+)
 from meshboost.distributed.p2p import StageComm
-from meshboost.optim import GradScalerConfig, MixedPrecisionOptimizer, PrecisionConfig, ZeroConfig, ZeroOptimizer
-from meshboost.pipeline import PipelineConfig, PipelineSchedule, build_stages, prune_optimizer
-from meshboost.plugins.config import DDP, PIPELINE, ZERO, DDPConfig, HybridParallelConfig, dp_reducer
+from meshboost.optim import (
+    GradScalerConfig,
+    MixedPrecisionOptimizer,
+    PrecisionConfig,
+    ZeroConfig,
+    ZeroOptimizer,
+)
+from meshboost.pipeline import (
+    PipelineConfig,
+    PipelineSchedule,
+    build_stages,
+    prune_optimizer,
+)
+from meshboost.plugins.config import (
+    DDP,
+    PIPELINE,
+    ZERO,
+    DDPConfig,
+    HybridParallelConfig,
+    dp_reducer,
+)
 from meshboost.plugins.ddp_hooks import register_counting_allreduce
 from meshboost.shardformer import Policy, ShardConfig, ShardFormer, pipeline_layout
+
+_FEED_FIX = ("Build the DataLoader with plugin.prepare_dataloader(...) (it samples over data-parallel ranks only), "
+             "not a DistributedSampler over the whole world; check_inputs='never' turns this check off")
 
 
 class HybridParallelModule(ModelWrapper):
     """The boosted model: the sharded HF model, inside torch DDP over the dp group when the plugin
-    chose DDP to reduce gradients."""
+    chose DDP to reduce gradients. check_inputs: agree over tp that every rank got the same inputs
+    on the first call ("first"), on every call ("always") or never."""
 
-    def __init__(self, module: nn.Module, mesh: ParallelMesh, shard_config: ShardConfig):
+    def __init__(self, module: nn.Module, mesh: ParallelMesh, shard_config: ShardConfig, check_inputs: str = "first"):
         super().__init__(module)
         self.mesh = mesh
         self.shard_config = shard_config
         self.pipeline: PipelineSchedule | None = None
+        self.check_inputs = check_inputs
+
+    def check_same_inputs(self, *inputs) -> None:
+        """Raise on every rank when the ranks that must share a batch (tp, and pp with stages) got
+        different ones; a no-op after the first call unless check_inputs="always"."""
+        if self.check_inputs == "never":
+            return
+        tensors = tensors_of(*inputs)
+        check_same_inputs(tensors, self.mesh.tp_group, "tensor-parallel", _FEED_FIX)
+        check_same_inputs(tensors, self.mesh.pp_group, "pipeline-parallel", _FEED_FIX)
+        if self.check_inputs == "first":
+            self.check_inputs = "never"
+
+    def forward(self, *args, **kwargs):
+        self.check_same_inputs(args, kwargs)
+        return self.module(*args, **kwargs)
 
     def no_sync(self):
         if isinstance(self.module, DistributedDataParallel):
@@ -49,12 +92,14 @@ class HybridParallelPlugin(Plugin):
     pp_size, num_microbatches / microbatch_size (one required with pp_size > 1), pp_style ("1f1b" |
         "interleaved"), num_model_chunks, num_layers_per_stage: `meshboost.pipeline.PipelineConfig`.
     precision ("fp32" | "fp16" | "bf16"), max_norm (global-norm clipping when > 0), initial_scale,
-        min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale (fp16's
-        dynamic loss scale): `meshboost.optim.PrecisionConfig`.
+        min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale,
+        max_skips_at_min_scale (fp16's dynamic loss scale): `meshboost.optim.PrecisionConfig`.
     zero_stage (0, 1, 2), overlap_communication, zero_bucket_size_in_m (millions of elements):
         `meshboost.optim.ZeroConfig`.
     find_unused_parameters, ddp_bucket_cap_mb, broadcast_buffers: `DDPConfig` (torch DDP, used when
         dp > 1 without ZeRO or pipeline).
+    check_inputs: "first" (default) | "always" | "never": agree over tp (and pp) that every rank was
+        fed the same batch, on the first call or on every call (one all-gather of 5 numbers).
     """
 
     def __init__(self, tp_size: int, pp_size: int = 1, precision: str = "fp32", zero_stage: int = 0,
@@ -66,7 +111,11 @@ class HybridParallelPlugin(Plugin):
                  find_unused_parameters: bool = False, ddp_bucket_cap_mb: int = 25, broadcast_buffers: bool = False,
                  initial_scale: float = 2**16, min_scale: float = 1, growth_factor: float = 2,
                  backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2,
-                 max_scale: float = 2**32, overlap_communication: bool = False, zero_bucket_size_in_m: int = 12):
+                 max_scale: float = 2**32, max_skips_at_min_scale: int = 50, overlap_communication: bool = False,
+                 zero_bucket_size_in_m: int = 12, check_inputs: str = "first"):
+        # Every rank must pass the same arguments; one all-gather of a digest says so (or names the
+        # difference) before anything that could differ by rank, so no rank is left hanging.
+        agree_settings({k: v for k, v in locals().items() if k != "self"}, "HybridParallelPlugin arguments")
         # -- pure checks first: every rank raises the same error before any collective ----------
         if not (isinstance(zero_bucket_size_in_m, (int, float)) and zero_bucket_size_in_m > 0):
             raise ValueError(f"zero_bucket_size_in_m={zero_bucket_size_in_m!r} must be a positive number")
@@ -79,10 +128,12 @@ class HybridParallelPlugin(Plugin):
             pipeline=PipelineConfig(pp_size, pp_style, num_model_chunks, num_microbatches, microbatch_size,
                                     num_layers_per_stage),
             precision=PrecisionConfig(precision, max_norm, 2.0, GradScalerConfig(
-                initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale)),
+                initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale,
+                max_skips_at_min_scale)),
             zero=ZeroConfig(zero_stage, overlap_communication, int(zero_bucket_size_in_m * 1024 * 1024)),
             ddp=DDPConfig(broadcast_buffers=broadcast_buffers, bucket_cap_mb=ddp_bucket_cap_mb,
-                          find_unused_parameters=find_unused_parameters))
+                          find_unused_parameters=find_unused_parameters),
+            check_inputs=check_inputs)
         self.mesh = ParallelMesh(tp_size=tp_size, pp_size=pp_size)       # collective: after the checks
         self.shard_config = dataclasses.replace(self.config.sharding, tensor_parallel_process_group=self.mesh.tp_group)
         self.dp_reducer = dp_reducer(self.mesh.dp_size, pp_size, zero_stage)
@@ -126,7 +177,7 @@ class HybridParallelPlugin(Plugin):
                                              device_ids=[device] if device.type == "cuda" else None,
                                              **self.config.ddp.kwargs())
             register_counting_allreduce(module, self.mesh.dp_group)
-        boosted = HybridParallelModule(module, self.mesh, self.shard_config)
+        boosted = HybridParallelModule(module, self.mesh, self.shard_config, self.config.check_inputs)
         if stages is not None:
             boosted.pipeline = self._build_schedule(stages)
         return boosted, optimizer, criterion, dataloader, lr_scheduler
@@ -177,8 +228,10 @@ class HybridParallelPlugin(Plugin):
         # ZeRO (stage 1: stage 2 is refused with pp): keep gradients local over all micro-batches;
         # step() reduce-scatters them once.
         local = optimizer.no_sync() if optimizer is not None and self.dp_reducer == ZERO else contextlib.nullcontext()
+        batch = next(data_iter)
+        model.check_same_inputs(batch)
         with local:
-            return pipeline.run(next(data_iter), criterion, optimizer, return_loss, return_outputs)
+            return pipeline.run(batch, criterion, optimizer, return_loss, return_outputs)
 
     def no_sync(self, model, optimizer=None):
         """Whoever reduces the gradients skips it inside the block: DDP's no_sync, or the ZeRO optimizer's

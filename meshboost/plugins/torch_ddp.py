@@ -7,6 +7,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from meshboost.booster import ModelWrapper, OptimizerWrapper, Plugin
 from meshboost.distributed import ParallelMesh
+from meshboost.distributed.agreement import agree_settings
 from meshboost.plugins.config import DDPConfig
 from meshboost.plugins.ddp_hooks import register_counting_allreduce
 
@@ -24,6 +25,9 @@ class TorchDDPPlugin(Plugin):
 
     def __init__(self, broadcast_buffers: bool = True, bucket_cap_mb: int = 25, find_unused_parameters: bool = False,
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False, static_graph: bool = False):
+        # Every rank must pass the same arguments; one all-gather of a digest says so (or names the
+        # difference) before anything that could differ by rank, so no rank is left hanging.
+        agree_settings({k: v for k, v in locals().items() if k != "self"}, "TorchDDPPlugin arguments")
         self.ddp_config = DDPConfig(broadcast_buffers, bucket_cap_mb, find_unused_parameters, check_reduction,
                                     gradient_as_bucket_view, static_graph)
         self.mesh = ParallelMesh(tp_size=1, pp_size=1)                  # collective: after the checks

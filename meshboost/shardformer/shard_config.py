@@ -11,7 +11,8 @@ import torch.distributed as dist
 class ShardConfig:
     """How `ShardFormer` shards a model.
 
-    tensor_parallel_process_group: the tp group (e.g. `ParallelMesh.tp_group`); None = the world.
+    tensor_parallel_process_group: the tp group (e.g. `ParallelMesh.tp_group`); None = torch's
+        default group (every rank), for sharding and for every collective of the sharded layers.
     enable_tensor_parallelism: False leaves every module replicated (useful for pp/dp only).
     parallel_output: keep LM-head logits split over the vocabulary in training, with the loss
         computed by the vocab-parallel cross-entropy; evaluation always sees full logits.

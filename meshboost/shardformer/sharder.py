@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
+from meshboost.distributed.param_info import get_tp_info
 from meshboost.shardformer.layers import VocabParallelEmbedding, VocabParallelLMHead, make_causal_lm_loss
 from meshboost.shardformer.policies import Policy, get_policy
 from meshboost.shardformer.policies.base import pattern_to_regex
@@ -89,6 +90,11 @@ class ShardFormer:
         which keep being one parameter after sharding.
         """
         tp_size = self.shard_config.tensor_parallel_size
+        sharded = [n for n, p in model.named_parameters() if get_tp_info(p) is not None]
+        if sharded:
+            raise ValueError(f"{type(model).__name__} is already sharded ({sharded[0]} holds a tensor-parallel shard): "
+                             "boosting shards the model in place, so boost or shard the original model once; to "
+                             "start over, build a fresh model (or load its checkpoint into one)")
         if tp_size > 1:
             policy = policy or get_policy(model)
             self._apply(model, policy, self._validate(model, policy, tp_size))

@@ -186,8 +186,8 @@ def _check_errors(rank: int) -> None:
     with pytest.raises(ValueError, match="no pipeline stage layout"):
         booster.boost(mlp)
     config = tiny_config("llama", num_hidden_layers=2)
-    model, opt, _, _, _ = booster.boost(build_model("LlamaForCausalLM", config),
-                                        torch.optim.AdamW(build_model("LlamaForCausalLM", config).parameters()))
+    llama = build_model("LlamaForCausalLM", config)
+    model, opt, _, _, _ = booster.boost(llama, torch.optim.AdamW(llama.parameters()))
     odd = tiny_batch("LlamaForCausalLM", config, batch=6)
     with pytest.raises(ValueError, match="does not split into equal micro-batches"):
         booster.execute_pipeline(iter([odd]), model, criterion, opt)

@@ -18,6 +18,17 @@ from meshboost.distributed.param_info import get_tp_info
 from meshboost.shardformer.layers.linear import shard_parameter_
 
 
+def check_in_range(values: torch.Tensor, bad: torch.Tensor, what: str) -> None:
+    """Raise where the unsharded op would, when any `bad` entry is set: at once on the CPU, naming
+    the first offending value; on an accelerator without a host sync (a device-side assert). No
+    communication: every rank sees the same inputs and raises the same error."""
+    if values.device.type == "cpu":
+        if bool(bad.any()):
+            raise IndexError(f"{what}: found {values[bad][0].item()}")
+    else:
+        torch._assert_async(~bad.any(), what)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Embedding whose rows (the vocabulary) are split over tp: each rank looks up the tokens it
     owns, zeros the rest, and one all-reduce assembles the full embeddings."""
@@ -44,6 +55,9 @@ class VocabParallelEmbedding(nn.Module):
         return cls(module.weight, group, num_embeddings, module.padding_idx, module.scale_grad_by_freq)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # A shard only sees its own rows: an id past the vocabulary would silently embed as zeros.
+        check_in_range(input_ids, (input_ids < 0) | (input_ids >= self.num_embeddings),
+                       f"token ids must lie in [0, {self.num_embeddings}) (the embedding's vocabulary)")
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
         local_pad = None
@@ -88,7 +102,7 @@ class VocabParallelLMHead(nn.Module):
 
     @property
     def output_is_parallel(self) -> bool:
-        return (self.parallel_output and self.training and self.process_group is not None
+        return (self.parallel_output and self.training and dist.is_initialized()
                 and dist.get_world_size(self.process_group) > 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -113,6 +127,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         shifted = logits - logits_max.unsqueeze(-1)
 
         ignored = target == ignore_index
+        check_in_range(target, ~ignored & ((target < 0) | (target >= vocab_size)),
+                       f"labels must be {ignore_index} (ignored) or lie in [0, {vocab_size}) (the vocabulary)")
         owned = (target >= start) & (target < start + part) & ~ignored
         local_t = (target - start).masked_fill(~owned, 0)
         picked = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)

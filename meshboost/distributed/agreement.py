@@ -1,0 +1,109 @@
+"""Agreement across ranks: the checks that turn "ranks silently disagree" into one clear error.
+
+Owns: `agree_settings` (every rank passed the same configuration: one all-gather of an 8-byte
+digest, details exchanged only on a mismatch) and `check_same_inputs` (every rank of a group was
+fed the same batch: one all-gather of a fixed-size digest). Both raise on every rank of the group
+at once, naming what differs. Must not know plugins or models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from meshboost.distributed import comm
+from meshboost.distributed.launch import get_current_device
+
+
+def _stable(value) -> str:
+    """A description of `value` that is equal on every rank exactly when the values are equal
+    (no memory addresses: functions by qualified name, process groups by their ranks)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    if isinstance(value, dict):
+        items = sorted(value.items(), key=lambda kv: str(kv[0]))
+        return "{" + ", ".join(f"{_stable(k)}: {_stable(v)}" for k, v in items) + "}"
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = sorted(map(_stable, value)) if isinstance(value, (set, frozenset)) else map(_stable, value)
+        return f"{type(value).__name__}[" + ", ".join(items) + "]"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return f"{type(value).__name__}(" + ", ".join(
+            f"{f.name}={_stable(getattr(value, f.name))}" for f in dataclasses.fields(value)) + ")"
+    if isinstance(value, dist.ProcessGroup):
+        return f"ProcessGroup{dist.get_process_group_ranks(value)}"
+    if isinstance(value, (torch.dtype, torch.device)):
+        return str(value)
+    if callable(value):
+        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__name__)}"
+    return type(value).__name__
+
+
+def agree_settings(settings: dict, what: str) -> None:
+    """Raise on every rank, naming each setting that differs and its value on each rank, unless
+    every rank passed equal `settings`: one all-gather of an 8-byte digest (the details are only
+    exchanged on a mismatch). Ranks that disagree would otherwise build different groups and hang.
+    A no-op without a process group or with one rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    described = {str(k): _stable(v) for k, v in settings.items()}
+    digest = hashlib.sha256(_stable(described).encode()).digest()[:8]
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64,
+                        device=get_current_device())
+    everyone = comm.all_gather(mine, None, dim=0)
+    if bool((everyone == everyone[0]).all()):
+        return
+    views = [None] * dist.get_world_size()
+    dist.all_gather_object(views, described)
+    keys = sorted({k for v in views for k in v})
+    differing = [k for k in keys if len({v.get(k) for v in views}) > 1]
+    detail = "; ".join(f"{k} is " + ", ".join(f"{v.get(k, '(absent)')} on rank {r}" for r, v in enumerate(views))
+                       for k in differing)
+    raise ValueError(f"ranks disagree on the {what}: {detail}. Every rank must pass the same settings (the same "
+                     "script and arguments on every node)")
+
+
+def _input_digest(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Five float64 numbers that equal inputs always share and different inputs almost never do:
+    the count of tensors, their elements, a digest of their shapes, their sum and a position-weighted
+    sum (so a permutation of the same values differs)."""
+    digest = torch.zeros(5, dtype=torch.float64, device=device)
+    digest[0] = len(tensors)
+    for i, t in enumerate(tensors):
+        flat = t.detach().reshape(-1).to(device=device, dtype=torch.float64)
+        weights = torch.arange(flat.numel(), device=device, dtype=torch.float64).remainder_(1009).add_(1 + i)
+        digest[1] += flat.numel()
+        digest[2] += sum((d + 1) * 31 ** k for k, d in enumerate(t.shape)) * (i + 1)
+        digest[3] += flat.sum()
+        digest[4] += (flat * weights).sum()
+    return digest
+
+
+def tensors_of(*values) -> list[torch.Tensor]:
+    """Every tensor in `values` (nested in lists, tuples and dicts, dicts in key order)."""
+    out: list[torch.Tensor] = []
+    for v in values:
+        if torch.is_tensor(v):
+            out.append(v)
+        elif isinstance(v, dict):
+            out += tensors_of(*(v[k] for k in sorted(v, key=str)))
+        elif isinstance(v, (list, tuple)):
+            out += tensors_of(*v)
+    return out
+
+
+def check_same_inputs(tensors: list[torch.Tensor], group, what: str, fix: str) -> None:
+    """Raise on every rank of `group` unless every rank passed equal `tensors` (one all-gather of a
+    5-number digest). `what` names the group ("tensor-parallel"), `fix` says how to feed it."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    device = tensors[0].device if tensors else get_current_device()
+    rows = comm.all_gather(_input_digest(tensors, device).unsqueeze(0), group, dim=0)
+    if bool(torch.equal(rows, rows[:1].expand_as(rows))):
+        return
+    ranks = dist.get_process_group_ranks(group)
+    differing = [ranks[i] for i in range(len(ranks)) if not torch.equal(rows[i], rows[0])]
+    raise ValueError(f"the {what} ranks {ranks} were fed different inputs (ranks {differing} differ from rank "
+                     f"{ranks[0]}): they must see the same batch, or the result is silently wrong. {fix}")
