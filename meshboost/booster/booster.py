@@ -130,3 +130,21 @@ class Booster:
 
     def load_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
         load_lr_scheduler(lr_scheduler, checkpoint)
+
+    # -- training checkpoints: one step folder, committed atomically, the last `keep_last` kept --------
+    def save_checkpoint(self, checkpoint: str, model: nn.Module, optimizer=None, lr_scheduler=None, dataloader=None,
+                        step: int = 0, keep_last: int = 3, extra: dict | None = None) -> str:
+        """Save everything a run needs to resume after step `step` (model, optimizer with its loss scaler,
+        LR scheduler, every rank's random generators, the `plugin.prepare_dataloader` loader's position
+        and your JSON-able `extra`) as `checkpoint/step-<step>`, then point `checkpoint/latest` at it
+        atomically: a crash at any moment leaves `latest` naming a complete step. Call on every rank."""
+        return checkpoint_io.save_checkpoint(checkpoint, step, model, optimizer, lr_scheduler, dataloader, self.mesh,
+                                             keep_last, extra)
+
+    def load_checkpoint(self, checkpoint: str, model: nn.Module, optimizer=None, lr_scheduler=None,
+                        dataloader=None) -> dict | None:
+        """Restore the step `checkpoint/latest` names into the boosted objects (weights and optimizer at any
+        layout; random generators and data position when the mesh is the one that saved). Returns the
+        step's meta ({"step": ..., "extra": ...}) or None when there is no checkpoint yet, so a script can
+        always call it at start (elastic restarts included). Call on every rank."""
+        return checkpoint_io.load_checkpoint(checkpoint, model, optimizer, lr_scheduler, dataloader, self.mesh)

@@ -2,16 +2,18 @@
 
 Owns: finding what a boosted object carries (the user's model inside its wrappers, the optimizer
 `Booster.boost` paired with it, its fp32 masters), calling `checkpoint/` with the plugin's mesh,
-and refreshing an optimizer's fp32 masters after its model was loaded. Must not gather tensors or
-write files itself.
+refreshing an optimizer's fp32 masters after its model was loaded, and what a training checkpoint
+(`save_checkpoint` / `load_checkpoint`) holds. Must not gather tensors or write files itself.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch.nn as nn
 
 from meshboost.booster.wrappers import ModelWrapper, unwrap_model
-from meshboost.checkpoint import load_model, optimizer_io, save_model
+from meshboost.checkpoint import load_lr_scheduler, load_model, optimizer_io, save_lr_scheduler, save_model, step_io
 from meshboost.distributed.launch import get_current_device
 from meshboost.optim import OptimizerWrapper
 
@@ -60,3 +62,41 @@ def save_boosted_optimizer(optimizer, checkpoint: str, shard: bool = False, gath
 
 def load_boosted_optimizer(optimizer, checkpoint: str) -> None:
     optimizer_io.load_optimizer(optimizer, _model_of(optimizer, "load_optimizer"), checkpoint)
+
+
+# -- training checkpoints: everything a run needs to resume, one atomically committed step ----------
+def save_checkpoint(folder: str, step: int, model: nn.Module, optimizer=None, lr_scheduler=None, dataloader=None,
+                    mesh=None, keep_last: int = 3, extra: dict | None = None) -> str:
+    """Model (HF folder), optimizer (name-keyed, with its loss scaler), LR scheduler, every rank's
+    RNG states and the data-loader position as step `step` of `folder` (see
+    `meshboost.checkpoint.step_io`). Returns the step folder."""
+    parts = {"model": lambda path: save_boosted_model(model, path, mesh, shard=True, use_safetensors=True)}
+    if optimizer is not None:
+        parts["optimizer"] = lambda path: save_boosted_optimizer(optimizer, path, shard=True, mesh=mesh)
+    if lr_scheduler is not None:
+        parts["lr_scheduler.pt"] = lambda path: save_lr_scheduler(lr_scheduler, path, mesh)
+    rank_state = {"rng": step_io.rng_state(),
+                  "dataloader": dataloader.state_dict() if hasattr(dataloader, "state_dict") else None}
+    return step_io.save_step(folder, step, parts, rank_state, mesh, keep_last, extra)
+
+
+def load_checkpoint(folder: str, model: nn.Module, optimizer=None, lr_scheduler=None, dataloader=None,
+                    mesh=None) -> dict | None:
+    """Restore the committed step of `folder` (any layout for weights and optimizer; RNG states and
+    data position when the mesh is the one that saved). Returns its meta ({"step", "extra", ...}), or
+    None when `folder` holds no checkpoint yet (a fresh run)."""
+    step_folder = step_io.committed_step(folder)
+    if step_folder is None:
+        return None
+    meta = step_io.read_meta(step_folder)
+    load_boosted_model(model, os.path.join(step_folder, "model"), mesh=mesh)
+    if optimizer is not None and "optimizer" in meta["parts"]:
+        load_boosted_optimizer(optimizer, os.path.join(step_folder, "optimizer"))
+    if lr_scheduler is not None and "lr_scheduler.pt" in meta["parts"]:
+        load_lr_scheduler(lr_scheduler, os.path.join(step_folder, "lr_scheduler.pt"))
+    rank_state = step_io.load_rank_state(step_folder, mesh)
+    if rank_state is not None:
+        step_io.set_rng_state(rank_state["rng"])
+        if dataloader is not None and rank_state["dataloader"] is not None and hasattr(dataloader, "load_state_dict"):
+            dataloader.load_state_dict(rank_state["dataloader"])
+    return meta

@@ -1,7 +1,7 @@
 """The one checkpoint writer: every save (model, optimizer, LR scheduler) goes through it.
 
 Owns who does what on a save (`SaveRoles`, from the mesh), the staging folder beside the target
-(`AtomicTarget`), writing each shard file as soon as it fills, numbering the files k-of-N across
+(`atomic.py`), writing each shard file as soon as it fills, numbering the files k-of-N across
 pipeline stages, merging the stages' parts on global rank 0, agreeing on failure over every rank,
 and the atomic commit. Callers only produce (name, payload, bytes) items in the same order on every
 rank of a stage (joining their own gathers) and say how a file and the finishing touches (index,
@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
-import tempfile
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from meshboost.checkpoint.atomic import AtomicTarget
 from meshboost.distributed import comm
 from meshboost.distributed.launch import get_current_device
 
@@ -68,67 +67,6 @@ def agree(values: list[float], roles: SaveRoles) -> list[float]:
     if roles.group is not None:
         comm.all_reduce(t, roles.group)
     return t.tolist()
-
-
-class AtomicTarget:
-    """Stage a checkpoint folder (or single file) beside `target`; `commit()` puts it in place.
-
-    Until `commit()`, `target` is untouched; `abort()` removes the staging folder. A folder target
-    that already exists is moved aside, replaced, then deleted, so a reader only ever sees the old
-    complete checkpoint or the new complete one.
-    """
-
-    def __init__(self, target: str, is_file: bool, token: int | None = None):
-        self.target = os.path.abspath(target)
-        self.is_file = is_file
-        parent = os.path.dirname(self.target)
-        if os.path.isdir(self.target) if is_file else os.path.isfile(self.target):
-            kind = "a folder" if is_file else "a file"
-            raise ValueError(f"checkpoint path {target!r} is {kind}; pass a "
-                             f"{'file name ending in .safetensors/.bin' if is_file else 'folder path'} instead")
-        try:
-            os.makedirs(parent, exist_ok=True)
-            if token is None:
-                self.staging = tempfile.mkdtemp(prefix=f".{os.path.basename(self.target)}.tmp-", dir=parent)
-            else:  # one staging folder shared by several writers (pipeline stages), named by an agreed token
-                self.staging = os.path.join(parent, f".{os.path.basename(self.target)}.tmp-{token:012x}")
-                os.makedirs(self.staging, exist_ok=True)
-        except OSError as e:
-            raise OSError(e.errno, f"cannot write a checkpoint at {target!r}: staging beside it in {parent!r} "
-                                   f"failed ({e.strerror}); choose a folder this process can write") from e
-        self.path = (os.path.join(self.staging, os.path.basename(self.target)) if is_file else self.staging)
-
-    def _apply_umask(self) -> None:
-        """mkdtemp makes the staging folder private (0700); give the result ordinary permissions."""
-        umask = os.umask(0)
-        os.umask(umask)
-        for root, _, names in os.walk(self.staging):
-            os.chmod(root, 0o777 & ~umask)
-            for n in names:
-                os.chmod(os.path.join(root, n), 0o666 & ~umask)
-
-    def commit(self) -> None:
-        self._apply_umask()
-        if self.is_file:
-            os.replace(self.path, self.target)            # atomic on POSIX
-            shutil.rmtree(self.staging, ignore_errors=True)
-            return
-        old = None
-        if os.path.exists(self.target):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(self.target)}.old-", dir=os.path.dirname(self.target))
-            os.replace(self.target, os.path.join(old, "ckpt"))
-        try:
-            os.replace(self.staging, self.target)
-        except BaseException:
-            if old is not None:                            # put the old checkpoint back
-                os.replace(os.path.join(old, "ckpt"), self.target)
-            raise
-        finally:
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-
-    def abort(self) -> None:
-        shutil.rmtree(self.staging, ignore_errors=True)
 
 
 def starts_new_file(file_bytes: int, file_empty: bool, nbytes: int, limit: float) -> bool:
@@ -261,25 +199,33 @@ class CheckpointWriter:
             f.name = final
 
     def _failed(self) -> bool:
-        """Agree over every rank whether any rank failed (one MAX all-reduce; also a barrier)."""
-        flag = torch.tensor([1.0 if self.error is not None else 0.0], device=self.roles.device)
-        if self.roles.group is not None:
-            comm.all_reduce(flag, self.roles.group, op=dist.ReduceOp.MAX)
-        return flag.item() > 0
+        return any_failed(self.error, self.roles)
 
     def _abort(self) -> None:
         if self.target is not None:               # any stage writer may hold the shared folder
             self.target.abort()
-        # Every rank learns what failed where (also the barrier: nobody returns before the staging
-        # folder is gone), so a rank that did not write reports the writer's error, not a pointer to it.
-        mine = None if self.error is None else f"{type(self.error).__name__}: {self.error}"
-        if self.roles.group is not None:
-            errors = [None] * dist.get_world_size(self.roles.group)
-            dist.all_gather_object(errors, mine, group=self.roles.group)
-        else:
-            errors = [mine]
-        if self.error is not None:
-            raise self.error
-        rank, message = next((r, e) for r, e in enumerate(errors) if e is not None)
-        raise RuntimeError(f"{self.what}({self.checkpoint!r}) failed on rank {rank}: {message}. Any existing "
-                           "checkpoint there is unchanged.")
+        raise_agreed_failure(self.error, self.roles, f"{self.what}({self.checkpoint!r})")
+
+
+def raise_agreed_failure(error: BaseException | None, roles: SaveRoles, what: str) -> None:
+    """Called by every rank once some rank failed: every rank learns what failed where (also the
+    barrier: nobody returns before cleanup), then the failing ranks raise their own error and the
+    others a RuntimeError quoting it, instead of a pointer to another rank's log."""
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    if roles.group is not None:
+        errors = [None] * dist.get_world_size(roles.group)
+        dist.all_gather_object(errors, mine, group=roles.group)
+    else:
+        errors = [mine]
+    if error is not None:
+        raise error
+    rank, message = next((r, e) for r, e in enumerate(errors) if e is not None)
+    raise RuntimeError(f"{what} failed on rank {rank}: {message}. Any existing checkpoint there is unchanged.")
+
+
+def any_failed(error: BaseException | None, roles: SaveRoles) -> bool:
+    """Agree over every rank whether any rank failed (one MAX all-reduce; also a barrier)."""
+    flag = torch.tensor([1.0 if error is not None else 0.0], device=roles.device)
+    if roles.group is not None:
+        comm.all_reduce(flag, roles.group, op=dist.ReduceOp.MAX)
+    return flag.item() > 0

@@ -54,10 +54,11 @@ def resolve_timeout(timeout: datetime.timedelta | float | None) -> datetime.time
             raise ValueError(f"{TIMEOUT_ENV}={timeout!r} is not a number of seconds; set it to e.g. 600") from None
     if timeout is None:
         return None
+    given = timeout
     if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
         timeout = datetime.timedelta(seconds=timeout)
     if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
-        raise ValueError(f"{source}={timeout!r} must be a positive number of seconds or datetime.timedelta "
+        raise ValueError(f"{source}={given!r} must be a positive number of seconds or datetime.timedelta "
                          "(torch reads 0 as 'expire at once')")
     return timeout
 

@@ -1,0 +1,231 @@
+"""Bad or unlucky inputs end as a clear error on every rank (or as exact numbers), never as a silent
+wrong number or a hang: one process group of 4 ranks runs the whole matrix (issue 11).
+
+- ids / labels outside the vocabulary at tp = 2 and 4: IndexError naming the value, where the
+  unsharded model raises too.
+- `load_optimizer` from another model: refused naming the parameter and shapes, nothing changed
+  (zero_stage 0 and 1, fp16 with masters).
+- ranks that disagree on the plugin configuration: ValueError naming the setting and each rank's
+  value, on every rank, in well under a second.
+- `ShardConfig()` without a group shards over the world and its layers communicate over the world:
+  the same loss and gradients as the unsharded model.
+- tp ranks fed different batches: ValueError on the first call, naming the fix.
+- fp16: `loss.backward()` instead of `booster.backward` raises at `step()` on every rank with the
+  weights unchanged; NaN inputs skip, then raise after `max_skips_at_min_scale` skips at the floor.
+- re-boosting a sharded model and an optimizer built on another model are refused clearly; a failed
+  save tells the ranks that did not write what failed; a dataset smaller than dp warns.
+- untied input/output embeddings (Llama, `tie_word_embeddings=False`) save and resume bitwise
+  (fp32) at the same layout, the two weights keeping their own Adam state.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import TensorDataset
+
+from meshboost import Booster
+from meshboost.distributed.param_info import gather_tensor, get_tp_info
+from meshboost.plugins import HybridParallelPlugin
+from meshboost.shardformer import ShardConfig, ShardFormer
+from meshboost.testing import assert_close, spawn
+from meshboost.testing.compare import gathered, model_loss
+from meshboost.testing.models import VOCAB, build_model, tiny_batch, tiny_config
+
+
+def _boost(cls, family, plugin, seed=0, **overrides):
+    model = build_model(cls, tiny_config(family, **overrides), seed=seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    booster = Booster(plugin=plugin)
+    model, opt, *_ = booster.boost(model, opt)
+    return booster, model, opt
+
+
+def _ids_and_labels_out_of_range(rank, world):
+    for tp in (2, 4):
+        plugin = HybridParallelPlugin(tp_size=tp)
+        _, model, _ = _boost("GPT2LMHeadModel", "gpt2", plugin)
+        ids = torch.randint(1, VOCAB, (2, 8))
+        bad_ids = ids.clone()
+        bad_ids[1, 3] = VOCAB + 5                       # held by no rank: would embed as zeros
+        with pytest.raises(IndexError, match=rf"token ids must lie in \[0, {VOCAB}\).*found {VOCAB + 5}"):
+            model(input_ids=bad_ids, labels=ids)
+        bad_labels = ids.clone()
+        bad_labels[0, 2] = VOCAB                        # the padded rows would give a plausible loss
+        with pytest.raises(IndexError, match=rf"labels must be -100 \(ignored\) or lie in \[0, {VOCAB}\)"):
+            model(input_ids=ids, labels=bad_labels)
+        with pytest.raises(IndexError):                 # the unsharded model refuses it too
+            build_model("GPT2LMHeadModel", tiny_config("gpt2"))(input_ids=bad_ids)
+
+
+def _optimizer_from_another_model(rank, world, root):
+    for i, extra in enumerate((dict(zero_stage=0), dict(zero_stage=1), dict(zero_stage=1, precision="fp16"))):
+        plugin = HybridParallelPlugin(tp_size=2, **extra)
+        booster, model, opt = _boost("GPT2LMHeadModel", "gpt2", plugin)
+        booster.backward(model(**_lm_batch()).loss, opt)
+        opt.step(), opt.zero_grad()
+        path = os.path.join(root, f"gpt2-{i}.bin")
+        booster.save_optimizer(opt, path)
+        # The same family at another width: every name exists, the shapes differ (also untied ones).
+        other_plugin = HybridParallelPlugin(tp_size=2, **extra)
+        other_booster, other, other_opt = _boost("GPT2LMHeadModel", "gpt2", other_plugin, n_embd=64, n_inner=128)
+        before = {n: gathered(p).clone() for n, p in other.unwrap().named_parameters()}
+        with pytest.raises(ValueError, match=r"has shape .* the parameter is .*another model"):
+            other_booster.load_optimizer(other_opt, path)
+        after = {n: gathered(p) for n, p in other.unwrap().named_parameters()}
+        assert all(torch.equal(before[n], after[n]) for n in before), f"{extra}: a refused load changed weights"
+        assert not len(other_opt.unwrap().state), f"{extra}: a refused load left optimizer state behind"
+
+
+def _lm_batch(seed=0, batch=4):
+    ids = tiny_batch("GPT2LMHeadModel", tiny_config("gpt2"), batch=batch, seed=seed)["input_ids"]
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _disagreeing_configuration(rank, world):
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"tp_size is 2 on rank 0, 1 on rank 1"):
+        HybridParallelPlugin(tp_size=2 if rank == 0 else 1)
+    with pytest.raises(ValueError, match=r"precision is 'fp16' on rank 0, 'fp16' on rank 1, 'fp32' on rank 2"):
+        HybridParallelPlugin(tp_size=1, precision="fp32" if rank >= 2 else "fp16")
+    assert time.perf_counter() - start < 5, "disagreement must be reported at once, not after a timeout"
+
+
+def _shard_config_default_group(rank, world):
+    config = tiny_config("gpt2")
+    ref = build_model("GPT2LMHeadModel", copy.deepcopy(config))
+    par = build_model("GPT2LMHeadModel", copy.deepcopy(config))
+    ShardFormer(ShardConfig()).optimize(par)                         # no group: the world (4 ranks)
+    assert get_tp_info(par.transformer.h[0].mlp.c_fc.weight).tp_size == world
+    batch = tiny_batch("GPT2LMHeadModel", config)
+    ref_loss, _ = model_loss(ref, batch)
+    par_loss, _ = model_loss(par, batch)
+    assert abs(ref_loss.item() - par_loss.item()) <= 1e-5, f"ShardConfig(): {par_loss.item()} vs {ref_loss.item()}"
+    ref_loss.backward(), par_loss.backward()
+    ref_params = dict(ref.named_parameters())
+    for name, p in par.named_parameters():
+        assert_close(gathered(p, p.grad), ref_params[name].grad, msg=f"ShardConfig() grad {name}")
+
+
+def _tp_ranks_fed_different_batches(rank, world):
+    plugin = HybridParallelPlugin(tp_size=2)
+    _, model, _ = _boost("GPT2LMHeadModel", "gpt2", plugin)
+    with pytest.raises(ValueError, match=r"tensor-parallel ranks .* were fed different inputs.*prepare_dataloader"):
+        model(**_lm_batch(seed=rank))                   # each rank its own batch: a world-wide sampler's mistake
+    plugin = HybridParallelPlugin(tp_size=2)
+    _, model, _ = _boost("GPT2LMHeadModel", "gpt2", plugin)
+    model(**_lm_batch(seed=plugin.mesh.dp_rank))        # the same batch within each tp group: fine
+
+
+def _fp16_traps(rank, world):
+    plugin = HybridParallelPlugin(tp_size=2, precision="fp16")
+    booster, model, opt = _boost("GPT2LMHeadModel", "gpt2", plugin)
+    before = [p.detach().clone() for p in model.unwrap().parameters()]
+    loss = model(**_lm_batch()).loss
+    if rank == 3:
+        loss.backward()                                 # one rank forgets the loss scale
+    else:
+        booster.backward(loss, opt)
+    with pytest.raises(RuntimeError, match="booster.backward"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.unwrap().parameters())), "weights changed"
+
+    plugin = HybridParallelPlugin(tp_size=2, precision="fp16", initial_scale=4, min_scale=1, hysteresis=1,
+                                  max_skips_at_min_scale=3)
+    booster, model, opt = _boost("GPT2LMHeadModel", "gpt2", plugin)
+    embedding = model.unwrap().transformer.wte
+    embedding.register_forward_hook(lambda m, i, out: out * float("nan"))      # non-finite inputs
+    with pytest.raises(FloatingPointError, match=r"skipped 3 steps in a row at the minimum loss scale 1"):
+        for _ in range(10):
+            booster.backward(model(**_lm_batch()).loss, opt)
+            opt.step(), opt.zero_grad()
+    assert opt.get_loss_scale() == 1
+
+
+def _messages(rank, world, root):
+    plugin = HybridParallelPlugin(tp_size=2)
+    original = build_model("GPT2LMHeadModel", tiny_config("gpt2"))
+    Booster(plugin=plugin).boost(original)
+    with pytest.raises(ValueError, match="already sharded"):
+        Booster(plugin=HybridParallelPlugin(tp_size=2)).boost(original)
+    model = build_model("GPT2LMHeadModel", tiny_config("gpt2"))
+    stranger = torch.optim.AdamW(build_model("GPT2LMHeadModel", tiny_config("gpt2")).parameters())
+    with pytest.raises(ValueError, match="not GPT2LMHeadModel's"):
+        Booster(plugin=HybridParallelPlugin(tp_size=2)).boost(model, stranger)
+
+    # A save that cannot be written: the writing rank raises the OS error, every other rank quotes it.
+    booster, model, _ = _boost("GPT2LMHeadModel", "gpt2", HybridParallelPlugin(tp_size=2))
+    blocker = os.path.join(root, "a-file")
+    if rank == 0:
+        open(blocker, "w").close()
+    dist.barrier()
+    target = os.path.join(blocker, "ckpt")               # below a file: no folder can be made there
+    if rank == 0:
+        with pytest.raises(OSError, match="cannot write a checkpoint"):
+            booster.save_model(model, target, shard=True)
+    else:
+        with pytest.raises(RuntimeError, match=r"failed on rank 0: .*cannot write a checkpoint"):
+            booster.save_model(model, target, shard=True)
+
+    with pytest.warns(UserWarning, match="3 samples for 4 data-parallel replicas"):
+        HybridParallelPlugin(tp_size=1).prepare_dataloader(TensorDataset(torch.arange(3)), batch_size=1)
+
+
+def _untied_embeddings_resume(rank, world, root):
+    """Llama with tie_word_embeddings=False (the class still lists lm_head in _tied_weights_keys)."""
+    config = tiny_config("llama")
+    assert config.tie_word_embeddings is False
+    batches = [{"input_ids": b["input_ids"], "labels": b["input_ids"].clone()}
+               for b in (tiny_batch("LlamaForCausalLM", config, batch=4, seed=s) for s in range(5))]
+    for precision in ("fp32", "fp16"):
+        plugin = HybridParallelPlugin(tp_size=2, zero_stage=1, precision=precision)
+        mine = lambda b: {k: v.chunk(plugin.dp_size)[plugin.mesh.dp_rank] for k, v in b.items()}  # noqa: E731
+
+        def run(booster, model, opt, steps):
+            out = []
+            for b in steps:
+                loss = model(**mine(b)).loss
+                booster.backward(loss, opt)
+                opt.step(), opt.zero_grad()
+                out.append(loss.item())
+            return out
+
+        booster, model, opt = _boost("LlamaForCausalLM", "llama", plugin)
+        run(booster, model, opt, batches[:3])
+        booster.save_model(model, os.path.join(root, f"m-{precision}"), shard=True)
+        booster.save_optimizer(opt, os.path.join(root, f"o-{precision}"), shard=True)
+        expected = run(booster, model, opt, batches[3:])
+        embed = model.unwrap().model.embed_tokens.weight
+        head = model.unwrap().lm_head.weight
+        assert embed is not head
+
+        booster2, model2, opt2 = _boost("LlamaForCausalLM", "llama", HybridParallelPlugin(
+            tp_size=2, zero_stage=1, precision=precision), seed=7)
+        booster2.load_model(model2, os.path.join(root, f"m-{precision}"))
+        booster2.load_optimizer(opt2, os.path.join(root, f"o-{precision}"))
+        got = run(booster2, model2, opt2, batches[3:])
+        assert got == expected, f"untied {precision}: resumed losses {got} vs uninterrupted {expected}"
+        for name, p in model.unwrap().named_parameters():
+            q = dict(model2.unwrap().named_parameters())[name]
+            assert torch.equal(gather_tensor(p.detach(), get_tp_info(p)), gather_tensor(q.detach(), get_tp_info(q))), \
+                f"untied {precision}: {name} differs after resuming"
+
+
+def _body(rank, world, root):
+    _ids_and_labels_out_of_range(rank, world)
+    _optimizer_from_another_model(rank, world, root)
+    _disagreeing_configuration(rank, world)
+    _shard_config_default_group(rank, world)
+    _tp_ranks_fed_different_batches(rank, world)
+    _fp16_traps(rank, world)
+    _messages(rank, world, root)
+    _untied_embeddings_resume(rank, world, root)
+
+
+def test_bad_inputs_end_in_clear_errors(tmp_path):
+    spawn(_body, 4, str(tmp_path))
