@@ -25,6 +25,7 @@ import torch
 
 from meshboost.distributed.p2p import StageComm
 from meshboost.pipeline.grads import average_grads, sum_tied_grads
+from meshboost.pipeline.normalization import TOKENS, microbatch_weights
 from meshboost.pipeline.stage import PipelineStages
 
 
@@ -41,7 +42,8 @@ def split_microbatches(batch, num_microbatches: int | None = None, microbatch_si
     if num_microbatches is None:
         num_microbatches = batch_size // microbatch_size if batch_size % microbatch_size == 0 else -1
     if num_microbatches < 1 or batch_size % num_microbatches:
-        how = f"num_microbatches={num_microbatches}" if microbatch_size is None else f"microbatch_size={microbatch_size}"
+        how = (f"num_microbatches={num_microbatches}" if microbatch_size is None
+               else f"microbatch_size={microbatch_size}")
         raise ValueError(f"a batch of {batch_size} samples does not split into equal micro-batches with {how}; "
                          "use a batch size that is a multiple of the micro-batch size (e.g. drop_last=True)")
     size = batch_size // num_microbatches
@@ -81,10 +83,15 @@ class PipelineSchedule:
     """
 
     def __init__(self, stages: PipelineStages, comm: StageComm, num_microbatches: int | None = None,
-                 microbatch_size: int | None = None, dp_group=None, tied_group=None):
+                 microbatch_size: int | None = None, dp_group=None, tied_group=None,
+                 loss_normalization: str = TOKENS, count_group=None, count_size: int = 1, shifted_labels: bool = False):
         self.stages, self.comm = stages, comm
         self.num_microbatches, self.microbatch_size = num_microbatches, microbatch_size
         self.dp_group, self.tied_group = dp_group, tied_group
+        # normalization.py: the mode, the data-parallel group its item count is agreed over, and
+        # whether the model shifts its labels (causal LM).
+        self.loss_normalization, self.count_group, self.count_size = loss_normalization, count_group, count_size
+        self.shifted_labels = shifted_labels
 
     def run(self, batch, criterion, optimizer=None, return_loss: bool = True, return_outputs: bool = False) -> dict:
         """Forward (and backward when `optimizer` is given) every micro-batch of `batch`."""
@@ -99,7 +106,10 @@ class PipelineSchedule:
         training = optimizer is not None
         if (training or return_loss) and criterion is None:
             raise ValueError("execute_pipeline needs a criterion(outputs, inputs) to compute the loss")
-        step = _Step(self, microbatches, criterion, optimizer, return_loss, return_outputs)
+        weights = None
+        if self.loss_normalization == TOKENS and stages.pp_rank == P - 1 and (training or return_loss):
+            weights = microbatch_weights(microbatches, self.shifted_labels, self.count_group, self.count_size)
+        step = _Step(self, microbatches, criterion, optimizer, return_loss, return_outputs, weights)
         with contextlib.nullcontext() if training else torch.no_grad():
             for kind, chunk, mb in schedule_order(P, stages.pp_rank, M, V, forward_only=not training):
                 step.forward(chunk, mb) if kind == "F" else step.backward(chunk, mb)
@@ -112,7 +122,7 @@ class PipelineSchedule:
         if return_loss:
             loss = torch.zeros((), dtype=torch.float32, device=self.comm.device)
             if step.losses:
-                loss += torch.stack(step.losses).float().mean()
+                loss += step.replica_loss()
             loss = self.comm.broadcast_from_last(loss)
         outputs = _merge(step.outputs) if return_outputs and step.outputs else None
         return {"loss": loss, "outputs": outputs}
@@ -121,13 +131,31 @@ class PipelineSchedule:
 class _Step:
     """State of one `run`: what each unit saved for its backward, the losses and outputs."""
 
-    def __init__(self, schedule: PipelineSchedule, microbatches, criterion, optimizer, return_loss, return_outputs):
+    def __init__(self, schedule: PipelineSchedule, microbatches, criterion, optimizer, return_loss, return_outputs,
+                 weights: torch.Tensor | None = None):
         self.stages, self.comm = schedule.stages, schedule.comm
         self.microbatches, self.criterion, self.optimizer = microbatches, criterion, optimizer
         self.return_loss, self.return_outputs = return_loss, return_outputs
+        self.weights = weights                    # per micro-batch weight (normalization.py), or None
         self.saved: dict[tuple[int, int], tuple] = {}
         self.losses: list[torch.Tensor] = []
         self.outputs: list = []
+
+    def share(self, mb: int, loss: torch.Tensor) -> torch.Tensor:
+        """Micro-batch `mb`'s part of the step's loss (normalization.py)."""
+        if self.weights is None:
+            return loss / len(self.microbatches)            # mean of micro-batch means
+        return loss * self.weights[mb].to(loss.dtype)      # its share of every labelled item
+
+    def replica_loss(self) -> torch.Tensor:
+        """The loss this data-parallel replica reports: the mean over its labelled items (mode
+        "tokens": sum_m mean_m * items_m / items, the weights being proportional to items_m), else
+        the mean of its micro-batch losses."""
+        losses = torch.stack(self.losses).double()
+        if self.weights is None:
+            return losses.mean().float()
+        weights = self.weights.to(losses.device)
+        return ((losses * weights).sum() / weights.sum()).float()
 
     def forward(self, chunk: int, mb: int) -> None:
         stages, virtual = self.stages, self.stages.virtual(chunk)
@@ -149,8 +177,7 @@ class _Step:
             loss = self.criterion(out, inputs)
             self.losses.append(loss.detach())
             if training:
-                # Each micro-batch's share of the step's mean loss.
-                self.saved[(chunk, mb)] = (hidden, loss / len(self.microbatches))
+                self.saved[(chunk, mb)] = (hidden, self.share(mb, loss))
 
     def backward(self, chunk: int, mb: int) -> None:
         stages, virtual = self.stages, self.stages.virtual(chunk)

@@ -17,6 +17,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from meshboost.optim import PrecisionConfig, ZeroConfig
 from meshboost.pipeline import PipelineConfig
+from meshboost.pipeline.normalization import MODES as NORMALIZATIONS
+from meshboost.pipeline.normalization import TOKENS
 from meshboost.shardformer import Policy, ShardConfig
 
 # Who averages gradients over the data-parallel group; exactly one of them does, decided by `dp_reducer`.
@@ -77,10 +79,15 @@ class HybridParallelConfig:
     ddp: DDPConfig = field(default_factory=DDPConfig)
     # Agree over tp (and pp) that every rank was fed the same batch: "first" call, "always", "never".
     check_inputs: str = "first"
+    # "tokens": the single-process objective over micro-batches and dp ranks; "microbatch": ColossalAI's
+    # mean of micro-batch means (meshboost.pipeline.normalization).
+    loss_normalization: str = TOKENS
 
     def __post_init__(self):
         if self.check_inputs not in CHECK_INPUTS:
             raise ValueError(f"check_inputs={self.check_inputs!r}; expected one of {CHECK_INPUTS}")
+        if self.loss_normalization not in NORMALIZATIONS:
+            raise ValueError(f"loss_normalization={self.loss_normalization!r}; expected one of {NORMALIZATIONS}")
         if not isinstance(self.tp_size, int) or isinstance(self.tp_size, bool) or self.tp_size < 1:
             raise ValueError(f"tp_size={self.tp_size!r} must be a positive integer")
         if self.custom_policy is not None and not isinstance(self.custom_policy, Policy):

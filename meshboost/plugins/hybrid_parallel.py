@@ -11,40 +11,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from meshboost.booster import ModelWrapper, OptimizerWrapper, Plugin
-from meshboost.distributed import ParallelMesh
-from meshboost.distributed.agreement import (
-    agree_settings,
-    check_same_inputs,
-    tensors_of,
-)
+from meshboost.distributed import ParallelMesh, comm
+from meshboost.distributed.agreement import agree_settings, check_same_inputs, tensors_of
 from meshboost.distributed.p2p import StageComm
-from meshboost.optim import (
-    GradScalerConfig,
-    MixedPrecisionOptimizer,
-    PrecisionConfig,
-    ZeroConfig,
-    ZeroOptimizer,
-)
-from meshboost.pipeline import (
-    PipelineConfig,
-    PipelineSchedule,
-    build_stages,
-    prune_optimizer,
-)
-from meshboost.plugins.config import (
-    DDP,
-    PIPELINE,
-    ZERO,
-    DDPConfig,
-    HybridParallelConfig,
-    dp_reducer,
-)
+from meshboost.optim import GradScalerConfig, MixedPrecisionOptimizer, PrecisionConfig, ZeroConfig, ZeroOptimizer
+from meshboost.pipeline import PipelineConfig, PipelineSchedule, build_stages, prune_optimizer
+from meshboost.pipeline.normalization import TOKENS, count_items
+from meshboost.plugins.config import DDP, PIPELINE, ZERO, DDPConfig, HybridParallelConfig, dp_reducer
 from meshboost.plugins.ddp_hooks import register_counting_allreduce
-from meshboost.shardformer import Policy, ShardConfig, ShardFormer, pipeline_layout
+from meshboost.shardformer import Policy, ShardConfig, ShardFormer, pipeline_layout, uses_causal_lm_loss
 
 _FEED_FIX = ("Build the DataLoader with plugin.prepare_dataloader(...) (it samples over data-parallel ranks only), "
              "not a DistributedSampler over the whole world; check_inputs='never' turns this check off")
@@ -55,12 +35,16 @@ class HybridParallelModule(ModelWrapper):
     chose DDP to reduce gradients. check_inputs: agree over tp that every rank got the same inputs
     on the first call ("first"), on every call ("always") or never."""
 
-    def __init__(self, module: nn.Module, mesh: ParallelMesh, shard_config: ShardConfig, check_inputs: str = "first"):
+    def __init__(self, module: nn.Module, mesh: ParallelMesh, shard_config: ShardConfig, check_inputs: str = "first",
+                 count_items_over_dp: bool = False):
         super().__init__(module)
         self.mesh = mesh
         self.shard_config = shard_config
         self.pipeline: PipelineSchedule | None = None
         self.check_inputs = check_inputs
+        # A causal LM at dp > 1 with loss_normalization="tokens": its loss is normalised by the labelled
+        # tokens of every dp replica (HF's num_items_in_batch), not by this replica's own.
+        self.count_items_over_dp = count_items_over_dp
 
     def check_same_inputs(self, *inputs) -> None:
         """Raise on every rank when the ranks that must share a batch (tp, and pp with stages) got
@@ -75,7 +59,19 @@ class HybridParallelModule(ModelWrapper):
 
     def forward(self, *args, **kwargs):
         self.check_same_inputs(args, kwargs)
+        if self.count_items_over_dp and self.training and torch.is_tensor(kwargs.get("labels")):
+            kwargs["num_items_in_batch"] = self._global_items(kwargs["labels"], kwargs.get("num_items_in_batch"))
         return self.module(*args, **kwargs)
+
+    def _global_items(self, labels: torch.Tensor, given) -> torch.Tensor:
+        """num_items_in_batch for this replica's loss: the labelled tokens of every replica (this
+        replica's own count, or the `num_items_in_batch` the caller passed for an accumulation
+        window), divided by dp because the gradient reduction averages over the replicas. One
+        8-byte all-reduce over dp, no host sync."""
+        local = given if given is not None else count_items(labels, shifted=True)
+        total = torch.as_tensor(local, dtype=torch.float32, device=labels.device).reshape(1).clone()
+        comm.all_reduce(total, self.mesh.dp_group)
+        return total[0] / self.mesh.dp_size
 
     def no_sync(self):
         if isinstance(self.module, DistributedDataParallel):
@@ -100,6 +96,9 @@ class HybridParallelPlugin(Plugin):
         dp > 1 without ZeRO or pipeline).
     check_inputs: "first" (default) | "always" | "never": agree over tp (and pp) that every rank was
         fed the same batch, on the first call or on every call (one all-gather of 5 numbers).
+    loss_normalization: "tokens" (default): pipeline micro-batches and, for causal LMs, dp replicas
+        are weighted by their labelled tokens, so every layout trains the single-process objective;
+        "microbatch": the mean of micro-batch means (ColossalAI). See docs/reliability.md.
     """
 
     def __init__(self, tp_size: int, pp_size: int = 1, precision: str = "fp32", zero_stage: int = 0,
@@ -112,7 +111,7 @@ class HybridParallelPlugin(Plugin):
                  initial_scale: float = 2**16, min_scale: float = 1, growth_factor: float = 2,
                  backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2,
                  max_scale: float = 2**32, max_skips_at_min_scale: int = 50, overlap_communication: bool = False,
-                 zero_bucket_size_in_m: int = 12, check_inputs: str = "first"):
+                 zero_bucket_size_in_m: int = 12, check_inputs: str = "first", loss_normalization: str = "tokens"):
         # Every rank must pass the same arguments; one all-gather of a digest says so (or names the
         # difference) before anything that could differ by rank, so no rank is left hanging.
         agree_settings({k: v for k, v in locals().items() if k != "self"}, "HybridParallelPlugin arguments")
@@ -133,7 +132,7 @@ class HybridParallelPlugin(Plugin):
             zero=ZeroConfig(zero_stage, overlap_communication, int(zero_bucket_size_in_m * 1024 * 1024)),
             ddp=DDPConfig(broadcast_buffers=broadcast_buffers, bucket_cap_mb=ddp_bucket_cap_mb,
                           find_unused_parameters=find_unused_parameters),
-            check_inputs=check_inputs)
+            check_inputs=check_inputs, loss_normalization=loss_normalization)
         self.mesh = ParallelMesh(tp_size=tp_size, pp_size=pp_size)       # collective: after the checks
         self.shard_config = dataclasses.replace(self.config.sharding, tensor_parallel_process_group=self.mesh.tp_group)
         self.dp_reducer = dp_reducer(self.mesh.dp_size, pp_size, zero_stage)
@@ -177,7 +176,9 @@ class HybridParallelPlugin(Plugin):
                                              device_ids=[device] if device.type == "cuda" else None,
                                              **self.config.ddp.kwargs())
             register_counting_allreduce(module, self.mesh.dp_group)
-        boosted = HybridParallelModule(module, self.mesh, self.shard_config, self.config.check_inputs)
+        count_over_dp = (self.config.loss_normalization == TOKENS and self.mesh.dp_size > 1 and stages is None
+                         and uses_causal_lm_loss(model))
+        boosted = HybridParallelModule(module, self.mesh, self.shard_config, self.config.check_inputs, count_over_dp)
         if stages is not None:
             boosted.pipeline = self._build_schedule(stages)
         return boosted, optimizer, criterion, dataloader, lr_scheduler
@@ -211,7 +212,9 @@ class HybridParallelPlugin(Plugin):
         tied_group = self.mesh.tied_stage_group() if stages.has_tied else None    # collective: every rank
         dp_group = self.mesh.dp_group if self.dp_reducer == PIPELINE else None
         return PipelineSchedule(stages, StageComm(self.mesh.pp_group, self.mesh.device), cfg.num_microbatches,
-                                cfg.microbatch_size, dp_group=dp_group, tied_group=tied_group)
+                                cfg.microbatch_size, dp_group=dp_group, tied_group=tied_group,
+                                loss_normalization=self.config.loss_normalization, count_group=self.mesh.dp_group,
+                                count_size=self.mesh.dp_size, shifted_labels=uses_causal_lm_loss(stages.model))
 
     def execute_pipeline(self, data_iter, model, criterion, optimizer=None, return_loss: bool = True,
                          return_outputs: bool = False) -> dict:

@@ -54,9 +54,10 @@ def _module_paths(root: nn.Module, target: nn.Module) -> list[str]:
     return [name for name, module in root.named_modules(remove_duplicate=False) if module is target]
 
 
-def _uses_loss_function(model: nn.Module) -> bool:
+def uses_causal_lm_loss(model: nn.Module) -> bool:
     """True when the model's forward computes a causal-LM loss through `self.loss_function` (so
-    the loss can be swapped for the vocab-parallel one without touching the forward)."""
+    the loss can be swapped for the vocab-parallel one without touching the forward, and it honours
+    `num_items_in_batch`, shifting its labels by one)."""
     if getattr(model, "loss_type", None) not in (None, "ForCausalLM"):
         return False
     try:
@@ -185,7 +186,7 @@ class ShardFormer:
                 _set_submodule(model, path, new)
         if plan.head_paths:
             head = model.get_submodule(plan.head_paths[0])
-            parallel_loss = cfg.parallel_output and _uses_loss_function(model)
+            parallel_loss = cfg.parallel_output and uses_causal_lm_loss(model)
             new = VocabParallelLMHead.from_native(head, ctx.group, cfg.make_vocab_size_divisible_by,
                                                   parallel_output=parallel_loss)
             for path in plan.head_paths:

@@ -1,9 +1,11 @@
 """Pipeline parallelism through the Booster against a single-process model on the same micro-batches.
 
-Spec (issue 4): BERT, GPT-2 and Llama at pp=2 (2 processes) and tp=2 x pp=2 (4 processes), 1F1B
-and interleaved (2 chunks x 2 stages over 4 layers), 4 micro-batches, fp32: the step's loss (the
-mean of the micro-batch losses, on every rank) within 1e-5 and every weight after one AdamW step
-within the fp32 tolerance, compared by its HF name; a 5-step run whose per-step losses match;
+Spec (issue 4, normalisation from issue 11): BERT, GPT-2 and Llama at pp=2 (2 processes) and
+tp=2 x pp=2 (4 processes), 1F1B and interleaved (2 chunks x 2 stages over 4 layers), 4
+micro-batches, fp32, on padded batches: the step's loss (the mean over the batch's labelled tokens,
+on every rank) within 1e-5 of one process on the whole batch, and every weight after one AdamW step
+within the fp32 tolerance, compared by its HF name; loss_normalization="microbatch" reproduces the
+mean of micro-batch means instead; a 5-step run whose per-step losses match;
 dp=2 x pp=2 (gradients averaged over dp after the schedule); pp=2 x dp=2 with ZeRO-1 and fp16
 within 5e-3; evaluation (optimizer=None) loss and outputs; the error cases; the schedule order
 is deadlock-free for many shapes (simulated, no processes).
@@ -43,22 +45,30 @@ def _batches(cls, config, steps: int, batch: int = 8) -> list[dict]:
     return [tiny_batch(cls, config, batch=batch, seed=10 + s) for s in range(steps)]
 
 
-def _reference(cls, config, batches, dp_size: int = 1):
-    """Single process, fp32: each step's batch is dp_size replica slices, each split into M
-    micro-batches; gradients are the mean over all of them (what dp x pp computes). Returns the
-    per-step losses of every replica and the model."""
+def _reference(cls, config, batches, dp_size: int = 1, normalization: str = "tokens"):
+    """Single process, fp32, on the whole global batch of each step. "tokens" (the plugin's default):
+    the model's own loss on the whole batch, the mean over all its labelled tokens: the
+    single-process objective every layout must train. "microbatch" (ColossalAI's convention): each
+    of the dp_size replica slices split into M micro-batches, gradients the mean of their mean
+    losses. Returns the per-step losses each replica reports (its token mean, or the mean of its
+    micro-batch losses) and the model."""
     model = build_model(cls, copy.deepcopy(config))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-4)
     losses = []
     for batch in batches:
         replica_losses = []
-        for replica in split_microbatches(batch, dp_size):
-            total = 0.0
-            for mb in split_microbatches(replica, M):
-                loss = criterion(model(**mb), mb)
-                (loss / (M * dp_size)).backward()
-                total += loss.item()
-            replica_losses.append(total / M)
+        if normalization == "tokens":
+            with torch.no_grad():
+                replica_losses = [criterion(model(**r), r).item() for r in split_microbatches(batch, dp_size)]
+            criterion(model(**batch), batch).backward()
+        else:
+            for replica in split_microbatches(batch, dp_size):
+                total = 0.0
+                for mb in split_microbatches(replica, M):
+                    loss = criterion(model(**mb), mb)
+                    (loss / (M * dp_size)).backward()
+                    total += loss.item()
+                replica_losses.append(total / M)
         opt.step()
         opt.zero_grad()
         losses.append(replica_losses)
@@ -97,7 +107,7 @@ def _check_weights(model, ref, where: str, dtype=torch.float32, scale: float = 1
 def _check_family_styles(rank: int, tp_size: int) -> None:
     for family, cls in FAMILIES:
         config = tiny_config(family, num_hidden_layers=4)
-        batches = _batches(cls, config, 1)
+        batches = _batches(cls, config, 1)          # padded: sample 1 has 3 ignored labels
         ref_losses, ref = _reference(cls, config, batches)
         for style in STYLES:
             where = f"{cls} tp={tp_size} pp=2 {style['pp_style']}"
@@ -109,6 +119,21 @@ def _check_family_styles(rank: int, tp_size: int) -> None:
                 layers = {int(m.group(1)) for n, _ in model.unwrap().named_parameters()
                           if (m := re.search(r"\.(?:layer|layers|h)\.(\d+)\.", n))}
                 assert layers == {plugin.mesh.pp_rank, plugin.mesh.pp_rank + 2}, f"{where}: {layers}"
+
+
+def _check_microbatch_normalization(rank: int, tp_size: int) -> None:
+    """loss_normalization="microbatch" keeps ColossalAI's mean of micro-batch means, which on this
+    padded batch is another objective than the whole batch's (the default)."""
+    family, cls = "llama", "LlamaForCausalLM"
+    config = tiny_config(family, num_hidden_layers=4)
+    batches = _batches(cls, config, 1)
+    mean_of_means, ref = _reference(cls, config, batches, normalization="microbatch")
+    whole_batch, _ = _reference(cls, config, batches)
+    assert abs(mean_of_means[0][0] - whole_batch[0][0]) > 1e-4, "the padded batch must tell the objectives apart"
+    losses, model, _, _ = _pipeline(cls, config, batches, tp_size=tp_size, pp_size=2,
+                                    loss_normalization="microbatch")
+    assert abs(losses[0] - mean_of_means[0][0]) <= LOSS_ATOL[torch.float32], f"{losses[0]} vs {mean_of_means}"
+    _check_weights(model, ref, f"{cls} tp={tp_size} pp=2 microbatch normalization")
 
 
 def _check_multi_step(rank: int, tp_size: int, family: str, cls: str, style: dict) -> None:
@@ -127,7 +152,7 @@ def _check_evaluation(rank: int, tp_size: int) -> None:
     batch = _batches(cls, config, 1)[0]
     ref = build_model(cls, copy.deepcopy(config)).eval()
     with torch.no_grad():
-        ref_loss = sum(criterion(ref(**mb), mb).item() for mb in split_microbatches(batch, M)) / M
+        ref_loss = criterion(ref(**batch), batch).item()        # the whole batch's token mean
         ref_logits = ref(**batch).logits
     plugin = HybridParallelPlugin(tp_size=tp_size, pp_size=2, num_microbatches=M)
     booster = Booster(plugin=plugin)
@@ -208,6 +233,7 @@ def _check_manual_split_pp_plan(rank: int) -> None:
 
 def _body_2(rank: int, world_size: int) -> None:
     _check_family_styles(rank, tp_size=1)
+    _check_microbatch_normalization(rank, tp_size=1)
     _check_multi_step(rank, 1, "gpt2", "GPT2LMHeadModel", STYLES[1])
     _check_manual_split_pp_plan(rank)
     _check_evaluation(rank, tp_size=1)
