@@ -5,7 +5,8 @@ exchange that makes replacing an existing folder atomic on Linux (`renameat2(REN
 at every instant the path holds the old complete checkpoint or the new one). Where the kernel or
 file system cannot exchange, the old folder is moved aside and the new one renamed in: a crash
 between the two renames leaves the old checkpoint beside the path (in `.{name}.old-*`), never a
-partial one at it. Must not know what a checkpoint holds.
+partial one at it, and the next save to that path puts it back first; staging folders of saves
+that died are removed by the next save to the same path. Must not know what a checkpoint holds.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class AtomicTarget:
                              f"{'file name ending in .safetensors/.bin' if is_file else 'folder path'} instead")
         try:
             os.makedirs(parent, exist_ok=True)
+            base = os.path.basename(self.target)
+            _recover_and_clean(parent, base, keep=None if token is None else f".{base}.tmp-{token:012x}")
             if token is None:
                 self.staging = tempfile.mkdtemp(prefix=f".{os.path.basename(self.target)}.tmp-", dir=parent)
             else:  # one staging folder shared by several writers (pipeline stages), named by an agreed token
@@ -98,3 +101,22 @@ class AtomicTarget:
 
     def abort(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def _recover_and_clean(parent: str, base: str, keep: str | None) -> None:
+    """Before a save to `parent/base`: staging folders of saves that died (`.base.tmp-*`, except the
+    shared one of this save, `keep`) are removed; an old checkpoint moved aside by a save that died
+    between its two renames (`.base.old-*/ckpt`) is put back when nothing took its place, else
+    removed. Several writers may run this at once: each step tolerates the others."""
+    for entry in os.listdir(parent):
+        path = os.path.join(parent, entry)
+        if entry.startswith(f".{base}.tmp-") and entry != keep:
+            shutil.rmtree(path, ignore_errors=True)
+        elif entry.startswith(f".{base}.old-"):
+            kept, target = os.path.join(path, "ckpt"), os.path.join(parent, base)
+            if os.path.exists(kept) and not os.path.exists(target):
+                try:
+                    os.replace(kept, target)
+                except OSError:
+                    pass                               # another writer put it back first
+            shutil.rmtree(path, ignore_errors=True)

@@ -106,3 +106,23 @@ def test_save_and_load_checkpoint_resume_exactly(tmp_path):
     assert sorted(os.listdir(step)) == ["lr_scheduler.pt", "meta.json", "model", "optimizer", "ranks"]
     assert sorted(os.listdir(os.path.join(step, "ranks"))) == [f"rank-{r:05d}.pt" for r in range(4)]
     spawn(_resumed, 4, root)
+
+
+def test_leftovers_of_a_dead_save(tmp_path):
+    """A save killed between moving the old checkpoint aside and renaming the new one in (where the
+    file system cannot exchange folders atomically) left `.ckpt.old-*/ckpt` and no `ckpt`; another
+    left its staging folder. The next save to that path puts the old checkpoint back first and
+    removes the leftovers; replacing an existing folder swaps it in one step."""
+    from meshboost.checkpoint.atomic import AtomicTarget
+
+    aside = tmp_path / ".ckpt.old-dead" / "ckpt"
+    aside.mkdir(parents=True)
+    (aside / "weights").write_text("step 5")
+    (tmp_path / ".ckpt.tmp-dead").mkdir()
+    target = AtomicTarget(str(tmp_path / "ckpt"), is_file=False)
+    assert (tmp_path / "ckpt" / "weights").read_text() == "step 5", "the old checkpoint must come back"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [os.path.basename(target.staging), "ckpt"]
+    (tmp_path / target.staging / "weights").write_text("step 10")
+    target.commit()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert (tmp_path / "ckpt" / "weights").read_text() == "step 10"
