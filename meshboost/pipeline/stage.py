@@ -126,7 +126,7 @@ class PipelineStages:
         swapped = {} if self.is_first(chunk) else self.stand_ins
         layer_list.running = layers
         try:
-            with _swapped(base, swapped):
+            with _swapped(base, swapped), _per_layer_config(self.model.config, self.layer_ranges[self.virtual(chunk)]):
                 return self.model(**inputs)
         except _StageOutput as done:
             return done.hidden
@@ -134,6 +134,28 @@ class PipelineStages:
             layer_list.running = None
             for h in handles:
                 h.remove()
+
+
+@contextlib.contextmanager
+def _per_layer_config(config, indices: range):
+    """The model's forward numbers the layers it iterates from 0 (`enumerate(self.layers)`) and reads
+    per-layer settings by that number (`config.layer_types[i]`: sliding or full attention, and the
+    like): while a chunk runs, every per-layer list of the config starts with this chunk's entries,
+    so the chunk's first layer gets its own mask and rope, not layer 0's."""
+    num_layers = getattr(config, "num_hidden_layers", None)
+    lists = {k: v for k, v in vars(config).items()
+             if isinstance(v, (list, tuple)) and isinstance(num_layers, int) and len(v) == num_layers}
+    if not lists or indices.start == 0:
+        yield
+        return
+    try:
+        for key, value in lists.items():
+            reordered = [value[i] for i in indices] + [value[i] for i in range(num_layers) if i not in indices]
+            setattr(config, key, type(value)(reordered))
+        yield
+    finally:
+        for key, value in lists.items():
+            setattr(config, key, value)
 
 
 def _only_through_schedule(layer_list: StageLayerList):

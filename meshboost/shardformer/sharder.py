@@ -13,14 +13,23 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 
+import torch
 import torch.nn as nn
 
 from meshboost.distributed.param_info import get_tp_info
-from meshboost.shardformer.layers import VocabParallelEmbedding, VocabParallelLMHead, make_causal_lm_loss
+from meshboost.shardformer.layers import VocabParallelEmbedding, VocabParallelLMHead, is_conv1d, make_causal_lm_loss
+from meshboost.shardformer.layers.vocab import embedding_extras
 from meshboost.shardformer.policies import Policy, get_policy
 from meshboost.shardformer.policies.base import pattern_to_regex
 from meshboost.shardformer.shard_config import ShardConfig
-from meshboost.shardformer.styles import BLOCK_INPUT, ShardContext, ShardStyle, attribute_rule, parse_style
+from meshboost.shardformer.styles import (
+    BLOCK_INPUT,
+    SPLITTING_STYLES,
+    ShardContext,
+    ShardStyle,
+    attribute_rule,
+    parse_style,
+)
 
 
 @dataclass
@@ -41,6 +50,7 @@ class _Plan:
     attributes: list[tuple[nn.Module, str, object]] = field(default_factory=list)   # (module, attr, value)
     embedding_paths: list[str] = field(default_factory=list)
     head_paths: list[str] = field(default_factory=list)
+    guards: list[tuple[str, nn.Module]] = field(default_factory=list)      # see split_input_guard
 
 
 def _set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
@@ -64,6 +74,55 @@ def uses_causal_lm_loss(model: nn.Module) -> bool:
         return "self.loss_function(" in inspect.getsource(type(model).forward)
     except (OSError, TypeError):
         return False
+
+
+def _closed_block(block: nn.Module, matched: dict) -> bool:
+    """A block input may apply Megatron's f once for its children only when every linear inside the
+    block is sharded by the plan: a linear left whole there (an MoE router) also reads the block's
+    input, and its input gradient must not be summed over tp. Otherwise each column-parallel child
+    applies f itself (more collectives, the same numbers)."""
+    return all(id(m) in matched for m in block.modules() if isinstance(m, nn.Linear) or is_conv1d(m))
+
+
+def _split_input_guards(model: nn.Module, matches: list[_Match], matched: dict) -> list[tuple[str, nn.Module]]:
+    """Modules with parameters of their own that sit in a block whose column-parallel children split
+    the activations, and that the plan does not cover (a learnable activation, a per-head norm).
+    Fed a split activation, such a module would compute a partial gradient (or fail on shapes) on
+    every rank; `split_input_guard` refuses that at its first call. Fed the whole hidden state (a
+    layer norm before the projections, as in OPT's decoder layer) it is fine."""
+    blocks = {p.rpartition(".")[0] for m in matches if m.style.name in SPLITTING_STYLES for p in m.paths[:1]}
+    out, seen = [], set()
+    for block_path in sorted(blocks):
+        for name, sub in model.get_submodule(block_path).named_modules():
+            if id(sub) not in matched and id(sub) not in seen and any(True for _ in sub.parameters(recurse=False)):
+                seen.add(id(sub))
+                out.append((f"{block_path}.{name}", sub))
+    return out
+
+
+class UncoveredParameterError(ValueError):
+    """A module with parameters reads split activations the sharding plan does not account for."""
+
+
+def split_input_guard(path: str):
+    """A forward pre-hook that raises when the module receives a column-parallel output (or a view
+    of one): its parameters would see only this rank's features. Removes itself after a clean call
+    (the dataflow does not change between steps)."""
+    def hook(module, args, kwargs):
+        tensors = [t for t in (*args, *kwargs.values()) if torch.is_tensor(t)]
+        if any(getattr(t, "tp_split", False) or getattr(t._base, "tp_split", False) for t in tensors):
+            raise UncoveredParameterError(
+                f"{path} ({type(module).__name__}) has parameters and is fed this rank's slice of a column-parallel "
+                "output, which the tensor-parallel plan does not cover: its gradient (or its shape) would be wrong "
+                "on every rank. Cover it in a custom_policy ('replicated_grad_allreduce' for a norm over each rank's "
+                "heads) or keep tp_size=1 for this model")
+        handle.remove()
+    handle = None
+
+    def install(module: nn.Module):
+        nonlocal handle
+        handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+    return install
 
 
 def tied_parameters(model: nn.Module) -> list[dict[str, nn.Parameter]]:
@@ -138,10 +197,11 @@ class ShardFormer:
         matches = list(by_module.values())
         for m in matches:
             m.paths = [m.paths[0]] + [p for p in paths[id(m.module)] if p != m.paths[0]]
+        matches = [m for m in matches if m.style.name != BLOCK_INPUT or _closed_block(m.module, by_module)]
         if not any(m.style.name != BLOCK_INPUT for m in matches):
             raise ValueError(f"policy {policy.name!r} matched no module of {type(model).__name__}; check the "
                              "plan's paths against model.base_model.named_modules()")
-        plan = _Plan(matches)
+        plan = _Plan(matches, guards=_split_input_guards(model, matches, by_module))
         for pattern, rules in policy.attributes.items():
             regex = pattern_to_regex(pattern)
             for name, module in base.named_modules():
@@ -151,19 +211,23 @@ class ShardFormer:
                             value = attribute_rule(rule)(full(name), attr, getattr(module, attr), tp_size)
                             plan.attributes.append((module, attr, value))
         if policy.vocab_parallel:
-            self._validate_vocab(model, plan)
+            self._validate_vocab(model, plan, by_module)
         return plan
 
     @staticmethod
-    def _validate_vocab(model: nn.Module, plan: _Plan) -> None:
+    def _validate_vocab(model: nn.Module, plan: _Plan, matched: dict) -> None:
         embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-        if isinstance(embedding, nn.Embedding):
+        if isinstance(embedding, nn.Embedding) and id(embedding) not in matched:   # else the plan's style does it
             if embedding.max_norm is not None or embedding.sparse:
                 raise ValueError("VocabParallelEmbedding does not support max_norm or sparse embeddings; "
                                  "pass a custom_policy with vocab_parallel=False")
+            embedding_extras(embedding)              # raises for a subclass whose behaviour would be lost
             plan.embedding_paths = _module_paths(model, embedding)
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if isinstance(head, nn.Linear):
+            if type(head).forward is not nn.Linear.forward:
+                raise ValueError(f"the LM head {type(head).__name__} subclasses nn.Linear with a forward of its own; "
+                                 "pass custom_policy=Policy(..., vocab_parallel=False) to keep it replicated")
             plan.head_paths = _module_paths(model, head)
 
     # -- application ---------------------------------------------------------------------------
@@ -171,7 +235,7 @@ class ShardFormer:
         cfg = self.shard_config
         ctx = ShardContext(cfg.tensor_parallel_process_group, cfg.tensor_parallel_size,
                            tuple(p for m in plan.matches if m.style.name == BLOCK_INPUT for p in m.paths),
-                           policy.block_input_kwargs)
+                           policy.block_input_kwargs, cfg.make_vocab_size_divisible_by)
         for m in plan.matches:
             new = m.style.apply(ctx, m.paths[0], m.module, *m.args)
             if new is not None:
@@ -179,6 +243,8 @@ class ShardFormer:
                     _set_submodule(model, path, new)
         for module, attr, value in plan.attributes:
             setattr(module, attr, value)
+        for path, module in plan.guards:
+            split_input_guard(path)(module)
         if plan.embedding_paths:
             embedding = model.get_submodule(plan.embedding_paths[0])
             new = VocabParallelEmbedding.from_native(embedding, ctx.group, cfg.make_vocab_size_divisible_by)

@@ -19,9 +19,11 @@ import torch
 import torch.nn as nn
 
 from meshboost.distributed import comm
-from meshboost.shardformer.layers import ColumnParallelLinear, RowParallelLinear, is_conv1d
+from meshboost.shardformer.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, is_conv1d
+from meshboost.shardformer.layers.vocab import embedding_extras
 
 BLOCK_INPUT = "block_input"     # a module whose input feeds only column-parallel linears: Megatron f once
+SPLITTING_STYLES = ("colwise", "colwise_fused")    # their outputs stay split: the parent block works on shards
 DEFAULT_BLOCK_INPUT_KWARGS = ("hidden_states", "encoder_hidden_states")
 
 
@@ -33,6 +35,7 @@ class ShardContext:
     tp_size: int
     block_inputs: tuple[str, ...] = ()                         # paths of modules with a block_input hook
     block_input_kwargs: tuple[str, ...] = DEFAULT_BLOCK_INPUT_KWARGS
+    make_vocab_size_divisible_by: int = 64
 
     def inside_block(self, path: str) -> bool:
         """True when `path` lies inside a block whose input already passed through Megatron f."""
@@ -82,6 +85,9 @@ def _check_linear(path: str, module: nn.Module, tp_size: int, column: bool, fuse
     kind = "colwise" if column else "rowwise"
     if not (isinstance(module, nn.Linear) or is_conv1d(module)):
         raise TypeError(f"{path}: style {kind!r} needs nn.Linear or Conv1D, found {type(module).__name__}")
+    if isinstance(module, nn.Linear) and type(module).forward is not nn.Linear.forward:
+        raise TypeError(f"{path}: {type(module).__name__} subclasses nn.Linear with a forward of its own, which a "
+                        f"parallel linear would drop; leave it out of the plan or register a style for it")
     out_dim = 1 if is_conv1d(module) else 0
     dim = out_dim if column else 1 - out_dim
     size = module.weight.shape[dim]
@@ -115,10 +121,55 @@ def _block_input(ctx: ShardContext, path: str, module: nn.Module) -> None:
     return None
 
 
+def _colwise_gather(ctx: ShardContext, path: str, module: nn.Module) -> nn.Module:
+    # Always its own Megatron f: a gathered projection (an output projection too, in Qwen3.5's linear
+    # attention) need not read the enclosing block's input.
+    return ColumnParallelLinear.from_native(module, ctx.group, gather_output=True, copy_input=True)
+
+
+def _rowwise_split(ctx: ShardContext, path: str, module: nn.Module) -> nn.Module:
+    return RowParallelLinear.from_native(module, ctx.group, input_is_parallel=False)
+
+
+# -- replicated parameters whose gradient each rank only has part of ------------------------------
+def _check_has_params(path: str, module: nn.Module, tp_size: int) -> None:
+    if not any(True for _ in module.parameters(recurse=False)):
+        raise TypeError(f"{path}: style 'replicated_grad_allreduce' needs a module with parameters of its own")
+
+
+def _replicated_grad_allreduce(ctx: ShardContext, path: str, module: nn.Module) -> None:
+    """The module stays whole on every rank, but reads only this rank's heads (a q/k norm over
+    head_dim): its gradient is summed over tp as it is produced."""
+    for p in module.parameters(recurse=False):
+        p.register_hook(partial(_sum_over, ctx.group))
+    return None
+
+
+def _sum_over(group, grad: torch.Tensor) -> torch.Tensor:
+    return comm.all_reduce(grad.clone(), group)
+
+
+# -- the input embedding, when a plan names it --------------------------------------------------------
+def _check_embedding(path: str, module: nn.Module, tp_size: int) -> None:
+    if not isinstance(module, nn.Embedding):
+        raise TypeError(f"{path}: style 'vocab_embedding' needs nn.Embedding, found {type(module).__name__}")
+    embedding_extras(module)                   # raises for a subclass whose behaviour would be lost
+
+
+def _vocab_embedding(ctx: ShardContext, path: str, module: nn.Module) -> nn.Module:
+    return VocabParallelEmbedding.from_native(module, ctx.group, ctx.make_vocab_size_divisible_by)
+
+
 register_style("colwise", lambda path, module, tp: _check_linear(path, module, tp, column=True), _colwise)
 register_style("colwise_fused", lambda path, module, tp, n: _check_linear(path, module, tp, column=True, fused=n),
                _colwise, num_args=1)      # GPT-2 c_attn [q | k | v]: colwise_fused(3)
+register_style("colwise_gather", lambda path, module, tp: _check_linear(path, module, tp, column=True),
+               _colwise_gather)           # full output on every rank (e.g. before a whole-hidden q/k norm)
 register_style("rowwise", lambda path, module, tp: _check_linear(path, module, tp, column=False), _rowwise)
+register_style("rowwise_split", lambda path, module, tp: _check_linear(path, module, tp, column=False),
+               _rowwise_split)            # replicated input: each rank first takes its slice
+register_style("replicated_grad_allreduce", _check_has_params, _replicated_grad_allreduce)
+register_style("vocab_embedding", _check_embedding, _vocab_embedding)
 register_style(BLOCK_INPUT, lambda path, module, tp: None, _block_input)
 
 

@@ -10,14 +10,17 @@ VOCAB = 101   # prime: padded at every tp
 
 
 def tiny_config(family: str, **overrides):
-    """A tiny transformers config for `family` ('bert', 'gpt2', 'llama', 'llama_gqa', 'qwen2', 'mistral')."""
-    common = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+    """A tiny transformers config for `family` ('bert', 'gpt2', 'llama', 'llama_gqa', 'qwen2', 'mistral',
+    'qwen2_sliding', 'gemma', 'gemma2')."""
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4,
+                  num_hidden_layers=overrides.pop("num_hidden_layers", 2),  # at construction: per-layer lists follow it
                   intermediate_size=64)
     if family == "bert":
         cfg = tfm.BertConfig(**common, max_position_embeddings=64, hidden_dropout_prob=0.0,
                              attention_probs_dropout_prob=0.0, type_vocab_size=2)
     elif family == "gpt2":
-        cfg = tfm.GPT2Config(vocab_size=VOCAB, n_embd=32, n_head=4, n_layer=2, n_inner=64, n_positions=64,
+        cfg = tfm.GPT2Config(vocab_size=VOCAB, n_embd=32, n_head=4, n_layer=common["num_hidden_layers"], n_inner=64,
+                             n_positions=64,
                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=VOCAB - 1,
                              eos_token_id=VOCAB - 1)
     elif family == "llama":
@@ -28,6 +31,14 @@ def tiny_config(family: str, **overrides):
         cfg = tfm.Qwen2Config(**common, num_key_value_heads=4, max_position_embeddings=64)
     elif family == "mistral":
         cfg = tfm.MistralConfig(**common, num_key_value_heads=4, max_position_embeddings=64, sliding_window=None)
+    elif family == "qwen2_sliding":       # per-layer types: layers >= max_window_layers use a 4-token window
+        cfg = tfm.Qwen2Config(**common, num_key_value_heads=4, max_position_embeddings=64, use_sliding_window=True,
+                              sliding_window=4, max_window_layers=overrides.pop("max_window_layers", 2))
+    elif family == "gemma":               # a scaled word embedding (x sqrt(hidden)) that must survive sharding
+        cfg = tfm.GemmaConfig(**common, num_key_value_heads=4, head_dim=8, max_position_embeddings=64)
+    elif family == "gemma2":              # scaled embedding, soft-capping, alternating sliding/full layers
+        cfg = tfm.Gemma2Config(**common, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                               sliding_window=4, query_pre_attn_scalar=8)
     else:
         raise ValueError(f"unknown tiny family {family!r}")
     for k, v in overrides.items():
@@ -44,6 +55,7 @@ MODEL_CLASSES = {
     "llama_gqa": ("LlamaForCausalLM",),
     "qwen2": ("Qwen2ForCausalLM",),
     "mistral": ("MistralForCausalLM",),
+    "gemma": ("GemmaForCausalLM",),
 }
 
 

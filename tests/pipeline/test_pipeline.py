@@ -121,6 +121,21 @@ def _check_family_styles(rank: int, tp_size: int) -> None:
                 assert layers == {plugin.mesh.pp_rank, plugin.mesh.pp_rank + 2}, f"{where}: {layers}"
 
 
+def _check_per_layer_types(rank: int, tp_size: int) -> None:
+    """Models whose config gives each layer a type (sliding-window or full attention) read it by the
+    layer's position in the forward's loop: a stage must run its first layer with that layer's type,
+    not layer 0's (Qwen2 with sliding layers, even split; Gemma2 alternating, split [1, 3])."""
+    for family, cls, split in (("qwen2_sliding", "Qwen2ForCausalLM", None), ("gemma2", "Gemma2ForCausalLM", [1, 3])):
+        config = tiny_config(family, num_hidden_layers=4)
+        assert len(set(config.layer_types)) == 2, config.layer_types
+        batches = _batches(cls, config, 1)
+        ref_losses, ref = _reference(cls, config, batches)
+        losses, model, _, _ = _pipeline(cls, config, batches, tp_size=tp_size, pp_size=2, num_layers_per_stage=split)
+        where = f"{cls} tp={tp_size} pp=2 layers {split or 'even'}"
+        assert abs(losses[0] - ref_losses[0][0]) <= LOSS_ATOL[torch.float32], f"{where}: {losses[0]} vs {ref_losses}"
+        _check_weights(model, ref, where)
+
+
 def _check_microbatch_normalization(rank: int, tp_size: int) -> None:
     """loss_normalization="microbatch" keeps ColossalAI's mean of micro-batch means, which on this
     padded batch is another objective than the whole batch's (the default)."""
@@ -233,6 +248,7 @@ def _check_manual_split_pp_plan(rank: int) -> None:
 
 def _body_2(rank: int, world_size: int) -> None:
     _check_family_styles(rank, tp_size=1)
+    _check_per_layer_types(rank, tp_size=1)
     _check_microbatch_normalization(rank, tp_size=1)
     _check_multi_step(rank, 1, "gpt2", "GPT2LMHeadModel", STYLES[1])
     _check_manual_split_pp_plan(rank)
@@ -242,6 +258,7 @@ def _body_2(rank: int, world_size: int) -> None:
 
 def _body_4(rank: int, world_size: int) -> None:
     _check_family_styles(rank, tp_size=2)
+    _check_per_layer_types(rank, tp_size=2)
     _check_multi_step(rank, 2, "llama", "LlamaForCausalLM", STYLES[0])
     _check_evaluation(rank, tp_size=2)
     _check_dp(rank)

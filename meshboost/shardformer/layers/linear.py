@@ -110,7 +110,8 @@ class ColumnParallelLinear(_ParallelLinearBase):
             x = comm.copy_to_tp(x, self.process_group)
         y = self._matmul(x, self.bias)
         if self.gather_output:
-            y = comm.gather_from_tp(y, self.process_group, dim=-1)
+            return comm.gather_from_tp(y, self.process_group, dim=-1)
+        y.tp_split = True          # this rank's slice of the features: see sharder.split_input_guard
         return y
 
 

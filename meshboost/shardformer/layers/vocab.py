@@ -8,6 +8,8 @@ on vocab-split logits without ever gathering them.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -29,13 +31,45 @@ def check_in_range(values: torch.Tensor, bad: torch.Tensor, what: str) -> None:
         torch._assert_async(~bad.any(), what)
 
 
+# transformers' nn.Embedding subclasses that only scale the lookup (Gemma's sqrt(hidden), BART's):
+# the return line of their forward -> whether the scale is cast to the weight's dtype first.
+_SCALED_FORWARDS = {"return super().forward(input_ids) * self.embed_scale": False,
+                    "return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)": True}
+
+
+def embedding_extras(module: nn.Embedding) -> tuple | None:
+    """What an embedding does beyond a lookup, which its vocab-parallel replacement must keep:
+    None for a plain nn.Embedding, (embed_scale, cast to the weight dtype) for a scaled word
+    embedding. A ValueError for any other subclass: swapping it would silently drop its behaviour."""
+    if type(module).forward is nn.Embedding.forward:
+        return None
+    try:
+        lines = [line.strip() for line in inspect.getsource(type(module).forward).splitlines()]
+    except (OSError, TypeError):
+        lines = []
+    body = [line for line in lines if line and not line.startswith(("def ", "@", '"""', "#"))]
+    if len(body) == 1 and body[0] in _SCALED_FORWARDS and hasattr(module, "embed_scale"):
+        return module.embed_scale, _SCALED_FORWARDS[body[0]]
+    raise ValueError(f"{type(module).__name__} subclasses nn.Embedding with a forward of its own; a vocab-parallel "
+                     "embedding would drop what that forward adds. Pass custom_policy=Policy(..., "
+                     "vocab_parallel=False) to keep the embedding and LM head replicated")
+
+
 class VocabParallelEmbedding(nn.Module):
     """Embedding whose rows (the vocabulary) are split over tp: each rank looks up the tokens it
-    owns, zeros the rest, and one all-reduce assembles the full embeddings."""
+    owns, zeros the rest, and one all-reduce assembles the full embeddings. A scaled word
+    embedding's `embed_scale` (Gemma) is applied to the result exactly as the original does."""
 
     def __init__(self, weight: nn.Parameter, group, num_embeddings: int, padding_idx: int | None,
-                 scale_grad_by_freq: bool = False):
+                 scale_grad_by_freq: bool = False, extras: tuple | None = None):
         super().__init__()
+        self.scale_cast = False
+        if extras is not None:
+            scale, self.scale_cast = extras
+            if torch.is_tensor(scale):
+                self.register_buffer("embed_scale", scale, persistent=False)   # moves and casts with the model
+            else:
+                self.embed_scale = scale
         self.weight = weight
         self.process_group = group
         info = get_tp_info(weight)
@@ -50,9 +84,10 @@ class VocabParallelEmbedding(nn.Module):
     def from_native(cls, module: nn.Embedding, group, make_vocab_size_divisible_by: int = 64):
         if module.max_norm is not None or module.sparse:
             raise ValueError("VocabParallelEmbedding does not support max_norm or sparse embeddings")
+        extras = embedding_extras(module)
         num_embeddings = module.weight.shape[0]
         shard_parameter_(module.weight, 0, group, pad_to_multiple=make_vocab_size_divisible_by)
-        return cls(module.weight, group, num_embeddings, module.padding_idx, module.scale_grad_by_freq)
+        return cls(module.weight, group, num_embeddings, module.padding_idx, module.scale_grad_by_freq, extras)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # A shard only sees its own rows: an id past the vocabulary would silently embed as zeros.
@@ -64,8 +99,10 @@ class VocabParallelEmbedding(nn.Module):
         if self.padding_idx is not None and self.vocab_start <= self.padding_idx < self.vocab_end:
             local_pad = self.padding_idx - self.vocab_start
         out = F.embedding(local_ids, self.weight, local_pad, None, 2.0, self.scale_grad_by_freq, False)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return comm.reduce_from_tp(out, self.process_group)
+        out = comm.reduce_from_tp(out.masked_fill(outside.unsqueeze(-1), 0.0), self.process_group)
+        if hasattr(self, "embed_scale"):
+            out = out * (self.embed_scale.to(self.weight.dtype) if self.scale_cast else self.embed_scale)
+        return out
 
     def extra_repr(self) -> str:
         return (f"vocab {self.num_embeddings} (rows {self.vocab_start}:{self.vocab_end} here), "
@@ -111,7 +148,8 @@ class VocabParallelLMHead(nn.Module):
         if self.output_is_parallel:
             return logits
         logits = comm.gather_from_tp(logits, self.process_group, dim=-1)
-        return logits[..., : self.vocab_size] if logits.shape[-1] != self.vocab_size else logits
+        # trimmed to the real vocabulary, contiguous as nn.Linear's output is (losses .view() it)
+        return logits[..., : self.vocab_size].contiguous() if logits.shape[-1] != self.vocab_size else logits
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

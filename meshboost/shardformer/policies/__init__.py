@@ -28,9 +28,10 @@ def get_policy(model: nn.Module) -> Policy:
         return policy
     raise ValueError(
         f"no tensor-parallel policy for {type(model).__name__} (model_type={model_type!r}). Supported: "
-        f"{sorted(POLICIES)} and any model whose config ships `base_model_tp_plan` (Llama, Qwen2, Mistral, "
-        "...). Pass custom_policy=meshboost.shardformer.Policy(name=..., plan={'layers.*.q_proj': 'colwise', "
-        "...}) to HybridParallelPlugin or ShardFormer.optimize().")
+        f"{sorted(POLICIES)} and models whose config ships a `base_model_tp_plan` meshboost can read (Llama, Qwen2, "
+        "Mistral, Gemma, ...: docs/models.md). Pass custom_policy=meshboost.shardformer.Policy(name=..., "
+        "plan={'layers.*.q_proj': 'colwise', ...}) to HybridParallelPlugin or ShardFormer.optimize(), or use "
+        "tp_size=1 (pipeline and data parallelism need no policy).")
 
 
 def pipeline_layout(model: nn.Module, custom_policy: Policy | None = None) -> dict | None:

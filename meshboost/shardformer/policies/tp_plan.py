@@ -1,10 +1,10 @@
 """A policy read from transformers' own `config.base_model_tp_plan` (Llama, Qwen2, Mistral, ...).
 
-Only transformers styles whose meaning equals one of ours are translated (`TRANSFORMERS_STYLES`);
-anything else (e.g. "local_rowwise", "sequence_parallel") is refused with an error rather than
-guessed. A module with two or more column-parallel children (q/k/v, gate/up) becomes a block input,
-so its input gradient is all-reduced once. The pipeline layout is left to transformers'
-`base_model_pp_plan`.
+Only transformers styles whose numbers equal one of ours are translated (`TRANSFORMERS_STYLES`);
+anything else (MoE experts, MLA, ...) is refused with an error naming it rather than guessed. A
+module with two or more column-parallel children (q/k/v, gate/up) becomes a block input, so its
+input gradient is all-reduced once (the sharder drops it where another linear, such as an MoE
+router, also reads that input). The pipeline layout is left to transformers' `base_model_pp_plan`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,23 @@ from __future__ import annotations
 from meshboost.shardformer.policies.base import Policy
 from meshboost.shardformer.styles import BLOCK_INPUT
 
-# transformers plan style -> meshboost style with the same numbers
-TRANSFORMERS_STYLES = {"colwise": "colwise", "rowwise": "rowwise"}
+# transformers plan style -> the meshboost style that computes the same numbers
+TRANSFORMERS_STYLES = {
+    "colwise": "colwise",
+    "rowwise": "rowwise",
+    "colwise_gather_output": "colwise_gather",            # GLM's gate_up, OLMo2's q/k/v (whole-hidden q/k norm)
+    "rowwise_split_input": "rowwise_split",               # after a gathered column output
+    "replicated_with_grad_allreduce": "replicated_grad_allreduce",    # Qwen3's per-head q/k norm
+    "embedding_rowwise": "vocab_embedding",               # GPT-NeoX's embed_in: the input embedding
+}
+# Styles refused with a reason: meshboost does not shard these yet (MoE experts, MLA, packed experts).
+NOT_SUPPORTED = {
+    "moe_tp_experts": "tensor-parallel MoE experts", "moe_identity_expert": "MoE identity experts",
+    "packed_colwise": "packed expert gate/up projections", "packed_rowwise": "packed expert projections",
+    "mla_kv_a_proj": "multi-head latent attention's kv_a projection", "local_params": "local parameters",
+    "replicate": "explicitly replicated modules", "all_reduce": "all-reduced module outputs",
+    "embedding_colwise": "embeddings split by hidden dimension",
+}
 _DIVISIBLE = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
 
 
@@ -26,11 +41,13 @@ def policy_from_tp_plan(config) -> Policy | None:
     colwise_parents: dict[str, int] = {}
     for pattern, style in tp_plan.items():
         if style not in TRANSFORMERS_STYLES:
+            what = f" ({NOT_SUPPORTED[style]})" if style in NOT_SUPPORTED else ""
             raise ValueError(
-                f"{type(config).__name__}.base_model_tp_plan entry {pattern!r}: {style!r} is not supported by "
-                f"meshboost's generic policy (only {sorted(TRANSFORMERS_STYLES)}); pass custom_policy=Policy(...)")
+                f"{type(config).__name__}.base_model_tp_plan entry {pattern!r}: {style!r}{what} is not supported by "
+                f"meshboost's generic policy (it reads {sorted(TRANSFORMERS_STYLES)}); use tp_size=1 (pipeline and "
+                "data parallelism need no plan) or pass custom_policy=Policy(...)")
         plan[pattern] = TRANSFORMERS_STYLES[style]
-        if plan[pattern] == "colwise":
+        if plan[pattern] == "colwise":        # a gathered output may read anything: never a block input
             parent = pattern.rsplit(".", 1)[0]
             colwise_parents[parent] = colwise_parents.get(parent, 0) + 1
     for parent, count in colwise_parents.items():

@@ -1,0 +1,171 @@
+"""The model sweep: every model type of the installed transformers whose config ships
+`base_model_tp_plan`, built tiny, sharded over a tp group and compared with the unsharded model.
+
+Owns: building a tiny config for any model type (sizes that divide by 2 and 4, small vocab, two
+layers, small MoE), choosing the class (causal LM when there is one, else the base model), the
+inputs (a padded batch), and the verdict per type:
+    ok            loss, eval output and every gathered gradient match the unsharded model (fp32)
+    refused       meshboost raised a clear error at sharding time, before changing anything (or,
+                  for a parameter fed split activations the plan does not cover, at the first call)
+    not run       the tiny model could not be built or run unsharded on input_ids alone
+                  (multimodal inputs, unusual config constraints): nothing to compare
+    FAIL          anything else: a crash after sharding, or numbers that differ
+Used by tests/shardformer/test_model_sweep.py (no FAIL allowed) and tools/sweep_models.py (writes
+docs/models.md). Must run identically on every rank of the group (the comparison communicates).
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from meshboost.distributed.param_info import gather_tensor, get_tp_info
+from meshboost.shardformer import ShardConfig, ShardFormer
+from meshboost.shardformer.sharder import UncoveredParameterError
+
+TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+            num_hidden_layers=2, vocab_size=160, max_position_embeddings=64, moe_intermediate_size=32,
+            num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+            shared_expert_intermediate_size=64, first_k_dense_replace=1, n_group=1, topk_group=1,
+            use_cache=False, tie_word_embeddings=False)
+MAX_PARAMS = 20_000_000
+DROPOUTS = ("hidden_dropout", "attention_dropout", "hidden_dropout_prob", "attention_probs_dropout_prob",
+            "dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "embedding_dropout", "mlp_dropout")
+
+
+@dataclass
+class Verdict:
+    model_type: str
+    cls: str
+    status: str          # ok | refused | not run | FAIL
+    detail: str = ""
+
+
+def plan_model_types() -> list[str]:
+    """Every model type whose default config ships a non-empty `base_model_tp_plan`."""
+    from transformers import CONFIG_MAPPING
+    out = []
+    for model_type in sorted(CONFIG_MAPPING.keys()):
+        try:
+            config = CONFIG_MAPPING[model_type]()
+        except Exception:  # noqa: BLE001 - a config that needs arguments has no default plan to read
+            continue
+        if getattr(config, "base_model_tp_plan", None):
+            out.append(model_type)
+    return out
+
+
+def tiny_config(model_type: str):
+    """The default config of `model_type` shrunk to TINY where it has the fields (sub-configs too)."""
+    from transformers import CONFIG_MAPPING
+    default = CONFIG_MAPPING[model_type]()
+    fields = default.to_dict()
+    # only fields the config has, with the type it gives them (an int stays an int, a list a list)
+    overrides = {k: v for k, v in TINY.items() if k in fields and type(fields[k]) is type(v)}
+    overrides.update({k: 0.0 for k in DROPOUTS if isinstance(fields.get(k), float)})
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if isinstance(fields.get(key), int) and fields[key] >= TINY["vocab_size"]:
+            overrides[key] = TINY["vocab_size"] - 1
+    layers, n = fields.get("num_hidden_layers"), TINY["num_hidden_layers"]
+    for key, value in fields.items():          # per-layer lists and tables follow the layer count
+        if isinstance(value, list) and isinstance(layers, int) and len(value) == layers and layers > n:
+            overrides[key] = value[:n]
+        elif key == "per_layer_config" and isinstance(value, dict):
+            overrides[key] = {k: v for k, v in value.items() if str(k).isdigit() and int(k) < n}
+    config = CONFIG_MAPPING[model_type](**{**fields, **overrides})
+    for name in ("text_config", "language_config", "decoder_config"):
+        sub = getattr(config, name, None)
+        if sub is not None and hasattr(sub, "model_type") and sub.model_type in CONFIG_MAPPING:
+            setattr(config, name, tiny_config(sub.model_type))
+    return config
+
+
+def build(model_type: str, seed: int = 0):
+    """(class name, model) for the tiny config: the causal LM when the type has one, else the base."""
+    import transformers as tfm
+    config = tiny_config(model_type)
+    for auto in (tfm.AutoModelForCausalLM, tfm.AutoModel):
+        if type(config) in auto._model_mapping:
+            with torch.device("meta"):              # count first: a config the shrink missed stays huge
+                size = sum(p.numel() for p in auto.from_config(copy.deepcopy(config)).parameters())
+            if size > MAX_PARAMS:
+                raise ValueError(f"the shrunk config still has {size / 1e6:.0f}M parameters")
+            torch.manual_seed(seed)
+            model = auto.from_config(copy.deepcopy(config)).float()
+            return type(model).__name__, model
+    raise ValueError(f"no causal-LM or base model class for {model_type}")
+
+
+def _loss(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    out = model(**batch)
+    if getattr(out, "loss", None) is not None:
+        return out.loss, out.logits
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return hidden.float().pow(2).mean(), hidden
+
+
+def batch_for(model) -> dict:
+    vocab = model.config.get_text_config().vocab_size
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, min(vocab, 150), (2, 8), generator=g)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if type(model).__name__.endswith("ForCausalLM"):
+        labels = ids.clone()
+        labels[1, :3] = -100
+        batch["labels"] = labels
+    return batch
+
+
+def check(model_type: str, group, atol: float = 1e-5) -> Verdict:
+    """The verdict for one model type (call on every rank of `group`; the comparison communicates)."""
+    try:
+        cls, ref = build(model_type)
+        batch = batch_for(ref)
+        ref.eval()
+        with torch.no_grad():
+            _, ref_eval = _loss(ref, batch)
+        ref.train()
+        ref_loss, _ = _loss(ref, batch)
+        ref_loss.backward()
+        if not torch.isfinite(ref_loss):
+            return Verdict(model_type, cls, "not run", "the unsharded tiny model gives a non-finite loss")
+    except Exception as e:  # noqa: BLE001 - not meshboost's: nothing to compare
+        return Verdict(model_type, "?", "not run", f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+    _, par = build(model_type)
+    try:
+        ShardFormer(ShardConfig(tensor_parallel_process_group=group)).optimize(par)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        return Verdict(model_type, cls, "refused", str(e).splitlines()[0][:240])
+    try:
+        par.eval()
+        with torch.no_grad():
+            _, par_eval = _loss(par, batch)
+        par.train()
+        par_loss, _ = _loss(par, batch)
+        par_loss.backward()
+        problems = []
+        if par_eval.shape != ref_eval.shape or not torch.allclose(par_eval, ref_eval, rtol=1e-4, atol=atol):
+            problems.append("eval output")
+        if abs(par_loss.item() - ref_loss.item()) > atol:
+            problems.append(f"loss {par_loss.item():.6f} vs {ref_loss.item():.6f}")
+        ref_params = dict(ref.named_parameters())
+        for name, p in par.named_parameters():
+            r = ref_params.get(name)
+            if r is None or (r.grad is None) != (p.grad is None):
+                problems.append(f"grad presence {name}")
+            elif r.grad is not None:
+                full = gather_tensor(p.grad, get_tp_info(p))
+                if full.shape != r.grad.shape or not torch.allclose(full, r.grad, rtol=1e-4, atol=atol):
+                    problems.append(f"grad {name}")
+        if problems:
+            return Verdict(model_type, cls, "FAIL", "; ".join(problems[:4]))
+        return Verdict(model_type, cls, "ok")
+    except UncoveredParameterError as e:            # a clear refusal, at the first call
+        return Verdict(model_type, cls, "refused", f"at the first call: {str(e).splitlines()[0][:200]}")
+    except Exception as e:  # noqa: BLE001 - meshboost accepted the model, then it broke: a defect
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        return Verdict(model_type, cls, "FAIL", f"{type(e).__name__}: {str(e).splitlines()[0][:160]} "
+                                                f"({where.filename.rsplit('/', 1)[-1]}:{where.lineno})")

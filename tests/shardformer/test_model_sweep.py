@@ -1,0 +1,38 @@
+"""Every model type of the installed transformers whose config ships `base_model_tp_plan` (164 in
+transformers 5.24), built tiny and sharded at tp=2 against the unsharded model
+(meshboost/testing/sweep.py): each ends `ok` (loss, eval output and every gathered gradient within
+1e-5), a clear refusal at sharding time, or `not run` (the tiny model cannot run on input_ids alone
+unsharded). None may end FAIL: a crash after sharding or a number that differs. docs/models.md is
+this table, written by `python tools/sweep_models.py`."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch.distributed as dist
+
+from meshboost.testing import spawn
+
+# Families that must keep working: plain plans, scaled embeddings, gathered projections, per-head
+# norms with summed gradients, the input embedding named by the plan.
+MUST_BE_OK = ("llama", "mistral", "qwen2", "gemma", "gemma2", "vaultgemma", "cohere", "qwen3", "olmo2", "phi3",
+              "glm", "glm4", "gpt_neox", "starcoder2", "granite")
+
+
+def _body(rank, world):
+    import transformers
+
+    from meshboost.testing.sweep import check, plan_model_types
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore")
+    verdicts = [check(model_type, dist.group.WORLD) for model_type in plan_model_types()]
+    failed = [f"{v.model_type} ({v.cls}): {v.detail}" for v in verdicts if v.status == "FAIL"]
+    assert not failed, "sharded models that crash or compute other numbers:\n" + "\n".join(failed)
+    status = {v.model_type: v.status for v in verdicts}
+    not_ok = {m: status.get(m) for m in MUST_BE_OK if status.get(m) != "ok"}
+    assert not not_ok, f"families that must match the unsharded model: {not_ok}"
+    assert sum(v.status == "ok" for v in verdicts) >= 45, [(v.model_type, v.status) for v in verdicts]
+
+
+def test_every_transformers_plan_is_ok_or_refused():
+    spawn(_body, 2)
