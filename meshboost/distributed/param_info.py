@@ -27,8 +27,10 @@ class TensorParallelInfo:
 
     The global tensor is `full_shape`; along `dim` it is zero-padded to `padded_size` (vocab
     padding; equal to full_shape[dim] otherwise), viewed as `num_fused` equal blocks (GPT-2's
-    fused [q | k | v] has 3), and each block is cut into `tp_size` contiguous chunks; rank r holds
-    chunk r of every block, concatenated.
+    fused [q | k | v] has 3), and each block is cut into `num_shards` = tp_size / replicas
+    contiguous chunks; rank r holds chunk r // replicas of every block, concatenated. `replicas` > 1
+    when there are fewer pieces than ranks (key/value heads fewer than tp): consecutive ranks then
+    hold the same chunk, and its gradient is summed over them.
     """
 
     dim: int
@@ -38,14 +40,28 @@ class TensorParallelInfo:
     tp_size: int
     num_fused: int = 1
     group: object = field(default=None, repr=False, compare=False)
+    replicas: int = 1
 
     @property
     def padding(self) -> int:
         return self.padded_size - self.full_shape[self.dim]
 
     @property
+    def num_shards(self) -> int:
+        return self.tp_size // self.replicas
+
+    @property
+    def shard_index(self) -> int:
+        return self.tp_rank // self.replicas
+
+    @property
     def local_size(self) -> int:
-        return self.padded_size // self.tp_size
+        return self.padded_size // self.num_shards
+
+    @property
+    def counts_here(self) -> bool:
+        """False on every copy but the first of a replicated shard (norms count each value once)."""
+        return self.tp_rank % self.replicas == 0
 
 
 @dataclass(frozen=True)
@@ -93,12 +109,12 @@ def local_slices(info: TensorParallelInfo) -> list[tuple[tuple, int]]:
     dim, size = info.dim, info.full_shape[info.dim]
     if info.num_fused > 1:
         block = size // info.num_fused
-        part = block // info.tp_size
-        ranges = [(f * block + info.tp_rank * part, f * block + (info.tp_rank + 1) * part, 0)
+        part = block // info.num_shards
+        ranges = [(f * block + info.shard_index * part, f * block + (info.shard_index + 1) * part, 0)
                   for f in range(info.num_fused)]
     else:
         local = info.local_size
-        start = info.tp_rank * local
+        start = info.shard_index * local
         stop = min(start + local, size)
         ranges = [(min(start, size), stop, local - max(stop - start, 0))]
     rank = len(info.full_shape)
@@ -134,10 +150,13 @@ def unshard_gathered(gathered: torch.Tensor, info: TensorParallelInfo) -> torch.
     """Reorder rank-concatenated shards into the full tensor, dropping padding (the inverse of
     `local_slices` applied on every rank)."""
     dim = info.dim % gathered.dim()
+    if info.replicas > 1:                                                # one copy of each shard
+        gathered = torch.cat(gathered.chunk(info.tp_size, dim=dim)[::info.replicas], dim=dim)
     if info.num_fused > 1:
-        per_rank = gathered.chunk(info.tp_size, dim=dim)                 # [r0: q0 k0 v0 | r1: ...]
+        per_rank = gathered.chunk(info.num_shards, dim=dim)              # [r0: q0 k0 v0 | r1: ...]
         pieces = [p.chunk(info.num_fused, dim=dim) for p in per_rank]
-        gathered = torch.cat([pieces[r][f] for f in range(info.num_fused) for r in range(info.tp_size)], dim=dim)
+        gathered = torch.cat([pieces[r][f] for f in range(info.num_fused) for r in range(info.num_shards)],
+                             dim=dim)
     if info.padding:
         gathered = gathered.narrow(dim, 0, info.full_shape[dim])
     return gathered.contiguous()

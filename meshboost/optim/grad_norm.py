@@ -7,8 +7,8 @@ the caller's gradients are partitioned over dp (ZeRO) or replicated (DDP).
 
 Counting rule, with one SUM (or MAX for the inf-norm) over the world group of the mesh:
   * tensor-parallel shards (a `get_tp_info` record with tp_size > 1) are disjoint: every tp rank
-    counts its own shard. Parameters without a record are identical on every tp rank: only tp
-    rank 0 counts them.
+    counts its own shard (a shard several ranks hold, kv heads fewer than tp, only on its first
+    holder). Parameters without a record are identical on every tp rank: only tp rank 0 counts them.
   * pipeline stages hold disjoint parameters: every stage counts its own, except a weight tied
     across stages (GPT-2's embedding and LM head), whose last-stage replica carries a
     `PipelineTie(replica=True)` record (`meshboost.distributed.param_info`) and is not counted.
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from meshboost.distributed import comm
-from meshboost.distributed.param_info import is_pipeline_replica, is_tp_sharded
+from meshboost.distributed.param_info import get_tp_info, is_pipeline_replica, is_tp_sharded
 
 
 def counted_here(param: torch.Tensor, mesh, dp_partitioned: bool) -> bool:
@@ -33,6 +33,8 @@ def counted_here(param: torch.Tensor, mesh, dp_partitioned: bool) -> bool:
     if is_pipeline_replica(param):
         return False
     if not is_tp_sharded(param) and mesh.tp_rank != 0:
+        return False
+    if is_tp_sharded(param) and not get_tp_info(param).counts_here:      # a replicated kv-head shard
         return False
     if not dp_partitioned and mesh.dp_rank != 0:
         return False

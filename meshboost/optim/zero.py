@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch.optim import Optimizer
 
 from meshboost.distributed import comm
-from meshboost.distributed.param_info import is_pipeline_replica, is_tp_sharded
+from meshboost.distributed.param_info import get_tp_info, is_pipeline_replica, is_tp_sharded
 from meshboost.optim import state as fmt
 from meshboost.optim.grad_norm import counted_here
 from meshboost.optim.grad_scaler import GradScalerConfig
@@ -53,12 +53,13 @@ class ZeroConfig:
         self.overlap_communication = bool(self.overlap_communication)
 
 
-_KINDS = [(sharded, tied) for sharded in (True, False) for tied in (False, True)]
+_KINDS = [(sharded, tied, first) for sharded in (True, False) for tied in (False, True) for first in (True, False)]
 
 
-def _kind(p: torch.Tensor) -> tuple[bool, bool]:
+def _kind(p: torch.Tensor) -> tuple[bool, bool, bool]:
     """What decides who counts a gradient in the norm: a bucket holds one kind only."""
-    return is_tp_sharded(p), is_pipeline_replica(p)
+    info = get_tp_info(p)
+    return is_tp_sharded(p), is_pipeline_replica(p), info is None or info.counts_here
 
 
 @dataclass(eq=False)

@@ -23,7 +23,7 @@ from meshboost.shardformer.layers import ColumnParallelLinear, RowParallelLinear
 from meshboost.shardformer.layers.vocab import embedding_extras
 
 BLOCK_INPUT = "block_input"     # a module whose input feeds only column-parallel linears: Megatron f once
-SPLITTING_STYLES = ("colwise", "colwise_fused")    # their outputs stay split: the parent block works on shards
+SPLITTING_STYLES = ("colwise", "colwise_fused", "colwise_heads")   # outputs stay split: the block works on shards
 DEFAULT_BLOCK_INPUT_KWARGS = ("hidden_states", "encoder_hidden_states")
 
 
@@ -121,6 +121,24 @@ def _block_input(ctx: ShardContext, path: str, module: nn.Module) -> None:
     return None
 
 
+def _check_heads(path: str, module: nn.Module, tp_size: int, heads: int) -> None:
+    _check_linear(path, module, 1, column=True)
+    out = module.weight.shape[1 if is_conv1d(module) else 0]
+    if out % heads:
+        raise ValueError(f"{path}: {out} output features are not {heads} whole heads")
+    if heads % tp_size and tp_size % heads:
+        raise ValueError(f"{path}: {heads} key/value heads over tp_size={tp_size}: every rank must hold whole heads, "
+                         f"so use a tp_size that divides {heads} or is a multiple of it")
+
+
+def _colwise_heads(ctx: ShardContext, path: str, module: nn.Module, heads: int) -> nn.Module:
+    """Key/value heads: split like colwise when they divide over tp; with fewer heads than ranks,
+    each head is held by the tp / heads ranks whose query heads use it (grouped-query attention)."""
+    replicas = 1 if heads % ctx.tp_size == 0 else ctx.tp_size // heads
+    return ColumnParallelLinear.from_native(module, ctx.group, copy_input=not ctx.inside_block(path),
+                                            replicas=replicas)
+
+
 def _colwise_gather(ctx: ShardContext, path: str, module: nn.Module) -> nn.Module:
     # Always its own Megatron f: a gathered projection (an output projection too, in Qwen3.5's linear
     # attention) need not read the enclosing block's input.
@@ -163,6 +181,7 @@ def _vocab_embedding(ctx: ShardContext, path: str, module: nn.Module) -> nn.Modu
 register_style("colwise", lambda path, module, tp: _check_linear(path, module, tp, column=True), _colwise)
 register_style("colwise_fused", lambda path, module, tp, n: _check_linear(path, module, tp, column=True, fused=n),
                _colwise, num_args=1)      # GPT-2 c_attn [q | k | v]: colwise_fused(3)
+register_style("colwise_heads", _check_heads, _colwise_heads, num_args=1)   # k/v projections: colwise_heads(kv)
 register_style("colwise_gather", lambda path, module, tp: _check_linear(path, module, tp, column=True),
                _colwise_gather)           # full output on every rank (e.g. before a whole-hidden q/k norm)
 register_style("rowwise", lambda path, module, tp: _check_linear(path, module, tp, column=False), _rowwise)
@@ -179,6 +198,15 @@ def _divide(path: str, attr: str, value, tp_size: int):
         raise ValueError(f"{path}.{attr}={value!r} is not divisible by tp_size={tp_size}; choose a tp_size "
                          f"that divides it")
     return value // tp_size
+
+
+def kv_groups(kv_heads: int) -> Callable:
+    """The rule for an attention module's `num_key_value_groups` (query heads per key/value head):
+    unchanged when the kv heads split over tp, the local query heads when each rank holds one
+    replicated kv head."""
+    def rule(path: str, attr: str, value, tp_size: int):
+        return value if kv_heads % tp_size == 0 else value * kv_heads // tp_size
+    return rule
 
 
 ATTRIBUTE_RULES: dict[str, Callable] = {"divide": _divide}

@@ -11,7 +11,7 @@ VOCAB = 101   # prime: padded at every tp
 
 def tiny_config(family: str, **overrides):
     """A tiny transformers config for `family` ('bert', 'gpt2', 'llama', 'llama_gqa', 'qwen2', 'mistral',
-    'qwen2_sliding', 'gemma', 'gemma2')."""
+    'qwen2_sliding', 'gemma', 'gemma2', 'llama_kv2', 'llama_mqa')."""
     common = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4,
                   num_hidden_layers=overrides.pop("num_hidden_layers", 2),  # at construction: per-layer lists follow it
                   intermediate_size=64)
@@ -27,6 +27,10 @@ def tiny_config(family: str, **overrides):
         cfg = tfm.LlamaConfig(**common, num_key_value_heads=4, max_position_embeddings=64)
     elif family == "llama_gqa":
         cfg = tfm.LlamaConfig(**common | {"num_attention_heads": 8}, num_key_value_heads=4, max_position_embeddings=64)
+    elif family == "llama_kv2":           # 8 query heads, 2 kv heads: at tp=4 each kv head lives on 2 ranks
+        cfg = tfm.LlamaConfig(**common | {"num_attention_heads": 8}, num_key_value_heads=2, max_position_embeddings=64)
+    elif family == "llama_mqa":           # multi-query: one kv head, held by every rank
+        cfg = tfm.LlamaConfig(**common, num_key_value_heads=1, max_position_embeddings=64)
     elif family == "qwen2":
         cfg = tfm.Qwen2Config(**common, num_key_value_heads=4, max_position_embeddings=64)
     elif family == "mistral":
@@ -53,6 +57,8 @@ MODEL_CLASSES = {
     "gpt2": ("GPT2Model", "GPT2LMHeadModel", "GPT2ForSequenceClassification"),
     "llama": ("LlamaModel", "LlamaForCausalLM", "LlamaForSequenceClassification"),
     "llama_gqa": ("LlamaForCausalLM",),
+    "llama_kv2": ("LlamaForCausalLM",),
+    "llama_mqa": ("LlamaForCausalLM",),
     "qwen2": ("Qwen2ForCausalLM",),
     "mistral": ("MistralForCausalLM",),
     "gemma": ("GemmaForCausalLM",),

@@ -227,6 +227,9 @@ def _tp2dp2_body(rank, world):
         check_training("GPT2LMHeadModel", "gpt2", 2, zero, precision, max_norm, **extra)
     for zero, precision in ((2, "fp16"), (1, "bf16")):
         check_training("LlamaForCausalLM", "llama", 2, zero, precision, 0.5)
+    # one kv head held by both tp ranks: its gradient summed over them, counted once in the norm
+    for zero in (0, 1):
+        check_training("LlamaForCausalLM", "llama_mqa", 2, zero, "fp32", 0.5)
     check_overflow("LlamaForCausalLM", "llama", 2, 1, bad_rank=3)
     check_no_sync("GPT2LMHeadModel", "gpt2", 2, 1)
 

@@ -1,5 +1,6 @@
-"""Every policy (BERT, GPT-2, Llama incl. GQA, and the generic base_model_tp_plan policy on Qwen2
-and Mistral) at tp=2 and tp=4 against the unsharded model: eval outputs, loss, gathered grads and
+"""Every policy (BERT, GPT-2, and the generic base_model_tp_plan policy on Llama incl. GQA with
+key/value heads fewer than tp (2 kv heads at tp=4, multi-query), Qwen2, Mistral and Gemma's scaled
+embedding) at tp=2 and tp=4 against the unsharded model: eval outputs, loss, gathered grads and
 weights after an AdamW step; plus the error cases, raised before any collective."""
 
 import pytest
@@ -57,7 +58,8 @@ def _errors_body(rank, world):
     cases = [
         ("bert", "BertModel", dict(num_attention_heads=6, hidden_size=48), "num_attention_heads=6"),
         ("bert", "BertModel", dict(intermediate_size=66), "intermediate_size=66"),
-        ("llama", "LlamaModel", dict(num_key_value_heads=2), "num_key_value_heads=2"),
+        ("llama", "LlamaModel", dict(num_attention_heads=12, hidden_size=48, num_key_value_heads=3),
+         "3 key/value heads"),                # neither 3 | 4 nor 4 | 3: no rank holds whole heads
         ("gpt2", "GPT2Model", dict(n_head=6, n_embd=48), "num_attention_heads=6"),
     ]
     for family, cls, overrides, expected in cases:
@@ -152,5 +154,5 @@ def _custom_policy_and_errors_body(rank, world):
 
 
 def test_custom_policy_and_clear_errors():
-    # tp=4: heads 6, kv-heads 2 and intermediate 66 are all indivisible; OPT's 4 heads divide.
+    # tp=4: heads 6, kv-heads 3 and intermediate 66 are indivisible; OPT's 4 heads divide.
     spawn(_custom_policy_and_errors_body, 4)

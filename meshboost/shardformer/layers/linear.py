@@ -12,6 +12,8 @@ INPUT features: `nn.Linear` dim 1, `Conv1D` dim 0.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -28,15 +30,19 @@ def is_conv1d(module: nn.Module) -> bool:
 
 
 def shard_parameter_(param: nn.Parameter, dim: int, group, num_fused: int = 1,
-                     pad_to_multiple: int = 1) -> nn.Parameter:
+                     pad_to_multiple: int = 1, replicas: int = 1) -> nn.Parameter:
     """Replace `param`'s data by this rank's shard along `dim` and attach its record.
 
-    Idempotent for a parameter already sharded the same way (tied weights are visited twice).
+    replicas > 1: the dim is cut into tp_size / replicas shards, each held by `replicas`
+    consecutive ranks, whose gradients are summed over them as they are produced (key/value heads
+    fewer than tp). Idempotent for a parameter already sharded the same way (tied weights are
+    visited twice).
     """
     tp_size, tp_rank = dist.get_world_size(group), dist.get_rank(group)
     existing = get_tp_info(param)
     if existing is not None:
-        if (existing.dim % param.dim()) != (dim % param.dim()) or existing.num_fused != num_fused:
+        if ((existing.dim % param.dim()) != (dim % param.dim()) or existing.num_fused != num_fused
+                or existing.replicas != replicas):
             raise RuntimeError(f"parameter of shape {tuple(param.shape)} is shared by two modules that "
                                f"need different tensor-parallel layouts ({existing} vs dim={dim}); "
                                "untie them or replicate one of the modules")
@@ -44,18 +50,32 @@ def shard_parameter_(param: nn.Parameter, dim: int, group, num_fused: int = 1,
     dim = dim % param.dim()
     full_shape = tuple(param.shape)
     size = full_shape[dim]
-    multiple = pad_to_multiple * tp_size if pad_to_multiple > 1 else tp_size
+    shards = tp_size // replicas
+    if replicas < 1 or tp_size % replicas:
+        raise ValueError(f"replicas={replicas} must divide tp_size={tp_size}")
+    multiple = pad_to_multiple * shards if pad_to_multiple > 1 else shards
     padded = -(-size // multiple) * multiple if pad_to_multiple > 1 else size
-    if num_fused > 1 and size % (num_fused * tp_size):
-        raise ValueError(f"fused dim of size {size} is not divisible into {num_fused} blocks x tp={tp_size}")
-    if padded % tp_size:
-        raise ValueError(f"dim {dim} of size {size} is not divisible by tp_size={tp_size}")
+    if num_fused > 1 and size % (num_fused * shards):
+        raise ValueError(f"fused dim of size {size} is not divisible into {num_fused} blocks x {shards} shards")
+    if padded % shards:
+        raise ValueError(f"dim {dim} of size {size} is not divisible into {shards} shards (tp_size={tp_size})")
     info = TensorParallelInfo(dim=dim, full_shape=full_shape, padded_size=padded, tp_rank=tp_rank,
-                              tp_size=tp_size, num_fused=num_fused, group=group)
+                              tp_size=tp_size, num_fused=num_fused, group=group, replicas=replicas)
     with torch.no_grad():
         param.data = shard_tensor(param.data, info)
     set_tp_info(param, info)
+    if replicas > 1 and param.requires_grad:
+        param.register_hook(partial(_sum_over_replicas, info))
     return param
+
+
+def _sum_over_replicas(info: TensorParallelInfo, grad: torch.Tensor) -> torch.Tensor:
+    """The gradient of a shard held by `replicas` ranks, each of which saw part of its use: the sum
+    over them (one all-reduce over tp of a [num_shards, ...] buffer, this rank's slot filled)."""
+    slots = grad.new_zeros((info.num_shards, *grad.shape))
+    slots[info.shard_index] = grad
+    comm.all_reduce(slots, info.group)
+    return slots[info.shard_index]
 
 
 class _ParallelLinearBase(nn.Module):
@@ -97,12 +117,14 @@ class ColumnParallelLinear(_ParallelLinearBase):
 
     @classmethod
     def from_native(cls, module: nn.Module, group, gather_output: bool = False, copy_input: bool = True,
-                    num_fused: int = 1) -> "ColumnParallelLinear":
+                    num_fused: int = 1, replicas: int = 1) -> "ColumnParallelLinear":
+        """replicas > 1: fewer output pieces than ranks (key/value heads fewer than tp), each held by
+        `replicas` consecutive ranks (see `shard_parameter_`)."""
         conv1d = is_conv1d(module)
         out_dim = 1 if conv1d else 0
-        shard_parameter_(module.weight, out_dim, group, num_fused=num_fused)
+        shard_parameter_(module.weight, out_dim, group, num_fused=num_fused, replicas=replicas)
         if module.bias is not None:
-            shard_parameter_(module.bias, 0, group, num_fused=num_fused)
+            shard_parameter_(module.bias, 0, group, num_fused=num_fused, replicas=replicas)
         return cls(module.weight, module.bias, group, gather_output, copy_input, conv1d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -75,7 +75,7 @@ class VocabParallelEmbedding(nn.Module):
         info = get_tp_info(weight)
         self.num_embeddings = num_embeddings            # the real vocabulary, as HF code expects
         self.embedding_dim = weight.shape[1]
-        self.vocab_start = info.tp_rank * info.local_size if info else 0
+        self.vocab_start = info.shard_index * info.local_size if info else 0
         self.vocab_end = self.vocab_start + weight.shape[0]
         self.padding_idx = padding_idx
         self.scale_grad_by_freq = scale_grad_by_freq

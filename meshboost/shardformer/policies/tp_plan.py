@@ -10,7 +10,7 @@ router, also reads that input). The pipeline layout is left to transformers' `ba
 from __future__ import annotations
 
 from meshboost.shardformer.policies.base import Policy
-from meshboost.shardformer.styles import BLOCK_INPUT
+from meshboost.shardformer.styles import BLOCK_INPUT, kv_groups
 
 # transformers plan style -> the meshboost style that computes the same numbers
 TRANSFORMERS_STYLES = {
@@ -30,6 +30,7 @@ NOT_SUPPORTED = {
     "embedding_colwise": "embeddings split by hidden dimension",
 }
 _DIVISIBLE = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+_KV_PROJECTIONS = ("k_proj", "v_proj")
 
 
 def policy_from_tp_plan(config) -> Policy | None:
@@ -54,4 +55,15 @@ def policy_from_tp_plan(config) -> Policy | None:
         if count >= 2:
             plan[parent] = BLOCK_INPUT
     divisible = tuple(f for f in _DIVISIBLE if getattr(config, f, None) is not None)
-    return Policy(name=f"tp_plan:{config.model_type}", plan=plan, divisible=divisible)
+    attributes = {}
+    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    kv_paths = [p for p, style in plan.items() if style == "colwise" and p.rsplit(".", 1)[-1] in _KV_PROJECTIONS]
+    if isinstance(kv, int) and isinstance(heads, int) and kv < heads and kv_paths:
+        # Grouped-query attention: key/value heads may be fewer than tp (each then held by the ranks
+        # whose query heads use it); the attention module's query heads per kv head follow.
+        for p in kv_paths:
+            plan[p] = f"colwise_heads({kv})"
+        for parent in {p.rsplit(".", 1)[0] for p in kv_paths}:
+            attributes[parent] = {"num_key_value_groups": kv_groups(kv)}
+        divisible = tuple(f for f in divisible if f != "num_key_value_heads")
+    return Policy(name=f"tp_plan:{config.model_type}", plan=plan, attributes=attributes, divisible=divisible)
