@@ -63,12 +63,17 @@ def get_layout(model: nn.Module, declared: dict | None = None) -> StageLayout:
                              tuple(declared.get("tail", ())))
     else:
         layout = layout_from_pp_plan(base)
+    if layout is None and getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        raise ValueError(
+            f"{type(model).__name__} (model_type={model_type!r}) is an encoder-decoder model: pipeline stages over "
+            "two layer stacks (encoder outputs carried to the decoder stages) are not supported yet; use pp_size=1 "
+            "(tensor and data parallelism and ZeRO work for it)")
     if layout is None:
         raise ValueError(
             f"no pipeline stage layout for {type(model).__name__} (model_type={model_type!r}). Supported: families "
-            "whose policy declares one (bert, gpt2) and any model whose config ships `base_model_pp_plan` (Llama, "
-            "Qwen2, Mistral, ...). Pass custom_policy=Policy(..., pipeline_layout={'embeddings': (...), "
-            "'layers': ..., 'tail': (...)}) or use pp_size=1.")
+            "whose policy declares one (bert, gpt2, opt, bloom, falcon, vit) and any model whose config ships "
+            "`base_model_pp_plan` (Llama, Qwen2, Mistral, ...). Pass custom_policy=Policy(..., pipeline_layout="
+            "{'embeddings': (...), 'layers': ..., 'tail': (...)}) or use pp_size=1.")
     if not isinstance(_get(base, layout.layers), nn.ModuleList):
         raise ValueError(f"layout {layout.name!r}: {type(base).__name__}.{layout.layers} is not an nn.ModuleList")
     return layout

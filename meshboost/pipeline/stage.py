@@ -35,18 +35,34 @@ class _StageOutput(BaseException):
 
 
 class AbsentEmbedding(nn.Module):
-    """Stands in for embeddings held by the first stage: returns zeros shaped like the ids it is
-    given (plus the hidden dim), so the model can build its masks; the hidden states received from
-    the previous stage replace them at the first layer."""
+    """Stands in for a module of the embeddings, which the first stage holds. Returns zeros shaped
+    like the hidden states received from the previous stage (set by `forward_chunk` while the chunk
+    runs), so the model can build its masks from them; those hidden states replace its output at the
+    first layer. Keeps the replaced module's tree of submodules with an empty tensor of the right
+    dtype for every weight, so a forward reading `embeddings.patch_embeddings.projection.weight.dtype`
+    (ViT) still works; the stand-in owns no parameter and saves nothing."""
 
-    def __init__(self, dim: int, dtype: torch.dtype):
+    def __init__(self, replaced: nn.Module):
         super().__init__()
-        self.dim = dim
-        self.register_buffer("dtype_probe", torch.empty(0, dtype=dtype), persistent=False)  # follows .to()
+        _hollow_into(self, replaced)
+        self.hidden_like: torch.Tensor | None = None
 
     def forward(self, *args, **kwargs):
-        ids = next(t for t in (*args, *kwargs.values()) if torch.is_tensor(t))
-        return torch.zeros(*ids.shape, self.dim, dtype=self.dtype_probe.dtype, device=ids.device)
+        if self.hidden_like is None:
+            raise RuntimeError("an embedding stand-in ran outside a pipeline chunk; run the model through "
+                               "booster.execute_pipeline(data_iter, model, criterion, optimizer)")
+        return torch.zeros_like(self.hidden_like)
+
+
+def _hollow_into(shell: nn.Module, module: nn.Module) -> None:
+    for name, p in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+        if p is not None and name not in shell._buffers:
+            device = "cpu" if p.is_meta else p.device           # never a meta buffer: nothing to load
+            shell.register_buffer(name, torch.empty(0, dtype=p.dtype, device=device), persistent=False)
+    for name, child in module.named_children():
+        hollow = nn.Module()
+        _hollow_into(hollow, child)
+        shell.add_module(name, hollow)
 
 
 class AbsentModule(nn.Module):
@@ -124,6 +140,8 @@ class PipelineStages:
         if not self.is_last(chunk):
             handles.append(layers[-1].register_forward_hook(_stop_with_output))
         swapped = {} if self.is_first(chunk) else self.stand_ins
+        for stand_in in swapped.values():
+            stand_in.hidden_like = hidden
         layer_list.running = layers
         try:
             with _swapped(base, swapped), _per_layer_config(self.model.config, self.layer_ranges[self.virtual(chunk)]):
@@ -132,6 +150,8 @@ class PipelineStages:
             return done.hidden
         finally:
             layer_list.running = None
+            for stand_in in swapped.values():
+                stand_in.hidden_like = None
             for h in handles:
                 h.remove()
 
@@ -248,9 +268,7 @@ def build_stages(model: nn.Module, pp_rank: int, pp_size: int, num_chunks: int =
     _set(base, layout.layers, StageLayerList(kept))
     chunk_layers = [[kept[i] for i in layer_ranges[v]] for v in mine]
 
-    dtype = next(model.parameters()).dtype
-    stand_ins = {p: AbsentEmbedding(model.config.hidden_size, dtype) for p in layout.embeddings
-                 if _exists(base, p)}
+    stand_ins = {p: AbsentEmbedding(base.get_submodule(p)) for p in layout.embeddings if _exists(base, p)}
     if pp_rank != 0:
         for path, stand_in in stand_ins.items():
             _set(base, path, stand_in)

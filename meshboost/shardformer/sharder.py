@@ -48,8 +48,8 @@ class _Plan:
 
     matches: list[_Match]
     attributes: list[tuple[nn.Module, str, object]] = field(default_factory=list)   # (module, attr, value)
-    embedding_paths: list[str] = field(default_factory=list)
-    head_paths: list[str] = field(default_factory=list)
+    embedding_paths: list[list[str]] = field(default_factory=list)    # per module: every path to it
+    head_paths: list[list[str]] = field(default_factory=list)
     guards: list[tuple[str, nn.Module]] = field(default_factory=list)      # see split_input_guard
 
 
@@ -62,6 +62,16 @@ def _set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
 def _module_paths(root: nn.Module, target: nn.Module) -> list[str]:
     """Every path under `root` that reaches `target` (T5's shared embedding has three)."""
     return [name for name, module in root.named_modules(remove_duplicate=False) if module is target]
+
+
+def _holders(root: nn.Module, params: list[torch.Tensor]) -> dict[int, tuple[nn.Module, list[str]]]:
+    """Every module holding one of `params` as a parameter of its own, with all its paths."""
+    wanted = {id(p) for p in params}
+    out: dict[int, tuple[nn.Module, list[str]]] = {}
+    for name, module in root.named_modules(remove_duplicate=False):
+        if any(id(p) in wanted for p in module._parameters.values() if p is not None):
+            out.setdefault(id(module), (module, []))[1].append(name)
+    return out
 
 
 def uses_causal_lm_loss(model: nn.Module) -> bool:
@@ -163,6 +173,8 @@ class ShardFormer:
     # -- validation: pure, identical on every rank ---------------------------------------------
     def _validate(self, model: nn.Module, policy: Policy, tp_size: int) -> _Plan:
         config = getattr(model, "config", None)
+        if policy.check is not None:
+            policy.check(config, tp_size)
         for field_name in policy.divisible:
             value = getattr(config, field_name, None)
             if value is not None and value % tp_size:
@@ -216,19 +228,30 @@ class ShardFormer:
 
     @staticmethod
     def _validate_vocab(model: nn.Module, plan: _Plan, matched: dict) -> None:
+        """The input embedding and the LM head, and every other module holding their weight (T5 5.x's
+        encoder and decoder `embed_tokens` are modules of their own tied to `shared` by parameter):
+        each becomes vocab-parallel, or the model is refused, since a module left native would read
+        a weight sliced under it."""
         embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-        if isinstance(embedding, nn.Embedding) and id(embedding) not in matched:   # else the plan's style does it
-            if embedding.max_norm is not None or embedding.sparse:
-                raise ValueError("VocabParallelEmbedding does not support max_norm or sparse embeddings; "
-                                 "pass a custom_policy with vocab_parallel=False")
-            embedding_extras(embedding)              # raises for a subclass whose behaviour would be lost
-            plan.embedding_paths = _module_paths(model, embedding)
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        if isinstance(head, nn.Linear):
-            if type(head).forward is not nn.Linear.forward:
-                raise ValueError(f"the LM head {type(head).__name__} subclasses nn.Linear with a forward of its own; "
-                                 "pass custom_policy=Policy(..., vocab_parallel=False) to keep it replicated")
-            plan.head_paths = _module_paths(model, head)
+        weights = [m.weight for m in (embedding, head) if isinstance(m, (nn.Embedding, nn.Linear))
+                   and id(m) not in matched]             # a module the plan names is its style's business
+        if not weights:
+            return
+        for module, paths in _holders(model, weights).values():
+            if isinstance(module, nn.Embedding):
+                if module.max_norm is not None or module.sparse:
+                    raise ValueError("VocabParallelEmbedding does not support max_norm or sparse embeddings; "
+                                     "pass a custom_policy with vocab_parallel=False")
+                embedding_extras(module)            # raises for a subclass whose behaviour would be lost
+                plan.embedding_paths.append(paths)
+            elif isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
+                plan.head_paths.append(paths)
+            else:
+                raise ValueError(f"{paths[0]} ({type(module).__name__}) holds the vocabulary weight that tensor "
+                                 "parallelism splits (the input embedding or the LM head), and meshboost cannot "
+                                 "split it with them; pass custom_policy=Policy(..., vocab_parallel=False) to keep "
+                                 "the vocabulary replicated")
 
     # -- application ---------------------------------------------------------------------------
     def _apply(self, model: nn.Module, policy: Policy, plan: _Plan) -> None:
@@ -245,17 +268,18 @@ class ShardFormer:
             setattr(module, attr, value)
         for path, module in plan.guards:
             split_input_guard(path)(module)
-        if plan.embedding_paths:
-            embedding = model.get_submodule(plan.embedding_paths[0])
+        for paths in plan.embedding_paths:
+            embedding = model.get_submodule(paths[0])
             new = VocabParallelEmbedding.from_native(embedding, ctx.group, cfg.make_vocab_size_divisible_by)
-            for path in plan.embedding_paths:
+            for path in paths:
                 _set_submodule(model, path, new)
-        if plan.head_paths:
-            head = model.get_submodule(plan.head_paths[0])
-            parallel_loss = cfg.parallel_output and uses_causal_lm_loss(model)
+        # The loss runs vocab-parallel only for the model's one LM head (get_output_embeddings).
+        parallel_loss = cfg.parallel_output and uses_causal_lm_loss(model) and len(plan.head_paths) == 1
+        for paths in plan.head_paths:
+            head = model.get_submodule(paths[0])
             new = VocabParallelLMHead.from_native(head, ctx.group, cfg.make_vocab_size_divisible_by,
                                                   parallel_output=parallel_loss)
-            for path in plan.head_paths:
+            for path in paths:
                 _set_submodule(model, path, new)
             if parallel_loss:
                 model.loss_function = make_causal_lm_loss(new)

@@ -16,10 +16,12 @@ from functools import partial
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from meshboost.distributed import comm
 from meshboost.shardformer.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, is_conv1d
+from meshboost.shardformer.layers.linear import shard_parameter_
 from meshboost.shardformer.layers.vocab import embedding_extras
 
 BLOCK_INPUT = "block_input"     # a module whose input feeds only column-parallel linears: Megatron f once
@@ -81,11 +83,23 @@ def parse_style(spec: str) -> tuple[ShardStyle, tuple[int, ...]]:
 
 
 # -- linear styles ------------------------------------------------------------------------------
+PLAIN_LINEARS: set[type] = set()     # nn.Linear subclasses whose forward is exactly x W^T + b
+
+
+def register_plain_linear(cls: type) -> None:
+    """Declare that `cls` (an nn.Linear subclass with a forward of its own, such as Falcon's
+    FalconLinear) computes exactly what nn.Linear computes, so the linear styles may replace it."""
+    if not (isinstance(cls, type) and issubclass(cls, nn.Linear)):
+        raise TypeError(f"register_plain_linear needs an nn.Linear subclass, got {cls!r}")
+    PLAIN_LINEARS.add(cls)
+
+
 def _check_linear(path: str, module: nn.Module, tp_size: int, column: bool, fused: int = 1) -> None:
     kind = "colwise" if column else "rowwise"
     if not (isinstance(module, nn.Linear) or is_conv1d(module)):
         raise TypeError(f"{path}: style {kind!r} needs nn.Linear or Conv1D, found {type(module).__name__}")
-    if isinstance(module, nn.Linear) and type(module).forward is not nn.Linear.forward:
+    if isinstance(module, nn.Linear) and type(module).forward is not nn.Linear.forward \
+            and type(module) not in PLAIN_LINEARS:
         raise TypeError(f"{path}: {type(module).__name__} subclasses nn.Linear with a forward of its own, which a "
                         f"parallel linear would drop; leave it out of the plan or register a style for it")
     out_dim = 1 if is_conv1d(module) else 0
@@ -167,6 +181,62 @@ def _sum_over(group, grad: torch.Tensor) -> torch.Tensor:
     return comm.all_reduce(grad.clone(), group)
 
 
+# -- per-head biases an attention module receives (ALiBi) -------------------------------------------
+HEAD_BIAS_KWARGS = ("alibi", "attention_mask")
+
+
+def _local_heads(t: torch.Tensor, batch: int, group, what: str) -> torch.Tensor:
+    """This rank's heads of a bias laid out [batch * heads, q, k] (3-D) or [batch, heads, q, k]
+    (4-D; a head dim of 1 broadcasts and is kept)."""
+    tp_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if t.dim() == 4:
+        if t.shape[1] == 1:
+            return t
+        heads, view = t.shape[1], t
+    elif t.dim() == 3 and t.shape[0] % batch == 0:
+        heads = t.shape[0] // batch
+        view = t.reshape(batch, heads, *t.shape[1:])
+    else:
+        raise ValueError(f"{what} of shape {tuple(t.shape)} is neither [batch*heads, q, k] nor [batch, heads, q, k] "
+                         f"for batch {batch}")
+    if heads % tp_size:
+        raise ValueError(f"{what} has {heads} heads, not divisible by tp_size={tp_size}")
+    local = view.narrow(1, rank * (heads // tp_size), heads // tp_size)
+    return local if t.dim() == 4 else local.reshape(batch * (heads // tp_size), *t.shape[1:])
+
+
+def _slice_head_biases(group, path, module, args, kwargs):
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    for key in HEAD_BIAS_KWARGS:
+        value = kwargs.get(key)
+        if torch.is_tensor(value) and value.is_floating_point():
+            kwargs[key] = _local_heads(value, hidden.shape[0], group, f"{path}: {key}")
+    return args, kwargs
+
+
+def _heads_bias(ctx: ShardContext, path: str, module: nn.Module) -> None:
+    """An attention module whose `alibi` (and, when ALiBi is folded into it, 4-D float
+    `attention_mask`) carries one bias per head of the whole model: it receives this rank's heads."""
+    module.register_forward_pre_hook(partial(_slice_head_biases, ctx.group, path), with_kwargs=True)
+    return None
+
+
+# -- an embedding whose outputs are per-head values (T5's relative position bias) --------------------
+def _check_embedding_heads(path: str, module: nn.Module, tp_size: int) -> None:
+    if type(module) is not nn.Embedding:
+        raise TypeError(f"{path}: style 'embedding_heads' needs a plain nn.Embedding, found {type(module).__name__}")
+    if module.embedding_dim % tp_size:
+        raise ValueError(f"{path}: {module.embedding_dim} heads are not divisible by tp_size={tp_size}")
+
+
+def _embedding_heads(ctx: ShardContext, path: str, module: nn.Module) -> None:
+    """The embedding's output features are heads: each rank keeps its heads' columns; its output
+    stays split like a column-parallel output (no collective: each head's bias is its own)."""
+    shard_parameter_(module.weight, 1, ctx.group)
+    module.embedding_dim = module.weight.shape[1]
+    return None
+
+
 # -- the input embedding, when a plan names it --------------------------------------------------------
 def _check_embedding(path: str, module: nn.Module, tp_size: int) -> None:
     if not isinstance(module, nn.Embedding):
@@ -190,6 +260,8 @@ register_style("rowwise_split", lambda path, module, tp: _check_linear(path, mod
 register_style("replicated_grad_allreduce", _check_has_params, _replicated_grad_allreduce)
 register_style("vocab_embedding", _check_embedding, _vocab_embedding)
 register_style(BLOCK_INPUT, lambda path, module, tp: None, _block_input)
+register_style("heads_bias", lambda path, module, tp: None, _heads_bias)            # ALiBi: this rank's heads
+register_style("embedding_heads", _check_embedding_heads, _embedding_heads)        # T5's relative position bias
 
 
 # -- attribute rules: (path, attribute, value, tp_size) -> the per-rank value, or raise -----------
@@ -198,6 +270,17 @@ def _divide(path: str, attr: str, value, tp_size: int):
         raise ValueError(f"{path}.{attr}={value!r} is not divisible by tp_size={tp_size}; choose a tp_size "
                          f"that divides it")
     return value // tp_size
+
+
+def _kv_heads(path: str, attr: str, value, tp_size: int):
+    """Key/value heads per rank: split when they divide over tp, one (replicated) head per rank when
+    tp is a multiple of them."""
+    if isinstance(value, int) and value % tp_size == 0:
+        return value // tp_size
+    if isinstance(value, int) and tp_size % value == 0:
+        return 1
+    raise ValueError(f"{path}.{attr}={value!r} key/value heads over tp_size={tp_size}: use a tp_size that divides "
+                     f"{value} or is a multiple of it")
 
 
 def kv_groups(kv_heads: int) -> Callable:
@@ -209,7 +292,7 @@ def kv_groups(kv_heads: int) -> Callable:
     return rule
 
 
-ATTRIBUTE_RULES: dict[str, Callable] = {"divide": _divide}
+ATTRIBUTE_RULES: dict[str, Callable] = {"divide": _divide, "kv_heads": _kv_heads}
 
 
 def register_attribute_rule(name: str, rule: Callable) -> None:

@@ -10,8 +10,7 @@ VOCAB = 101   # prime: padded at every tp
 
 
 def tiny_config(family: str, **overrides):
-    """A tiny transformers config for `family` ('bert', 'gpt2', 'llama', 'llama_gqa', 'qwen2', 'mistral',
-    'qwen2_sliding', 'gemma', 'gemma2', 'llama_kv2', 'llama_mqa')."""
+    """A tiny transformers config for `family` (a key of MODEL_CLASSES, or 'qwen2_sliding', 'gemma2')."""
     common = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4,
                   num_hidden_layers=overrides.pop("num_hidden_layers", 2),  # at construction: per-layer lists follow it
                   intermediate_size=64)
@@ -43,6 +42,41 @@ def tiny_config(family: str, **overrides):
     elif family == "gemma2":              # scaled embedding, soft-capping, alternating sliding/full layers
         cfg = tfm.Gemma2Config(**common, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
                                sliding_window=4, query_pre_attn_scalar=8)
+    elif family == "opt":                 # word_embed_proj_dim != hidden: project_in / project_out
+        cfg = tfm.OPTConfig(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, ffn_dim=64, word_embed_proj_dim=16,
+                            num_hidden_layers=common["num_hidden_layers"], max_position_embeddings=64, dropout=0.0,
+                            attention_dropout=0.0)
+    elif family == "bloom":               # ALiBi, fused per-head query_key_value
+        cfg = tfm.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_head=4, n_layer=common["num_hidden_layers"],
+                              hidden_dropout=0.0, attention_dropout=0.0)
+    elif family.startswith("falcon"):
+        layout = {"falcon": dict(new_decoder_architecture=True, num_attention_heads=8, num_kv_heads=2),  # grouped
+                  "falcon_mqa": dict(multi_query=True, parallel_attn=True),                         # falcon-7b
+                  "falcon_alibi": dict(multi_query=False, alibi=True, parallel_attn=False)}[family]
+        cfg = tfm.FalconConfig(vocab_size=VOCAB, hidden_size=64 if family == "falcon" else 32,
+                               num_hidden_layers=common["num_hidden_layers"], ffn_hidden_size=64,
+                               max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0,
+                               **{"new_decoder_architecture": False, "num_attention_heads": 4, **layout})
+    elif family == "vit":
+        cfg = tfm.ViTConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=common["num_hidden_layers"],
+                            intermediate_size=64, image_size=16, patch_size=8, hidden_dropout_prob=0.0,
+                            attention_probs_dropout_prob=0.0, num_labels=3)
+    elif family == "albert":              # factorised embedding (16 -> 32), one shared layer group
+        cfg = tfm.AlbertConfig(**common, embedding_size=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                               classifier_dropout_prob=0.0, max_position_embeddings=64)
+    elif family in ("t5", "t5_gated"):    # t5_gated: T5 v1.1 / Flan (gated-gelu, untied head)
+        extra = dict(feed_forward_proj="gated-gelu", tie_word_embeddings=False) if family == "t5_gated" else {}
+        cfg = tfm.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_heads=4,
+                           num_layers=common["num_hidden_layers"], num_decoder_layers=common["num_hidden_layers"],
+                           dropout_rate=0.0, decoder_start_token_id=0, eos_token_id=1, relative_attention_num_buckets=8,
+                           **extra)
+    elif family == "whisper":             # audio encoder (conv front end) + decoder with cross-attention
+        cfg = tfm.WhisperConfig(vocab_size=VOCAB, d_model=32, encoder_layers=common["num_hidden_layers"],
+                                decoder_layers=common["num_hidden_layers"], encoder_attention_heads=4,
+                                decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8,
+                                max_source_positions=8, max_target_positions=32, pad_token_id=0, bos_token_id=1,
+                                eos_token_id=2, decoder_start_token_id=1, suppress_tokens=None,
+                                begin_suppress_tokens=None, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
     else:
         raise ValueError(f"unknown tiny family {family!r}")
     for k, v in overrides.items():
@@ -62,6 +96,16 @@ MODEL_CLASSES = {
     "qwen2": ("Qwen2ForCausalLM",),
     "mistral": ("MistralForCausalLM",),
     "gemma": ("GemmaForCausalLM",),
+    "opt": ("OPTForCausalLM", "OPTForSequenceClassification"),
+    "bloom": ("BloomForCausalLM",),
+    "falcon": ("FalconForCausalLM",),
+    "falcon_mqa": ("FalconForCausalLM",),
+    "falcon_alibi": ("FalconForCausalLM",),
+    "vit": ("ViTForImageClassification",),
+    "albert": ("AlbertForMaskedLM", "AlbertForSequenceClassification"),
+    "t5": ("T5ForConditionalGeneration", "T5EncoderModel"),
+    "t5_gated": ("T5ForConditionalGeneration",),
+    "whisper": ("WhisperForConditionalGeneration",),
 }
 
 
@@ -76,6 +120,22 @@ def build_model(class_name: str, config, seed: int = 0) -> torch.nn.Module:
 def tiny_batch(class_name: str, config, batch: int = 4, seq: int = 8, seed: int = 1) -> dict:
     """Inputs (with labels matching the head) for one step; identical on every rank."""
     g = torch.Generator().manual_seed(seed)
+    if class_name.startswith("ViT"):
+        out = {"pixel_values": torch.randn(batch, config.num_channels, config.image_size, config.image_size,
+                                           generator=g)}
+        if class_name.endswith("ImageClassification"):
+            out["labels"] = torch.randint(0, config.num_labels, (batch,), generator=g)
+        return out
+    if class_name.endswith("ConditionalGeneration"):           # encoder-decoder: labels make the decoder input
+        labels = torch.randint(3, config.vocab_size, (batch, seq - 2), generator=g)
+        labels[1, -2:] = -100
+        if class_name.startswith("Whisper"):
+            frames = 2 * config.max_source_positions
+            return {"input_features": torch.randn(batch, config.num_mel_bins, frames, generator=g), "labels": labels}
+        ids = torch.randint(3, config.vocab_size, (batch, seq), generator=g)
+        mask = torch.ones_like(ids)
+        mask[0, -2:] = 0
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
     ids = torch.randint(1, config.vocab_size, (batch, seq), generator=g)
     out = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     out["attention_mask"][0, -2:] = 0

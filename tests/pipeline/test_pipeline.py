@@ -8,7 +8,9 @@ within the fp32 tolerance, compared by its HF name; loss_normalization="microbat
 mean of micro-batch means instead; a 5-step run whose per-step losses match;
 dp=2 x pp=2 (gradients averaged over dp after the schedule); pp=2 x dp=2 with ZeRO-1 and fp16
 within 5e-3; evaluation (optimizer=None) loss and outputs; the error cases; the schedule order
-is deadlock-free for many shapes (simulated, no processes).
+is deadlock-free for many shapes (simulated, no processes). Issue 12: OPT (embedding projections),
+BLOOM (ALiBi, embedding norm), Falcon (multi-query; ALiBi) and ViT (pixel_values) at pp=2, and at
+tp=2 x pp=2 for BLOOM, Falcon and ViT; encoder-decoder models and ALBERT refused clearly.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from meshboost.testing.models import build_model, tiny_batch, tiny_config
 
 M = 4          # micro-batches
 FAMILIES = (("bert", "BertForSequenceClassification"), ("gpt2", "GPT2LMHeadModel"), ("llama", "LlamaForCausalLM"))
+MORE_FAMILIES = (("opt", "OPTForCausalLM"), ("bloom", "BloomForCausalLM"), ("falcon_mqa", "FalconForCausalLM"),
+                 ("falcon_alibi", "FalconForCausalLM"), ("vit", "ViTForImageClassification"))
 STYLES = ({"pp_style": "1f1b"}, {"pp_style": "interleaved", "num_model_chunks": 2})
 LR = 1e-3
 
@@ -119,6 +123,20 @@ def _check_family_styles(rank: int, tp_size: int) -> None:
                 layers = {int(m.group(1)) for n, _ in model.unwrap().named_parameters()
                           if (m := re.search(r"\.(?:layer|layers|h)\.(\d+)\.", n))}
                 assert layers == {plugin.mesh.pp_rank, plugin.mesh.pp_rank + 2}, f"{where}: {layers}"
+
+
+def _check_more_families(rank: int, tp_size: int, families=MORE_FAMILIES) -> None:
+    """Families with a hand-written layout: stand-ins for embedding norms and projections (BLOOM,
+    OPT), ALiBi heads sliced under tp on a later stage, image inputs whose stand-in must answer
+    the forward's `embeddings.patch_embeddings.projection.weight.dtype` (ViT)."""
+    for family, cls in families:
+        config = tiny_config(family, num_hidden_layers=4)
+        batches = _batches(cls, config, 1)
+        ref_losses, ref = _reference(cls, config, batches)
+        losses, model, _, _ = _pipeline(cls, config, batches, tp_size=tp_size, pp_size=2, **STYLES[0])
+        where = f"{family} {cls} tp={tp_size} pp=2"
+        assert abs(losses[0] - ref_losses[0][0]) <= LOSS_ATOL[torch.float32], f"{where}: {losses[0]} vs {ref_losses}"
+        _check_weights(model, ref, where)
 
 
 def _check_per_layer_types(rank: int, tp_size: int) -> None:
@@ -225,6 +243,10 @@ def _check_errors(rank: int) -> None:
     mlp.config = types.SimpleNamespace(model_type="mlp")
     with pytest.raises(ValueError, match="no pipeline stage layout"):
         booster.boost(mlp)
+    with pytest.raises(ValueError, match="encoder-decoder model: pipeline stages over two layer stacks"):
+        booster.boost(build_model("T5ForConditionalGeneration", tiny_config("t5")))
+    with pytest.raises(ValueError, match="no pipeline stage layout for AlbertForMaskedLM"):
+        booster.boost(build_model("AlbertForMaskedLM", tiny_config("albert")))
     config = tiny_config("llama", num_hidden_layers=2)
     llama = build_model("LlamaForCausalLM", config)
     model, opt, _, _, _ = booster.boost(llama, torch.optim.AdamW(llama.parameters()))
@@ -249,6 +271,7 @@ def _check_manual_split_pp_plan(rank: int) -> None:
 def _body_2(rank: int, world_size: int) -> None:
     _check_family_styles(rank, tp_size=1)
     _check_per_layer_types(rank, tp_size=1)
+    _check_more_families(rank, tp_size=1)
     _check_microbatch_normalization(rank, tp_size=1)
     _check_multi_step(rank, 1, "gpt2", "GPT2LMHeadModel", STYLES[1])
     _check_manual_split_pp_plan(rank)
@@ -259,6 +282,7 @@ def _body_2(rank: int, world_size: int) -> None:
 def _body_4(rank: int, world_size: int) -> None:
     _check_family_styles(rank, tp_size=2)
     _check_per_layer_types(rank, tp_size=2)
+    _check_more_families(rank, tp_size=2, families=MORE_FAMILIES[1:])
     _check_multi_step(rank, 2, "llama", "LlamaForCausalLM", STYLES[0])
     _check_evaluation(rank, tp_size=2)
     _check_dp(rank)
@@ -323,6 +347,9 @@ def test_layouts_cover_families():
         model = build_model(cls, tiny_config(family))
         layout = get_layout(model, pipeline_layout(model))         # as the plugin looks it up
         assert layout.layers in ("encoder.layer", "h", "layers")
+    for family, cls in MORE_FAMILIES:
+        model = build_model(cls, tiny_config(family))
+        assert get_layout(model, pipeline_layout(model)).name == f"policy:{model.config.model_type}"
     assert get_layout(build_model("Qwen2ForCausalLM", tiny_config("qwen2"))).name == "pp_plan:qwen2"
 
 

@@ -1,7 +1,9 @@
-"""Every policy (BERT, GPT-2, and the generic base_model_tp_plan policy on Llama incl. GQA with
-key/value heads fewer than tp (2 kv heads at tp=4, multi-query), Qwen2, Mistral and Gemma's scaled
-embedding) at tp=2 and tp=4 against the unsharded model: eval outputs, loss, gathered grads and
-weights after an AdamW step; plus the error cases, raised before any collective."""
+"""Every policy at tp=2 and tp=4 against the unsharded model (eval outputs, loss, gathered grads and
+weights after an AdamW step): BERT, GPT-2, the generic base_model_tp_plan policy on Llama (incl. GQA
+with key/value heads fewer than tp: 2 kv heads at tp=4, multi-query), Qwen2, Mistral and Gemma's
+scaled embedding, and the hand-written tables for OPT, BLOOM (ALiBi), Falcon (grouped, multi-query,
+ALiBi), ViT, ALBERT, T5 (tied embedding, relative position bias, gated FFN) and Whisper; plus the
+error cases, raised before any collective and before any weight is sliced."""
 
 import pytest
 import torch.distributed as dist
@@ -61,6 +63,8 @@ def _errors_body(rank, world):
         ("llama", "LlamaModel", dict(num_attention_heads=12, hidden_size=48, num_key_value_heads=3),
          "3 key/value heads"),                # neither 3 | 4 nor 4 | 3: no rank holds whole heads
         ("gpt2", "GPT2Model", dict(n_head=6, n_embd=48), "num_attention_heads=6"),
+        ("bloom", "BloomModel", dict(pretraining_tp=2, slow_but_exact=True), "pretraining_tp=2"),
+        ("falcon", "FalconModel", dict(num_attention_heads=12, hidden_size=96, num_kv_heads=3), "num_kv_heads=3"),
     ]
     for family, cls, overrides, expected in cases:
         model = build_model(cls, tiny_config(family, **overrides))

@@ -1,6 +1,12 @@
 """Tensor-parallel layers built from native modules (see each file's docstring)."""
 
-from meshboost.shardformer.layers.linear import ColumnParallelLinear, RowParallelLinear, is_conv1d, shard_parameter_
+from meshboost.shardformer.layers.linear import (
+    ColumnParallelLinear,
+    ColumnSubsetLinear,
+    RowParallelLinear,
+    is_conv1d,
+    shard_parameter_,
+)
 from meshboost.shardformer.layers.vocab import (
     VocabParallelEmbedding,
     VocabParallelLMHead,
@@ -9,6 +15,6 @@ from meshboost.shardformer.layers.vocab import (
 )
 
 __all__ = [
-    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "VocabParallelLMHead",
+    "ColumnParallelLinear", "ColumnSubsetLinear", "RowParallelLinear", "VocabParallelEmbedding", "VocabParallelLMHead",
     "vocab_parallel_cross_entropy", "make_causal_lm_loss", "shard_parameter_", "is_conv1d",
 ]

@@ -162,3 +162,42 @@ class RowParallelLinear(_ParallelLinearBase):
         y = comm.reduce_from_tp(self._matmul(x, None), self.process_group)
         return y if self.bias is None else y + self.bias
 
+
+
+class ColumnSubsetLinear(_ParallelLinearBase):
+    """A column-parallel linear whose rank computes a chosen subset of the output features, some of
+    which other ranks compute too: Falcon's fused [q | k | v] with one key/value head that all the
+    ranks' query heads read. The weight stays whole on every rank (no shard record, so checkpoints
+    and norms see a replicated weight); each rank multiplies by its `rows` only, and the weight's
+    gradient (nonzero on its rows, partial on rows other ranks also use) is summed over tp as it is
+    produced, so every rank holds the same, exact gradient of the whole weight. The input gradient
+    is summed over tp by Megatron's f, as for any column-parallel linear."""
+
+    def __init__(self, weight, bias, group, rows: torch.Tensor):
+        super().__init__(weight, bias, group, conv1d=False)
+        self.register_buffer("rows", rows, persistent=False)
+        for p in (weight, bias):
+            if p is not None and p.requires_grad:
+                p.register_hook(partial(_sum_grad_over_tp, group))
+
+    @classmethod
+    def from_native(cls, module: nn.Module, group, rows: list[int]) -> "ColumnSubsetLinear":
+        if not isinstance(module, nn.Linear):
+            raise TypeError(f"ColumnSubsetLinear needs nn.Linear, found {type(module).__name__}")
+        return cls(module.weight, module.bias, group, torch.tensor(rows, dtype=torch.long,
+                                                                   device=module.weight.device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = comm.copy_to_tp(x, self.process_group)
+        weight = self.weight.index_select(0, self.rows)
+        bias = None if self.bias is None else self.bias.index_select(0, self.rows)
+        y = F.linear(x, weight, bias)
+        y.tp_split = True
+        return y
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rows={self.rows.numel()} of {self.out_features}"
+
+
+def _sum_grad_over_tp(group, grad: torch.Tensor) -> torch.Tensor:
+    return comm.all_reduce(grad.clone(), group)

@@ -85,7 +85,8 @@ class VocabParallelEmbedding(nn.Module):
         if module.max_norm is not None or module.sparse:
             raise ValueError("VocabParallelEmbedding does not support max_norm or sparse embeddings")
         extras = embedding_extras(module)
-        num_embeddings = module.weight.shape[0]
+        info = get_tp_info(module.weight)              # tied to an embedding sharded already (T5's three)
+        num_embeddings = info.full_shape[0] if info is not None else module.weight.shape[0]
         shard_parameter_(module.weight, 0, group, pad_to_multiple=make_vocab_size_divisible_by)
         return cls(module.weight, group, num_embeddings, module.padding_idx, module.scale_grad_by_freq, extras)
 

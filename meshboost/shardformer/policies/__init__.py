@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from meshboost.shardformer.policies.albert import ALBERT_POLICY
 from meshboost.shardformer.policies.base import Policy
 from meshboost.shardformer.policies.bert import BERT_POLICY
+from meshboost.shardformer.policies.bloom import BLOOM_POLICY
+from meshboost.shardformer.policies.falcon import FALCON_POLICY
 from meshboost.shardformer.policies.gpt2 import GPT2_POLICY
+from meshboost.shardformer.policies.opt import OPT_POLICY
+from meshboost.shardformer.policies.t5 import T5_POLICY
 from meshboost.shardformer.policies.tp_plan import policy_from_tp_plan
+from meshboost.shardformer.policies.vit import VIT_POLICY
+from meshboost.shardformer.policies.whisper import WHISPER_POLICY
 
-POLICIES: dict[str, Policy] = {"bert": BERT_POLICY, "gpt2": GPT2_POLICY}
+POLICIES: dict[str, Policy] = {p.name: p for p in (BERT_POLICY, GPT2_POLICY, OPT_POLICY, BLOOM_POLICY, FALCON_POLICY,
+                                                   VIT_POLICY, ALBERT_POLICY, T5_POLICY, WHISPER_POLICY)}
 
 
 def _model_type(model: nn.Module):

@@ -35,6 +35,8 @@ class Policy:
         that feed its column-parallel linears (positional tensors always count).
     pipeline_layout: {"embeddings": paths, "layers": path of the layer ModuleList, "tail": paths},
         relative to the base model; None reads transformers' `base_model_pp_plan`.
+    check: callable(config, tp_size) raising ValueError for a configuration of the family the
+        table cannot shard exactly (run before anything is modified).
     """
 
     name: str
@@ -44,6 +46,7 @@ class Policy:
     vocab_parallel: bool = True
     block_input_kwargs: tuple[str, ...] = DEFAULT_BLOCK_INPUT_KWARGS
     pipeline_layout: dict | None = None
+    check: Callable | None = None
 
     def __post_init__(self):
         for style in self.plan.values():
