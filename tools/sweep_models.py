@@ -91,7 +91,8 @@ family's table).
 
 - **transformers' own `base_model_tp_plan`**, read by `policies/tp_plan.py`, which translates
   `colwise`, `rowwise`, `colwise_gather_output`, `rowwise_split_input`,
-  `replicated_with_grad_allreduce` (gradients summed over tp) and `embedding_rowwise`, and refuses
+  `replicated_with_grad_allreduce` (gradients summed over tp) and `embedding_rowwise`, splits an
+  unnamed per-head `q_norm`/`k_norm` ([heads, head_dim]: Cohere's `use_qk_norm`) by heads, and refuses
   every other style (MoE experts, packed expert projections, MLA, ...) naming it. A plan's
   module that has parameters, is not covered by the plan and is fed split activations (a
   learnable activation between the MLP projections, a per-head norm) is refused at its first

@@ -124,8 +124,9 @@ def split_input_guard(path: str):
             raise UncoveredParameterError(
                 f"{path} ({type(module).__name__}) has parameters and is fed this rank's slice of a column-parallel "
                 "output, which the tensor-parallel plan does not cover: its gradient (or its shape) would be wrong "
-                "on every rank. Cover it in a custom_policy ('replicated_grad_allreduce' for a norm over each rank's "
-                "heads) or keep tp_size=1 for this model")
+                "on every rank. Cover it in a custom_policy ('head_norm(<heads>)' for a q/k norm applied per head: a "
+                "[head_dim] weight has its gradient summed over tp, a [heads, head_dim] one is split by heads) or "
+                "keep tp_size=1 for this model")
         handle.remove()
     handle = None
 

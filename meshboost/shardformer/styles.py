@@ -181,6 +181,33 @@ def _sum_over(group, grad: torch.Tensor) -> torch.Tensor:
     return comm.all_reduce(grad.clone(), group)
 
 
+# -- a norm applied per head to q or k ([batch, seq, heads, head_dim]) ------------------------------
+def _check_head_norm(path: str, module: nn.Module, tp_size: int, heads: int) -> None:
+    for name, p in module.named_parameters(recurse=False):          # none (a plain RMS norm): nothing to do
+        if p.dim() == 2 and p.shape[0] != heads:
+            raise ValueError(f"{path}.{name} of shape {tuple(p.shape)} is not one row per each of {heads} heads")
+        if p.dim() > 2:
+            raise ValueError(f"{path}.{name} of shape {tuple(p.shape)}: a per-head norm weight is [head_dim] or "
+                             "[heads, head_dim]")
+    if heads % tp_size and tp_size % heads:
+        raise ValueError(f"{path}: {heads} heads over tp_size={tp_size}: use a tp_size that divides {heads} or is a "
+                         "multiple of it")
+
+
+def _head_norm(ctx: ShardContext, path: str, module: nn.Module, heads: int) -> None:
+    """A q/k norm that sees only this rank's heads. A weight shared by all heads ([head_dim]: Qwen3,
+    GLM-4-MoE) stays whole and its gradient is summed over tp; one row per head ([heads,
+    head_dim]: Cohere's use_qk_norm) is split by heads like the projection feeding it (key/value
+    heads fewer than tp: each row held by the ranks whose query heads use it)."""
+    replicas = 1 if heads % ctx.tp_size == 0 else ctx.tp_size // heads
+    for p in module.parameters(recurse=False):
+        if p.dim() == 2:
+            shard_parameter_(p, 0, ctx.group, replicas=replicas)
+        else:
+            p.register_hook(partial(_sum_over, ctx.group))
+    return None
+
+
 # -- per-head biases an attention module receives (ALiBi) -------------------------------------------
 HEAD_BIAS_KWARGS = ("alibi", "attention_mask")
 
@@ -260,6 +287,7 @@ register_style("rowwise_split", lambda path, module, tp: _check_linear(path, mod
 register_style("replicated_grad_allreduce", _check_has_params, _replicated_grad_allreduce)
 register_style("vocab_embedding", _check_embedding, _vocab_embedding)
 register_style(BLOCK_INPUT, lambda path, module, tp: None, _block_input)
+register_style("head_norm", _check_head_norm, _head_norm, num_args=1)   # Cohere's q/k norm: head_norm(heads)
 register_style("heads_bias", lambda path, module, tp: None, _heads_bias)            # ALiBi: this rank's heads
 register_style("embedding_heads", _check_embedding_heads, _embedding_heads)        # T5's relative position bias
 

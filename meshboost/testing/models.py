@@ -30,6 +30,9 @@ def tiny_config(family: str, **overrides):
         cfg = tfm.LlamaConfig(**common | {"num_attention_heads": 8}, num_key_value_heads=2, max_position_embeddings=64)
     elif family == "llama_mqa":           # multi-query: one kv head, held by every rank
         cfg = tfm.LlamaConfig(**common, num_key_value_heads=1, max_position_embeddings=64)
+    elif family == "cohere_qk":           # per-head q/k norm weights [heads, head_dim]; 2 kv heads (replicas at tp=4)
+        cfg = tfm.CohereConfig(**common | {"num_attention_heads": 8}, num_key_value_heads=2, use_qk_norm=True,
+                               max_position_embeddings=64)
     elif family == "qwen2":
         cfg = tfm.Qwen2Config(**common, num_key_value_heads=4, max_position_embeddings=64)
     elif family == "mistral":
@@ -94,6 +97,7 @@ MODEL_CLASSES = {
     "llama_kv2": ("LlamaForCausalLM",),
     "llama_mqa": ("LlamaForCausalLM",),
     "qwen2": ("Qwen2ForCausalLM",),
+    "cohere_qk": ("CohereForCausalLM",),
     "mistral": ("MistralForCausalLM",),
     "gemma": ("GemmaForCausalLM",),
     "opt": ("OPTForCausalLM", "OPTForSequenceClassification"),

@@ -66,4 +66,21 @@ def policy_from_tp_plan(config) -> Policy | None:
         for parent in {p.rsplit(".", 1)[0] for p in kv_paths}:
             attributes[parent] = {"num_key_value_groups": kv_groups(kv)}
         divisible = tuple(f for f in divisible if f != "num_key_value_heads")
+    if getattr(config, "use_qk_norm", False) is True:
+        _add_head_norms(plan, heads, kv)
     return Policy(name=f"tp_plan:{config.model_type}", plan=plan, attributes=attributes, divisible=divisible)
+
+
+def _add_head_norms(plan: dict[str, str], heads, kv) -> None:
+    """With `use_qk_norm` (Cohere), a q/k norm next to a column-parallel q/k projection that the plan
+    does not name sees only this rank's heads: split it by heads (or sum its gradient) rather than
+    leave its weight whole and its gradient partial. Only for that flag: other per-head parameters
+    (Doge's) stay refused by the split-input guard. An entry matching no module is harmless."""
+    if not isinstance(heads, int):
+        return
+    for pattern, style in list(plan.items()):
+        parent, _, leaf = pattern.rpartition(".")
+        if leaf in ("q_proj", "k_proj") and (style == "colwise" or style.startswith("colwise_heads(")):
+            norm = f"{parent}.{leaf[0]}_norm"
+            count = heads if leaf == "q_proj" or not isinstance(kv, int) else kv
+            plan.setdefault(norm, f"head_norm({count})")
