@@ -88,6 +88,8 @@ family's table).
   | albert | `AlbertForMaskedLM`, `AlbertForSequenceClassification` | one shared layer group, factorised embedding | no (shared layers) |
   | t5 | `T5ForConditionalGeneration`, `T5EncoderModel` (ReLU and gated-GELU) | embedding tied over three paths, relative position bias sharded by heads, cross-attention | no (encoder-decoder) |
   | whisper | `WhisperForConditionalGeneration` | audio encoder (convolutions replicated), decoder cross-attention | no (encoder-decoder) |
+  | blip-2 | `Blip2ForConditionalGeneration` (OPT language model) | Q-Former like BERT, OPT table under `language_model`, vision MLP split; vision attention replicated (its forward reshapes by the full width) | no |
+  | cohere (`use_qk_norm`) | `CohereForCausalLM` via its plan | per-head q/k norm weights split by heads (`head_norm`) | yes (pp plan) |
 
 - **transformers' own `base_model_tp_plan`**, read by `policies/tp_plan.py`, which translates
   `colwise`, `rowwise`, `colwise_gather_output`, `rowwise_split_input`,

@@ -80,6 +80,17 @@ def tiny_config(family: str, **overrides):
                                 max_source_positions=8, max_target_positions=32, pad_token_id=0, bos_token_id=1,
                                 eos_token_id=2, decoder_start_token_id=1, suppress_tokens=None,
                                 begin_suppress_tokens=None, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+    elif family == "blip2":               # vision tower + Q-Former (2 query tokens) + OPT; image token = VOCAB - 1
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=16,
+                      patch_size=8, attention_dropout=0.0)
+        qformer = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       intermediate_size=64, encoder_hidden_size=32, max_position_embeddings=64,
+                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        text = tfm.OPTConfig(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4,
+                             num_hidden_layers=common["num_hidden_layers"], ffn_dim=64, word_embed_proj_dim=32,
+                             max_position_embeddings=64, dropout=0.0, attention_dropout=0.0)
+        cfg = tfm.Blip2Config(vision_config=vision, qformer_config=qformer, text_config=text.to_dict(),
+                              num_query_tokens=2, image_token_index=VOCAB - 1)
     else:
         raise ValueError(f"unknown tiny family {family!r}")
     for k, v in overrides.items():
@@ -110,6 +121,7 @@ MODEL_CLASSES = {
     "t5": ("T5ForConditionalGeneration", "T5EncoderModel"),
     "t5_gated": ("T5ForConditionalGeneration",),
     "whisper": ("WhisperForConditionalGeneration",),
+    "blip2": ("Blip2ForConditionalGeneration",),
 }
 
 
@@ -118,6 +130,11 @@ def build_model(class_name: str, config, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     config.is_decoder = class_name == "BertLMHeadModel"
     model = getattr(tfm, class_name)(config)
+    if isinstance(getattr(model, "query_tokens", None), torch.nn.Parameter):
+        # BLIP-2 initialises its query tokens to zeros, which its first LayerNorm turns into gradients of
+        # ~1e14 (1/sqrt(eps)): trained checkpoints never hold zeros, so neither do the tiny models.
+        with torch.no_grad():
+            model.query_tokens.normal_(0.0, 1.0)
     return model.float()
 
 
@@ -130,6 +147,15 @@ def tiny_batch(class_name: str, config, batch: int = 4, seq: int = 8, seed: int 
         if class_name.endswith("ImageClassification"):
             out["labels"] = torch.randint(0, config.num_labels, (batch,), generator=g)
         return out
+    if class_name.startswith("Blip2"):                          # image tokens first, then text to predict
+        vision = config.vision_config
+        ids = torch.randint(3, config.text_config.vocab_size - 1, (batch, seq), generator=g)
+        ids[:, :config.num_query_tokens] = config.image_token_index
+        labels = ids.clone()
+        labels[:, :config.num_query_tokens] = -100
+        labels[1, -2:] = -100
+        return {"pixel_values": torch.randn(batch, 3, vision.image_size, vision.image_size,
+                                            generator=g), "input_ids": ids, "labels": labels}
     if class_name.endswith("ConditionalGeneration"):           # encoder-decoder: labels make the decoder input
         labels = torch.randint(3, config.vocab_size, (batch, seq - 2), generator=g)
         labels[1, -2:] = -100

@@ -75,7 +75,13 @@ def tiny_config(model_type: str):
             overrides[key] = value[:n]
         elif key == "per_layer_config" and isinstance(value, dict):
             overrides[key] = {k: v for k, v in value.items() if str(k).isdigit() and int(k) < n}
-    config = CONFIG_MAPPING[model_type](**{**fields, **overrides})
+    try:
+        config = CONFIG_MAPPING[model_type](**{**fields, **overrides})
+    except Exception:  # noqa: BLE001 - e.g. ESM-C: no grouped-query attention; retry with kv heads = heads
+        if "num_key_value_heads" not in overrides:
+            raise
+        overrides["num_key_value_heads"] = TINY["num_attention_heads"]
+        config = CONFIG_MAPPING[model_type](**{**fields, **overrides})
     for name in ("text_config", "language_config", "decoder_config"):
         sub = getattr(config, name, None)
         if sub is not None and hasattr(sub, "model_type") and sub.model_type in CONFIG_MAPPING:

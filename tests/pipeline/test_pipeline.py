@@ -10,7 +10,7 @@ dp=2 x pp=2 (gradients averaged over dp after the schedule); pp=2 x dp=2 with Ze
 within 5e-3; evaluation (optimizer=None) loss and outputs; the error cases; the schedule order
 is deadlock-free for many shapes (simulated, no processes). Issue 12: OPT (embedding projections),
 BLOOM (ALiBi, embedding norm), Falcon (multi-query; ALiBi) and ViT (pixel_values) at pp=2, and at
-tp=2 x pp=2 for BLOOM, Falcon and ViT; encoder-decoder models and ALBERT refused clearly.
+tp=2 x pp=2 for BLOOM, Falcon and ViT; encoder-decoder models, ALBERT and BLIP-2 refused clearly.
 """
 
 from __future__ import annotations
@@ -247,6 +247,8 @@ def _check_errors(rank: int) -> None:
         booster.boost(build_model("T5ForConditionalGeneration", tiny_config("t5")))
     with pytest.raises(ValueError, match="no pipeline stage layout for AlbertForMaskedLM"):
         booster.boost(build_model("AlbertForMaskedLM", tiny_config("albert")))
+    with pytest.raises(ValueError, match="no pipeline stage layout for Blip2ForConditionalGeneration"):
+        booster.boost(build_model("Blip2ForConditionalGeneration", tiny_config("blip2")))
     config = tiny_config("llama", num_hidden_layers=2)
     llama = build_model("LlamaForCausalLM", config)
     model, opt, _, _, _ = booster.boost(llama, torch.optim.AdamW(llama.parameters()))

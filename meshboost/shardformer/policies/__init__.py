@@ -8,6 +8,7 @@ import torch.nn as nn
 from meshboost.shardformer.policies.albert import ALBERT_POLICY
 from meshboost.shardformer.policies.base import Policy
 from meshboost.shardformer.policies.bert import BERT_POLICY
+from meshboost.shardformer.policies.blip2 import BLIP2_POLICY
 from meshboost.shardformer.policies.bloom import BLOOM_POLICY
 from meshboost.shardformer.policies.falcon import FALCON_POLICY
 from meshboost.shardformer.policies.gpt2 import GPT2_POLICY
@@ -18,7 +19,8 @@ from meshboost.shardformer.policies.vit import VIT_POLICY
 from meshboost.shardformer.policies.whisper import WHISPER_POLICY
 
 POLICIES: dict[str, Policy] = {p.name: p for p in (BERT_POLICY, GPT2_POLICY, OPT_POLICY, BLOOM_POLICY, FALCON_POLICY,
-                                                   VIT_POLICY, ALBERT_POLICY, T5_POLICY, WHISPER_POLICY)}
+                                                   VIT_POLICY, ALBERT_POLICY, T5_POLICY, WHISPER_POLICY,
+                                                   BLIP2_POLICY)}
 
 
 def _model_type(model: nn.Module):
