@@ -89,6 +89,7 @@ family's table).
   | t5 | `T5ForConditionalGeneration`, `T5EncoderModel` (ReLU and gated-GELU) | embedding tied over three paths, relative position bias sharded by heads, cross-attention | no (encoder-decoder) |
   | whisper | `WhisperForConditionalGeneration` | audio encoder (convolutions replicated), decoder cross-attention | no (encoder-decoder) |
   | blip-2 | `Blip2ForConditionalGeneration` (OPT language model) | Q-Former like BERT, OPT table under `language_model`, vision MLP split; vision attention replicated (its forward reshapes by the full width) | no |
+  | esmc | `EsmcForMaskedLM`, `EsmcForSequenceClassification` | whole-hidden q/k norms: q/k/v gathered, attention on every rank (OLMo2's treatment), MLP split | yes (pp plan) |
   | cohere (`use_qk_norm`) | `CohereForCausalLM` via its plan | per-head q/k norm weights split by heads (`head_norm`) | yes (pp plan) |
 
 - **transformers' own `base_model_tp_plan`**, read by `policies/tp_plan.py`, which translates

@@ -33,6 +33,9 @@ def tiny_config(family: str, **overrides):
     elif family == "cohere_qk":           # per-head q/k norm weights [heads, head_dim]; 2 kv heads (replicas at tp=4)
         cfg = tfm.CohereConfig(**common | {"num_attention_heads": 8}, num_key_value_heads=2, use_qk_norm=True,
                                max_position_embeddings=64)
+    elif family == "esmc":                # whole-hidden q/k LayerNorms: q/k/v gathered, attention on every rank
+        cfg = tfm.EsmcConfig(**common, num_key_value_heads=4, max_position_embeddings=64, pad_token_id=1,
+                             classifier_dropout=0.0)
     elif family == "qwen2":
         cfg = tfm.Qwen2Config(**common, num_key_value_heads=4, max_position_embeddings=64)
     elif family == "mistral":
@@ -109,6 +112,7 @@ MODEL_CLASSES = {
     "llama_mqa": ("LlamaForCausalLM",),
     "qwen2": ("Qwen2ForCausalLM",),
     "cohere_qk": ("CohereForCausalLM",),
+    "esmc": ("EsmcForMaskedLM", "EsmcForSequenceClassification"),
     "mistral": ("MistralForCausalLM",),
     "gemma": ("GemmaForCausalLM",),
     "opt": ("OPTForCausalLM", "OPTForSequenceClassification"),

@@ -1,7 +1,7 @@
 """Every policy at tp=2 and tp=4 against the unsharded model (eval outputs, loss, gathered grads and
 weights after an AdamW step): BERT, GPT-2, the generic base_model_tp_plan policy on Llama (incl. GQA
 with key/value heads fewer than tp: 2 kv heads at tp=4, multi-query), Qwen2, Mistral, Gemma's
-scaled embedding and Cohere's per-head q/k norms ([heads, head_dim], 2 kv heads), and the hand-written tables for OPT, BLOOM (ALiBi), Falcon (grouped, multi-query,
+scaled embedding, Cohere's per-head q/k norms ([heads, head_dim], 2 kv heads), ESM-C's whole-hidden ones, and the hand-written tables for OPT, BLOOM (ALiBi), Falcon (grouped, multi-query,
 ALiBi), ViT, ALBERT, T5 (tied embedding, relative position bias, gated FFN), Whisper and BLIP-2 (vision tower, Q-Former, OPT); plus the
 error cases, raised before any collective and before any weight is sliced."""
 

@@ -10,6 +10,7 @@ from meshboost.shardformer.policies.base import Policy
 from meshboost.shardformer.policies.bert import BERT_POLICY
 from meshboost.shardformer.policies.blip2 import BLIP2_POLICY
 from meshboost.shardformer.policies.bloom import BLOOM_POLICY
+from meshboost.shardformer.policies.esmc import ESMC_POLICY
 from meshboost.shardformer.policies.falcon import FALCON_POLICY
 from meshboost.shardformer.policies.gpt2 import GPT2_POLICY
 from meshboost.shardformer.policies.opt import OPT_POLICY
@@ -20,7 +21,7 @@ from meshboost.shardformer.policies.whisper import WHISPER_POLICY
 
 POLICIES: dict[str, Policy] = {p.name: p for p in (BERT_POLICY, GPT2_POLICY, OPT_POLICY, BLOOM_POLICY, FALCON_POLICY,
                                                    VIT_POLICY, ALBERT_POLICY, T5_POLICY, WHISPER_POLICY,
-                                                   BLIP2_POLICY)}
+                                                   BLIP2_POLICY, ESMC_POLICY)}
 
 
 def _model_type(model: nn.Module):
