@@ -131,6 +131,17 @@ def batch_for(model) -> dict:
     return batch
 
 
+def _eval_and_train(model, batch):
+    """The eval output (no grad), then the training loss with its gradients computed."""
+    model.eval()
+    with torch.no_grad():
+        _, eval_out = _loss(model, batch)
+    model.train()
+    loss, _ = _loss(model, batch)
+    loss.backward()
+    return eval_out, loss
+
+
 def check(model_type: str, group, atol: float = 1e-5) -> Verdict:
     """The verdict for one model type (call on every rank of `group`; the comparison communicates)."""
     first_error = None
@@ -138,12 +149,7 @@ def check(model_type: str, group, atol: float = 1e-5) -> Verdict:
         try:
             cls, ref = build(model_type, shrink_head_dim=shrink_head_dim)
             batch = batch_for(ref)
-            ref.eval()
-            with torch.no_grad():
-                _, ref_eval = _loss(ref, batch)
-            ref.train()
-            ref_loss, _ = _loss(ref, batch)
-            ref_loss.backward()
+            ref_eval, ref_loss = _eval_and_train(ref, batch)
             break
         except Exception as e:  # noqa: BLE001 - not meshboost's: nothing to compare
             first_error = first_error or e
@@ -158,12 +164,7 @@ def check(model_type: str, group, atol: float = 1e-5) -> Verdict:
     except (ValueError, TypeError, NotImplementedError) as e:
         return Verdict(model_type, cls, "refused", str(e).splitlines()[0][:240])
     try:
-        par.eval()
-        with torch.no_grad():
-            _, par_eval = _loss(par, batch)
-        par.train()
-        par_loss, _ = _loss(par, batch)
-        par_loss.backward()
+        par_eval, par_loss = _eval_and_train(par, batch)
         problems = []
         if par_eval.shape != ref_eval.shape or not torch.allclose(par_eval, ref_eval, rtol=1e-4, atol=atol):
             problems.append("eval output")
