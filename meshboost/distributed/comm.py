@@ -144,48 +144,24 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class _SplitToTP(torch.autograd.Function):
-    @staticmethod
+def _dim_mapping(name: str, forward_op, backward_op) -> type[torch.autograd.Function]:
+    """An autograd function along a tensor dim: `forward_op` forward, `backward_op` on its gradient
+    (Megatron's conjugate pairs: split / all-gather, all-gather / reduce-scatter, ...)."""
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        return split(x, group, dim)
+        return forward_op(x, group, dim)
 
-    @staticmethod
     def backward(ctx, grad):
-        return all_gather(grad, ctx.group, ctx.dim), None, None
+        return backward_op(grad, ctx.group, ctx.dim), None, None
+
+    methods = {"forward": staticmethod(forward), "backward": staticmethod(backward)}
+    return type(name, (torch.autograd.Function,), methods)
 
 
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return split(grad, ctx.group, ctx.dim), None, None
-
-
-class _GatherFromSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter(grad, ctx.group, ctx.dim), None, None
-
-
-class _ReduceScatterToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return reduce_scatter(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.group, ctx.dim), None, None
+_SplitToTP = _dim_mapping("_SplitToTP", split, all_gather)
+_GatherFromTP = _dim_mapping("_GatherFromTP", all_gather, split)
+_GatherFromSeq = _dim_mapping("_GatherFromSeq", all_gather, reduce_scatter)           # sequence parallelism
+_ReduceScatterToSeq = _dim_mapping("_ReduceScatterToSeq", reduce_scatter, all_gather)
 
 
 def _trivial(group) -> bool:

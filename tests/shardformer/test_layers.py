@@ -48,6 +48,7 @@ def _check_pair(native, parallel_fn, x, name, out_transform=lambda y: y):
 
 
 def _layers_body(rank, world):
+    _check_dim_mappings(rank, world)
     group = dist.group.WORLD
     torch.manual_seed(0)
     x = torch.randn(3, 5, 16)
@@ -125,6 +126,35 @@ def _layers_body(rank, world):
         assert abs(s_par.item() - s_ref.item()) < 1e-4
         n_par = vocab_parallel_cross_entropy(local.detach(), target, group, vocab, num_items_in_batch=7)
         assert abs(n_par.item() - s_ref.item() / 7) < 1e-5
+
+
+def _check_dim_mappings(rank, world):
+    """The four autograd mappings along a dim (tp split/gather, sequence gather/reduce-scatter):
+    forward values and the gradient each rank receives, against the collective written by hand."""
+    from meshboost.distributed import comm
+    group = dist.group.WORLD
+    torch.manual_seed(0)
+    full, weight = torch.randn(2, 4 * world, 3), torch.randn(2, 4 * world, 3)      # same on every rank
+    mine = slice(4 * rank, 4 * (rank + 1))
+    local = (full[:, mine] * (rank + 1)).requires_grad_()                           # differs per rank
+    every = torch.cat([full[:, slice(4 * r, 4 * (r + 1))] * (r + 1) for r in range(world)], dim=1)
+    x = full.clone().requires_grad_()
+    y = comm.split_to_tp(x, group, dim=1)
+    assert torch.equal(y, full[:, mine])
+    (y * weight[:, mine]).sum().backward()
+    assert torch.equal(x.grad, weight), "split backward: the gradient gathered from every rank"
+    for gather in (comm.gather_from_tp, comm.gather_from_seq):
+        local.grad = None
+        y = gather(local, group, dim=1)
+        assert torch.equal(y, every)
+        (y * weight).sum().backward()
+        expected = weight[:, mine] * (world if gather is comm.gather_from_seq else 1)   # reduce-scatter sums
+        assert_close(local.grad, expected, msg=f"{gather.__name__} backward")
+    x = (full * (rank + 1)).requires_grad_()
+    y = comm.reduce_scatter_to_seq(x, group, dim=1)
+    assert_close(y, full[:, mine] * sum(range(1, world + 1)), msg="reduce_scatter_to_seq forward")
+    (y * weight[:, mine]).sum().backward()
+    assert torch.equal(x.grad, weight), "reduce-scatter backward: the gradient gathered from every rank"
 
 
 def _gather_last(y, group):
