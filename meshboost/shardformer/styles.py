@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from meshboost.distributed import comm
 from meshboost.shardformer.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, is_conv1d
-from meshboost.shardformer.layers.linear import shard_parameter_
+from meshboost.shardformer.layers.linear import shard_parameter_, sum_grad_over_tp
 from meshboost.shardformer.layers.vocab import embedding_extras
 
 BLOCK_INPUT = "block_input"     # a module whose input feeds only column-parallel linears: Megatron f once
@@ -38,6 +38,10 @@ class ShardContext:
     block_inputs: tuple[str, ...] = ()                         # paths of modules with a block_input hook
     block_input_kwargs: tuple[str, ...] = DEFAULT_BLOCK_INPUT_KWARGS
     make_vocab_size_divisible_by: int = 64
+
+    @property
+    def tp_rank(self) -> int:
+        return dist.get_rank(self.group)
 
     def inside_block(self, path: str) -> bool:
         """True when `path` lies inside a block whose input already passed through Megatron f."""
@@ -135,20 +139,30 @@ def _block_input(ctx: ShardContext, path: str, module: nn.Module) -> None:
     return None
 
 
+def head_replicas(heads: int, tp_size: int, what: str) -> int:
+    """How many consecutive tp ranks hold each of `heads` heads: 1 when they split over tp, tp / heads
+    when fewer (each held by the ranks whose query heads use it); a ValueError naming `what` when
+    neither divides the other, since no rank would hold whole heads."""
+    if isinstance(heads, int) and heads > 0 and heads % tp_size == 0:
+        return 1
+    if isinstance(heads, int) and heads > 0 and tp_size % heads == 0:
+        return tp_size // heads
+    raise ValueError(f"{what}={heads!r} key/value heads over tp_size={tp_size}: every rank must hold whole heads, so "
+                     f"use a tp_size that divides {heads} or is a multiple of it")
+
+
 def _check_heads(path: str, module: nn.Module, tp_size: int, heads: int) -> None:
     _check_linear(path, module, 1, column=True)
     out = module.weight.shape[1 if is_conv1d(module) else 0]
     if out % heads:
         raise ValueError(f"{path}: {out} output features are not {heads} whole heads")
-    if heads % tp_size and tp_size % heads:
-        raise ValueError(f"{path}: {heads} key/value heads over tp_size={tp_size}: every rank must hold whole heads, "
-                         f"so use a tp_size that divides {heads} or is a multiple of it")
+    head_replicas(heads, tp_size, path)
 
 
 def _colwise_heads(ctx: ShardContext, path: str, module: nn.Module, heads: int) -> nn.Module:
     """Key/value heads: split like colwise when they divide over tp; with fewer heads than ranks,
     each head is held by the tp / heads ranks whose query heads use it (grouped-query attention)."""
-    replicas = 1 if heads % ctx.tp_size == 0 else ctx.tp_size // heads
+    replicas = head_replicas(heads, ctx.tp_size, path)
     return ColumnParallelLinear.from_native(module, ctx.group, copy_input=not ctx.inside_block(path),
                                             replicas=replicas)
 
@@ -173,12 +187,8 @@ def _replicated_grad_allreduce(ctx: ShardContext, path: str, module: nn.Module) 
     """The module stays whole on every rank, but reads only this rank's heads (a q/k norm over
     head_dim): its gradient is summed over tp as it is produced."""
     for p in module.parameters(recurse=False):
-        p.register_hook(partial(_sum_over, ctx.group))
+        p.register_hook(partial(sum_grad_over_tp, ctx.group))
     return None
-
-
-def _sum_over(group, grad: torch.Tensor) -> torch.Tensor:
-    return comm.all_reduce(grad.clone(), group)
 
 
 # -- a norm applied per head to q or k ([batch, seq, heads, head_dim]) ------------------------------
@@ -189,9 +199,7 @@ def _check_head_norm(path: str, module: nn.Module, tp_size: int, heads: int) -> 
         if p.dim() > 2:
             raise ValueError(f"{path}.{name} of shape {tuple(p.shape)}: a per-head norm weight is [head_dim] or "
                              "[heads, head_dim]")
-    if heads % tp_size and tp_size % heads:
-        raise ValueError(f"{path}: {heads} heads over tp_size={tp_size}: use a tp_size that divides {heads} or is a "
-                         "multiple of it")
+    head_replicas(heads, tp_size, path)
 
 
 def _head_norm(ctx: ShardContext, path: str, module: nn.Module, heads: int) -> None:
@@ -199,12 +207,12 @@ def _head_norm(ctx: ShardContext, path: str, module: nn.Module, heads: int) -> N
     GLM-4-MoE) stays whole and its gradient is summed over tp; one row per head ([heads,
     head_dim]: Cohere's use_qk_norm) is split by heads like the projection feeding it (key/value
     heads fewer than tp: each row held by the ranks whose query heads use it)."""
-    replicas = 1 if heads % ctx.tp_size == 0 else ctx.tp_size // heads
+    replicas = head_replicas(heads, ctx.tp_size, path)
     for p in module.parameters(recurse=False):
         if p.dim() == 2:
             shard_parameter_(p, 0, ctx.group, replicas=replicas)
         else:
-            p.register_hook(partial(_sum_over, ctx.group))
+            p.register_hook(partial(sum_grad_over_tp, ctx.group))
     return None
 
 
@@ -212,10 +220,9 @@ def _head_norm(ctx: ShardContext, path: str, module: nn.Module, heads: int) -> N
 HEAD_BIAS_KWARGS = ("alibi", "attention_mask")
 
 
-def _local_heads(t: torch.Tensor, batch: int, group, what: str) -> torch.Tensor:
+def _local_heads(t: torch.Tensor, batch: int, tp_size: int, rank: int, what: str) -> torch.Tensor:
     """This rank's heads of a bias laid out [batch * heads, q, k] (3-D) or [batch, heads, q, k]
     (4-D; a head dim of 1 broadcasts and is kept)."""
-    tp_size, rank = dist.get_world_size(group), dist.get_rank(group)
     if t.dim() == 4:
         if t.shape[1] == 1:
             return t
@@ -232,19 +239,19 @@ def _local_heads(t: torch.Tensor, batch: int, group, what: str) -> torch.Tensor:
     return local if t.dim() == 4 else local.reshape(batch * (heads // tp_size), *t.shape[1:])
 
 
-def _slice_head_biases(group, path, module, args, kwargs):
+def _slice_head_biases(tp_size: int, rank: int, path: str, module, args, kwargs):
     hidden = args[0] if args else kwargs.get("hidden_states")
     for key in HEAD_BIAS_KWARGS:
         value = kwargs.get(key)
         if torch.is_tensor(value) and value.is_floating_point():
-            kwargs[key] = _local_heads(value, hidden.shape[0], group, f"{path}: {key}")
+            kwargs[key] = _local_heads(value, hidden.shape[0], tp_size, rank, f"{path}: {key}")
     return args, kwargs
 
 
 def _heads_bias(ctx: ShardContext, path: str, module: nn.Module) -> None:
     """An attention module whose `alibi` (and, when ALiBi is folded into it, 4-D float
     `attention_mask`) carries one bias per head of the whole model: it receives this rank's heads."""
-    module.register_forward_pre_hook(partial(_slice_head_biases, ctx.group, path), with_kwargs=True)
+    module.register_forward_pre_hook(partial(_slice_head_biases, ctx.tp_size, ctx.tp_rank, path), with_kwargs=True)
     return None
 
 
@@ -303,12 +310,7 @@ def _divide(path: str, attr: str, value, tp_size: int):
 def _kv_heads(path: str, attr: str, value, tp_size: int):
     """Key/value heads per rank: split when they divide over tp, one (replicated) head per rank when
     tp is a multiple of them."""
-    if isinstance(value, int) and value % tp_size == 0:
-        return value // tp_size
-    if isinstance(value, int) and tp_size % value == 0:
-        return 1
-    raise ValueError(f"{path}.{attr}={value!r} key/value heads over tp_size={tp_size}: use a tp_size that divides "
-                     f"{value} or is a multiple of it")
+    return 1 if head_replicas(value, tp_size, f"{path}.{attr}") > 1 else value // tp_size
 
 
 def kv_groups(kv_heads: int) -> Callable:

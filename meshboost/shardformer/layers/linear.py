@@ -178,7 +178,7 @@ class ColumnSubsetLinear(_ParallelLinearBase):
         self.register_buffer("rows", rows, persistent=False)
         for p in (weight, bias):
             if p is not None and p.requires_grad:
-                p.register_hook(partial(_sum_grad_over_tp, group))
+                p.register_hook(partial(sum_grad_over_tp, group))
 
     @classmethod
     def from_native(cls, module: nn.Module, group, rows: list[int]) -> "ColumnSubsetLinear":
@@ -199,5 +199,7 @@ class ColumnSubsetLinear(_ParallelLinearBase):
         return f"{super().extra_repr()}, rows={self.rows.numel()} of {self.out_features}"
 
 
-def _sum_grad_over_tp(group, grad: torch.Tensor) -> torch.Tensor:
+def sum_grad_over_tp(group, grad: torch.Tensor) -> torch.Tensor:
+    """A gradient hook for a weight every tp rank holds whole but uses only in part (its rows, its
+    heads): the sum over tp is the gradient of the whole use."""
     return comm.all_reduce(grad.clone(), group)

@@ -61,13 +61,12 @@ def _validate(path: str, module: nn.Module, tp_size: int) -> None:
 
 
 def _apply(ctx: ShardContext, path: str, module: nn.Module) -> None:
-    import torch.distributed as dist
     kind, rows = _layout(module.config, ctx.tp_size)
     qkv = module.query_key_value
     if kind == "split":
         module.query_key_value = ColumnParallelLinear.from_native(qkv, ctx.group)
     else:
-        module.query_key_value = ColumnSubsetLinear.from_native(qkv, ctx.group, rows(dist.get_rank(ctx.group)))
+        module.query_key_value = ColumnSubsetLinear.from_native(qkv, ctx.group, rows(ctx.tp_rank))
     if module.config.alibi:
         STYLES["heads_bias"].apply(ctx, path, module)
     return None
