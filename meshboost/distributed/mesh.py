@@ -73,8 +73,7 @@ class ParallelMesh:
             **self._timeout_override(device_type))
         self.global_rank = dist.get_rank()
         self.dp_rank, self.pp_rank, self.tp_rank = self.device_mesh.get_coordinate()
-        self._tied_stage_group: dist.ProcessGroup | None = None
-        self._tied_stage_built = False
+        self._stage_groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
 
     def _timeout_override(self, device_type: str) -> dict:
         """DeviceMesh creates its groups with torch's default timeout unless given backend options
@@ -111,20 +110,28 @@ class ParallelMesh:
         """Every rank of the mesh (the default group): overflow and norms are agreed over it."""
         return dist.group.WORLD
 
-    def tied_stage_group(self) -> dist.ProcessGroup | None:
-        """The group {first stage, last stage} of this rank's (dp, tp) coordinate, or None on a middle
-        stage (and with pp_size == 1). Built on first call: every rank must make that call, since
-        torch creates one group per (dp, tp) coordinate collectively."""
-        if not self._tied_stage_built and self.pp_size > 1:
+    def stage_group(self, pp_ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
+        """The group of the pipeline ranks `pp_ranks` (those holding one tied weight) at this rank's
+        (dp, tp) coordinate, or None when this rank's stage is not among them. Built on first call for
+        a given set: every rank must make that call, since torch creates one group per (dp, tp)
+        coordinate collectively."""
+        pp_ranks = tuple(sorted(pp_ranks))
+        if pp_ranks not in self._stage_groups:
+            mine = None
             grid = self.device_mesh.mesh
             for d in range(self.dp_size):
                 for t in range(self.tp_size):
-                    ranks = [int(grid[d, 0, t]), int(grid[d, self.pp_size - 1, t])]
+                    ranks = [int(grid[d, p, t]) for p in pp_ranks]
                     group = dist.new_group(ranks, timeout=self.timeout)
                     if self.global_rank in ranks:
-                        self._tied_stage_group = group
-        self._tied_stage_built = True
-        return self._tied_stage_group
+                        mine = group
+            self._stage_groups[pp_ranks] = mine
+        return self._stage_groups[pp_ranks]
+
+    def tied_stage_group(self) -> dist.ProcessGroup | None:
+        """The group {first stage, last stage} of this rank's (dp, tp) coordinate (GPT-2's `wte` and
+        `lm_head`), or None on a middle stage and with pp_size == 1; collective like `stage_group`."""
+        return self.stage_group((0, self.pp_size - 1)) if self.pp_size > 1 else None
 
     def size(self, axis: str) -> int:
         return {"dp": self.dp_size, "pp": self.pp_size, "tp": self.tp_size}[axis]

@@ -6,7 +6,8 @@ the loss from the last stage. Every transfer is reported to `meshboost.distribut
 Must not know about schedules or models.
 
 Sends are asynchronous (their handles are kept until `wait_sends`), receives block: with any
-valid schedule this cannot deadlock. Activations carry a small header (dtype and shape) so
+valid schedule this cannot deadlock. A boundary may carry several tensors (a decoder stage
+also needs the encoder output). Activations carry a small header (count, dtypes and shapes) so
 micro-batches may change shape from one step to the next (dynamic padding, evaluation batches);
 gradients have the shape of the activation they answer, which the receiver already knows.
 Each (receiving virtual stage, direction) pair has its own tag, so interleaved streams sharing a
@@ -23,6 +24,7 @@ from meshboost.distributed.profiling import record_collective
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _MAX_DIMS = 8
+_MAX_TENSORS = 8
 
 
 class StageComm:
@@ -50,29 +52,45 @@ class StageComm:
         return buffer
 
     # -- activations: virtual stage v-1 -> v ----------------------------------------------------
-    def send_activation(self, tensor: torch.Tensor, to_virtual: int) -> None:
-        if tensor.dtype not in _DTYPES or tensor.dim() > _MAX_DIMS:
-            raise TypeError(f"pipeline stages pass one float tensor of at most {_MAX_DIMS} dims between them, "
-                            f"got {tensor.dtype} of shape {tuple(tensor.shape)}")
-        header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
-        header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
-        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    def send_activation(self, tensors: list[torch.Tensor], to_virtual: int) -> None:
+        """Send the tensors crossing a stage boundary (the hidden states; with an encoder-decoder
+        also the encoder output, and what the layout carries): one header, then each tensor."""
+        if not 1 <= len(tensors) <= _MAX_TENSORS:
+            raise TypeError(f"pipeline stages pass 1 to {_MAX_TENSORS} tensors between them, got {len(tensors)}")
+        header = torch.zeros(1 + _MAX_TENSORS * (2 + _MAX_DIMS), dtype=torch.int64, device=self.device)
+        header[0] = len(tensors)
+        for i, tensor in enumerate(tensors):
+            if not torch.is_tensor(tensor) or tensor.dtype not in _DTYPES or tensor.dim() > _MAX_DIMS:
+                what = f"{tensor.dtype} of shape {tuple(tensor.shape)}" if torch.is_tensor(tensor) else type(tensor)
+                raise TypeError(f"pipeline stages pass float tensors of at most {_MAX_DIMS} dims between them, "
+                                f"got {what}")
+            at = 1 + i * (2 + _MAX_DIMS)
+            header[at], header[at + 1] = _DTYPES.index(tensor.dtype), tensor.dim()
+            header[at + 2:at + 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
         self._send(header, to_virtual, tag=2 * to_virtual)
-        self._send(tensor, to_virtual, tag=2 * to_virtual)
+        for tensor in tensors:
+            self._send(tensor, to_virtual, tag=2 * to_virtual)
 
-    def recv_activation(self, at_virtual: int) -> torch.Tensor:
-        header = self._recv(torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device), at_virtual - 1,
-                            tag=2 * at_virtual)
-        dtype, ndim = _DTYPES[int(header[0])], int(header[1])
-        shape = [int(d) for d in header[2:2 + ndim]]
-        return self._recv(torch.empty(shape, dtype=dtype, device=self.device), at_virtual - 1, tag=2 * at_virtual)
+    def recv_activation(self, at_virtual: int) -> list[torch.Tensor]:
+        header = self._recv(torch.empty(1 + _MAX_TENSORS * (2 + _MAX_DIMS), dtype=torch.int64, device=self.device),
+                            at_virtual - 1, tag=2 * at_virtual)
+        tensors = []
+        for i in range(int(header[0])):
+            at = 1 + i * (2 + _MAX_DIMS)
+            dtype, ndim = _DTYPES[int(header[at])], int(header[at + 1])
+            shape = [int(d) for d in header[at + 2:at + 2 + ndim]]
+            tensors.append(self._recv(torch.empty(shape, dtype=dtype, device=self.device), at_virtual - 1,
+                                      tag=2 * at_virtual))
+        return tensors
 
-    # -- gradients: virtual stage v+1 -> v --------------------------------------------------------
-    def send_grad(self, grad: torch.Tensor, to_virtual: int) -> None:
-        self._send(grad, to_virtual, tag=2 * to_virtual + 1)
+    # -- gradients: virtual stage v+1 -> v, one per tensor sent forward -----------------------------
+    def send_grad(self, grads: list[torch.Tensor], to_virtual: int) -> None:
+        for grad in grads:
+            self._send(grad, to_virtual, tag=2 * to_virtual + 1)
 
-    def recv_grad(self, at_virtual: int, like: torch.Tensor) -> torch.Tensor:
-        return self._recv(torch.empty_like(like), at_virtual + 1, tag=2 * at_virtual + 1)
+    def recv_grad(self, at_virtual: int, like: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [self._recv(torch.empty(t.shape, dtype=t.dtype, device=self.device), at_virtual + 1,
+                           tag=2 * at_virtual + 1) for t in like]
 
     def wait_sends(self) -> None:
         for work, _ in self._pending:

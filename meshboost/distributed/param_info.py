@@ -1,7 +1,7 @@
 """The records a parameter carries, and the one routine that maps a full tensor onto tp shards.
 
 Owns: `TensorParallelInfo` (which dim is split, over which group, the full shape, vocab padding,
-fused blocks) and `PipelineTie` (a weight held by the first and the last pipeline stage), each
+fused blocks) and `PipelineTie` (a weight held by several pipeline stages), each
 attached to the parameter itself; `local_slices`, the only code that knows which slices of a full
 tensor make up this rank's shard, and the shard/gather functions built on it. Grad-norm, ZeRO,
 sharding, pipelines and checkpoints read the records; none of them re-derives a layout from
@@ -66,9 +66,9 @@ class TensorParallelInfo:
 
 @dataclass(frozen=True)
 class PipelineTie:
-    """A weight that the first and the last pipeline stage both hold (an embedding tied to the LM
-    head). `replica` is True on the last stage: its gradient is summed with the first stage's,
-    and it is not counted a second time in the gradient norm."""
+    """A weight that several pipeline stages hold (an embedding tied to the LM head). `replica` is
+    True on every holder but the lowest pipeline rank: its gradient is summed with the others', and
+    it is not counted a second time in the gradient norm."""
 
     replica: bool
 

@@ -1,7 +1,8 @@
 """Gradient reductions a pipeline step owes after its schedule ran.
 
-Owns: summing the gradients of weights tied across the first and last stage (e.g. GPT-2 `wte` /
-`lm_head`) over the group joining those stages (`ParallelMesh.tied_stage_group`), and averaging
+Owns: summing the gradients of weights that several pipeline ranks hold (GPT-2's `wte` / `lm_head`
+on the first and last stage; T5's shared embedding on the encoder's first, the decoder's first and
+the last stage) over the group joining those ranks (`ParallelMesh.stage_group`), and averaging
 stage gradients over the data-parallel group when the plugin decided the pipeline reduces them.
 Collectives go through `meshboost.distributed.comm`. Must not know about schedules.
 

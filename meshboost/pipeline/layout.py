@@ -1,15 +1,17 @@
-"""A model's pipeline anatomy (which modules the first, middle and last stages run) and how its
-layers split over stages.
+"""A model's pipeline anatomy (which modules each stage runs) and how its layers split over stages.
 
-Owns: `StageLayout` (module paths relative to `model.base_model`: the embeddings the first stage
-runs, the `nn.ModuleList` of layers the stages share, the tail the last stage runs), choosing a
-model's layout (the one its family's policy declares, passed in by the plugin, else transformers'
-own `config.base_model_pp_plan`), and `split_layers` (contiguous, even, remainder to the middle
-stages). Must not touch a model (stage construction lives in stage.py) nor know a family.
+Owns: `StageLayout`, a sequence of `Segment`s (one for a decoder or encoder model; two for an
+encoder-decoder; one per tower for a model chaining several), each naming, relative to
+`model.base_model`, the module whose forward runs it (`stack`), the embeddings it starts with, its
+`nn.ModuleList` of layers, its tail (final norm, pooler, head) and the extra layer outputs a stage
+boundary must carry (T5's position bias); choosing a model's layout (the one its family's policy
+declares, passed in by the plugin, else transformers' own `config.base_model_pp_plan`); and
+`split_layers` (contiguous over the layers of every segment in order, even, remainder to the
+middle stages). Must not touch a model (stage construction lives in stage.py) nor know a family.
 
-Every module outside the base model (LM head, classifier, ...) belongs to the tail. The layout is
-checked against the model's parameters, so a family whose layout misses a parameter fails loudly
-instead of silently dropping it.
+Every module outside the base model (LM head, classifier, ...) belongs to the last stage. The
+layout is checked against the model's parameters, so a family whose layout misses a parameter
+fails loudly instead of silently dropping it.
 """
 
 from __future__ import annotations
@@ -18,23 +20,52 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
+SEGMENT_KEYS = ("stack", "embeddings", "layers", "tail", "carry", "counted_by")
+
 
 @dataclass(frozen=True)
-class StageLayout:
-    """The pipeline anatomy of one model family (paths relative to the base model).
+class Carry:
+    """A layer output that the next layer of the same segment receives as an argument (T5 layers
+    return the position bias the first layer computed, and the stack passes it to the next one):
+    output[`output`] -> positional argument `position`, or keyword `name` when called with fewer."""
 
-    embeddings: modules that turn the inputs into the first hidden states (first stage only).
-    layers: path of the `nn.ModuleList` of transformer layers, split contiguously over stages.
-        Each layer takes the hidden states as its first argument and returns them (or a tuple
-        starting with them).
-    tail: modules after the layers (final norm, pooler); run by the last stage, which also owns
-        every module outside the base model (the heads).
+    output: int
+    position: int
+    name: str
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One layer stack of a model.
+
+    stack: path of the module whose forward runs embeddings -> layers -> tail and returns the
+        segment's output first (`output[0]`, e.g. `last_hidden_state`); "" for the base model itself
+        (a one-segment layout). A later segment reads it: T5's decoder, the encoder's output.
+    embeddings: modules that turn the inputs into the first hidden states (run by the stage holding
+        the segment's first layer).
+    layers: path of the `nn.ModuleList` of layers. Each layer takes the hidden states as its first
+        argument and returns them (or a tuple starting with them).
+    tail: modules after the layers, run by the stage holding the segment's last layer.
+    carry: extra layer outputs a boundary inside the segment carries (see `Carry`).
+    counted_by: path of the module whose `config.num_hidden_layers` the stack loops over
+        (`for i in range(self.config.num_hidden_layers): self.layer[i]`, BLIP-2's Q-Former) instead of
+        iterating the list; while a chunk runs it reads the chunk's count. "" for stacks that iterate.
     """
 
-    name: str
     embeddings: tuple[str, ...]
     layers: str
     tail: tuple[str, ...] = ()
+    stack: str = ""
+    carry: tuple[Carry, ...] = ()
+    counted_by: str = ""
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """The pipeline anatomy of one model family: its segments, run in order."""
+
+    name: str
+    segments: tuple[Segment, ...]
 
 
 def layout_from_pp_plan(base: nn.Module) -> StageLayout | None:
@@ -50,32 +81,50 @@ def layout_from_pp_plan(base: nn.Module) -> StageLayout | None:
     if len(lists) != 1:
         return None
     i = names.index(lists[0])
-    return StageLayout(f"pp_plan:{config.model_type}", tuple(names[:i]), lists[0], tuple(names[i + 1:]))
+    return StageLayout(f"pp_plan:{config.model_type}", (Segment(tuple(names[:i]), lists[0], tuple(names[i + 1:])),))
+
+
+def segment_from_dict(entry: dict, where: str) -> Segment:
+    unknown = set(entry) - set(SEGMENT_KEYS)
+    if unknown or "layers" not in entry:
+        raise ValueError(f"{where}: a pipeline segment needs 'layers' and may have {SEGMENT_KEYS}; "
+                         f"got {sorted(entry)}")
+    carry = tuple(c if isinstance(c, Carry) else Carry(*c) for c in entry.get("carry", ()))
+    return Segment(tuple(entry.get("embeddings", ())), entry["layers"], tuple(entry.get("tail", ())),
+                   entry.get("stack", ""), carry, entry.get("counted_by", ""))
 
 
 def get_layout(model: nn.Module, declared: dict | None = None) -> StageLayout:
-    """The layout of `model`: `declared` ({"embeddings", "layers", "tail"}, from the family's policy)
-    or transformers' `base_model_pp_plan`; a ValueError naming both ways out otherwise."""
+    """The layout of `model`: `declared` (from the family's policy: {"embeddings", "layers", "tail"}
+    for one segment, {"segments": [...]} for several) or transformers' `base_model_pp_plan`; a
+    ValueError naming both ways out otherwise. Segments whose layer list the model lacks
+    (`T5EncoderModel` has no decoder) are dropped."""
     base = getattr(model, "base_model", model)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
+    where = f"pipeline layout of {model_type!r}"
     if declared is not None:
-        layout = StageLayout(f"policy:{model_type}", tuple(declared.get("embeddings", ())), declared["layers"],
-                             tuple(declared.get("tail", ())))
+        entries = declared["segments"] if "segments" in declared else [declared]
+        segments = tuple(segment_from_dict(e, where) for e in entries)
+        segments = tuple(s for s in segments if _get(base, s.layers) is not None)
+        layout = StageLayout(f"policy:{model_type}", segments) if segments else None
     else:
         layout = layout_from_pp_plan(base)
-    if layout is None and getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        raise ValueError(
-            f"{type(model).__name__} (model_type={model_type!r}) is an encoder-decoder model: pipeline stages over "
-            "two layer stacks (encoder outputs carried to the decoder stages) are not supported yet; use pp_size=1 "
-            "(tensor and data parallelism and ZeRO work for it)")
     if layout is None:
         raise ValueError(
             f"no pipeline stage layout for {type(model).__name__} (model_type={model_type!r}). Supported: families "
-            "whose policy declares one (bert, gpt2, opt, bloom, falcon, vit) and any model whose config ships "
-            "`base_model_pp_plan` (Llama, Qwen2, Mistral, ...). Pass custom_policy=Policy(..., pipeline_layout="
+            "whose policy declares one (bert, gpt2, opt, bloom, falcon, vit, t5, whisper) and any model whose config "
+            "ships `base_model_pp_plan` (Llama, Qwen2, Mistral, ...). Pass custom_policy=Policy(..., pipeline_layout="
             "{'embeddings': (...), 'layers': ..., 'tail': (...)}) or use pp_size=1.")
-    if not isinstance(_get(base, layout.layers), nn.ModuleList):
-        raise ValueError(f"layout {layout.name!r}: {type(base).__name__}.{layout.layers} is not an nn.ModuleList")
+    if len(layout.segments) > 1 and any(not s.stack for s in layout.segments):
+        raise ValueError(f"layout {layout.name!r}: with several segments each needs its 'stack' module path")
+    for segment in layout.segments:
+        layers = _get(base, segment.layers)
+        if not isinstance(layers, nn.ModuleList):
+            raise ValueError(f"layout {layout.name!r}: {type(base).__name__}.{segment.layers} is not an nn.ModuleList")
+        if segment.stack and not isinstance(_get(base, segment.stack), nn.Module):
+            raise ValueError(f"layout {layout.name!r}: {type(base).__name__} has no module {segment.stack!r}")
+        if len(layers) == 0:
+            raise ValueError(f"layout {layout.name!r}: {segment.layers} holds no layer")
     return layout
 
 
@@ -109,7 +158,7 @@ def split_layers(num_layers: int, num_stages: int, num_layers_per_stage: list[in
 def _get(root: nn.Module, path: str):
     """The submodule at dotted `path`, or None when any part is missing (e.g. no pooler)."""
     module = root
-    for part in path.split("."):
+    for part in path.split(".") if path else ():
         module = getattr(module, part, None)
         if module is None:
             return None

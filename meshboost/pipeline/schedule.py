@@ -78,16 +78,17 @@ class PipelineSchedule:
     """Runs one pipeline step over the stages of this rank.
 
     dp_group: average gradients over it after the schedule (None when something else reduces them:
-    the plugin decides, see `meshboost.plugins.config.dp_reducer`). tied_group: the
-    first/last-stage group for tied weights.
+    the plugin decides, see `meshboost.plugins.config.dp_reducer`). tied: (group of the pipeline
+    ranks holding a tied weight, the tied weights this rank holds) pairs, e.g. GPT-2's embedding and
+    LM head on the first and last stage.
     """
 
     def __init__(self, stages: PipelineStages, comm: StageComm, num_microbatches: int | None = None,
-                 microbatch_size: int | None = None, dp_group=None, tied_group=None,
+                 microbatch_size: int | None = None, dp_group=None, tied=(),
                  loss_normalization: str = TOKENS, count_group=None, count_size: int = 1, shifted_labels: bool = False):
         self.stages, self.comm = stages, comm
         self.num_microbatches, self.microbatch_size = num_microbatches, microbatch_size
-        self.dp_group, self.tied_group = dp_group, tied_group
+        self.dp_group, self.tied = dp_group, list(tied)
         # normalization.py: the mode, the data-parallel group its item count is agreed over, and
         # whether the model shifts its labels (causal LM).
         self.loss_normalization, self.count_group, self.count_size = loss_normalization, count_group, count_size
@@ -115,7 +116,8 @@ class PipelineSchedule:
                 step.forward(chunk, mb) if kind == "F" else step.backward(chunk, mb)
         self.comm.wait_sends()
         if training:
-            sum_tied_grads(stages.tied_params, self.tied_group)
+            for group, params in self.tied:
+                sum_tied_grads(params, group)
             if self.dp_group is not None:
                 average_grads(stages.model.parameters(), self.dp_group)
         loss = None
@@ -160,16 +162,17 @@ class _Step:
     def forward(self, chunk: int, mb: int) -> None:
         stages, virtual = self.stages, self.stages.virtual(chunk)
         training = self.optimizer is not None
-        hidden = None
+        received = None
         if not stages.is_first(chunk):
-            hidden = self.comm.recv_activation(virtual)
-            hidden.requires_grad_(training)
+            received = self.comm.recv_activation(virtual)
+            for t in received:
+                t.requires_grad_(training)
         inputs = self.microbatches[mb]
-        out = stages.forward_chunk(chunk, inputs, hidden)
+        out = stages.forward_chunk(chunk, inputs, received)
         if not stages.is_last(chunk):
             self.comm.send_activation(out, virtual + 1)
             if training:
-                self.saved[(chunk, mb)] = (hidden, out)
+                self.saved[(chunk, mb)] = (received, out)
             return
         if self.return_outputs:
             self.outputs.append(_detach(out))
@@ -177,20 +180,24 @@ class _Step:
             loss = self.criterion(out, inputs)
             self.losses.append(loss.detach())
             if training:
-                self.saved[(chunk, mb)] = (hidden, self.share(mb, loss))
+                self.saved[(chunk, mb)] = (received, self.share(mb, loss))
 
     def backward(self, chunk: int, mb: int) -> None:
         stages, virtual = self.stages, self.stages.virtual(chunk)
-        hidden, out = self.saved.pop((chunk, mb))
+        received, out = self.saved.pop((chunk, mb))
         if stages.is_last(chunk):
             self.optimizer.backward(out)          # the optimizer wrapper scales the loss (fp16)
         else:
-            grad = self.comm.recv_grad(virtual, like=out)
+            grads = self.comm.recv_grad(virtual, like=out)
+            # A tensor passed on unchanged (the encoder output through decoder stages) is a leaf here:
+            # its upstream gradient adds to what this stage's own layers give it.
+            pairs = [(o, g) for o, g in zip(out, grads) if o.requires_grad]
+            outs, grads = [o for o, _ in pairs], [g for _, g in pairs]
             by_grad = getattr(self.optimizer, "backward_by_grad", None)
-            by_grad(out, grad) if by_grad is not None else torch.autograd.backward(out, grad)
+            by_grad(outs, grads) if by_grad is not None else torch.autograd.backward(outs, grads)
         if not stages.is_first(chunk):
-            grad_in = hidden.grad if hidden.grad is not None else torch.zeros_like(hidden)
-            self.comm.send_grad(grad_in, virtual - 1)
+            self.comm.send_grad([t.grad if t.grad is not None else torch.zeros_like(t) for t in received],
+                                virtual - 1)
 
 
 def _detach(out):

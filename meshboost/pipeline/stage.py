@@ -1,15 +1,21 @@
 """Pipeline stages cut from an unmodified HuggingFace model.
 
 Owns: removing from the model every module this rank's stages do not hold (in place, so the
-model keeps its class, its parameter names and its own forward), finding weights tied across the
-first and last stage, and running one model chunk through the model's own forward.
+model keeps its class, its parameter names and its own forward), finding weights that several
+pipeline ranks hold (an embedding tied to the LM head), and running one model chunk through the
+model's own forward.
 
 How a stage runs its slice without forking the HF forward: the model is called as usual with
 the micro-batch's inputs (so it builds its own attention masks and position embeddings, which
-are cheap); the layer list iterates only the chunk being run; on a stage other than the first,
-the embeddings are stand-ins returning zeros of the right shape and a pre-hook on the chunk's
-first layer swaps in the hidden states received from the previous stage; on a stage other than
-the last, a hook on the chunk's last layer stops the forward and returns its hidden states.
+are cheap); each layer list iterates only the chunk's layers. A chunk that starts inside a
+segment (see layout.py) runs that segment's embeddings as stand-ins returning zeros of the right
+shape, and a pre-hook on its first layer swaps in the tensors received from the previous stage
+(the hidden states, and what the layout says a boundary carries, T5's position bias). The stacks
+of earlier segments (an encoder, for a decoder stage) are stand-ins returning the outputs
+received for them. A chunk that ends inside a segment stops at its last layer (a hook raising a
+private BaseException) and hands its hidden states on; one that ends a segment stops after the
+segment's stack returns and hands on that segment's output, with the outputs of every earlier
+segment (the decoder's cross-attention reads the encoder output on every decoder stage).
 Must not communicate: p2p.py and schedule.py do that.
 """
 
@@ -22,59 +28,18 @@ import torch
 import torch.nn as nn
 
 from meshboost.distributed.param_info import PipelineTie, set_pipeline_tie
-from meshboost.pipeline.layout import StageLayout, get_layout, split_layers
+from meshboost.pipeline.layout import Segment, StageLayout, get_layout, split_layers
+from meshboost.pipeline.stand_ins import AbsentEmbedding, AbsentModule, ReceivedOutput, stand_in_for
 
 
 class _StageOutput(BaseException):
-    """Carries a chunk's last hidden states out of the HF forward. A BaseException so that no
-    `except Exception` in model code can swallow it."""
+    """Stops the HF forward at the end of a chunk. `tensors`: the hidden states and carried layer
+    outputs of a chunk ending inside a segment (empty when it ends a segment). A BaseException so
+    that no `except Exception` in model code can swallow it."""
 
-    def __init__(self, hidden: torch.Tensor):
+    def __init__(self, tensors: list[torch.Tensor]):
         super().__init__()
-        self.hidden = hidden
-
-
-class AbsentEmbedding(nn.Module):
-    """Stands in for a module of the embeddings, which the first stage holds. Returns zeros shaped
-    like the hidden states received from the previous stage (set by `forward_chunk` while the chunk
-    runs), so the model can build its masks from them; those hidden states replace its output at the
-    first layer. Keeps the replaced module's tree of submodules with an empty tensor of the right
-    dtype for every weight, so a forward reading `embeddings.patch_embeddings.projection.weight.dtype`
-    (ViT) still works; the stand-in owns no parameter and saves nothing."""
-
-    def __init__(self, replaced: nn.Module):
-        super().__init__()
-        _hollow_into(self, replaced)
-        self.hidden_like: torch.Tensor | None = None
-
-    def forward(self, *args, **kwargs):
-        if self.hidden_like is None:
-            raise RuntimeError("an embedding stand-in ran outside a pipeline chunk; run the model through "
-                               "booster.execute_pipeline(data_iter, model, criterion, optimizer)")
-        return torch.zeros_like(self.hidden_like)
-
-
-def _hollow_into(shell: nn.Module, module: nn.Module) -> None:
-    for name, p in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
-        if p is not None and name not in shell._buffers:
-            device = "cpu" if p.is_meta else p.device           # never a meta buffer: nothing to load
-            shell.register_buffer(name, torch.empty(0, dtype=p.dtype, device=device), persistent=False)
-    for name, child in module.named_children():
-        hollow = nn.Module()
-        _hollow_into(hollow, child)
-        shell.add_module(name, hollow)
-
-
-class AbsentModule(nn.Module):
-    """Stands in for a module another pipeline stage holds; calling it is a usage error."""
-
-    def __init__(self, path: str, owner: str):
-        super().__init__()
-        self.path, self.owner = path, owner
-
-    def forward(self, *args, **kwargs):
-        raise RuntimeError(f"{self.path} lives on the {self.owner} pipeline stage; with pp_size > 1 run the model "
-                           "through booster.execute_pipeline(data_iter, model, criterion, optimizer)")
+        self.tensors = tensors
 
 
 class StageLayerList(nn.ModuleList):
@@ -102,22 +67,35 @@ class StageLayerList(nn.ModuleList):
 
 @dataclass
 class PipelineStages:
-    """The model chunks one rank runs. Chunk c of pipeline rank r is virtual stage c * pp_size + r."""
+    """The model chunks one rank runs. Chunk c of pipeline rank r is virtual stage c * pp_size + r.
+    Layers are numbered globally over the layout's segments in order (an encoder's, then a decoder's)."""
 
     model: nn.Module
     layout: StageLayout
     pp_rank: int
     pp_size: int
     num_chunks: int
-    layer_ranges: list[range]                 # per virtual stage
-    chunk_layers: list[list[nn.Module]]       # per local chunk
-    stand_ins: dict[str, nn.Module]           # embeddings path -> AbsentEmbedding
-    tied_params: list[nn.Parameter] = field(default_factory=list)   # shared by the first and last stage
-    has_tied: bool = False                    # some weight is tied across stages (same on every rank)
+    layer_ranges: list[range]                 # per virtual stage, global layer indices
+    offsets: list[int]                        # global index of each segment's first layer
+    sizes: list[int]                          # layers per segment
+    kept: dict[int, nn.Module]                # global index -> layer this rank holds
+    layer_lists: dict[int, StageLayerList]    # segment -> its layer list on this rank
+    stand_ins: dict[str, nn.Module | torch.Tensor]   # embeddings path -> stand-in
+    # weights held by several pipeline ranks: (those pp ranks, the ones held here), the same sets
+    # on every rank (groups are built collectively)
+    ties: list[tuple[tuple[int, ...], list[nn.Parameter]]] = field(default_factory=list)
 
     @property
     def num_virtual(self) -> int:
         return self.pp_size * self.num_chunks
+
+    @property
+    def has_tied(self) -> bool:
+        return bool(self.ties)
+
+    @property
+    def tied_params(self) -> list[nn.Parameter]:
+        return [p for _, params in self.ties for p in params]
 
     def virtual(self, chunk: int) -> int:
         return chunk * self.pp_size + self.pp_rank
@@ -128,30 +106,61 @@ class PipelineStages:
     def is_last(self, chunk: int) -> bool:
         return self.virtual(chunk) == self.num_virtual - 1
 
-    def forward_chunk(self, chunk: int, inputs: dict, hidden: torch.Tensor | None):
-        """Run local `chunk` through the model's own forward. `hidden`: the previous stage's output
-        (None on the first stage). Returns the model output on the last stage, else the hidden states."""
-        layers = self.chunk_layers[chunk]
-        base = self.model.base_model
-        layer_list = base.get_submodule(self.layout.layers)
-        handles = []
-        if not self.is_first(chunk):
-            handles.append(layers[0].register_forward_pre_hook(_replace_hidden(hidden), with_kwargs=True))
+    def segment_of(self, index: int) -> int:
+        return max(j for j, off in enumerate(self.offsets) if off <= index)
+
+    def forward_chunk(self, chunk: int, inputs: dict, received: list[torch.Tensor] | None):
+        """Run local `chunk` through the model's own forward. `received`: what the previous stage sent
+        (None on the first stage): the outputs of the segments before this chunk's first one, then,
+        when the chunk starts inside a segment, its hidden states and carried layer outputs. Returns
+        the model output on the last stage, else the list to send on (same convention)."""
+        segments, base = self.layout.segments, self.model.base_model
+        span = self.layer_ranges[self.virtual(chunk)]
+        k0, k1 = self.segment_of(span.start), self.segment_of(span[-1])
+        starts = span.start == self.offsets[k0]
+        ends = span[-1] == self.offsets[k1] + self.sizes[k1] - 1
+        received = list(received or [])
+        earlier = received[:k0]                                    # outputs of segments before k0
+        swaps: dict[str, nn.Module] = {segments[j].stack: ReceivedOutput(earlier[j]) for j in range(k0)}
+        handles, captured = [], {}
+        if not starts:
+            hidden, carried = received[k0], received[k0 + 1:]
+            for path in segments[k0].embeddings:
+                if path in self.stand_ins:
+                    swaps[path] = self.stand_ins[path]
+                    if isinstance(swaps[path], AbsentEmbedding):
+                        swaps[path].hidden_like = hidden
+            handles.append(self.kept[span.start].register_forward_pre_hook(
+                _replace_inputs(hidden, segments[k0].carry, carried), with_kwargs=True))
         if not self.is_last(chunk):
-            handles.append(layers[-1].register_forward_hook(_stop_with_output))
-        swapped = {} if self.is_first(chunk) else self.stand_ins
-        for stand_in in swapped.values():
-            stand_in.hidden_like = hidden
-        layer_list.running = layers
+            for j in range(k0, k1 + 1):
+                if j < k1 or ends:                                 # this chunk completes segment j
+                    stack = base.get_submodule(segments[j].stack)
+                    handles.append(stack.register_forward_hook(_segment_done(j, captured, stop=j == k1)))
+            if not ends:
+                handles.append(self.kept[span[-1]].register_forward_hook(_stop_with_output(segments[k1])))
+        for j, layer_list in self.layer_lists.items():
+            first, stop = self.offsets[j], self.offsets[j] + self.sizes[j]
+            layer_list.running = [self.kept[i] for i in span if first <= i < stop]
+        off = self.offsets[k0]
+        local = range(span.start - off, min(span.stop, off + self.sizes[k0]) - off)    # k0's own layer numbers
+        config = getattr(base.get_submodule(segments[k0].stack), "config", self.model.config)
+        counts = contextlib.ExitStack()
+        for j in range(k0, k1 + 1):
+            if segments[j].counted_by:
+                counted = base.get_submodule(segments[j].counted_by).config
+                counts.enter_context(_set_attr(counted, "num_hidden_layers", len(self.layer_lists[j].running)))
         try:
-            with _swapped(base, swapped), _per_layer_config(self.model.config, self.layer_ranges[self.virtual(chunk)]):
+            with _swapped(base, swaps), _per_layer_config(config, local), counts:
                 return self.model(**inputs)
         except _StageOutput as done:
-            return done.hidden
+            return earlier + [captured[j] for j in range(k0, k1 + 1) if j in captured] + done.tensors
         finally:
-            layer_list.running = None
-            for stand_in in swapped.values():
-                stand_in.hidden_like = None
+            for layer_list in self.layer_lists.values():
+                layer_list.running = None
+            for stand_in in self.stand_ins.values():
+                if isinstance(stand_in, AbsentEmbedding):
+                    stand_in.hidden_like = None
             for h in handles:
                 h.remove()
 
@@ -178,6 +187,16 @@ def _per_layer_config(config, indices: range):
             setattr(config, key, value)
 
 
+@contextlib.contextmanager
+def _set_attr(obj, name: str, value):
+    saved = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, saved)
+
+
 def _only_through_schedule(layer_list: StageLayerList):
     def hook(module, args):
         if layer_list.running is None:
@@ -186,16 +205,37 @@ def _only_through_schedule(layer_list: StageLayerList):
     return hook
 
 
-def _replace_hidden(hidden: torch.Tensor):
+def _replace_inputs(hidden: torch.Tensor, carry, carried: list[torch.Tensor]):
+    """Pre-hook on a chunk's first layer: the received hidden states, and each carried output at
+    its argument (positional when the stack passes it positionally, else by keyword)."""
     def hook(module, args, kwargs):
+        args, kwargs = list(args), dict(kwargs)
         if args:
-            return (hidden, *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": hidden}
+            args[0] = hidden
+        else:
+            kwargs["hidden_states"] = hidden
+        for c, value in zip(carry, carried):
+            if len(args) > c.position:
+                args[c.position] = value
+            else:
+                kwargs[c.name] = value
+        return tuple(args), kwargs
     return hook
 
 
-def _stop_with_output(module, args, output):
-    raise _StageOutput(output[0] if isinstance(output, (tuple, list)) else output)
+def _stop_with_output(segment: Segment):
+    def hook(module, args, output):
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        raise _StageOutput([outputs[0], *[outputs[c.output] for c in segment.carry]])
+    return hook
+
+
+def _segment_done(index: int, captured: dict, stop: bool):
+    def hook(module, args, output):
+        captured[index] = output[0]
+        if stop:
+            raise _StageOutput([])
+    return hook
 
 
 @contextlib.contextmanager
@@ -209,27 +249,20 @@ def _swapped(root: nn.Module, replacements: dict[str, nn.Module]):
             _set(root, path, module)
 
 
-def _set(root: nn.Module, path: str, module: nn.Module) -> nn.Module:
+def _set(root: nn.Module, path: str, value):
+    """Put `value` (a module, or a parameter's stand-in tensor and back) at `path`; returns what was there."""
     parent_path, _, leaf = path.rpartition(".")
     parent = root.get_submodule(parent_path) if parent_path else root
     old = getattr(parent, leaf)
-    setattr(parent, leaf, module)
+    if not (isinstance(value, nn.Module) and leaf in parent._modules):
+        parent._parameters.pop(leaf, None)         # a parameter becomes a plain tensor attribute, and back
+        parent.__dict__.pop(leaf, None)
+    setattr(parent, leaf, value)
     return old
 
 
-def _owner(name: str, layout: StageLayout, base_prefix: str, layer_ranges: list[range]) -> int | None:
-    """Virtual stage holding the parameter `name` (a full model name), or None if the layout misses it."""
-    if base_prefix and not name.startswith(base_prefix + "."):
-        return len(layer_ranges) - 1                                  # a head: outside the base model
-    rel = name[len(base_prefix) + 1:] if base_prefix else name
-    if any(rel.startswith(p + ".") for p in layout.embeddings):
-        return 0
-    if rel.startswith(layout.layers + "."):
-        index = int(rel[len(layout.layers) + 1:].split(".", 1)[0])
-        return next(v for v, r in enumerate(layer_ranges) if index in r)
-    if any(rel.startswith(p + ".") for p in layout.tail):
-        return len(layer_ranges) - 1
-    return None
+def _under(name: str, path: str) -> bool:
+    return name == path or name.startswith(path + ".")
 
 
 def build_stages(model: nn.Module, pp_rank: int, pp_size: int, num_chunks: int = 1,
@@ -238,64 +271,107 @@ def build_stages(model: nn.Module, pp_rank: int, pp_size: int, num_chunks: int =
     declared pipeline layout (see `get_layout`). Every check runs before the model is touched, and
     none communicates, so every rank raises the same error."""
     layout = get_layout(model, layout)
+    if getattr(getattr(model, "config", None), "use_weighted_layer_sum", False):
+        raise ValueError(f"{type(model).__name__} has config.use_weighted_layer_sum=True: its head mixes the hidden "
+                         "states of every layer, which no pipeline stage holds; use pp_size=1, or "
+                         "use_weighted_layer_sum=False")
+    segments = layout.segments
     base = getattr(model, "base_model", model)
-    if isinstance(base.get_submodule(layout.layers), StageLayerList):
+    lists = [base.get_submodule(s.layers) for s in segments]
+    if any(isinstance(layer_list, StageLayerList) for layer_list in lists):
         raise ValueError(f"{type(model).__name__} was already cut into pipeline stages by an earlier boost: boost the "
                          "original model once; to start over, build a fresh model (or load its checkpoint into one)")
     base_prefix = next((n for n, m in model.named_modules() if m is base), "")
-    layers = base.get_submodule(layout.layers)
+    sizes = [len(layer_list) for layer_list in lists]
+    offsets = [sum(sizes[:j]) for j in range(len(sizes))]
     num_virtual = pp_size * num_chunks
-    layer_ranges = split_layers(len(layers), num_virtual, num_layers_per_stage)
+    layer_ranges = split_layers(sum(sizes), num_virtual, num_layers_per_stage)
+    stage_of = {i: v for v, r in enumerate(layer_ranges) for i in r}
+    first_stage = [stage_of[off] for off in offsets]                      # holds segment j's embeddings
+    last_stage = [stage_of[off + n - 1] for off, n in zip(offsets, sizes)]   # holds segment j's tail
+
+    def owner(name: str) -> int | None:
+        """Virtual stage holding the parameter `name` (a full model name), or None if the layout misses it."""
+        if base_prefix and not name.startswith(base_prefix + "."):
+            return num_virtual - 1                                        # a head: outside the base model
+        rel = name[len(base_prefix) + 1:] if base_prefix else name
+        for j, s in enumerate(segments):
+            if any(_under(rel, p) for p in s.embeddings):
+                return first_stage[j]
+            if rel.startswith(s.layers + "."):
+                return stage_of[offsets[j] + int(rel[len(s.layers) + 1:].split(".", 1)[0])]
+            if any(_under(rel, p) for p in s.tail):
+                return last_stage[j]
+        return None
 
     owners: dict[int, set[int]] = {}
     params: dict[int, nn.Parameter] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        owner = _owner(name, layout, base_prefix, layer_ranges)
-        if owner is None:
+        o = owner(name)
+        if o is None:
             raise ValueError(f"pipeline layout {layout.name!r} does not place parameter {name!r}; add its module "
-                             "to the layout's embeddings or tail in meshboost/pipeline/layout.py")
-        owners.setdefault(id(p), set()).add(owner)
+                             "to the layout's embeddings or tail (the family's Policy(pipeline_layout=...))")
+        owners.setdefault(id(p), set()).add(o)
         params[id(p)] = p
-    last = num_virtual - 1
-    tied = [params[i] for i, o in owners.items() if len(o) > 1]
+    tie_sets: dict[tuple[int, ...], list[nn.Parameter]] = {}
     for i, o in owners.items():
-        if len(o) > 1 and o != {0, last}:
-            raise ValueError(f"a weight of shape {tuple(params[i].shape)} is shared by pipeline stages "
-                             f"{sorted(o)}; only weights tied between the first and last stage are supported")
+        ranks = tuple(sorted({v % pp_size for v in o}))
+        if len(ranks) > 1:
+            tie_sets.setdefault(ranks, []).append(params[i])
 
     mine = [v for v in range(num_virtual) if v % pp_size == pp_rank]
-    kept = {i: layers[i] for v in mine for i in layer_ranges[v]}
-    _set(base, layout.layers, StageLayerList(kept))
-    chunk_layers = [[kept[i] for i in layer_ranges[v]] for v in mine]
-
-    stand_ins = {p: AbsentEmbedding(base.get_submodule(p)) for p in layout.embeddings if _exists(base, p)}
-    if pp_rank != 0:
-        for path, stand_in in stand_ins.items():
-            _set(base, path, stand_in)
+    held = {i for v in mine for i in layer_ranges[v]}
+    kept = {i: lists[j][i - offsets[j]] for j in range(len(segments)) for i in range(offsets[j], offsets[j] + sizes[j])
+            if i in held}
+    stand_ins = {p: stand_in_for(_resolve(base, p)) for s in segments for p in s.embeddings
+                 if _resolve(base, p) is not None}
+    layer_lists: dict[int, StageLayerList] = {}
+    absent_stacks = []
+    for j, s in enumerate(segments):
+        if first_stage[j] % pp_size != pp_rank:
+            for path in s.embeddings:
+                if path in stand_ins:
+                    _set(base, path, stand_ins[path])
+        if last_stage[j] % pp_size != pp_rank:
+            for path in s.tail:
+                if _resolve(base, path) is not None:
+                    _set(base, path, AbsentModule(path, "last" if j == len(segments) - 1 else "other"))
+        mine_j = {i - offsets[j]: kept[i] for i in range(offsets[j], offsets[j] + sizes[j]) if i in kept}
+        if mine_j or not s.stack:
+            layer_lists[j] = StageLayerList(mine_j)
+            _set(base, s.layers, layer_lists[j])
+        else:
+            absent_stacks.append(s.stack)
+    for path in absent_stacks:                 # a segment with no layer here: nothing in its stack is held
+        _set(base, path, AbsentModule(path, "other"))
     if pp_rank != pp_size - 1:
-        for path in layout.tail:
-            if _exists(base, path):
-                _set(base, path, AbsentModule(path, "last"))
         heads = [] if model is base else list(model.named_children())
         for name, child in heads:
             if child is not base and any(True for _ in child.parameters()):
                 setattr(model, name, AbsentModule(name, "last"))
 
-    holds_tied = pp_rank in (0, pp_size - 1)
-    if holds_tied and pp_size > 1:
-        for p in tied:
-            # The first stage's copy is the weight; the last stage's is a replica (not counted twice in norms).
-            set_pipeline_tie(p, PipelineTie(replica=pp_rank == pp_size - 1))
-    model.register_forward_pre_hook(_only_through_schedule(base.get_submodule(layout.layers)))
-    return PipelineStages(model, layout, pp_rank, pp_size, num_chunks, layer_ranges, chunk_layers, stand_ins,
-                          tied_params=tied if holds_tied else [], has_tied=bool(tied))
+    ties = []
+    for ranks, tied in sorted(tie_sets.items()):
+        here = pp_rank in ranks
+        if here:
+            for p in tied:
+                # The lowest holder's copy is the weight; the others are replicas (not counted twice in norms).
+                set_pipeline_tie(p, PipelineTie(replica=pp_rank != ranks[0]))
+        ties.append((ranks, tied if here else []))
+    model.register_forward_pre_hook(_only_through_schedule(next(iter(layer_lists.values()))))
+    return PipelineStages(model, layout, pp_rank, pp_size, num_chunks, layer_ranges, offsets, sizes, kept,
+                          layer_lists, stand_ins, ties)
 
 
-def _exists(root: nn.Module, path: str) -> bool:
+def _resolve(root: nn.Module, path: str) -> nn.Module | nn.Parameter | None:
+    """The module or parameter at `path`, or None when the model has none there."""
+    parent_path, _, leaf = path.rpartition(".")
     try:
-        return isinstance(root.get_submodule(path), nn.Module)
+        parent = root.get_submodule(parent_path) if parent_path else root
     except AttributeError:
-        return False
+        return None
+    value = getattr(parent, leaf, None)
+    return value if isinstance(value, (nn.Module, nn.Parameter)) else None
 
 
 def prune_optimizer(optimizer, model: nn.Module) -> None:

@@ -209,10 +209,11 @@ class HybridParallelPlugin(Plugin):
 
     def _build_schedule(self, stages) -> PipelineSchedule:
         cfg = self.config.pipeline
-        tied_group = self.mesh.tied_stage_group() if stages.has_tied else None    # collective: every rank
+        # collective: every rank builds the group of each set of pp ranks sharing a weight, in the same order
+        tied = [(self.mesh.stage_group(ranks), params) for ranks, params in stages.ties]
         dp_group = self.mesh.dp_group if self.dp_reducer == PIPELINE else None
         return PipelineSchedule(stages, StageComm(self.mesh.pp_group, self.mesh.device), cfg.num_microbatches,
-                                cfg.microbatch_size, dp_group=dp_group, tied_group=tied_group,
+                                cfg.microbatch_size, dp_group=dp_group, tied=tied,
                                 loss_normalization=self.config.loss_normalization, count_group=self.mesh.dp_group,
                                 count_size=self.mesh.dp_size, shifted_labels=uses_causal_lm_loss(stages.model))
 

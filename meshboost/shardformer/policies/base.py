@@ -17,7 +17,7 @@ from typing import Callable
 
 from meshboost.shardformer.styles import DEFAULT_BLOCK_INPUT_KWARGS, attribute_rule, parse_style
 
-PIPELINE_LAYOUT_KEYS = ("embeddings", "layers", "tail")
+PIPELINE_LAYOUT_KEYS = ("embeddings", "layers", "tail", "stack", "carry", "counted_by")   # meshboost/pipeline/layout.py
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,9 @@ class Policy:
     block_input_kwargs: keyword arguments through which a block_input module receives tensors
         that feed its column-parallel linears (positional tensors always count).
     pipeline_layout: {"embeddings": paths, "layers": path of the layer ModuleList, "tail": paths},
-        relative to the base model; None reads transformers' `base_model_pp_plan`.
+        relative to the base model, or {"segments": [one such dict per layer stack, each with its
+        "stack" path and optional "carry"]} for an encoder-decoder (meshboost/pipeline/layout.py);
+        None reads transformers' `base_model_pp_plan`.
     check: callable(config, tp_size) raising ValueError for a configuration of the family the
         table cannot shard exactly (run before anything is modified).
     """
@@ -55,10 +57,12 @@ class Policy:
             for rule in rules.values():
                 attribute_rule(rule)
         if self.pipeline_layout is not None:
-            unknown = set(self.pipeline_layout) - set(PIPELINE_LAYOUT_KEYS)
-            if unknown or "layers" not in self.pipeline_layout:
-                raise ValueError(f"policy {self.name!r}: pipeline_layout needs 'layers' and may have "
-                                 f"{PIPELINE_LAYOUT_KEYS}; got {sorted(self.pipeline_layout)}")
+            entries = self.pipeline_layout.get("segments", [self.pipeline_layout])
+            for entry in entries:
+                unknown = set(entry) - set(PIPELINE_LAYOUT_KEYS)
+                if unknown or "layers" not in entry:
+                    raise ValueError(f"policy {self.name!r}: a pipeline_layout segment needs 'layers' and may have "
+                                     f"{PIPELINE_LAYOUT_KEYS}; got {sorted(entry)}")
 
 
 def pattern_to_regex(pattern: str) -> re.Pattern:
