@@ -86,9 +86,9 @@ family's table).
   | falcon | `FalconForCausalLM` (grouped new arch, multi-query, ALiBi) | fused qkv split per head group; kv heads fewer than tp held by the ranks that use them | yes |
   | vit | `ViTForImageClassification` | patch embedding and head replicated | yes |
   | albert | `AlbertForMaskedLM`, `AlbertForSequenceClassification` | one shared layer group, factorised embedding | no (shared layers) |
-  | t5 | `T5ForConditionalGeneration`, `T5EncoderModel` (ReLU and gated-GELU) | embedding tied over three paths, relative position bias sharded by heads, cross-attention | no (encoder-decoder) |
-  | whisper | `WhisperForConditionalGeneration` | audio encoder (convolutions replicated), decoder cross-attention | no (encoder-decoder) |
-  | blip-2 | `Blip2ForConditionalGeneration` (OPT language model) | Q-Former like BERT, OPT table under `language_model`, vision MLP split; vision attention replicated (its forward reshapes by the full width) | no |
+  | t5 | `T5ForConditionalGeneration`, `T5EncoderModel` (ReLU and gated-GELU) | embedding tied over three paths, relative position bias sharded by heads, cross-attention | yes (encoder then decoder stack; the position bias carried inside a stack) |
+  | whisper | `WhisperForConditionalGeneration` | audio encoder (convolutions replicated), decoder cross-attention | yes (encoder then decoder stack) |
+  | blip-2 | `Blip2ForConditionalGeneration` (OPT language model) | Q-Former like BERT, OPT table under `language_model`, vision MLP split; vision attention replicated (its forward reshapes by the full width) | yes (vision, Q-Former, OPT stacks) |
   | esmc | `EsmcForMaskedLM`, `EsmcForSequenceClassification` | whole-hidden q/k norms: q/k/v gathered, attention on every rank (OLMo2's treatment), MLP split | yes (pp plan) |
   | cohere (`use_qk_norm`) | `CohereForCausalLM` via its plan | per-head q/k norm weights split by heads (`head_norm`) | yes (pp plan) |
 

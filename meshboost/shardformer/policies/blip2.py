@@ -6,7 +6,7 @@ query and text feed-forwards), the language model by the OPT table under `langua
 its embedding and LM head vocab-parallel. The vision tower's MLP is split; its attention stays
 replicated: `Blip2Attention` reshapes its fused qkv output with the input's full width
 (`embed_dim // num_heads`), which no per-rank attribute can make right, so splitting it would need
-a forward of our own. Only an OPT language model is supported (the T5 variants are refused).
+a forward of our own. Only an OPT language model is supported (the T5 variants are refused, under tp and pp).
 """
 
 from meshboost.shardformer.policies.base import Policy
@@ -57,4 +57,19 @@ BLIP2_POLICY = Policy(
     # the Q-Former's cross-attention key/value read the vision tower's output
     block_input_kwargs=("hidden_states", "encoder_hidden_states"),
     check=_check,
+    # Three segments run in order: the vision tower, the Q-Former (its query tokens and input norm
+    # first; its cross-attention reads the vision output, carried to every Q-Former stage), the OPT
+    # language model (the projection of the Q-Former output and the token embedding first: BLIP-2's
+    # forward embeds the prompt and scatters the image features into it before calling the LM).
+    pipeline_layout={"segments": [
+        {"stack": "vision_model", "embeddings": ("vision_model.embeddings",), "layers": "vision_model.encoder.layers",
+         "tail": ("vision_model.post_layernorm",)},
+        {"stack": "qformer", "embeddings": ("query_tokens", "qformer.layernorm"), "layers": "qformer.encoder.layer",
+         "counted_by": "qformer.encoder"},          # loops over range(config.num_hidden_layers)
+        {"stack": "language_model",
+         "embeddings": ("language_projection", *(f"{_LM}decoder.{p}" for p in ("embed_tokens", "embed_positions",
+                                                                                "project_in"))),
+         "layers": f"{_LM}decoder.layers",
+         "tail": (f"{_LM}decoder.final_layer_norm", f"{_LM}decoder.project_out", "language_model.lm_head")},
+    ]},
 )

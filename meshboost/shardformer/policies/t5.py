@@ -40,4 +40,15 @@ T5_POLICY = Policy(
                 for i, name in ((0, "SelfAttention"), (1, "EncDecAttention"))},
     divisible=("num_heads", "d_ff"),
     block_input_kwargs=("hidden_states", "key_value_states"),
+    # Two segments: the encoder, then the decoder (which reads the encoder output on every stage).
+    # The first block of each stack computes the relative position bias and the stack hands it to
+    # every later block: a boundary inside a stack carries it (output 1 -> argument 2), with its
+    # gradient back to the first block's bias table. The decoder's cross-attention bias is zeros,
+    # which a later stage's first block computes itself.
+    pipeline_layout={"segments": [
+        {"stack": "encoder", "embeddings": ("shared", "encoder.embed_tokens"), "layers": "encoder.block",
+         "tail": ("encoder.final_layer_norm",), "carry": ((1, 2, "position_bias"),)},
+        {"stack": "decoder", "embeddings": ("decoder.embed_tokens",), "layers": "decoder.block",
+         "tail": ("decoder.final_layer_norm", "lm_head"), "carry": ((1, 2, "position_bias"),)},
+    ]},
 )

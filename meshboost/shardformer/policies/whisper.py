@@ -28,4 +28,13 @@ WHISPER_POLICY = Policy(
                 for stack, name in (("encoder", "self_attn"), ("decoder", "self_attn"), ("decoder", "encoder_attn"))},
     divisible=("encoder_attention_heads", "decoder_attention_heads", "encoder_ffn_dim", "decoder_ffn_dim"),
     block_input_kwargs=("hidden_states", "key_value_states"),
+    # Two segments: the audio encoder (convolutions and position table first), then the decoder,
+    # which reads the encoder output on every stage. `WhisperForAudioClassification` (no decoder)
+    # ends with the encoder, so its head is the encoder's tail.
+    pipeline_layout={"segments": [
+        {"stack": "encoder", "embeddings": ("encoder.conv1", "encoder.conv2", "encoder.embed_positions"),
+         "layers": "encoder.layers", "tail": ("encoder.layer_norm", "projector", "classifier", "layer_weights")},
+        {"stack": "decoder", "embeddings": ("decoder.embed_tokens", "decoder.embed_positions"),
+         "layers": "decoder.layers", "tail": ("decoder.layer_norm",)},
+    ]},
 )
