@@ -85,7 +85,7 @@ family's table).
   | bloom | `BloomForCausalLM` | fused per-head query_key_value, ALiBi bias sliced to each rank's heads | yes |
   | falcon | `FalconForCausalLM` (grouped new arch, multi-query, ALiBi) | fused qkv split per head group; kv heads fewer than tp held by the ranks that use them | yes |
   | vit | `ViTForImageClassification` | patch embedding and head replicated | yes |
-  | albert | `AlbertForMaskedLM`, `AlbertForSequenceClassification` | one shared layer group, factorised embedding | no (shared layers) |
+  | albert | `AlbertForMaskedLM`, `AlbertForSequenceClassification` | one shared layer group, factorised embedding | yes (stages split the iterations; a group's weights tied over the stages running it) |
   | t5 | `T5ForConditionalGeneration`, `T5EncoderModel` (ReLU and gated-GELU) | embedding tied over three paths, relative position bias sharded by heads, cross-attention | yes (encoder then decoder stack; the position bias carried inside a stack) |
   | whisper | `WhisperForConditionalGeneration` | audio encoder (convolutions replicated), decoder cross-attention | yes (encoder then decoder stack) |
   | blip-2 | `Blip2ForConditionalGeneration` (OPT language model) | Q-Former like BERT, OPT table under `language_model`, vision MLP split; vision attention replicated (its forward reshapes by the full width) | yes (vision, Q-Former, OPT stacks) |

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-SEGMENT_KEYS = ("stack", "embeddings", "layers", "tail", "carry", "counted_by")
+SEGMENT_KEYS = ("stack", "embeddings", "layers", "tail", "carry", "counted_by", "shared_groups")
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,10 @@ class Segment:
     counted_by: path of the module whose `config.num_hidden_layers` the stack loops over
         (`for i in range(self.config.num_hidden_layers): self.layer[i]`, BLIP-2's Q-Former) instead of
         iterating the list; while a chunk runs it reads the chunk's count. "" for stacks that iterate.
+    shared_groups: the config attribute (of `counted_by`'s config) counting the groups in `layers`
+        when the stack runs `num_hidden_layers` iterations over fewer shared groups, iteration i using
+        group int(i / (num_hidden_layers / groups)) (ALBERT). The stages then split the iterations;
+        a group's weights are held by every stage running one of its iterations (tied over them).
     """
 
     embeddings: tuple[str, ...]
@@ -58,6 +62,7 @@ class Segment:
     stack: str = ""
     carry: tuple[Carry, ...] = ()
     counted_by: str = ""
+    shared_groups: str = ""
 
 
 @dataclass(frozen=True)
@@ -91,7 +96,7 @@ def segment_from_dict(entry: dict, where: str) -> Segment:
                          f"got {sorted(entry)}")
     carry = tuple(c if isinstance(c, Carry) else Carry(*c) for c in entry.get("carry", ()))
     return Segment(tuple(entry.get("embeddings", ())), entry["layers"], tuple(entry.get("tail", ())),
-                   entry.get("stack", ""), carry, entry.get("counted_by", ""))
+                   entry.get("stack", ""), carry, entry.get("counted_by", ""), entry.get("shared_groups", ""))
 
 
 def get_layout(model: nn.Module, declared: dict | None = None) -> StageLayout:
@@ -118,6 +123,9 @@ def get_layout(model: nn.Module, declared: dict | None = None) -> StageLayout:
     if len(layout.segments) > 1 and any(not s.stack for s in layout.segments):
         raise ValueError(f"layout {layout.name!r}: with several segments each needs its 'stack' module path")
     for segment in layout.segments:
+        if segment.shared_groups and not segment.counted_by:
+            raise ValueError(f"layout {layout.name!r}: shared_groups needs counted_by (the module whose config "
+                             "counts the iterations)")
         layers = _get(base, segment.layers)
         if not isinstance(layers, nn.ModuleList):
             raise ValueError(f"layout {layout.name!r}: {type(base).__name__}.{segment.layers} is not an nn.ModuleList")

@@ -148,8 +148,10 @@ class PipelineStages:
         counts = contextlib.ExitStack()
         for j in range(k0, k1 + 1):
             if segments[j].counted_by:
-                counted = base.get_submodule(segments[j].counted_by).config
-                counts.enter_context(_set_attr(counted, "num_hidden_layers", len(self.layer_lists[j].running)))
+                counted, n = base.get_submodule(segments[j].counted_by).config, len(self.layer_lists[j].running)
+                counts.enter_context(_set_attr(counted, "num_hidden_layers", n))
+                if segments[j].shared_groups:          # n iterations over n groups: iteration i reads running[i]
+                    counts.enter_context(_set_attr(counted, segments[j].shared_groups, n))
         try:
             with _swapped(base, swaps), _per_layer_config(config, local), counts:
                 return self.model(**inputs)
@@ -282,7 +284,9 @@ def build_stages(model: nn.Module, pp_rank: int, pp_size: int, num_chunks: int =
         raise ValueError(f"{type(model).__name__} was already cut into pipeline stages by an earlier boost: boost the "
                          "original model once; to start over, build a fresh model (or load its checkpoint into one)")
     base_prefix = next((n for n, m in model.named_modules() if m is base), "")
-    sizes = [len(layer_list) for layer_list in lists]
+    # group of each iteration, for a segment whose stack loops over shared layer groups (ALBERT)
+    groups = [_iteration_groups(base, s, layer_list) for s, layer_list in zip(segments, lists)]
+    sizes = [len(g) if g is not None else len(layer_list) for g, layer_list in zip(groups, lists)]
     offsets = [sum(sizes[:j]) for j in range(len(sizes))]
     num_virtual = pp_size * num_chunks
     layer_ranges = split_layers(sum(sizes), num_virtual, num_layers_per_stage)
@@ -290,28 +294,31 @@ def build_stages(model: nn.Module, pp_rank: int, pp_size: int, num_chunks: int =
     first_stage = [stage_of[off] for off in offsets]                      # holds segment j's embeddings
     last_stage = [stage_of[off + n - 1] for off, n in zip(offsets, sizes)]   # holds segment j's tail
 
-    def owner(name: str) -> int | None:
-        """Virtual stage holding the parameter `name` (a full model name), or None if the layout misses it."""
+    def owner(name: str) -> set[int] | None:
+        """Virtual stages holding the parameter `name` (a full model name), or None if the layout misses it."""
         if base_prefix and not name.startswith(base_prefix + "."):
-            return num_virtual - 1                                        # a head: outside the base model
+            return {num_virtual - 1}                                      # a head: outside the base model
         rel = name[len(base_prefix) + 1:] if base_prefix else name
         for j, s in enumerate(segments):
             if any(_under(rel, p) for p in s.embeddings):
-                return first_stage[j]
+                return {first_stage[j]}
             if rel.startswith(s.layers + "."):
-                return stage_of[offsets[j] + int(rel[len(s.layers) + 1:].split(".", 1)[0])]
+                index = int(rel[len(s.layers) + 1:].split(".", 1)[0])
+                if groups[j] is None:
+                    return {stage_of[offsets[j] + index]}
+                return {stage_of[offsets[j] + it] for it, g in enumerate(groups[j]) if g == index}
             if any(_under(rel, p) for p in s.tail):
-                return last_stage[j]
+                return {last_stage[j]}
         return None
 
     owners: dict[int, set[int]] = {}
     params: dict[int, nn.Parameter] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         o = owner(name)
-        if o is None:
+        if not o:
             raise ValueError(f"pipeline layout {layout.name!r} does not place parameter {name!r}; add its module "
                              "to the layout's embeddings or tail (the family's Policy(pipeline_layout=...))")
-        owners.setdefault(id(p), set()).add(o)
+        owners.setdefault(id(p), set()).update(o)
         params[id(p)] = p
     tie_sets: dict[tuple[int, ...], list[nn.Parameter]] = {}
     for i, o in owners.items():
@@ -321,8 +328,8 @@ def build_stages(model: nn.Module, pp_rank: int, pp_size: int, num_chunks: int =
 
     mine = [v for v in range(num_virtual) if v % pp_size == pp_rank]
     held = {i for v in mine for i in layer_ranges[v]}
-    kept = {i: lists[j][i - offsets[j]] for j in range(len(segments)) for i in range(offsets[j], offsets[j] + sizes[j])
-            if i in held}
+    kept = {i: lists[j][i - offsets[j]] if groups[j] is None else _Iteration(lists[j][groups[j][i - offsets[j]]])
+            for j in range(len(segments)) for i in range(offsets[j], offsets[j] + sizes[j]) if i in held}
     stand_ins = {p: stand_in_for(_resolve(base, p)) for s in segments for p in s.embeddings
                  if _resolve(base, p) is not None}
     layer_lists: dict[int, StageLayerList] = {}
@@ -337,6 +344,8 @@ def build_stages(model: nn.Module, pp_rank: int, pp_size: int, num_chunks: int =
                 if _resolve(base, path) is not None:
                     _set(base, path, AbsentModule(path, "last" if j == len(segments) - 1 else "other"))
         mine_j = {i - offsets[j]: kept[i] for i in range(offsets[j], offsets[j] + sizes[j]) if i in kept}
+        if groups[j] is not None:           # hold the groups themselves, under their own indices
+            mine_j = {g: lists[j][g] for g in sorted({groups[j][i] for i in mine_j})}
         if mine_j or not s.stack:
             layer_lists[j] = StageLayerList(mine_j)
             _set(base, s.layers, layer_lists[j])
@@ -361,6 +370,30 @@ def build_stages(model: nn.Module, pp_rank: int, pp_size: int, num_chunks: int =
     model.register_forward_pre_hook(_only_through_schedule(next(iter(layer_lists.values()))))
     return PipelineStages(model, layout, pp_rank, pp_size, num_chunks, layer_ranges, offsets, sizes, kept,
                           layer_lists, stand_ins, ties)
+
+
+class _Iteration(nn.Module):
+    """One iteration of a shared layer group (ALBERT runs its group num_hidden_layers times): a
+    distinct object per iteration, so a stage's hooks fire at its own first and last iteration."""
+
+    def __init__(self, group: nn.Module):
+        super().__init__()
+        self.__dict__["group"] = group                 # not a submodule: the model tree holds the group
+
+    def forward(self, *args, **kwargs):
+        return self.group(*args, **kwargs)
+
+
+def _iteration_groups(base: nn.Module, segment: Segment, layer_list: nn.ModuleList) -> list[int] | None:
+    """The group each iteration uses (HF's own formula), for a segment with shared groups."""
+    if not segment.shared_groups:
+        return None
+    config = base.get_submodule(segment.counted_by).config
+    iterations, count = config.num_hidden_layers, getattr(config, segment.shared_groups)
+    if count != len(layer_list):
+        raise ValueError(f"{segment.layers} holds {len(layer_list)} groups but config.{segment.shared_groups}="
+                         f"{count}; the layout's shared_groups must name the attribute counting them")
+    return [int(i / (iterations / count)) for i in range(iterations)]
 
 
 def _resolve(root: nn.Module, path: str) -> nn.Module | nn.Parameter | None:

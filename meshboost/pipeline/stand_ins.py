@@ -40,10 +40,12 @@ class _Hollow(nn.Module):
 class AbsentEmbedding(_Hollow):
     """Stands in for a module of a segment's embeddings on a stage that starts inside the segment.
     Returns zeros shaped like the real module's output, so the model builds its masks from them;
-    the received hidden states replace them at the chunk's first layer. A module built only of
-    torch.nn parts (Whisper's convolutions and position table) gets its output shape from a weightless
-    copy run on the meta device; any other (a vocab-parallel embedding, which communicates) returns
-    zeros shaped like the received hidden states. Owns no parameter and saves nothing."""
+    the received hidden states replace them at the chunk's first layer. A module in which nothing
+    communicates (Whisper's convolutions and position table, BERT's embeddings at tp=1) gets its
+    output shape from a weightless copy run on the meta device; one that communicates (a
+    vocab-parallel embedding) or whose meta run fails returns zeros shaped like the received hidden
+    states, which is the shape of the last module before the layers. Owns no parameter and saves
+    nothing."""
 
     def __init__(self, replaced: nn.Module):
         super().__init__(replaced)
@@ -54,9 +56,15 @@ class AbsentEmbedding(_Hollow):
         meta = self.__dict__["_meta"]
         if meta is not None:
             dtype = next((p.dtype for p in meta.parameters() if p.is_floating_point()), None)
-            out = meta(*_to_meta(args, dtype), **_to_meta(kwargs, dtype))
-            where = next((b for b in self.buffers() if b.is_floating_point()), None)
-            return _zeros_for(out, where)
+            try:
+                out = meta(*_to_meta(args, dtype), **_to_meta(kwargs, dtype))
+            except (RuntimeError, NotImplementedError, ValueError, TypeError):
+                # a data-dependent step, or inputs shaped by a stand-in before it that answered like
+                # the hidden states: the last module before the layers outputs their shape
+                out = None
+            if out is not None:
+                where = next((b for b in self.buffers() if b.is_floating_point()), None)
+                return _zeros_for(out, where)
         if self.hidden_like is None:
             raise RuntimeError("an embedding stand-in ran outside a pipeline chunk; run the model through "
                                "booster.execute_pipeline(data_iter, model, criterion, optimizer)")
@@ -64,10 +72,10 @@ class AbsentEmbedding(_Hollow):
 
 
 def _meta_copy(module: nn.Module) -> nn.Module | None:
-    """A copy of `module` with every weight on the meta device, when it is built only of torch.nn
-    modules without hooks (nothing in it communicates); else None."""
+    """A copy of `module` with every weight on the meta device, when nothing in it communicates (no
+    meshboost module, such as a vocab-parallel embedding, and no hooks); else None."""
     for m in module.modules():
-        if not type(m).__module__.startswith("torch.nn.") or m._forward_hooks or m._forward_pre_hooks:
+        if type(m).__module__.startswith("meshboost.") or m._forward_hooks or m._forward_pre_hooks:
             return None
     memo = {}
     for t in itertools.chain(module.parameters(), module.buffers()):

@@ -1,8 +1,8 @@
 """Issue 12: every hand-written family's checkpoint round trip at tp=4 (kv heads fewer than tp included):
 `booster.save_model` writes an HF folder whose `from_pretrained` weights equal the unsharded model's
 bit for bit, and `booster.load_model` puts exactly those weights back into a differently seeded
-sharded model. Then the models of several layer stacks (T5, Whisper, BLIP-2) at tp=2 x pp=2: each
-pipeline stage writes its part of the same HF folder."""
+sharded model. Then the models of several layer stacks (T5, Whisper, BLIP-2) and ALBERT (its shared
+layer group on both stages) at tp=2 x pp=2: each pipeline stage writes its part of the same HF folder."""
 
 import copy
 
@@ -41,9 +41,9 @@ def _body(rank: int, world: int, root: str) -> None:
 
 
 def _round_trip_pipeline(rank: int, root: str) -> None:
-    for family in ("t5", "whisper", "blip2"):
+    for family in ("t5", "whisper", "blip2", "albert"):
         cls = MODEL_CLASSES[family][0]
-        config = tiny_config(family) if family == "blip2" else tiny_config(family, num_hidden_layers=4)
+        config = tiny_config(family) if family in ("blip2", "albert") else tiny_config(family, num_hidden_layers=4)
         reference = build_model(cls, copy.deepcopy(config))
         ref = dict(reference.named_parameters(remove_duplicate=False))
         booster = Booster(plugin=HybridParallelPlugin(tp_size=2, pp_size=2, num_microbatches=2))

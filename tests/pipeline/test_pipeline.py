@@ -12,7 +12,8 @@ is deadlock-free for many shapes (simulated, no processes). Issue 12: OPT (embed
 BLOOM (ALiBi, embedding norm), Falcon (multi-query; ALiBi) and ViT (pixel_values) at pp=2, and at
 tp=2 x pp=2 for BLOOM, Falcon and ViT; models of several layer stacks: T5 and Whisper
 (encoder-decoder) and BLIP-2 (vision tower, Q-Former, OPT) at pp=2, split inside and between
-stacks, interleaved, at pp=4 (a weight tied over three ranks) and at tp=2 x pp=2; ALBERT refused.
+stacks, interleaved, at pp=4 (a weight tied over three ranks) and at tp=2 x pp=2; ALBERT (shared
+layer groups held by every stage running them) at pp=2 and tp=2 x pp=2.
 """
 
 from __future__ import annotations
@@ -157,15 +158,23 @@ SEVERAL_STACKS = {
     "t5_pp4": ("t5", "T5ForConditionalGeneration", {"pp_size": 4}),     # a weight tied over 3 pipeline ranks
     "whisper_tp2": ("whisper", "WhisperForConditionalGeneration", {"tp_size": 2}),
     "blip2_tp2": ("blip2", "Blip2ForConditionalGeneration", {"tp_size": 2, "num_layers_per_stage": [3, 3]}),
+    # ALBERT: iterations over shared layer groups; one group held (tied) by every stage, and 5
+    # iterations over 2 groups ([0, 0, 0, 1, 1]) split inside a group's run
+    "albert_one_group": ("albert", "AlbertForMaskedLM", {}),
+    "albert_two_groups": ("albert", "AlbertForMaskedLM", {"pp_style": "interleaved", "num_model_chunks": 2}),
+    "albert_tp2": ("albert", "AlbertForSequenceClassification", {"tp_size": 2}),
 }
+CONFIGS = {"t5": {"num_hidden_layers": 4}, "whisper": {"num_hidden_layers": 4}, "blip2": {},
+           "albert": {"num_hidden_layers": 5, "num_hidden_groups": 2, "inner_group_num": 2}}
 
 
 def _check_several_stacks(rank: int, cases: tuple[str, ...]) -> None:
     """Models of several layer stacks (issue 12: encoder-decoder and multimodal): the stages cut the
-    stacks in order, and a boundary carries every earlier stack's output with the hidden states."""
+    stacks in order, and a boundary carries every earlier stack's output with the hidden states.
+    And ALBERT, whose stack runs its shared layer groups once per layer."""
     for case in cases:
         family, cls, options = SEVERAL_STACKS[case]
-        config = tiny_config(family) if family == "blip2" else tiny_config(family, num_hidden_layers=4)
+        config = tiny_config(family, **({} if case == "albert_one_group" else CONFIGS[family]))
         batches = _batches(cls, config, 1)
         ref_losses, ref = _reference(cls, config, batches)
         kwargs = {"tp_size": 1, "pp_size": 2, **options}
@@ -279,8 +288,6 @@ def _check_errors(rank: int) -> None:
     mlp.config = types.SimpleNamespace(model_type="mlp")
     with pytest.raises(ValueError, match="no pipeline stage layout"):
         booster.boost(mlp)
-    with pytest.raises(ValueError, match="no pipeline stage layout for AlbertForMaskedLM"):
-        booster.boost(build_model("AlbertForMaskedLM", tiny_config("albert")))
     with pytest.raises(ValueError, match="use_weighted_layer_sum=True"):
         booster.boost(build_model("WhisperForAudioClassification", tiny_config("whisper", use_weighted_layer_sum=True)))
     config = tiny_config("llama", num_hidden_layers=2)
@@ -308,7 +315,8 @@ def _body_2(rank: int, world_size: int) -> None:
     _check_family_styles(rank, tp_size=1)
     _check_per_layer_types(rank, tp_size=1)
     _check_more_families(rank, tp_size=1)
-    _check_several_stacks(rank, ("t5_interleaved", "whisper_3_5", "blip2_3_3", "blip2_interleaved"))
+    _check_several_stacks(rank, ("t5_interleaved", "whisper_3_5", "blip2_3_3", "blip2_interleaved",
+                                 "albert_one_group", "albert_two_groups"))
     _check_microbatch_normalization(rank, tp_size=1)
     _check_multi_step(rank, 1, "gpt2", "GPT2LMHeadModel", STYLES[1])
     _check_manual_split_pp_plan(rank)
@@ -320,7 +328,7 @@ def _body_4(rank: int, world_size: int) -> None:
     _check_family_styles(rank, tp_size=2)
     _check_per_layer_types(rank, tp_size=2)
     _check_more_families(rank, tp_size=2, families=MORE_FAMILIES[1:])
-    _check_several_stacks(rank, ("t5_pp4", "whisper_tp2", "blip2_tp2"))
+    _check_several_stacks(rank, ("t5_pp4", "whisper_tp2", "blip2_tp2", "albert_tp2"))
     _check_multi_step(rank, 2, "llama", "LlamaForCausalLM", STYLES[0])
     _check_evaluation(rank, tp_size=2)
     _check_dp(rank)
