@@ -71,6 +71,7 @@ class StageLayout:
 
     name: str
     segments: tuple[Segment, ...]
+    missing: tuple[str, ...] = ()        # layer lists of declared segments this model lacks
 
 
 def layout_from_pp_plan(base: nn.Module) -> StageLayout | None:
@@ -109,9 +110,10 @@ def get_layout(model: nn.Module, declared: dict | None = None) -> StageLayout:
     where = f"pipeline layout of {model_type!r}"
     if declared is not None:
         entries = declared["segments"] if "segments" in declared else [declared]
-        segments = tuple(segment_from_dict(e, where) for e in entries)
-        segments = tuple(s for s in segments if _get(base, s.layers) is not None)
-        layout = StageLayout(f"policy:{model_type}", segments) if segments else None
+        declared_segments = tuple(segment_from_dict(e, where) for e in entries)
+        segments = tuple(s for s in declared_segments if _get(base, s.layers) is not None)
+        missing = tuple(s.layers for s in declared_segments if _get(base, s.layers) is None)
+        layout = StageLayout(f"policy:{model_type}", segments, missing) if segments else None
     else:
         layout = layout_from_pp_plan(base)
     if layout is None:

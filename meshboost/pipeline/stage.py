@@ -316,8 +316,11 @@ def build_stages(model: nn.Module, pp_rank: int, pp_size: int, num_chunks: int =
     for name, p in model.named_parameters(remove_duplicate=False):
         o = owner(name)
         if not o:
-            raise ValueError(f"pipeline layout {layout.name!r} does not place parameter {name!r}; add its module "
-                             "to the layout's embeddings or tail (the family's Policy(pipeline_layout=...))")
+            why = (f" (this {type(model).__name__} lacks the layout's {list(layout.missing)}: a variant the layout "
+                   "does not describe)" if layout.missing else "")
+            raise ValueError(f"pipeline layout {layout.name!r} does not place parameter {name!r}{why}; add its module "
+                             "to the layout's embeddings or tail (the family's Policy(pipeline_layout=...)) or use "
+                             "pp_size=1")
         owners.setdefault(id(p), set()).update(o)
         params[id(p)] = p
     tie_sets: dict[tuple[int, ...], list[nn.Parameter]] = {}

@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import transformers
 
 from meshboost import Booster
 from meshboost.pipeline import PipelineConfig, schedule_order, split_layers, split_microbatches
@@ -288,6 +289,12 @@ def _check_errors(rank: int) -> None:
     mlp.config = types.SimpleNamespace(model_type="mlp")
     with pytest.raises(ValueError, match="no pipeline stage layout"):
         booster.boost(mlp)
+    blip2_t5 = tiny_config("blip2")                # a T5 language model: a variant the BLIP-2 layout does not describe
+    blip2_t5.text_config = transformers.T5Config(vocab_size=blip2_t5.text_config.vocab_size, d_model=32, d_ff=64,
+                                                 num_layers=2, num_heads=4, d_kv=8)
+    blip2_t5.use_decoder_only_language_model = False
+    with pytest.raises(ValueError, match=r"lacks the layout's \['language_model.model.decoder.layers'\]"):
+        booster.boost(transformers.Blip2ForConditionalGeneration(blip2_t5))
     with pytest.raises(ValueError, match="use_weighted_layer_sum=True"):
         booster.boost(build_model("WhisperForAudioClassification", tiny_config("whisper", use_weighted_layer_sum=True)))
     config = tiny_config("llama", num_hidden_layers=2)
