@@ -23,6 +23,7 @@ from collections.abc import Mapping
 
 import torch
 
+from meshboost.distributed.inputs import cast_floating
 from meshboost.distributed.p2p import StageComm
 from meshboost.pipeline.grads import average_grads, sum_tied_grads
 from meshboost.pipeline.normalization import TOKENS, microbatch_weights
@@ -85,7 +86,8 @@ class PipelineSchedule:
 
     def __init__(self, stages: PipelineStages, comm: StageComm, num_microbatches: int | None = None,
                  microbatch_size: int | None = None, dp_group=None, tied=(),
-                 loss_normalization: str = TOKENS, count_group=None, count_size: int = 1, shifted_labels: bool = False):
+                 loss_normalization: str = TOKENS, count_group=None, count_size: int = 1, shifted_labels: bool = False,
+                 input_dtype: torch.dtype | None = None):
         self.stages, self.comm = stages, comm
         self.num_microbatches, self.microbatch_size = num_microbatches, microbatch_size
         self.dp_group, self.tied = dp_group, list(tied)
@@ -93,12 +95,14 @@ class PipelineSchedule:
         # whether the model shifts its labels (causal LM).
         self.loss_normalization, self.count_group, self.count_size = loss_normalization, count_group, count_size
         self.shifted_labels = shifted_labels
+        self.input_dtype = input_dtype            # floating inputs take the weights' precision (inputs.py)
 
     def run(self, batch, criterion, optimizer=None, return_loss: bool = True, return_outputs: bool = False) -> dict:
         """Forward (and backward when `optimizer` is given) every micro-batch of `batch`."""
         stages = self.stages
         if isinstance(batch, Mapping):
-            batch = {k: v.to(self.comm.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+            batch = cast_floating({k: v.to(self.comm.device) if torch.is_tensor(v) else v for k, v in batch.items()},
+                                  self.input_dtype)
         microbatches = split_microbatches(batch, self.num_microbatches, self.microbatch_size)
         M, P, V = len(microbatches), stages.pp_size, stages.num_chunks
         if V > 1 and M % P:

@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from meshboost.booster import ModelWrapper, OptimizerWrapper, Plugin
 from meshboost.distributed import ParallelMesh, comm
 from meshboost.distributed.agreement import agree_settings, check_same_inputs, tensors_of
+from meshboost.distributed.inputs import cast_floating
 from meshboost.distributed.p2p import StageComm
 from meshboost.optim import GradScalerConfig, MixedPrecisionOptimizer, PrecisionConfig, ZeroConfig, ZeroOptimizer
 from meshboost.pipeline import PipelineConfig, PipelineSchedule, build_stages, prune_optimizer
@@ -36,8 +37,11 @@ class HybridParallelModule(ModelWrapper):
     on the first call ("first"), on every call ("always") or never."""
 
     def __init__(self, module: nn.Module, mesh: ParallelMesh, shard_config: ShardConfig, check_inputs: str = "first",
-                 count_items_over_dp: bool = False):
+                 count_items_over_dp: bool = False, input_dtype: torch.dtype = torch.float32):
         super().__init__(module)
+        # Floating-point inputs (pixel_values, input_features, inputs_embeds) are cast to the working
+        # precision, as the weights are (ColossalAI's HybridParallelModule does the same).
+        self.input_dtype = input_dtype
         self.mesh = mesh
         self.shard_config = shard_config
         self.pipeline: PipelineSchedule | None = None
@@ -59,6 +63,7 @@ class HybridParallelModule(ModelWrapper):
 
     def forward(self, *args, **kwargs):
         self.check_same_inputs(args, kwargs)
+        args, kwargs = cast_floating(args, self.input_dtype), cast_floating(kwargs, self.input_dtype)
         if self.count_items_over_dp and self.training and torch.is_tensor(kwargs.get("labels")):
             kwargs["num_items_in_batch"] = self._global_items(kwargs["labels"], kwargs.get("num_items_in_batch"))
         return self.module(*args, **kwargs)
@@ -178,7 +183,8 @@ class HybridParallelPlugin(Plugin):
             register_counting_allreduce(module, self.mesh.dp_group)
         count_over_dp = (self.config.loss_normalization == TOKENS and self.mesh.dp_size > 1 and stages is None
                          and uses_causal_lm_loss(model))
-        boosted = HybridParallelModule(module, self.mesh, self.shard_config, self.config.check_inputs, count_over_dp)
+        boosted = HybridParallelModule(module, self.mesh, self.shard_config, self.config.check_inputs, count_over_dp,
+                                       input_dtype=self.config.precision.dtype)
         if stages is not None:
             boosted.pipeline = self._build_schedule(stages)
         return boosted, optimizer, criterion, dataloader, lr_scheduler
@@ -215,7 +221,8 @@ class HybridParallelPlugin(Plugin):
         return PipelineSchedule(stages, StageComm(self.mesh.pp_group, self.mesh.device), cfg.num_microbatches,
                                 cfg.microbatch_size, dp_group=dp_group, tied=tied,
                                 loss_normalization=self.config.loss_normalization, count_group=self.mesh.dp_group,
-                                count_size=self.mesh.dp_size, shifted_labels=uses_causal_lm_loss(stages.model))
+                                count_size=self.mesh.dp_size, shifted_labels=uses_causal_lm_loss(stages.model),
+                                input_dtype=self.config.precision.dtype)
 
     def execute_pipeline(self, data_iter, model, criterion, optimizer=None, return_loss: bool = True,
                          return_outputs: bool = False) -> dict:

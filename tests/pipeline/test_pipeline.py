@@ -185,6 +185,28 @@ def _check_several_stacks(rank: int, cases: tuple[str, ...]) -> None:
         _check_weights(model, ref, where)
 
 
+def _check_half_precision_inputs(rank: int) -> None:
+    """fp32 features into an fp16 model (Whisper's input_features; its convolutions do not cast them)
+    are cast to the working precision, through the pipeline and through the tensor-parallel forward."""
+    for family, cls, kwargs in (("whisper", "WhisperForConditionalGeneration", {"tp_size": 1, "pp_size": 2}),
+                                ("whisper", "WhisperForConditionalGeneration", {"tp_size": 2, "pp_size": 1})):
+        config = tiny_config(family, num_hidden_layers=2)
+        batch = tiny_batch(cls, config, batch=4, seed=3)
+        assert any(v.dtype == torch.float32 for v in batch.values())
+        with torch.no_grad():
+            want = build_model(cls, copy.deepcopy(config))(**batch).loss.item()
+        plugin = HybridParallelPlugin(precision="fp16", **kwargs, **({"num_microbatches": 2} if "pp_size" in kwargs
+                                                                       and kwargs["pp_size"] > 1 else {}))
+        booster = Booster(plugin=plugin)
+        model, *_ = booster.boost(build_model(cls, copy.deepcopy(config)))
+        if kwargs["pp_size"] > 1:
+            got = booster.execute_pipeline(iter([batch]), model, criterion, None)["loss"].item()
+        else:
+            with torch.no_grad():
+                got = model(**batch).loss.item()
+        assert abs(got - want) <= LOSS_ATOL[torch.float16], f"{cls} fp16 {kwargs}: {got} vs {want}"
+
+
 def _check_per_layer_types(rank: int, tp_size: int) -> None:
     """Models whose config gives each layer a type (sliding-window or full attention) read it by the
     layer's position in the forward's loop: a stage must run its first layer with that layer's type,
@@ -325,6 +347,7 @@ def _body_2(rank: int, world_size: int) -> None:
     _check_several_stacks(rank, ("t5_interleaved", "whisper_3_5", "blip2_3_3", "blip2_interleaved",
                                  "albert_one_group", "albert_two_groups"))
     _check_microbatch_normalization(rank, tp_size=1)
+    _check_half_precision_inputs(rank)
     _check_multi_step(rank, 1, "gpt2", "GPT2LMHeadModel", STYLES[1])
     _check_manual_split_pp_plan(rank)
     _check_evaluation(rank, tp_size=1)
