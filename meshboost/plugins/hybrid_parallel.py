@@ -89,7 +89,9 @@ class HybridParallelPlugin(Plugin):
 
     The flat keyword arguments follow ColossalAI and map onto `self.config` (HybridParallelConfig):
     tp_size, custom_policy, enable_tensor_parallelism, parallel_output, make_vocab_size_divisible_by,
-        enable_sequence_parallelism: sharding (`meshboost.shardformer.ShardConfig`).
+        enable_sequence_parallelism, enable_flash_attention, enable_fused_normalization, enable_jit_fused,
+        enable_sequence_overlap, enable_all_optimization: sharding and kernels
+        (`meshboost.shardformer.ShardConfig`, docs/optimizations.md).
     pp_size, num_microbatches / microbatch_size (one required with pp_size > 1), pp_style ("1f1b" |
         "interleaved"), num_model_chunks, num_layers_per_stage: `meshboost.pipeline.PipelineConfig`.
     precision ("fp32" | "fp16" | "bf16"), max_norm (global-norm clipping when > 0), initial_scale,
@@ -116,7 +118,10 @@ class HybridParallelPlugin(Plugin):
                  initial_scale: float = 2**16, min_scale: float = 1, growth_factor: float = 2,
                  backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2,
                  max_scale: float = 2**32, max_skips_at_min_scale: int = 50, overlap_communication: bool = False,
-                 zero_bucket_size_in_m: int = 12, check_inputs: str = "first", loss_normalization: str = "tokens"):
+                 zero_bucket_size_in_m: int = 12, check_inputs: str = "first", loss_normalization: str = "tokens",
+                 enable_flash_attention: bool = False, enable_fused_normalization: bool = False,
+                 enable_jit_fused: bool = False, enable_sequence_overlap: bool = False,
+                 enable_all_optimization: bool = False):
         # Every rank must pass the same arguments; one all-gather of a digest says so (or names the
         # difference) before anything that could differ by rank, so no rank is left hanging.
         agree_settings({k: v for k, v in locals().items() if k != "self"}, "HybridParallelPlugin arguments")
@@ -127,7 +132,11 @@ class HybridParallelPlugin(Plugin):
             tp_size=tp_size,
             sharding=ShardConfig(enable_tensor_parallelism=enable_tensor_parallelism, parallel_output=parallel_output,
                                  make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                                 enable_sequence_parallelism=enable_sequence_parallelism),
+                                 enable_sequence_parallelism=enable_sequence_parallelism,
+                                 enable_flash_attention=enable_flash_attention,
+                                 enable_fused_normalization=enable_fused_normalization,
+                                 enable_jit_fused=enable_jit_fused, enable_sequence_overlap=enable_sequence_overlap,
+                                 enable_all_optimization=enable_all_optimization),
             custom_policy=custom_policy,
             pipeline=PipelineConfig(pp_size, pp_style, num_model_chunks, num_microbatches, microbatch_size,
                                     num_layers_per_stage),

@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from meshboost.distributed.launch import get_current_device
 from meshboost.distributed.param_info import get_tp_info
 from meshboost.shardformer.layers import VocabParallelEmbedding, VocabParallelLMHead, is_conv1d, make_causal_lm_loss
 from meshboost.shardformer.layers.vocab import embedding_extras
+from meshboost.shardformer.optimizations import fuse_norms, use_fast_attention
 from meshboost.shardformer.policies import Policy, get_policy
 from meshboost.shardformer.policies.base import pattern_to_regex
 from meshboost.shardformer.shard_config import ShardConfig
@@ -169,6 +171,11 @@ class ShardFormer:
         if tp_size > 1:
             policy = policy or get_policy(model)
             self._apply(model, policy, self._validate(model, policy, tp_size))
+        device_type = get_current_device().type
+        if self.shard_config.enable_flash_attention:
+            use_fast_attention(model, device_type)
+        if self.shard_config.enable_fused_normalization:
+            fuse_norms(model, device_type)
         return model, tied_parameters(model)
 
     # -- validation: pure, identical on every rank ---------------------------------------------

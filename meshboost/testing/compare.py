@@ -36,19 +36,25 @@ def gathered(param: torch.Tensor, tensor: torch.Tensor | None = None) -> torch.T
     return gather_tensor(t, get_tp_info(param))
 
 
-def check_tp_equivalence(class_name: str, family: str, group, lr: float = 1e-3, **config_overrides) -> dict:
+def check_tp_equivalence(class_name: str, family: str, group, lr: float = 1e-3, shard_options: dict | None = None,
+                         attention: str | None = None, **config_overrides) -> dict:
     """Assert that `class_name` sharded over `group` matches the unsharded model (fp32). Returns
-    the measured maxima for reporting."""
+    the measured maxima for reporting. shard_options: more `ShardConfig` fields (kernel switches);
+    attention: both models start with this attention implementation (e.g. "eager", so that
+    `enable_flash_attention` is what switches the sharded one)."""
     config = tiny_config(family, **config_overrides)
     ref = build_model(class_name, copy.deepcopy(config), seed=0)
     par = build_model(class_name, copy.deepcopy(config), seed=0)
+    if attention is not None:
+        ref.set_attn_implementation(attention)
+        par.set_attn_implementation(attention)
     batch = tiny_batch(class_name, config)
     where = class_name
     # eps=1e-4: Adam turns a near-zero gradient into a +-lr step whose sign is decided by
     # round-off; a larger eps keeps the comparison about sharding, not about that sign.
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, eps=1e-4)
     par_opt = torch.optim.AdamW(par.parameters(), lr=lr, eps=1e-4)   # built before sharding: must stay valid
-    ShardFormer(ShardConfig(tensor_parallel_process_group=group)).optimize(par)
+    ShardFormer(ShardConfig(tensor_parallel_process_group=group, **(shard_options or {}))).optimize(par)
 
     # Evaluation (before any step) sees full-size outputs: logits trimmed to the real vocabulary.
     ref.eval(), par.eval()
