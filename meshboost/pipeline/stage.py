@@ -145,15 +145,17 @@ class PipelineStages:
         off = self.offsets[k0]
         local = range(span.start - off, min(span.stop, off + self.sizes[k0]) - off)    # k0's own layer numbers
         config = getattr(base.get_submodule(segments[k0].stack), "config", self.model.config)
-        counts = contextlib.ExitStack()
-        for j in range(k0, k1 + 1):
-            if segments[j].counted_by:
-                counted, n = base.get_submodule(segments[j].counted_by).config, len(self.layer_lists[j].running)
-                counts.enter_context(_set_attr(counted, "num_hidden_layers", n))
-                if segments[j].shared_groups:          # n iterations over n groups: iteration i reads running[i]
-                    counts.enter_context(_set_attr(counted, segments[j].shared_groups, n))
         try:
-            with _swapped(base, swaps), _per_layer_config(config, local), counts:
+            with contextlib.ExitStack() as scope:
+                scope.enter_context(_swapped(base, swaps))
+                scope.enter_context(_per_layer_config(config, local))
+                for j in range(k0, k1 + 1):
+                    if segments[j].counted_by:       # the stack loops over its config's count: the chunk's
+                        counted = base.get_submodule(segments[j].counted_by).config
+                        n = len(self.layer_lists[j].running)
+                        scope.enter_context(_set_attr(counted, "num_hidden_layers", n))
+                        if segments[j].shared_groups:    # n iterations over n groups: iteration i reads running[i]
+                            scope.enter_context(_set_attr(counted, segments[j].shared_groups, n))
                 return self.model(**inputs)
         except _StageOutput as done:
             return earlier + [captured[j] for j in range(k0, k1 + 1) if j in captured] + done.tensors

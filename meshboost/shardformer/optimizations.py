@@ -50,7 +50,8 @@ def use_fast_attention(model: nn.Module, device_type: str) -> str:
         except (ValueError, ImportError) as e:          # transformers: the model or kernel does not support it
             logger.info("meshboost: attention %s not available for %s (%s)", impl, type(model).__name__, e)
             continue
-        why = "" if impl == "flash_attention_2" else " (flash-attn 2 needs CUDA, the flash_attn package and model support)"
+        why = "" if impl == "flash_attention_2" else \
+            " (flash-attn 2 needs CUDA, the flash_attn package and model support)"
         _say("meshboost: enable_flash_attention -> attention %r%s, was %r", impl, why, current)
         return impl
     _say("meshboost: enable_flash_attention -> %s supports neither flash-attn 2 nor SDPA; keeps %r",
