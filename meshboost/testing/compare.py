@@ -86,3 +86,15 @@ def check_tp_equivalence(class_name: str, family: str, group, lr: float = 1e-3, 
         assert_close(gathered(p), ref_params[name].detach(), msg=f"{where} weight after AdamW {name}")
 
     return {"loss": par_loss.item(), "ref_loss": ref_loss.item()}
+
+
+def booster_step(booster, model, optimizer, batch: dict) -> torch.Tensor:
+    """One training step of a boosted causal-LM-like model on `batch` (through the pipeline schedule
+    when the plugin has stages), its loss returned; the caller zeroes gradients."""
+    if getattr(booster.plugin, "pp_size", 1) > 1:
+        loss = booster.execute_pipeline(iter([batch]), model, lambda out, inputs: out.loss, optimizer)["loss"]
+    else:
+        loss = model(**batch).loss
+        booster.backward(loss, optimizer)
+    optimizer.step()
+    return loss

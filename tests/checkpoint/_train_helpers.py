@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from meshboost import Booster
 from meshboost.plugins import HybridParallelPlugin
+from meshboost.testing.compare import booster_step
 from meshboost.testing.models import build_model, tiny_batch, tiny_config
 
 CLS = "GPT2LMHeadModel"
@@ -74,12 +75,7 @@ def train(booster, mesh, model, opt, sched, steps) -> list[float]:
     losses = []
     for s in steps:
         local = {k: v[mesh.dp_rank * n:(mesh.dp_rank + 1) * n] for k, v in batch(s).items()}
-        if mesh.pp_size > 1:
-            loss = booster.execute_pipeline(iter([local]), model, lambda out, inputs: out.loss, opt)["loss"]
-        else:
-            loss = model(**local).loss
-            booster.backward(loss, opt)
-        opt.step()
+        loss = booster_step(booster, model, opt, local)
         opt.zero_grad()
         sched.step()
         t = torch.tensor([loss.item()], dtype=torch.float64)

@@ -14,7 +14,7 @@ from meshboost import Booster
 from meshboost.pipeline import split_microbatches
 from meshboost.plugins import HybridParallelPlugin
 from meshboost.testing import LOSS_ATOL, assert_close, spawn
-from meshboost.testing.compare import gathered
+from meshboost.testing.compare import booster_step, gathered
 from meshboost.testing.models import build_model, tiny_batch, tiny_config
 
 CLS, LR = "LlamaForCausalLM", 1e-3
@@ -47,12 +47,7 @@ def _body(rank: int, world: int) -> None:
         model.train()
         assert any(getattr(m, "gradient_checkpointing", False) for m in model.unwrap().modules()), settings
         mine = split_microbatches(batch, plugin.dp_size)[plugin.mesh.dp_rank] if plugin.dp_size > 1 else batch
-        if plugin.pp_size > 1:
-            loss = booster.execute_pipeline(iter([mine]), model, lambda out, inp: out.loss, opt)["loss"]
-        else:
-            loss = model(**mine).loss
-            booster.backward(loss, opt)
-        opt.step()
+        loss = booster_step(booster, model, opt, mine)
         if plugin.dp_size == 1:
             assert abs(loss.item() - ref_loss.item()) <= LOSS_ATOL[torch.float32], f"{settings}: {loss} vs {ref_loss}"
         for name, p in model.unwrap().named_parameters():
