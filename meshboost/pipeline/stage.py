@@ -89,14 +89,6 @@ class PipelineStages:
     def num_virtual(self) -> int:
         return self.pp_size * self.num_chunks
 
-    @property
-    def has_tied(self) -> bool:
-        return bool(self.ties)
-
-    @property
-    def tied_params(self) -> list[nn.Parameter]:
-        return [p for _, params in self.ties for p in params]
-
     def virtual(self, chunk: int) -> int:
         return chunk * self.pp_size + self.pp_rank
 

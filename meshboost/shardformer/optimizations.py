@@ -3,8 +3,10 @@
 Owns: choosing the attention implementation per backend (`enable_flash_attention`: flash-attn 2
 when it is importable on CUDA, else torch's `scaled_dot_product_attention`, whose flash and
 memory-efficient kernels torch picks itself) and swapping each RMS norm whose numbers a fused kernel
-reproduces (`enable_fused_normalization`: torch's `rms_norm` kernel; apex's when importable on
-CUDA). Each switch logs one line saying what it chose. Must not shard: it runs after the sharder,
+reproduces (`enable_fused_normalization`: torch's `rms_norm` kernel, on CPU and CUDA; apex is not
+used yet). A norm carrying a module hook (the sharder's guard against an uncovered per-head norm, a
+style's hook) is kept, so no check or gradient rule is lost. Each switch logs one line saying what
+it chose. Must not shard: it runs after the sharder,
 on the per-rank heads and shards it left, and keeps every weight (same `nn.Parameter`).
 """
 
@@ -108,10 +110,13 @@ def fuse_norms(model: nn.Module, device_type: str) -> int:
     """Swap every RMS norm whose numbers the fused kernel reproduces (checked once per class by a
     probe) for `FusedRMSNorm` holding the same weight. Returns how many were swapped."""
     verdict: dict[type, bool] = {}
-    swaps = []
+    swaps, hooked = [], 0
     for name, module in model.named_modules():
         parts = _rms_parts(module)
         if parts is None:
+            continue
+        if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks:
+            hooked += 1                 # a guard or style hook lives on this module: swapping would drop it
             continue
         if type(module) not in verdict:
             verdict[type(module)] = _same_numbers(module, *parts)
@@ -123,5 +128,6 @@ def fuse_norms(model: nn.Module, device_type: str) -> int:
     kept = sorted(t.__name__ for t, ok in verdict.items() if not ok)
     _say("meshboost: enable_fused_normalization -> %d RMS norms on torch's fused rms_norm kernel%s; LayerNorm is "
          "torch's fused kernel already%s", len(swaps), " (apex is not used)" if device_type == "cuda" else "",
-         f"; kept, the fused kernel differs from their numbers: {kept}" if kept else "")
+         (f"; kept, the fused kernel differs from their numbers: {kept}" if kept else "")
+         + (f"; kept {hooked} carrying module hooks" if hooked else ""))
     return len(swaps)

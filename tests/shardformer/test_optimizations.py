@@ -51,3 +51,16 @@ def test_switches_not_implemented_yet_raise_naming_what_exists():
     for kwargs in ({"enable_all_optimization": True}, {"enable_jit_fused": True}, {"enable_sequence_overlap": True}):
         with pytest.raises(NotImplementedError, match="enable_flash_attention=True"):
             ShardConfig(**kwargs)
+
+
+def test_fused_norms_keep_hooked_norms():
+    """A norm carrying a module hook (the sharder's guard refusing an uncovered per-head norm) is not
+    swapped: the swap would drop the guard and let a wrong layout run."""
+    from meshboost.shardformer.optimizations import fuse_norms
+    model = build_model("LlamaForCausalLM", tiny_config("llama"))
+    guarded = model.model.layers[0].input_layernorm
+    guarded.register_forward_pre_hook(lambda module, args: None)
+    assert fuse_norms(model, "cpu") == 2 * len(model.model.layers)        # every other norm, and the final one
+    assert model.model.layers[0].input_layernorm is guarded
+    assert isinstance(model.model.layers[1].input_layernorm, FusedRMSNorm)
+
