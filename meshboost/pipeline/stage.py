@@ -84,6 +84,8 @@ class PipelineStages:
     # weights held by several pipeline ranks: (those pp ranks, the ones held here), the same sets
     # on every rank (groups are built collectively)
     ties: list[tuple[tuple[int, ...], list[nn.Parameter]]] = field(default_factory=list)
+    # sequence parallelism over tp ranks: received hidden states hold 1/seq_split of the sequence
+    seq_split: int = 1
 
     @property
     def num_virtual(self) -> int:
@@ -120,10 +122,12 @@ class PipelineStages:
             for path in segments[k0].embeddings:
                 if path in self.stand_ins:
                     swaps[path] = self.stand_ins[path]
-                    if isinstance(swaps[path], AbsentEmbedding):
-                        swaps[path].hidden_like = hidden
+                    if isinstance(swaps[path], AbsentEmbedding):    # shaped like the whole sequence
+                        swaps[path].hidden_like = hidden if self.seq_split == 1 else hidden.new_zeros(
+                            (hidden.shape[0], hidden.shape[1] * self.seq_split, *hidden.shape[2:]))
+            # prepended: the layer's own hooks (sequence parallelism's) see the received hidden states
             handles.append(self.kept[span.start].register_forward_pre_hook(
-                _replace_inputs(hidden, segments[k0].carry, carried), with_kwargs=True))
+                _replace_inputs(hidden, segments[k0].carry, carried), with_kwargs=True, prepend=True))
         if not self.is_last(chunk):
             for j in range(k0, k1 + 1):
                 if j < k1 or ends:                                 # this chunk completes segment j

@@ -90,8 +90,9 @@ class HybridParallelPlugin(Plugin):
     The flat keyword arguments follow ColossalAI and map onto `self.config` (HybridParallelConfig):
     tp_size, custom_policy, enable_tensor_parallelism, parallel_output, make_vocab_size_divisible_by,
         enable_sequence_parallelism, enable_flash_attention, enable_fused_normalization, enable_jit_fused,
-        enable_sequence_overlap, enable_all_optimization: sharding and kernels
-        (`meshboost.shardformer.ShardConfig`, docs/optimizations.md).
+        enable_sequence_overlap, enable_all_optimization, sequence_parallelism_mode: sharding and kernels
+        (`meshboost.shardformer.ShardConfig`, docs/optimizations.md); sp_size: None or 1 (sequence
+        parallelism runs over the tp group).
     pp_size, num_microbatches / microbatch_size (one required with pp_size > 1), pp_style ("1f1b" |
         "interleaved"), num_model_chunks, num_layers_per_stage: `meshboost.pipeline.PipelineConfig`.
     precision ("fp32" | "fp16" | "bf16"), max_norm (global-norm clipping when > 0), initial_scale,
@@ -121,11 +122,16 @@ class HybridParallelPlugin(Plugin):
                  zero_bucket_size_in_m: int = 12, check_inputs: str = "first", loss_normalization: str = "tokens",
                  enable_flash_attention: bool = False, enable_fused_normalization: bool = False,
                  enable_jit_fused: bool = False, enable_sequence_overlap: bool = False,
-                 enable_all_optimization: bool = False):
+                 enable_all_optimization: bool = False, sequence_parallelism_mode: str | None = None,
+                 sp_size: int | None = None):
         # Every rank must pass the same arguments; one all-gather of a digest says so (or names the
         # difference) before anything that could differ by rank, so no rank is left hanging.
         agree_settings({k: v for k, v in locals().items() if k != "self"}, "HybridParallelPlugin arguments")
         # -- pure checks first: every rank raises the same error before any collective ----------
+        if sp_size not in (None, 1):
+            raise NotImplementedError(f"sp_size={sp_size!r}: meshboost's sequence parallelism ('split_gather') runs "
+                                      "over the tensor-parallel group, so it needs no group of its own; pass "
+                                      "sp_size=None with enable_sequence_parallelism=True and tp_size > 1")
         if not (isinstance(zero_bucket_size_in_m, (int, float)) and zero_bucket_size_in_m > 0):
             raise ValueError(f"zero_bucket_size_in_m={zero_bucket_size_in_m!r} must be a positive number")
         self.config = HybridParallelConfig(
@@ -133,6 +139,7 @@ class HybridParallelPlugin(Plugin):
             sharding=ShardConfig(enable_tensor_parallelism=enable_tensor_parallelism, parallel_output=parallel_output,
                                  make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                                  enable_sequence_parallelism=enable_sequence_parallelism,
+                                 sequence_parallelism_mode=sequence_parallelism_mode,
                                  enable_flash_attention=enable_flash_attention,
                                  enable_fused_normalization=enable_fused_normalization,
                                  enable_jit_fused=enable_jit_fused, enable_sequence_overlap=enable_sequence_overlap,
@@ -219,6 +226,8 @@ class HybridParallelPlugin(Plugin):
         cfg = self.config.pipeline
         stages = build_stages(model, self.mesh.pp_rank, cfg.pp_size, cfg.num_model_chunks, cfg.num_layers_per_stage,
                               layout=pipeline_layout(model, self.config.custom_policy))
+        if self.shard_config.enable_sequence_parallelism and self.shard_config.tensor_parallel_size > 1:
+            stages.seq_split = self.shard_config.tensor_parallel_size     # boundaries carry 1/tp of the sequence
         prune_optimizer(optimizer.unwrap() if isinstance(optimizer, OptimizerWrapper) else optimizer, model)
         return stages
 

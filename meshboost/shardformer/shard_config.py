@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from meshboost.shardformer.sequence import check_mode
+
 
 @dataclass
 class ShardConfig:
@@ -17,7 +19,10 @@ class ShardConfig:
     parallel_output: keep LM-head logits split over the vocabulary in training, with the loss
         computed by the vocab-parallel cross-entropy; evaluation always sees full logits.
     make_vocab_size_divisible_by: vocab is padded to a multiple of this times tp_size.
-    enable_sequence_parallelism: Megatron sequence parallelism (not implemented yet: raises).
+    enable_sequence_parallelism: Megatron sequence parallelism over the tp group: norms, dropouts and
+        residuals of the layer stack hold 1/tp of the sequence (sequence.py, docs/sequence_parallel.md).
+    sequence_parallelism_mode: None or "split_gather" (the one implemented; ColossalAI's "all_to_all",
+        "ring" and "ring_attn" raise NotImplementedError).
     enable_flash_attention: flash-attn 2 when importable on CUDA, else torch's SDPA (optimizations.py).
     enable_fused_normalization: RMS norms on torch's fused kernel where it reproduces their numbers.
     enable_jit_fused, enable_sequence_overlap: not implemented yet (raise, naming what exists).
@@ -29,6 +34,7 @@ class ShardConfig:
     parallel_output: bool = True
     make_vocab_size_divisible_by: int = 64
     enable_sequence_parallelism: bool = False
+    sequence_parallelism_mode: str | None = None
     enable_flash_attention: bool = False
     enable_fused_normalization: bool = False
     enable_jit_fused: bool = False
@@ -48,7 +54,7 @@ class ShardConfig:
             raise ValueError(f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by!r} must be a "
                              "positive integer (64 is a good default; 1 disables padding beyond tp_size)")
         if self.enable_sequence_parallelism:
-            raise NotImplementedError("enable_sequence_parallelism=True is not implemented yet; leave it False")
+            self.sequence_parallelism_mode = check_mode(self.sequence_parallelism_mode)
 
     @property
     def tensor_parallel_size(self) -> int:

@@ -18,15 +18,24 @@ import torch.nn as nn
 
 from meshboost.distributed.launch import get_current_device
 from meshboost.distributed.param_info import get_tp_info
-from meshboost.shardformer.layers import VocabParallelEmbedding, VocabParallelLMHead, is_conv1d, make_causal_lm_loss
+from meshboost.shardformer import sequence
+from meshboost.shardformer.layers import (
+    ColumnParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+    is_conv1d,
+    make_causal_lm_loss,
+)
 from meshboost.shardformer.layers.vocab import embedding_extras
 from meshboost.shardformer.optimizations import fuse_norms, use_fast_attention
 from meshboost.shardformer.policies import Policy, get_policy
 from meshboost.shardformer.policies.base import pattern_to_regex
+from meshboost.shardformer.rng import install_tp_rank_rng
 from meshboost.shardformer.shard_config import ShardConfig
 from meshboost.shardformer.styles import (
     BLOCK_INPUT,
     SPLITTING_STYLES,
+    STYLES,
     ShardContext,
     ShardStyle,
     attribute_rule,
@@ -53,6 +62,9 @@ class _Plan:
     embedding_paths: list[list[str]] = field(default_factory=list)    # per module: every path to it
     head_paths: list[list[str]] = field(default_factory=list)
     guards: list[tuple[str, nn.Module]] = field(default_factory=list)      # see split_input_guard
+    seq_stack: str | None = None        # sequence parallelism: the layer list's path (base-relative)
+    seq_stack_full: str | None = None   # ... and from the model's root
+    seq_blocks: list[tuple[str, nn.Module]] = field(default_factory=list)   # policy.sequence_blocks matched
 
 
 def _set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
@@ -112,6 +124,29 @@ def _split_input_guards(model: nn.Module, matches: list[_Match], matched: dict) 
     return out
 
 
+def _sequence_blocks(model: nn.Module, plan: _Plan, matched: dict) -> list[tuple[str, nn.Module]]:
+    """Under sequence parallelism, each module holding column-parallel linears (an attention, an MLP)
+    inside the stack's layers that is not a block input already gathers its hidden states at entry:
+    HF attention code views its projections by its input's sequence length (`hidden_states.shape[:-1]`),
+    which must be the whole sequence. Its linears must all be sharded (a whole router or gate would
+    read the gathered input and get its gradient reduce-scattered)."""
+    blocks = {p for m in plan.matches if m.style.name == BLOCK_INPUT for p in m.paths}
+    stack = plan.seq_stack_full
+    out = []
+    parents = sorted({p.rpartition(".")[0] for m in plan.matches if m.style.name.startswith("colwise")
+                      for p in m.paths if p.startswith(stack + ".")})
+    for path in parents:
+        if path in blocks or any(path.startswith(b + ".") for b in blocks) or path.count(".") <= stack.count(".") + 1:
+            continue        # already a block input, inside one, or the layer itself (its columns gather alone)
+        module = model.get_submodule(path)
+        if not _closed_block(module, matched):
+            raise ValueError(f"{path} ({type(module).__name__}): under sequence parallelism it gathers its input once, "
+                             "but it holds a linear the plan leaves whole (a router), whose gradient would then be "
+                             "wrong; use enable_sequence_parallelism=False for this model")
+        out.append((path, module))
+    return out
+
+
 class UncoveredParameterError(ValueError):
     """A module with parameters reads split activations the sharding plan does not account for."""
 
@@ -136,6 +171,13 @@ def split_input_guard(path: str):
         nonlocal handle
         handle = module.register_forward_pre_hook(hook, with_kwargs=True)
     return install
+
+
+def _get(root: nn.Module, path: str):
+    try:
+        return root.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def tied_parameters(model: nn.Module) -> list[dict[str, nn.Parameter]]:
@@ -170,7 +212,13 @@ class ShardFormer:
                              "start over, build a fresh model (or load its checkpoint into one)")
         if tp_size > 1:
             policy = policy or get_policy(model)
-            self._apply(model, policy, self._validate(model, policy, tp_size))
+            plan = self._validate(model, policy, tp_size)
+            self._apply(model, policy, plan)
+            # dropout inside the split regions draws from a per-tp-rank stream (rng.py)
+            rng = install_tp_rank_rng(model, self.shard_config.tensor_parallel_process_group)
+            if plan.seq_stack is not None:        # every activation of a layer is split: hold it per layer,
+                for layer in model.base_model.get_submodule(plan.seq_stack):     # so every pipeline stage does
+                    rng.hold_across(layer, layer)
         device_type = get_current_device().type
         if self.shard_config.enable_flash_attention:
             use_fast_attention(model, device_type)
@@ -222,6 +270,20 @@ class ShardFormer:
             raise ValueError(f"policy {policy.name!r} matched no module of {type(model).__name__}; check the "
                              "plan's paths against model.base_model.named_modules()")
         plan = _Plan(matches, guards=_split_input_guards(model, matches, by_module))
+        if self.shard_config.enable_sequence_parallelism:
+            sequence.check_model(model, tp_size)
+            plan.seq_stack = sequence.stack_path(model, policy.pipeline_layout)
+            if not isinstance(_get(base, plan.seq_stack), nn.ModuleList):
+                raise ValueError(f"{type(model).__name__}: {plan.seq_stack!r} is not the model's layer list "
+                                 "(nn.ModuleList), which sequence parallelism splits")
+            plan.seq_stack_full = full(plan.seq_stack)
+            unclosed = [m.paths[0] for m in by_module.values() if m.style.name == BLOCK_INPUT
+                        and not _closed_block(m.module, by_module) and m.paths[0].startswith(plan.seq_stack_full + ".")]
+            if unclosed:
+                raise ValueError(f"{unclosed[0]}: a block whose linears are not all sharded (an MoE router reads its "
+                                 "input) cannot gather its input once under sequence parallelism; use "
+                                 "enable_sequence_parallelism=False for this model")
+            plan.seq_blocks = _sequence_blocks(model, plan, by_module)
         for pattern, rules in policy.attributes.items():
             regex = pattern_to_regex(pattern)
             for name, module in base.named_modules():
@@ -265,8 +327,11 @@ class ShardFormer:
     def _apply(self, model: nn.Module, policy: Policy, plan: _Plan) -> None:
         cfg = self.shard_config
         ctx = ShardContext(cfg.tensor_parallel_process_group, cfg.tensor_parallel_size,
-                           tuple(p for m in plan.matches if m.style.name == BLOCK_INPUT for p in m.paths),
-                           policy.block_input_kwargs, cfg.make_vocab_size_divisible_by)
+                           tuple(p for m in plan.matches if m.style.name == BLOCK_INPUT for p in m.paths)
+                           + tuple(path for path, _ in plan.seq_blocks),
+                           policy.block_input_kwargs, cfg.make_vocab_size_divisible_by, plan.seq_stack_full)
+        for path, module in plan.seq_blocks:
+            STYLES[BLOCK_INPUT].apply(ctx, path, module)         # the sequence gather at its entry
         for m in plan.matches:
             new = m.style.apply(ctx, m.paths[0], m.module, *m.args)
             if new is not None:
@@ -291,3 +356,9 @@ class ShardFormer:
                 _set_submodule(model, path, new)
             if parallel_loss:
                 model.loss_function = make_causal_lm_loss(new)
+        for path, module in model.named_modules():
+            if isinstance(module, ColumnParallelLinear) and module.copy_input and ctx.inside_block(path):
+                owner = max((b for b in ctx.block_inputs if path.startswith(b + ".")), key=len)
+                module.__dict__["enclosing_block"] = model.get_submodule(owner)
+        if plan.seq_stack is not None:
+            sequence.install(model, plan.seq_stack, ctx.group, ctx.tp_size)

@@ -24,6 +24,7 @@ import torch
 
 from meshboost.distributed.param_info import gather_tensor, get_tp_info
 from meshboost.shardformer import ShardConfig, ShardFormer
+from meshboost.shardformer.layers.linear import SequenceLayoutError
 from meshboost.shardformer.sharder import UncoveredParameterError
 
 TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
@@ -33,7 +34,8 @@ TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, interm
             use_cache=False, tie_word_embeddings=False)
 MAX_PARAMS = 20_000_000
 DROPOUTS = ("hidden_dropout", "attention_dropout", "hidden_dropout_prob", "attention_probs_dropout_prob",
-            "dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "embedding_dropout", "mlp_dropout")
+            "dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "embedding_dropout", "mlp_dropout",
+            "residual_dropout")
 
 
 @dataclass
@@ -142,8 +144,9 @@ def _eval_and_train(model, batch):
     return eval_out, loss
 
 
-def check(model_type: str, group, atol: float = 1e-5) -> Verdict:
-    """The verdict for one model type (call on every rank of `group`; the comparison communicates)."""
+def check(model_type: str, group, atol: float = 1e-5, shard_options: dict | None = None) -> Verdict:
+    """The verdict for one model type (call on every rank of `group`; the comparison communicates).
+    shard_options: more `ShardConfig` fields (enable_sequence_parallelism=True for the SP sweep)."""
     first_error = None
     for shrink_head_dim in (False, True):
         try:
@@ -160,7 +163,7 @@ def check(model_type: str, group, atol: float = 1e-5) -> Verdict:
         return Verdict(model_type, cls, "not run", "the unsharded tiny model gives a non-finite loss")
     _, par = build(model_type, shrink_head_dim=shrink_head_dim)
     try:
-        ShardFormer(ShardConfig(tensor_parallel_process_group=group)).optimize(par)
+        ShardFormer(ShardConfig(tensor_parallel_process_group=group, **(shard_options or {}))).optimize(par)
     except (ValueError, TypeError, NotImplementedError) as e:
         return Verdict(model_type, cls, "refused", str(e).splitlines()[0][:240])
     try:
@@ -182,7 +185,7 @@ def check(model_type: str, group, atol: float = 1e-5) -> Verdict:
         if problems:
             return Verdict(model_type, cls, "FAIL", "; ".join(problems[:4]))
         return Verdict(model_type, cls, "ok")
-    except UncoveredParameterError as e:            # a clear refusal, at the first call
+    except (UncoveredParameterError, SequenceLayoutError) as e:            # a clear refusal, at the first call
         return Verdict(model_type, cls, "refused", f"at the first call: {str(e).splitlines()[0][:200]}")
     except Exception as e:  # noqa: BLE001 - meshboost accepted the model, then it broke: a defect
         where = traceback.extract_tb(e.__traceback__)[-1]

@@ -100,6 +100,28 @@ class _ParallelLinearBase(nn.Module):
                 f"bias={self.bias is not None}, conv1d={self.conv1d}")
 
 
+def _enter_parallel_region(x: torch.Tensor, group, seq_parallel: bool) -> torch.Tensor:
+    """The input of a column-parallel block: Megatron's f, or under sequence parallelism the
+    sequence all-gathered (gradient reduce-scattered)."""
+    if not seq_parallel:
+        return comm.copy_to_tp(x, group)
+    _check_sequence_layout(x)
+    return comm.gather_from_seq(x, group, dim=1)
+
+
+class SequenceLayoutError(ValueError):
+    """Sequence parallelism met a model it cannot split exactly (found at the first call)."""
+
+
+def _check_sequence_layout(x: torch.Tensor) -> None:
+    if x.dim() != 3:
+        raise SequenceLayoutError(
+            f"sequence parallelism: a parallel linear got an input of shape {tuple(x.shape)}, not [batch, seq, "
+            "features] (the model flattens or reshapes its hidden states inside a layer, as OPT's does before fc1), "
+            "so its sequence cannot be found; use "
+                         "enable_sequence_parallelism=False for this model")
+
+
 class ColumnParallelLinear(_ParallelLinearBase):
     """y = x A^T + b with A split by output features: each rank computes its slice of y.
 
@@ -107,17 +129,21 @@ class ColumnParallelLinear(_ParallelLinearBase):
     Turn it off when the block's input already passed through f once (several column-parallel
     linears reading the same input: q/k/v, gate/up), so the input grad is all-reduced once.
     gather_output: all-gather the output so every rank holds the full y.
+    seq_parallel: the input is this rank's chunk of the sequence (sequence parallelism, dim 1): with
+    copy_input, it is all-gathered along the sequence forward and its gradient reduce-scattered,
+    in place of Megatron's f (the same bytes).
     """
 
     def __init__(self, weight, bias, group, gather_output: bool = False, copy_input: bool = True,
-                 conv1d: bool = False):
+                 conv1d: bool = False, seq_parallel: bool = False):
         super().__init__(weight, bias, group, conv1d)
         self.gather_output = gather_output
         self.copy_input = copy_input
+        self.seq_parallel = seq_parallel
 
     @classmethod
     def from_native(cls, module: nn.Module, group, gather_output: bool = False, copy_input: bool = True,
-                    num_fused: int = 1, replicas: int = 1) -> "ColumnParallelLinear":
+                    num_fused: int = 1, replicas: int = 1, seq_parallel: bool = False) -> "ColumnParallelLinear":
         """replicas > 1: fewer output pieces than ranks (key/value heads fewer than tp), each held by
         `replicas` consecutive ranks (see `shard_parameter_`)."""
         conv1d = is_conv1d(module)
@@ -125,14 +151,23 @@ class ColumnParallelLinear(_ParallelLinearBase):
         shard_parameter_(module.weight, out_dim, group, num_fused=num_fused, replicas=replicas)
         if module.bias is not None:
             shard_parameter_(module.bias, 0, group, num_fused=num_fused, replicas=replicas)
-        return cls(module.weight, module.bias, group, gather_output, copy_input, conv1d)
+        return cls(module.weight, module.bias, group, gather_output, copy_input, conv1d, seq_parallel)
+
+    def _reads_block_input(self, x: torch.Tensor) -> bool:
+        """True when x is what the enclosing block's hook produced (its f, or its sequence gather, already
+        applied): set by the sharder on a column with an f of its own inside a block."""
+        block = self.__dict__.get("enclosing_block")
+        refs = block.__dict__.get("_meshboost_block_inputs", ()) if block is not None else ()
+        return any(r() is x for r in refs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.copy_input:
-            x = comm.copy_to_tp(x, self.process_group)
+        if self.copy_input and not self._reads_block_input(x):
+            x = _enter_parallel_region(x, self.process_group, self.seq_parallel)
         y = self._matmul(x, self.bias)
         if self.gather_output:
-            return comm.gather_from_tp(y, self.process_group, dim=-1)
+            y = comm.gather_from_tp(y, self.process_group, dim=-1)
+            y.tp_gathered = True   # whole and equal on every rank: see styles._split_block_output
+            return y
         y.tp_split = True          # this rank's slice of the features: see sharder.split_input_guard
         return y
 
@@ -143,23 +178,34 @@ class RowParallelLinear(_ParallelLinearBase):
 
     input_is_parallel: the input is already split along its last dim (the output of a
     column-parallel linear); otherwise this rank's slice is taken first.
+    seq_parallel: the partial products are reduce-scattered along the sequence (dim 1) instead of
+    all-reduced, so each rank keeps the sum for its chunk of the sequence (sequence parallelism;
+    the bias, replicated, then sees only that chunk: its gradient is summed over tp, see sequence.py).
     """
 
-    def __init__(self, weight, bias, group, input_is_parallel: bool = True, conv1d: bool = False):
+    def __init__(self, weight, bias, group, input_is_parallel: bool = True, conv1d: bool = False,
+                 seq_parallel: bool = False):
         super().__init__(weight, bias, group, conv1d)
         self.input_is_parallel = input_is_parallel
+        self.seq_parallel = seq_parallel
 
     @classmethod
-    def from_native(cls, module: nn.Module, group, input_is_parallel: bool = True) -> "RowParallelLinear":
+    def from_native(cls, module: nn.Module, group, input_is_parallel: bool = True,
+                    seq_parallel: bool = False) -> "RowParallelLinear":
         conv1d = is_conv1d(module)
         in_dim = 0 if conv1d else 1
         shard_parameter_(module.weight, in_dim, group)
-        return cls(module.weight, module.bias, group, input_is_parallel, conv1d)
+        return cls(module.weight, module.bias, group, input_is_parallel, conv1d, seq_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = comm.split_to_tp(x, self.process_group, dim=-1)
-        y = comm.reduce_from_tp(self._matmul(x, None), self.process_group)
+        partial_sums = self._matmul(x, None)
+        if self.seq_parallel:
+            _check_sequence_layout(partial_sums)
+            y = comm.reduce_scatter_to_seq(partial_sums, self.process_group, dim=1)
+        else:
+            y = comm.reduce_from_tp(partial_sums, self.process_group)
         return y if self.bias is None else y + self.bias
 
 
@@ -173,22 +219,23 @@ class ColumnSubsetLinear(_ParallelLinearBase):
     produced, so every rank holds the same, exact gradient of the whole weight. The input gradient
     is summed over tp by Megatron's f, as for any column-parallel linear."""
 
-    def __init__(self, weight, bias, group, rows: torch.Tensor):
+    def __init__(self, weight, bias, group, rows: torch.Tensor, seq_parallel: bool = False):
         super().__init__(weight, bias, group, conv1d=False)
+        self.seq_parallel = seq_parallel
         self.register_buffer("rows", rows, persistent=False)
         for p in (weight, bias):
             if p is not None and p.requires_grad:
                 p.register_hook(partial(sum_grad_over_tp, group))
 
     @classmethod
-    def from_native(cls, module: nn.Module, group, rows: list[int]) -> "ColumnSubsetLinear":
+    def from_native(cls, module: nn.Module, group, rows: list[int], seq_parallel: bool = False) -> "ColumnSubsetLinear":
         if not isinstance(module, nn.Linear):
             raise TypeError(f"ColumnSubsetLinear needs nn.Linear, found {type(module).__name__}")
         return cls(module.weight, module.bias, group, torch.tensor(rows, dtype=torch.long,
-                                                                   device=module.weight.device))
+                                                                   device=module.weight.device), seq_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = comm.copy_to_tp(x, self.process_group)
+        x = _enter_parallel_region(x, self.process_group, self.seq_parallel)
         weight = self.weight.index_select(0, self.rows)
         bias = None if self.bias is None else self.bias.index_select(0, self.rows)
         y = F.linear(x, weight, bias)

@@ -64,9 +64,10 @@ def _apply(ctx: ShardContext, path: str, module: nn.Module) -> None:
     kind, rows = _layout(module.config, ctx.tp_size)
     qkv = module.query_key_value
     if kind == "split":
-        module.query_key_value = ColumnParallelLinear.from_native(qkv, ctx.group)
+        module.query_key_value = ColumnParallelLinear.from_native(qkv, ctx.group, seq_parallel=ctx.seq_parallel(path))
     else:
-        module.query_key_value = ColumnSubsetLinear.from_native(qkv, ctx.group, rows(ctx.tp_rank))
+        module.query_key_value = ColumnSubsetLinear.from_native(qkv, ctx.group, rows(ctx.tp_rank),
+                                                                seq_parallel=ctx.seq_parallel(path))
     if module.config.alibi:
         STYLES["heads_bias"].apply(ctx, path, module)
     return None

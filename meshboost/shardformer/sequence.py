@@ -1,0 +1,197 @@
+"""Megatron sequence parallelism ("split_gather") around an unmodified HuggingFace layer stack.
+
+Owns: finding the model's layer stack (the policy's single pipeline segment, else transformers'
+`base_model_pp_plan`), refusing what it cannot run exactly, and the hooks that make the stack
+sequence-parallel: the stack's first layer keeps this rank's chunk of the sequence (gradient
+all-gathered backward), its last layer gathers the sequence again (gradient split backward), and
+every replicated parameter that sees the split activations (norms, row-parallel biases) has its
+gradient summed over tp. Inside, the parallel layers carry `seq_parallel`: a column-parallel input
+(or a block input) is all-gathered along the sequence forward and its gradient reduce-scattered;
+a row-parallel output is reduce-scattered instead of all-reduced. Same bytes per layer as plain
+tensor parallelism; norms, dropouts and residuals hold 1/tp of the sequence (docs/sequence_parallel.md).
+
+Must not copy a HuggingFace forward: it runs on hooks and on the parallel layers' flags only.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn as nn
+
+from meshboost.distributed import comm
+from meshboost.distributed.param_info import get_tp_info
+from meshboost.shardformer.layers import ColumnParallelLinear, RowParallelLinear
+from meshboost.shardformer.layers.linear import ColumnSubsetLinear, SequenceLayoutError, sum_grad_over_tp
+
+SEQ_DIM = 1                      # HF layers take hidden states [batch, seq, hidden]
+MODES = ("split_gather",)
+OTHER_MODES = ("all_to_all", "ring", "ring_attn")       # ColossalAI's other modes: not implemented
+
+
+def check_mode(mode) -> str:
+    """The sequence-parallel mode to use (None means split_gather); raises for ColossalAI's others."""
+    if mode is None or mode == "split_gather":
+        return "split_gather"
+    if mode in OTHER_MODES:
+        raise NotImplementedError(f"sequence_parallelism_mode={mode!r} is not implemented; meshboost implements "
+                                  "'split_gather' (Megatron sequence parallelism over the tensor-parallel group)")
+    raise ValueError(f"sequence_parallelism_mode={mode!r} is unknown; use 'split_gather' (or None)")
+
+
+def stack_path(model: nn.Module, layout: dict | None) -> str:
+    """Path (relative to the base model) of the one layer list sequence parallelism splits; a
+    ValueError for a layout it cannot split exactly (several stacks, shared layer groups, none)."""
+    name = type(model).__name__
+    if layout is not None:
+        if "segments" in layout:
+            raise ValueError(f"{name}: sequence parallelism splits one layer stack; this model has several "
+                             "(encoder-decoder or multimodal), whose cross-attention reads the other stack's whole "
+                             "sequence. Use enable_sequence_parallelism=False for it")
+        if layout.get("shared_groups"):
+            raise ValueError(f"{name}: sequence parallelism does not split shared layer groups (ALBERT); "
+                             "use enable_sequence_parallelism=False")
+        return layout["layers"]
+    plan = getattr(getattr(model, "config", None), "base_model_pp_plan", None) or {}
+    base = model.base_model
+    lists = [n for n in plan if isinstance(getattr(base, n, None), nn.ModuleList)]
+    if len(lists) != 1:
+        raise ValueError(f"{name}: no single layer stack found for sequence parallelism (its config has no "
+                         "base_model_pp_plan and its policy no pipeline_layout); use enable_sequence_parallelism="
+                         "False or pass custom_policy=Policy(..., pipeline_layout={'layers': ...})")
+    return lists[0]
+
+
+def check_model(model: nn.Module, tp_size: int) -> None:
+    """Pure checks on the unsharded model, run on every rank before anything is modified."""
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
+        raise ValueError(f"{type(model).__name__}: sequence parallelism does not split layers with cross-attention "
+                         "(their keys and values read another sequence); use enable_sequence_parallelism=False")
+
+
+class _LayerRecord:
+    """The length of this rank's chunk of the sequence in the layer's latest call (its input's)."""
+
+    local: int | None = None
+
+
+def _record_layer_input(record: _LayerRecord, tp_size: int, module, args, kwargs):
+    """Pre-hook of every layer: the chunk length; a boolean per-token mask handed to the layer (other than
+    the attention mask) is refused, since the layer would index its split hidden states with it."""
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    record.local = hidden.shape[SEQ_DIM] if torch.is_tensor(hidden) and hidden.dim() > SEQ_DIM else None
+    for key, value in kwargs.items():
+        if torch.is_tensor(value) and value.dtype == torch.bool and "attention_mask" not in key and \
+                record.local is not None and value.dim() == 2 and value.shape[1] == record.local * tp_size:
+            raise SequenceLayoutError(f"sequence parallelism: the layer receives a per-token mask {key!r} of shape "
+                                      f"{tuple(value.shape)}, which it would apply to hidden states holding this "
+                                      "rank's chunk of the sequence; use enable_sequence_parallelism=False")
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)) or "Norm" in type(module).__name__
+
+
+def _classify(record: _LayerRecord, tp_size: int, path: str, decided: dict, module, args, kwargs):
+    """Pre-hook, first call only, of a module with replicated parameters in a sequence-parallel layer:
+    fed this rank's chunk of the sequence (outside the gathered blocks) it must be a normalization,
+    whose gradient is then partial (summed over tp); fed the whole sequence (inside a block, after the
+    gather) its gradient is whole already. Anything else fed the chunk (an attention or a mixer the
+    plan leaves whole) would mix only this rank's tokens, and a length that is neither is ambiguous:
+    both refused before they run."""
+    if id(module) in decided:
+        return
+    t = next((a for a in (*args, *kwargs.values()) if torch.is_tensor(a) and a.is_floating_point()), None)
+    length, local = (t.shape[SEQ_DIM] if t is not None and t.dim() > SEQ_DIM else None), record.local
+    if local is not None and length == local and _is_norm(module):
+        decided[id(module)] = True
+    elif local is not None and length == local * tp_size:
+        decided[id(module)] = False
+    elif local is not None and length == local:
+        raise SequenceLayoutError(
+            f"sequence parallelism: {path} ({type(module).__name__}) has parameters the tensor-parallel plan leaves "
+            "whole and is fed this rank's chunk of the sequence; if it mixes tokens (attention, convolution) it "
+            "would see only this rank's. Use enable_sequence_parallelism=False for this model")
+    else:
+        whole = None if local is None else local * tp_size
+        raise SequenceLayoutError(f"sequence parallelism: {path} ({type(module).__name__}) was fed a sequence of "
+                                  f"length {length} where its layer's chunk is {local} of {whole}; meshboost cannot "
+                                  "tell whether its gradient is partial. Use enable_sequence_parallelism=False")
+
+
+def _replicated_grad(group, module: nn.Module, decided: dict, grad: torch.Tensor) -> torch.Tensor:
+    """Gradient hook of a replicated parameter in a sequence-parallel layer: summed over tp when its
+    module was fed this rank's chunk of the sequence (see `_classify`)."""
+    return comm.all_reduce(grad.clone(), group) if decided[id(module)] else grad
+
+
+def install(model: nn.Module, layers_path: str, group, tp_size: int) -> None:
+    """Make the (already tensor-parallel) stack at `layers_path` (base-model relative) sequence-parallel."""
+    layers = model.base_model.get_submodule(layers_path)
+    prefix = next((n for n, m in model.named_modules() if m is layers), layers_path)
+    layers[0].register_forward_pre_hook(partial(_split_sequence, group, tp_size), with_kwargs=True)
+    decided: dict[int, bool] = {}
+    for i, layer in enumerate(layers):
+        record = _LayerRecord()
+        # after the split on layer 0; after the pipeline's received hidden states, which it prepends
+        layer.register_forward_pre_hook(partial(_record_layer_input, record, tp_size), with_kwargs=True)
+        for module in layer.modules():
+            if isinstance(module, RowParallelLinear) and module.bias is not None and module.bias.requires_grad:
+                module.bias.register_hook(partial(sum_grad_over_tp, group))      # added after the reduce-scatter
+        for name, module in layer.named_modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ColumnSubsetLinear)):
+                continue
+            params = [p for p in module.parameters(recurse=False) if p.requires_grad and get_tp_info(p) is None
+                      and not p._backward_hooks]           # hooked: already summed over tp (q/k norms)
+            if not params:
+                continue
+            path = f"{prefix}.{i}.{name}" if name else f"{prefix}.{i}"
+            module.register_forward_pre_hook(partial(_classify, record, tp_size, path, decided), with_kwargs=True)
+            for p in params:
+                p.register_hook(partial(_replicated_grad, group, module, decided))
+    layers[len(layers) - 1].register_forward_hook(partial(_gather_sequence, group))
+    model.register_forward_pre_hook(_refuse_hidden_states_output, with_kwargs=True)
+
+
+def _split_sequence(group, tp_size: int, module, args, kwargs):
+    """Pre-hook on the stack's first layer: keep this rank's chunk of the sequence."""
+    args, kwargs = list(args), dict(kwargs)
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if not torch.is_tensor(hidden) or hidden.dim() != 3:
+        raise ValueError("sequence parallelism needs the layers' hidden states as [batch, seq, hidden]; got "
+                         f"{type(hidden).__name__ if not torch.is_tensor(hidden) else tuple(hidden.shape)}")
+    seq = hidden.shape[SEQ_DIM]
+    if seq % tp_size:
+        raise ValueError(f"sequence length {seq} is not divisible by tp_size={tp_size}, which sequence parallelism "
+                         f"splits it over: pad every batch to a multiple of {tp_size} (e.g. tokenizer(..., "
+                         f"padding=True, pad_to_multiple_of={tp_size}) with an attention mask)")
+    if seq // tp_size < 2:
+        # a chunk of one token would broadcast silently against a whole sequence if a model mixed them
+        raise ValueError(f"sequence length {seq} over tp_size={tp_size} leaves {seq // tp_size} token per rank; "
+                         "sequence parallelism needs at least 2 (use longer batches, or enable_sequence_parallelism="
+                         "False, e.g. for token-by-token generation)")
+    local = comm.split_to_tp(hidden, group, dim=SEQ_DIM)
+    if args:
+        args[0] = local
+    else:
+        kwargs["hidden_states"] = local
+    return tuple(args), kwargs
+
+
+def _gather_sequence(group, module, args, output):
+    """Hook on the stack's last layer: the whole sequence again, on every rank."""
+    if torch.is_tensor(output):
+        return comm.gather_from_tp(output, group, dim=SEQ_DIM)
+    if isinstance(output, tuple) and output and torch.is_tensor(output[0]):
+        return (comm.gather_from_tp(output[0], group, dim=SEQ_DIM), *output[1:])
+    raise TypeError(f"sequence parallelism: the last layer returned {type(output).__name__}, not hidden states")
+
+
+def _refuse_hidden_states_output(module, args, kwargs):
+    if kwargs.get("output_hidden_states") or (kwargs.get("output_hidden_states") is None and
+                                              getattr(module.config, "output_hidden_states", False)):
+        raise ValueError("output_hidden_states=True with sequence parallelism: the layers' hidden states are "
+                         "split by sequence over the tensor-parallel ranks; use enable_sequence_parallelism=False to "
+                         "get them whole")
