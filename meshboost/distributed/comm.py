@@ -86,6 +86,46 @@ def reduce_scatter(tensor: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     return out.movedim(0, dim).contiguous()
 
 
+class Pending:
+    """An asynchronous collective in flight: `wait()` blocks until it is done and returns its result.
+    Issue it, do independent work, and wait only where the result is used (overlap)."""
+
+    def __init__(self, op: str, group, work, finish):
+        self.op, self.group, self._work, self._finish = op, group, work, finish
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            run_collective(self.op, self.group, self._work.wait)
+            self._work = None
+        return self._finish()
+
+
+def all_reduce_async(tensor: torch.Tensor, group) -> Pending:
+    """In-place all-reduce of `tensor` over `group`, started now; `wait()` returns it."""
+    if dist.get_world_size(group) == 1:
+        return Pending("all_reduce", group, None, lambda: tensor)
+    record_collective("all_reduce", group, tensor)
+    work = run_collective("all_reduce", group, lambda: dist.all_reduce(tensor, group=group, async_op=True))
+    return Pending("all_reduce", group, work, lambda: tensor)
+
+
+def reduce_scatter_async(tensor: torch.Tensor, group, dim: int = -1) -> Pending:
+    """`reduce_scatter` (sum over ranks, this rank's chunk along `dim`), started now; `wait()` returns it."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return Pending("reduce_scatter", group, None, lambda: tensor)
+    dim = dim % tensor.dim()
+    if tensor.shape[dim] % size:
+        raise ValueError(f"reduce_scatter: dim {dim} of size {tensor.shape[dim]} is not divisible by "
+                         f"the group size {size}")
+    moved = tensor.movedim(dim, 0).contiguous()
+    out = torch.empty((moved.shape[0] // size, *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    record_collective("reduce_scatter", group, moved)
+    work = run_collective("reduce_scatter", group,
+                          lambda: _reduce_scatter_single(out, moved, group=group, async_op=True))
+    return Pending("reduce_scatter", group, work, lambda: out.movedim(0, dim).contiguous())
+
+
 def gather_spans(piece: torch.Tensor, spans: list[tuple[int, int]], group, dst: int = 0,
                  out: torch.Tensor | None = None) -> torch.Tensor | None:
     """Assemble a flat tensor whose elements [a_r, b_r) = spans[r] live on group rank r (`piece`,
@@ -168,6 +208,11 @@ def _trivial(group) -> bool:
     """No communication needed: a group of one (None is torch's default group, as everywhere in
     torch.distributed), or no process group at all."""
     return not dist.is_initialized() or dist.get_world_size(group) == 1
+
+
+def is_parallel(group) -> bool:
+    """True when `group` has more than one rank (collectives over it communicate)."""
+    return not _trivial(group)
 
 
 def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:

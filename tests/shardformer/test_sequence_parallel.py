@@ -47,6 +47,10 @@ def _equivalence(rank: int, world: int) -> None:
     for group in (dist.group.WORLD, pairs[rank // 2]):                   # tp=4, then tp=2 twice over
         for cls, family in CASES:
             check_tp_equivalence(cls, family, group, shard_options=SP)
+        # with the kernel switches: SDPA on per-rank heads over the gathered sequence, fused norms on the chunk
+        for cls, family in (("LlamaForCausalLM", "llama"), ("GPT2LMHeadModel", "gpt2")):
+            check_tp_equivalence(cls, family, group, attention="eager", shard_options={
+                **SP, "enable_flash_attention": True, "enable_fused_normalization": True})
 
 
 def _plugins(rank: int, world: int) -> None:
@@ -173,7 +177,67 @@ def _refusals(rank: int, world: int) -> None:
         HybridParallelPlugin(tp_size=2, sp_size=2, **SP)
 
 
-def test_sequence_parallel_refuses_what_it_cannot_split():
-    spawn(_refusals, 2)
+def _overlap(rank: int, world: int) -> None:
+    """A column-parallel linear with its own collective (plain TP: Megatron's f; sequence parallel: the
+    gather) starts its input-gradient all-reduce / reduce-scatter asynchronously, computes the weight
+    gradient, and only then waits: the order of aten matmuls and collective events in backward shows it.
+    Its numbers equal a plain linear's on the whole input."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from meshboost.distributed import comm
+    from meshboost.shardformer.layers import ColumnParallelLinear
+
+    events = []
+
+    class Matmuls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.startswith(("mm", "bmm", "matmul")):
+                events.append("matmul")
+            return func(*args, **(kwargs or {}))
+
+    started = {name: getattr(comm, name) for name in ("all_reduce_async", "reduce_scatter_async")}
+    wait = comm.Pending.wait
+
+    def record(name):
+        def call(*args, **kwargs):
+            events.append("start")
+            return started[name](*args, **kwargs)
+        return call
+    group = dist.group.WORLD
+    try:
+        for name in started:
+            setattr(comm, name, record(name))
+        comm.Pending.wait = lambda self: (events.append("wait"), wait(self))[1]
+        for seq_parallel in (False, True):
+            torch.manual_seed(0)
+            native = torch.nn.Linear(16, 8)
+            full = torch.randn(2, 6, 16, requires_grad=True)
+            want_out = native(full)
+            want_out.pow(2).sum().backward()
+            layer = ColumnParallelLinear.from_native(copy.deepcopy(native), group, seq_parallel=seq_parallel)
+            x = full.detach().chunk(world, dim=1)[rank].clone() if seq_parallel else full.detach().clone()
+            x.requires_grad_(True)
+            out = layer(x)
+            assert_close(out, want_out.detach().chunk(world, dim=-1)[rank], msg=f"overlap forward sp={seq_parallel}")
+            events.clear()
+            with Matmuls():
+                out.pow(2).sum().backward()
+            assert events == ["matmul", "start", "matmul", "wait"], (seq_parallel, events)
+            want_grad = full.grad.chunk(world, dim=1)[rank] if seq_parallel else full.grad
+            assert_close(x.grad, want_grad, msg=f"overlap input grad sp={seq_parallel}")
+            assert_close(gathered(layer.weight, layer.weight.grad), native.weight.grad, msg="overlap weight grad")
+    finally:
+        for name, fn in started.items():
+            setattr(comm, name, fn)
+        comm.Pending.wait = wait
+
+
+def _refusals_and_overlap(rank: int, world: int) -> None:
+    _refusals(rank, world)
+    _overlap(rank, world)
+
+
+def test_sequence_parallel_refuses_what_it_cannot_split_and_column_collectives_overlap():
+    spawn(_refusals_and_overlap, 2)
     with pytest.raises(NotImplementedError, match="split_gather"):
         ShardConfig(enable_sequence_parallelism=True, sequence_parallelism_mode="ring")

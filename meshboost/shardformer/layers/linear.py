@@ -109,6 +109,40 @@ def _enter_parallel_region(x: torch.Tensor, group, seq_parallel: bool) -> torch.
     return comm.gather_from_seq(x, group, dim=1)
 
 
+class _ColumnLinear(torch.autograd.Function):
+    """A column-parallel linear with its own input collective, fused so that backward overlaps it:
+    forward y = x W^T + b (x all-gathered along the sequence first under sequence parallelism);
+    backward computes the input gradient, starts its all-reduce (reduce-scatter under sequence
+    parallelism) asynchronously, computes the weight and bias gradients while it runs, and waits
+    only then. The same products as autograd's, in the same dtype; the same bytes as Megatron's f."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, seq_parallel: bool, conv1d: bool):
+        full = comm.all_gather(x, group, dim=1) if seq_parallel else x
+        ctx.save_for_backward(full, weight)
+        ctx.group, ctx.seq_parallel, ctx.conv1d, ctx.has_bias = group, seq_parallel, conv1d, bias is not None
+        return F.linear(full, weight.t() if conv1d else weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        full, weight = ctx.saved_tensors
+        w = weight.t() if ctx.conv1d else weight                        # [out, in]
+        grad_input = grad.matmul(w) if ctx.needs_input_grad[0] else None
+        pending = None
+        if grad_input is not None:
+            pending = comm.reduce_scatter_async(grad_input, ctx.group, dim=1) if ctx.seq_parallel \
+                else comm.all_reduce_async(grad_input, ctx.group)
+        flat_grad = grad.reshape(-1, grad.shape[-1])
+        grad_weight = grad_bias = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = flat_grad.t().matmul(full.reshape(-1, full.shape[-1]))        # [out, in]
+            if ctx.conv1d:
+                grad_weight = grad_weight.t()
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = flat_grad.sum(0)
+        return (pending.wait() if pending is not None else None), grad_weight, grad_bias, None, None, None
+
+
 class SequenceLayoutError(ValueError):
     """Sequence parallelism met a model it cannot split exactly (found at the first call)."""
 
@@ -118,8 +152,7 @@ def _check_sequence_layout(x: torch.Tensor) -> None:
         raise SequenceLayoutError(
             f"sequence parallelism: a parallel linear got an input of shape {tuple(x.shape)}, not [batch, seq, "
             "features] (the model flattens or reshapes its hidden states inside a layer, as OPT's does before fc1), "
-            "so its sequence cannot be found; use "
-                         "enable_sequence_parallelism=False for this model")
+            "so its sequence cannot be found; use enable_sequence_parallelism=False for this model")
 
 
 class ColumnParallelLinear(_ParallelLinearBase):
@@ -161,9 +194,12 @@ class ColumnParallelLinear(_ParallelLinearBase):
         return any(r() is x for r in refs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.copy_input and not self._reads_block_input(x):
-            x = _enter_parallel_region(x, self.process_group, self.seq_parallel)
-        y = self._matmul(x, self.bias)
+        if self.copy_input and not self._reads_block_input(x) and comm.is_parallel(self.process_group):
+            if self.seq_parallel:
+                _check_sequence_layout(x)
+            y = _ColumnLinear.apply(x, self.weight, self.bias, self.process_group, self.seq_parallel, self.conv1d)
+        else:
+            y = self._matmul(x, self.bias)
         if self.gather_output:
             y = comm.gather_from_tp(y, self.process_group, dim=-1)
             y.tp_gathered = True   # whole and equal on every rank: see styles._split_block_output
