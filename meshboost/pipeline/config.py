@@ -3,6 +3,7 @@ How they combine with ZeRO is the plugin's decision (`meshboost.plugins.config`)
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 PP_STYLES = ("1f1b", "interleaved")
@@ -15,7 +16,8 @@ class PipelineConfig:
     pp_size: number of pipeline stages (ranks along the pp axis).
     pp_style: "1f1b" (one chunk per rank) or "interleaved" (num_model_chunks > 1 chunks per rank).
     num_model_chunks: model chunks per rank; the model has pp_size * num_model_chunks stages.
-    num_microbatches / microbatch_size: how a batch is split; exactly one is required with pp.
+    num_microbatches / microbatch_size: how a batch is split; exactly one is required with pp (ignored,
+        with a warning, without one, as ColossalAI does).
     num_layers_per_stage: layers per stage (pp_size * num_model_chunks entries), else even split.
     """
 
@@ -35,7 +37,10 @@ class PipelineConfig:
             raise ValueError(f"num_model_chunks={self.num_model_chunks!r} must be a positive integer")
         if self.pp_size == 1:
             if self.num_microbatches is not None or self.microbatch_size is not None:
-                raise ValueError("num_microbatches/microbatch_size only apply with pp_size > 1")
+                # ColossalAI ignores them without a pipeline, and its guide passes microbatch_size=1 so
+                logging.getLogger("meshboost.pipeline").warning(
+                    "meshboost: num_microbatches=%s / microbatch_size=%s ignored: they only apply with pp_size > 1",
+                    self.num_microbatches, self.microbatch_size)
             if self.num_model_chunks != 1 or self.num_layers_per_stage is not None or self.pp_style != "1f1b":
                 raise ValueError("pp_style, num_model_chunks and num_layers_per_stage only apply with pp_size > 1")
             return

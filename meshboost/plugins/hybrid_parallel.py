@@ -21,11 +21,19 @@ from meshboost.distributed.agreement import agree_settings, check_same_inputs, t
 from meshboost.distributed.inputs import cast_floating
 from meshboost.distributed.p2p import StageComm
 from meshboost.optim import GradScalerConfig, MixedPrecisionOptimizer, PrecisionConfig, ZeroConfig, ZeroOptimizer
-from meshboost.pipeline import PipelineConfig, PipelineSchedule, build_stages, prune_optimizer
+from meshboost.pipeline import PipelineConfig, PipelineSchedule, build_stages, get_layout, prune_optimizer, split_layers
+from meshboost.pipeline.checkpointing import checkpoint_plan, install_checkpoint_plan
 from meshboost.pipeline.normalization import TOKENS, count_items
 from meshboost.plugins.config import DDP, PIPELINE, ZERO, DDPConfig, HybridParallelConfig, dp_reducer
 from meshboost.plugins.ddp_hooks import register_counting_allreduce
-from meshboost.shardformer import Policy, ShardConfig, ShardFormer, pipeline_layout, uses_causal_lm_loss
+from meshboost.shardformer import (
+    PipelineGradientCheckpointConfig,
+    Policy,
+    ShardConfig,
+    ShardFormer,
+    pipeline_layout,
+    uses_causal_lm_loss,
+)
 
 _FEED_FIX = ("Build the DataLoader with plugin.prepare_dataloader(...) (it samples over data-parallel ranks only), "
              "not a DistributedSampler over the whole world; check_inputs='never' turns this check off")
@@ -102,6 +110,8 @@ class HybridParallelPlugin(Plugin):
         `meshboost.optim.ZeroConfig`.
     find_unused_parameters, ddp_bucket_cap_mb, broadcast_buffers: `DDPConfig` (torch DDP, used when
         dp > 1 without ZeRO or pipeline).
+    gradient_checkpoint_config: `meshboost.shardformer.PipelineGradientCheckpointConfig`: how many layers
+        of each stage run under HF activation checkpointing once it is on (docs/optimizations.md).
     check_inputs: "first" (default) | "always" | "never": agree over tp (and pp) that every rank was
         fed the same batch, on the first call or on every call (one all-gather of 5 numbers).
     loss_normalization: "tokens" (default): pipeline micro-batches and, for causal LMs, dp replicas
@@ -123,7 +133,8 @@ class HybridParallelPlugin(Plugin):
                  enable_flash_attention: bool = False, enable_fused_normalization: bool = False,
                  enable_jit_fused: bool = False, enable_sequence_overlap: bool = False,
                  enable_all_optimization: bool = False, sequence_parallelism_mode: str | None = None,
-                 sp_size: int | None = None):
+                 sp_size: int | None = None,
+                 gradient_checkpoint_config: PipelineGradientCheckpointConfig | None = None):
         # Every rank must pass the same arguments; one all-gather of a digest says so (or names the
         # difference) before anything that could differ by rank, so no rank is left hanging.
         agree_settings({k: v for k, v in locals().items() if k != "self"}, "HybridParallelPlugin arguments")
@@ -132,6 +143,11 @@ class HybridParallelPlugin(Plugin):
             raise NotImplementedError(f"sp_size={sp_size!r}: meshboost's sequence parallelism ('split_gather') runs "
                                       "over the tensor-parallel group, so it needs no group of its own; pass "
                                       "sp_size=None with enable_sequence_parallelism=True and tp_size > 1")
+        if gradient_checkpoint_config is not None and not isinstance(gradient_checkpoint_config,
+                                                                     PipelineGradientCheckpointConfig):
+            raise TypeError(f"gradient_checkpoint_config={gradient_checkpoint_config!r}: pass a "
+                            "meshboost.shardformer.PipelineGradientCheckpointConfig")
+        self.gradient_checkpoint_config = gradient_checkpoint_config
         if not (isinstance(zero_bucket_size_in_m, (int, float)) and zero_bucket_size_in_m > 0):
             raise ValueError(f"zero_bucket_size_in_m={zero_bucket_size_in_m!r} must be a positive number")
         self.config = HybridParallelConfig(
@@ -183,8 +199,11 @@ class HybridParallelPlugin(Plugin):
             raise ValueError(f"a meta-device model cannot be boosted with dp_size={self.mesh.dp_size} and "
                              "zero_stage=0 (torch DDP needs real weights); use zero_stage=1 or 2, or build the "
                              "model with real weights")
+        checkpointed = self._checkpointed_layers(model)          # pure: raises on every rank alike
         ShardFormer(self.shard_config).optimize(model, self.config.custom_policy)
         stages = self._build_stages(model, optimizer) if self.pp_size > 1 else None
+        if checkpointed is not None:
+            install_checkpoint_plan(model, checkpointed(stages))
         if not on_meta:
             model = model.to(self.mesh.device)  # in place: the optimizer's parameters stay the same objects
         if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
@@ -204,6 +223,30 @@ class HybridParallelPlugin(Plugin):
         if stages is not None:
             boosted.pipeline = self._build_schedule(stages)
         return boosted, optimizer, criterion, dataloader, lr_scheduler
+
+    def _checkpointed_layers(self, model: nn.Module):
+        """With gradient_checkpoint_config: check its counts against every stage's layers (all stages,
+        on every rank, before any collective) and return what gives (layer, checkpointed) for this
+        rank's stages once they are built."""
+        config = self.gradient_checkpoint_config
+        if config is None:
+            return None
+        layout = get_layout(model, pipeline_layout(model, self.config.custom_policy))
+        base = model.base_model
+        lists = [base.get_submodule(segment.layers) for segment in layout.segments]
+        pc = self.config.pipeline
+        num_stages = pc.pp_size * pc.num_model_chunks
+        ranges = split_layers(sum(len(layers) for layers in lists), num_stages, pc.num_layers_per_stage)
+        for v, r in enumerate(ranges):
+            config.layers_to_checkpoint(v, len(r), num_stages)
+
+        def plan(stages):
+            if stages is None:
+                return checkpoint_plan([(0, [layer for layers in lists for layer in layers])], 1, config)
+            mine = [stages.virtual(c) for c in range(stages.num_chunks)]
+            return checkpoint_plan([(v, [stages.kept[i] for i in stages.layer_ranges[v]]) for v in mine],
+                                   num_stages, config)
+        return plan
 
     def _wrap_optimizer(self, optimizer) -> MixedPrecisionOptimizer:
         """user optimizer -> MixedPrecisionOptimizer, or ZeroOptimizer when ZeRO reduces over dp."""

@@ -24,9 +24,14 @@ class ShardConfig:
     sequence_parallelism_mode: None or "split_gather" (the one implemented; ColossalAI's "all_to_all",
         "ring" and "ring_attn" raise NotImplementedError).
     enable_flash_attention: flash-attn 2 when importable on CUDA, else torch's SDPA (optimizations.py).
-    enable_fused_normalization: RMS norms on torch's fused kernel where it reproduces their numbers.
-    enable_jit_fused, enable_sequence_overlap: not implemented yet (raise, naming what exists).
-    enable_all_optimization: every switch above (ColossalAI's meaning); raises while one is missing.
+    enable_fused_normalization: norms on apex's fused kernels (CUDA, when importable) or torch's fused
+        kernels, where they reproduce the norm's numbers.
+    enable_jit_fused: the pointwise chains (bias + activation, ...) compiled by torch.compile.
+    enable_sequence_overlap: with sequence parallelism (ColossalAI requires it): the column-parallel
+        input-gradient collective overlaps the weight-gradient product. meshboost does this for every
+        column-parallel linear with a collective of its own anyway, so the flag only checks its pairing.
+    enable_all_optimization: enable_flash_attention, enable_fused_normalization and enable_jit_fused
+        (ColossalAI's meaning: sequence parallelism and overlap stay as set).
     """
 
     tensor_parallel_process_group: dist.ProcessGroup | None = None
@@ -42,14 +47,12 @@ class ShardConfig:
     enable_all_optimization: bool = False
 
     def __post_init__(self):
-        missing = [name for name in ("enable_jit_fused", "enable_sequence_overlap") if getattr(self, name)]
-        if self.enable_all_optimization and "enable_jit_fused" not in missing:
-            missing.insert(0, "enable_jit_fused")
-        if missing:
-            what = "enable_all_optimization=True needs " if self.enable_all_optimization else ""
-            raise NotImplementedError(
-                f"{what}{', '.join(missing)}, which meshboost does not implement yet; use enable_flash_attention=True "
-                "and enable_fused_normalization=True (both implemented) and leave the others False")
+        if self.enable_all_optimization:
+            self.enable_flash_attention = self.enable_fused_normalization = self.enable_jit_fused = True
+        if self.enable_sequence_overlap and not self.enable_sequence_parallelism:
+            raise ValueError("enable_sequence_overlap=True needs enable_sequence_parallelism=True (it overlaps "
+                             "sequence parallelism's collectives); without it, column-parallel input gradients are "
+                             "all-reduced overlapped anyway")
         if not isinstance(self.make_vocab_size_divisible_by, int) or self.make_vocab_size_divisible_by < 1:
             raise ValueError(f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by!r} must be a "
                              "positive integer (64 is a good default; 1 disables padding beyond tp_size)")
@@ -63,3 +66,51 @@ class ShardConfig:
         if not dist.is_initialized():
             return 1
         return dist.get_world_size(self.tensor_parallel_process_group)
+
+
+@dataclass
+class PipelineGradientCheckpointConfig:
+    """ColossalAI's knob for how many layers of each pipeline stage are activation-checkpointed
+    (`HybridParallelPlugin(gradient_checkpoint_config=...)`), once HF checkpointing is on
+    (`model.gradient_checkpointing_enable()`, before or after boost). A stage checkpoints its first
+    layers: `int(gradient_checkpointing_ratio * its layers)`, or `num_ckpt_layers_per_stage[v]` for
+    virtual stage v = chunk * pp_size + pp_rank. Without pipeline parallelism the model is one stage.
+    num_stages, num_model_chunks, num_model_layers, num_layers_per_stage: accepted as ColossalAI takes
+    them; meshboost reads the real values from the plugin and checks the list against them at boost.
+    """
+
+    gradient_checkpointing_ratio: float | None = None
+    num_stages: int | None = None
+    num_model_chunks: int | None = None
+    num_model_layers: int | None = None
+    num_layers_per_stage: list[int] | None = None
+    num_ckpt_layers_per_stage: list[int] | None = None
+
+    def __post_init__(self):
+        ratio, counts = self.gradient_checkpointing_ratio, self.num_ckpt_layers_per_stage
+        if ratio is None and counts is None:
+            raise ValueError("PipelineGradientCheckpointConfig needs gradient_checkpointing_ratio (0..1) or "
+                             "num_ckpt_layers_per_stage (one count per pipeline stage)")
+        if ratio is not None and not (isinstance(ratio, (int, float)) and 0 <= ratio <= 1):
+            raise ValueError(f"gradient_checkpointing_ratio={ratio!r} must be a number in [0, 1]")
+        if counts is not None and not all(isinstance(n, int) and n >= 0 for n in counts):
+            raise ValueError(f"num_ckpt_layers_per_stage={counts!r} must list non-negative integers")
+
+    def layers_to_checkpoint(self, stage: int, num_layers: int, num_stages: int = 1) -> int:
+        """How many of the first `num_layers` layers of virtual stage `stage` (of `num_stages`) to checkpoint."""
+        counts = self.num_ckpt_layers_per_stage
+        if counts is None:
+            return int(self.gradient_checkpointing_ratio * num_layers)
+        if len(counts) != num_stages:
+            raise ValueError(f"num_ckpt_layers_per_stage has {len(counts)} entries; the pipeline has {num_stages} "
+                             "stages (pp_size x num_model_chunks): give one count per stage")
+        if counts[stage] > num_layers:
+            raise ValueError(f"num_ckpt_layers_per_stage[{stage}]={counts[stage]} exceeds the stage's {num_layers} "
+                             "layers")
+        return counts[stage]
+
+    def get_num_ckpt_layers(self, stage: int, num_layers: int, model_chunk_id: int = 0) -> int:
+        """ColossalAI's name: `stage` is the pp rank, `model_chunk_id` the chunk (num_stages = this config's)."""
+        stages = self.num_stages or 1
+        chunks = self.num_model_chunks or 1
+        return self.layers_to_checkpoint(model_chunk_id * stages + stage, num_layers, stages * chunks)

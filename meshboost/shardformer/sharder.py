@@ -27,7 +27,8 @@ from meshboost.shardformer.layers import (
     make_causal_lm_loss,
 )
 from meshboost.shardformer.layers.vocab import embedding_extras
-from meshboost.shardformer.optimizations import fuse_norms, use_fast_attention
+from meshboost.shardformer.optimizations import _say as say
+from meshboost.shardformer.optimizations import fuse_norms, jit_fuse, use_fast_attention
 from meshboost.shardformer.policies import Policy, get_policy
 from meshboost.shardformer.policies.base import pattern_to_regex
 from meshboost.shardformer.rng import install_tp_rank_rng
@@ -224,6 +225,11 @@ class ShardFormer:
             use_fast_attention(model, device_type)
         if self.shard_config.enable_fused_normalization:
             fuse_norms(model, device_type)
+        if self.shard_config.enable_jit_fused:
+            jit_fuse(model, device_type)
+        if self.shard_config.enable_sequence_parallelism and tp_size == 1:
+            say("meshboost: enable_sequence_parallelism has no effect at tp_size=1 (the sequence is split over "
+                "the tensor-parallel ranks)")
         return model, tied_parameters(model)
 
     # -- validation: pure, identical on every rank ---------------------------------------------

@@ -445,8 +445,9 @@ def test_config_errors_before_any_collective():
                        num_layers_per_stage=[2, 2])
     with pytest.raises(NotImplementedError, match="zero_stage=2"):
         HybridParallelPlugin(tp_size=1, pp_size=2, num_microbatches=4, zero_stage=2)
+    PipelineConfig(pp_size=1, microbatch_size=1)        # ignored without a pipeline (ColossalAI's guide passes it)
     with pytest.raises(ValueError, match="only apply with pp_size > 1"):
-        PipelineConfig(pp_size=1, num_microbatches=4)
+        PipelineConfig(pp_size=1, num_model_chunks=2)
     # the plugin raises them before building its mesh (no process group here)
     with pytest.raises(ValueError, match="exactly one of"):
         HybridParallelPlugin(tp_size=1, pp_size=2)
