@@ -2,7 +2,8 @@
 transformers 5.24), built tiny and sharded at tp=2 against the unsharded model
 (meshboost/testing/sweep.py): each ends `ok` (loss, eval output and every gathered gradient within
 1e-5), a clear refusal at sharding time, or `not run` (the tiny model cannot run on input_ids alone
-unsharded). None may end FAIL: a crash after sharding or a number that differs. docs/models.md is
+unsharded). None may end FAIL: a crash after sharding or a number that differs. The sweep runs again
+with sequence parallelism on (same verdicts; a layer it cannot split is refused at the first call). docs/models.md is
 this table, written by `python tools/sweep_models.py`."""
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from meshboost.testing import spawn
 # norms with summed gradients, the input embedding named by the plan.
 MUST_BE_OK = ("llama", "mistral", "qwen2", "gemma", "gemma2", "vaultgemma", "cohere", "qwen3", "olmo2", "phi3",
               "glm", "glm4", "gpt_neox", "starcoder2", "granite")
+# With sequence parallelism: the same, with whole-hidden q/k norms (olmo2) and per-head ones (qwen3)
+SP_MUST_BE_OK = ("llama", "mistral", "qwen2", "gemma", "gemma2", "cohere", "qwen3", "olmo2", "phi3", "glm",
+                 "glm4", "gpt_neox", "starcoder2", "granite")
 
 
 def _body(rank, world):
@@ -32,6 +36,15 @@ def _body(rank, world):
     not_ok = {m: status.get(m) for m in MUST_BE_OK if status.get(m) != "ok"}
     assert not not_ok, f"families that must match the unsharded model: {not_ok}"
     assert sum(v.status == "ok" for v in verdicts) >= 45, [(v.model_type, v.status) for v in verdicts]
+    # the same sweep with sequence parallelism: ok or a clear refusal, never a crash or another number
+    sp = [check(model_type, dist.group.WORLD, shard_options={"enable_sequence_parallelism": True})
+          for model_type in plan_model_types()]
+    failed = [f"{v.model_type} ({v.cls}): {v.detail}" for v in sp if v.status == "FAIL"]
+    assert not failed, "sequence parallelism: crashes or other numbers:\n" + "\n".join(failed)
+    sp_status = {v.model_type: v.status for v in sp}
+    not_ok = {m: sp_status.get(m) for m in SP_MUST_BE_OK if sp_status.get(m) != "ok"}
+    assert not not_ok, f"sequence parallelism: families that must match the unsharded model: {not_ok}"
+    assert sum(v.status == "ok" for v in sp) >= 35, [(v.model_type, v.status) for v in sp]
 
 
 def test_every_transformers_plan_is_ok_or_refused():
