@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1] / "meshboost"
 FLOORS = {
     "distributed": 0,                                               # the ground floor
     "shardformer": 1, "pipeline": 1, "optim": 1, "checkpoint": 1,   # peers: none imports another
+    "lazy": 1,                                                      # LazyInitContext: init on meta, per unit
     "booster": 2,
     "plugins": 3,                                                   # composition only
     "testing": 4,                                                   # test support: nothing imports it

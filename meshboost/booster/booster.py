@@ -18,6 +18,7 @@ from meshboost.booster.wrappers import ModelWrapper
 from meshboost.checkpoint import load_lr_scheduler, save_lr_scheduler
 from meshboost.distributed import ParallelMesh
 from meshboost.distributed.launch import get_current_device
+from meshboost.lazy import LazyInitContext, lazy_seed
 from meshboost.optim import OptimizerWrapper
 
 
@@ -54,6 +55,10 @@ class Booster:
             raise RuntimeError("this model was already boosted; pass the original model to boost() once")
         if optimizer is not None:
             _check_optimizer_trains(model, optimizer)
+        if lazy_seed(model) is not None and not getattr(self.plugin, "materializes_lazy_models", False):
+            # built under LazyInitContext: a plugin that does not shard it first gets it whole
+            device = self.mesh.device if self.mesh is not None else get_current_device()
+            LazyInitContext.materialize(model, device)
         if self.plugin is None:
             out = (ModelWrapper(model), OptimizerWrapper(optimizer) if optimizer is not None else None,
                    criterion, dataloader, lr_scheduler)

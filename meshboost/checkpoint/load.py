@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from meshboost.checkpoint.names import ParamNames
-from meshboost.distributed.param_info import TensorParallelInfo, get_tp_info, shard_from
+from meshboost.distributed.param_info import TensorParallelInfo, get_tp_info, replace_keeping_object, shard_from
 
 _INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _SINGLES = ("model.safetensors", "pytorch_model.bin")
@@ -129,14 +129,6 @@ def _reinit_meta_buffers(model: nn.Module, device: torch.device) -> None:
             raise RuntimeError(f"could not rebuild buffers {still} of {type(module).__name__} after meta init")
 
 
-def _materialize(tensor: torch.Tensor, value: torch.Tensor) -> None:
-    """Give a meta tensor real storage while keeping the same Python object (an optimizer built on
-    the meta model keeps working) and its attributes (the tensor-parallel record)."""
-    attrs = dict(tensor.__dict__)
-    replacement = nn.Parameter(value, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) \
-        else value
-    torch.utils.swap_tensors(tensor, replacement)
-    tensor.__dict__.update(attrs)
 
 
 @torch.no_grad()
@@ -195,7 +187,7 @@ def load_model(model: nn.Module, checkpoint: str, strict: bool = True, device: t
             # never depends on the file (and memory figures are honest).
             value = value.clone()
         if tensor.is_meta:
-            _materialize(tensor, value)
+            replace_keeping_object(tensor, value)
         else:
             tensor.copy_(value)
     reader.release()

@@ -190,3 +190,13 @@ def full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
     """The shape `tensor` has unsharded and unpadded (its record's, else its own)."""
     info = get_tp_info(tensor)
     return tuple(info.full_shape) if info is not None else tuple(tensor.shape)
+
+
+def replace_keeping_object(tensor: torch.Tensor, value: torch.Tensor) -> None:
+    """Give `tensor` (a meta parameter or buffer) `value`'s storage while keeping the same Python object
+    (an optimizer built before stays valid) and its attributes (this module's tensor-parallel record)."""
+    attrs = dict(tensor.__dict__)
+    replacement = torch.nn.Parameter(value, requires_grad=tensor.requires_grad) \
+        if isinstance(tensor, torch.nn.Parameter) else value
+    torch.utils.swap_tensors(tensor, replacement)
+    tensor.__dict__.update(attrs)

@@ -9,6 +9,7 @@ parallel algorithms itself: those live in shardformer/, pipeline/, optim/ and di
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 
 import torch
@@ -20,6 +21,7 @@ from meshboost.distributed import ParallelMesh, comm
 from meshboost.distributed.agreement import agree_settings, check_same_inputs, tensors_of
 from meshboost.distributed.inputs import cast_floating
 from meshboost.distributed.p2p import StageComm
+from meshboost.lazy import lazy_seed, materialize
 from meshboost.optim import GradScalerConfig, MixedPrecisionOptimizer, PrecisionConfig, ZeroConfig, ZeroOptimizer
 from meshboost.pipeline import PipelineConfig, PipelineSchedule, build_stages, get_layout, prune_optimizer, split_layers
 from meshboost.pipeline.checkpointing import checkpoint_plan, install_checkpoint_plan
@@ -174,6 +176,9 @@ class HybridParallelPlugin(Plugin):
         self.shard_config = dataclasses.replace(self.config.sharding, tensor_parallel_process_group=self.mesh.tp_group)
         self.dp_reducer = dp_reducer(self.mesh.dp_size, pp_size, zero_stage)
 
+    # a LazyInitContext model is materialised in configure, after sharding: each rank initialises its part
+    materializes_lazy_models = True
+
     # ColossalAI reads these off the plugin
     @property
     def tp_size(self) -> int:
@@ -194,7 +199,9 @@ class HybridParallelPlugin(Plugin):
     def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None, lr_scheduler=None):
         # A model built under torch.device("meta") stays on meta until booster.load_model materialises
         # it; DDP needs real weights at construction, so that combination is refused (every rank).
-        on_meta = any(p.is_meta for p in model.parameters())
+        lazy = lazy_seed(model)          # built under LazyInitContext: materialised below, this rank's part only
+        original = copy.deepcopy(model) if lazy is not None else None        # on meta: no memory
+        on_meta = lazy is None and any(p.is_meta for p in model.parameters())
         if on_meta and self.dp_reducer == DDP:
             raise ValueError(f"a meta-device model cannot be boosted with dp_size={self.mesh.dp_size} and "
                              "zero_stage=0 (torch DDP needs real weights); use zero_stage=1 or 2, or build the "
@@ -204,6 +211,8 @@ class HybridParallelPlugin(Plugin):
         stages = self._build_stages(model, optimizer) if self.pp_size > 1 else None
         if checkpointed is not None:
             install_checkpoint_plan(model, checkpointed(stages))
+        if lazy is not None:
+            materialize(model, original, self.mesh.device, lazy)
         if not on_meta:
             model = model.to(self.mesh.device)  # in place: the optimizer's parameters stay the same objects
         if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):

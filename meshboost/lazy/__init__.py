@@ -1,0 +1,165 @@
+"""LazyInitContext: build a model on the meta device; `booster.boost` materialises only each rank's part.
+
+Owns: the context (ColossalAI's `colossalai.lazy.LazyInitContext`) that builds modules on torch's meta
+device and tags their parameters with the initialisation seed, and `materialize`, which gives every
+meta parameter and buffer a rank still holds after sharding and pipeline pruning its real values: one
+unit at a time (a layer of a layer list, or one other module's own tensors), a full-size CPU shadow of
+the unit is initialised by the model's own init (`_init_weights` of the owning HF model, else
+`reset_parameters`) from a seed drawn from (context seed, unit path), and this rank keeps its shard.
+Peak memory is the model's shards plus one unit at full size; the values do not depend on the layout
+(tp, pp, dp), so every layout starts from the weights the unsharded model gets from the same seed.
+Must not know parallel layers: it reads the tensor-parallel record on each parameter.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+
+import torch
+import torch.nn as nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
+
+from meshboost.distributed.param_info import get_tp_info, replace_keeping_object, shard_tensor
+
+SEED_ATTR = "_meshboost_lazy_seed"
+
+
+class LazyInitContext:
+    """`with LazyInitContext(): model = AutoModelForCausalLM.from_config(config)` builds the model on the
+    meta device (no memory); boosting it materialises each rank's shards with the model's own random
+    init. seed: the init seed (default: torch's current initial seed, equal on every rank after
+    `meshboost.launch_from_torch(seed=...)`). default_device: accepted as ColossalAI takes it; the
+    plugin's device is used at boost."""
+
+    def __init__(self, default_device=None, seed: int | None = None):
+        self.default_device = default_device
+        self.seed = seed
+
+    def __enter__(self) -> "LazyInitContext":
+        seed = torch.initial_seed() if self.seed is None else int(self.seed)
+
+        def tag(module, name, param):
+            if param is not None:
+                setattr(param, SEED_ATTR, seed)
+        self._hook = register_module_parameter_registration_hook(tag)
+        self._device = torch.device("meta")
+        self._device.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._device.__exit__(*exc)
+        self._hook.remove()
+
+    @staticmethod
+    def materialize(model: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
+        """ColossalAI's name: materialise a lazily built (unsharded) model in place."""
+        seed = lazy_seed(model)
+        if seed is not None:
+            materialize(model, copy.deepcopy(model), torch.device(device), seed)
+        return model
+
+
+def lazy_seed(model: nn.Module) -> int | None:
+    """The init seed of a model built under `LazyInitContext` (every parameter still on meta), else None."""
+    params = list(model.parameters())
+    if not params or not all(p.is_meta and hasattr(p, SEED_ATTR) for p in params):
+        return None
+    seeds = {getattr(p, SEED_ATTR) for p in params}
+    if len(seeds) != 1:
+        raise ValueError(f"the model's parameters were built under LazyInitContexts with different seeds {seeds}")
+    return seeds.pop()
+
+
+def _unit_seed(seed: int, path: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{path}".encode()).digest()[:7], "little")
+
+
+def _units(root: nn.Module) -> list[tuple[str, nn.Module, bool]]:
+    """(path, module, whole) in module order: each layer of a layer list whole, and every other module
+    holding tensors of its own alone (its children are units of their own)."""
+    out, inside = [], []
+    for path, module in root.named_modules():
+        if any(path.startswith(p + ".") for p in inside):
+            continue
+        if isinstance(module, nn.ModuleList):
+            for i, layer in enumerate(module):
+                out.append((f"{path}.{i}" if path else str(i), layer, True))
+            inside.append(path)
+        elif any(True for _ in module.parameters(recurse=False)) or any(
+                b is not None for b in module.buffers(recurse=False)):
+            out.append((path, module, False))
+    return out
+
+
+def _shadow(module: nn.Module, whole: bool) -> nn.Module:
+    """A full-size CPU copy of `module` (or of its own tensors only) with HF's done-flags cleared."""
+    if whole:
+        shadow = copy.deepcopy(module)
+    else:
+        shadow = copy.copy(module)
+        shadow._modules = {}
+        shadow._parameters = {n: copy.deepcopy(p) for n, p in module._parameters.items()}
+        shadow._buffers = {n: copy.deepcopy(b) for n, b in module._buffers.items()}
+    shadow = shadow.to_empty(device="cpu")
+    for m in shadow.modules():
+        m.__dict__.pop("_is_hf_initialized", None)
+        for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
+            t.__dict__.pop("_is_hf_initialized", None)
+    return shadow
+
+
+def _owners(root: nn.Module) -> dict[str, object]:
+    """Module path -> the init function of its nearest HF model (composite models dispatch per part)."""
+    owners, out = [], {}
+    for path, module in root.named_modules():
+        if hasattr(module, "_init_weights") and hasattr(module, "config"):
+            owners.append((path, module._init_weights))
+        owner = next((fn for p, fn in reversed(owners) if p == "" or path == p or path.startswith(p + ".")), None)
+        out[path] = owner
+    return out
+
+
+def _init(shadow: nn.Module, path: str, owners: dict) -> None:
+    """Post-order over the shadow (children first, as transformers initialises)."""
+    for name, module in reversed(list(shadow.named_modules())):
+        full = f"{path}.{name}" if name else path
+        fn = owners.get(full)
+        if fn is not None:
+            fn(module)
+        elif hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, original: nn.Module, device: torch.device, seed: int) -> None:
+    """Give every meta parameter and buffer of `model` (sharded and pruned, same names as `original`,
+    the model as built) its values: `original`'s init, unit by unit, this rank's shard kept."""
+    real = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    owners = _owners(original)
+    for path, unit, whole in _units(original):
+        prefix = f"{path}." if path else ""
+        tensors = [*unit.named_parameters(recurse=whole), *unit.named_buffers(recurse=whole)]
+        wanted = [(prefix + n, real[prefix + n]) for n, _ in tensors
+                  if prefix + n in real and real[prefix + n] is not None and real[prefix + n].is_meta]
+        if not wanted:
+            continue
+        shadow = _shadow(unit, whole)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_unit_seed(seed, path))
+            _init(shadow, path, owners)
+        values = {**dict(shadow.named_parameters(remove_duplicate=False)),
+                  **dict(shadow.named_buffers(remove_duplicate=False))}
+        for name, tensor in wanted:
+            if not tensor.is_meta:             # tied: materialised through another name already
+                continue
+            full = values[name[len(prefix):]].detach()
+            info = get_tp_info(tensor)
+            value = shard_tensor(full, info) if info is not None else full.clone()
+            replace_keeping_object(tensor, value.to(device=device, dtype=tensor.dtype))
+    left = [n for n, t in real.items() if t is not None and t.is_meta]
+    if left:
+        raise RuntimeError(f"LazyInitContext: {left[:3]} found no initialiser in the model as built")
+
+
+__all__ = ["LazyInitContext", "lazy_seed", "materialize"]
