@@ -37,11 +37,13 @@ def gathered(param: torch.Tensor, tensor: torch.Tensor | None = None) -> torch.T
 
 
 def check_tp_equivalence(class_name: str, family: str, group, lr: float = 1e-3, shard_options: dict | None = None,
-                         attention: str | None = None, **config_overrides) -> dict:
+                         attention: str | None = None, device: torch.device | str | None = None,
+                         **config_overrides) -> dict:
     """Assert that `class_name` sharded over `group` matches the unsharded model (fp32). Returns
     the measured maxima for reporting. shard_options: more `ShardConfig` fields (kernel switches);
     attention: both models start with this attention implementation (e.g. "eager", so that
-    `enable_flash_attention` is what switches the sharded one)."""
+    `enable_flash_attention` is what switches the sharded one); device: where both models and the
+    batch live (None: where they are built, the CPU)."""
     config = tiny_config(family, **config_overrides)
     ref = build_model(class_name, copy.deepcopy(config), seed=0)
     par = build_model(class_name, copy.deepcopy(config), seed=0)
@@ -49,6 +51,9 @@ def check_tp_equivalence(class_name: str, family: str, group, lr: float = 1e-3, 
         ref.set_attn_implementation(attention)
         par.set_attn_implementation(attention)
     batch = tiny_batch(class_name, config)
+    if device is not None:             # NCCL needs the tensors on the GPU
+        ref.to(device), par.to(device)
+        batch = {k: v.to(device) for k, v in batch.items()}
     where = class_name
     # eps=1e-4: Adam turns a near-zero gradient into a +-lr step whose sign is decided by
     # round-off; a larger eps keeps the comparison about sharding, not about that sign.

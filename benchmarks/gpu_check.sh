@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One command for a CUDA machine (issue 15): installs what is missing, runs the suite's CUDA tests (a
+# world of one over NCCL; tensor parallelism over NCCL with 2+ GPUs), then measures model FLOPs
+# utilisation of a ~1B-parameter Llama in bf16 (flash attention, fused norms) at tp=1, printing
+# tokens/s, MFU and peak memory. Budget: under 8 minutes on one H100/H200.
+#
+#   bash benchmarks/gpu_check.sh            # on the GPU machine, from any directory
+#   bash benchmarks/gpu_check.sh --dry-run  # anywhere: the same steps on CPU with a tiny model
+#
+# PYTHON selects the interpreter (default python3); MESHBOOST_PEAK_TFLOPS overrides the peak used for MFU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DRY=0
+case "${1:-}" in
+  --dry-run) DRY=1 ;;
+  "") ;;
+  *) echo "usage: bash benchmarks/gpu_check.sh [--dry-run]" >&2; exit 2 ;;
+esac
+PY=${PYTHON:-python3}
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+start=$SECONDS
+step() { echo "== gpu_check [$((SECONDS - start)) s] $*"; }
+
+step "1/4 packages"
+if ! "$PY" -c "import torch, transformers, safetensors, pytest" 2>/dev/null; then
+  timeout 120 "$PY" -m pip install -q "torch>=2.4" "transformers>=5.0" safetensors pytest
+fi
+"$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+echo "CUDA devices: $GPUS"
+if [ "$GPUS" = 0 ] && [ "$DRY" = 0 ]; then
+  echo "no CUDA device visible: run with --dry-run to check the script on CPU" >&2
+  exit 1
+fi
+
+step "2/4 CUDA tests (tests/test_cuda.py: skipped without a GPU)"
+timeout 240 "$PY" -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider
+
+step "3/4 tensor parallelism over NCCL"
+if [ "$GPUS" -ge 2 ]; then
+  echo "covered by tests/test_cuda.py::test_tensor_parallel_over_nccl_matches_unsharded above ($GPUS GPUs)"
+else
+  echo "skipped: $GPUS GPU(s); needs 2"
+fi
+
+step "4/4 model FLOPs utilisation"
+if [ "$DRY" = 1 ]; then
+  timeout 120 "$PY" benchmarks/gpu_mfu.py --dry-run
+else
+  timeout 240 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/gpu_mfu.py
+fi
+step "done"
