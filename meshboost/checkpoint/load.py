@@ -18,6 +18,7 @@ import re
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshboost.checkpoint.names import ParamNames
 from meshboost.distributed.param_info import TensorParallelInfo, get_tp_info, replace_keeping_object, shard_from
@@ -188,6 +189,11 @@ def load_model(model: nn.Module, checkpoint: str, strict: bool = True, device: t
             value = value.clone()
         if tensor.is_meta:
             replace_keeping_object(tensor, value)
+        elif isinstance(tensor, DTensor):
+            # torch FSDP2 (GeminiPlugin, TorchFSDPPlugin): each rank cuts its own piece, no communication
+            mesh = tensor.device_mesh
+            tensor.to_local().copy_(distribute_tensor(value.to(mesh.device_type), mesh, tensor.placements,
+                                                      src_data_rank=None).to_local())
         else:
             tensor.copy_(value)
     reader.release()

@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from meshboost.checkpoint import hf_format
 from meshboost.checkpoint.writer import CheckpointWriter, save_roles
@@ -73,6 +74,8 @@ def save_model(model: nn.Module, checkpoint: str, mesh=None, shard: bool = False
         # then gathers it over tp.
         source = master_weight(tensor) if master_weight is not None else None
         source = tensor if source is None else source
+        if isinstance(source, DTensor):           # torch FSDP2: every rank of its mesh joins the all-gather
+            source = source.detach().to(roles.device).full_tensor()
         if roles.gathers:
             full = full_on_cpu(source, get_tp_info(tensor), reuse=source is not tensor)
             writer.add(name, full, full.numel() * full.element_size())
