@@ -17,7 +17,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from meshboost.booster import ModelWrapper, OptimizerWrapper, Plugin
-from meshboost.distributed import ParallelMesh, comm
+from meshboost.cluster import PipelineStageManager, ProcessGroupMesh
+from meshboost.distributed import ParallelMesh, comm, get_current_device
 from meshboost.distributed.agreement import agree_settings, check_same_inputs, tensors_of
 from meshboost.distributed.inputs import cast_floating
 from meshboost.distributed.p2p import StageComm
@@ -94,6 +95,41 @@ class HybridParallelModule(ModelWrapper):
         return contextlib.nullcontext()
 
 
+def _refuse_unsupported(precision, cpu_offload, communication_dtype, scheduler_nodes, dp_outside, overlap_allgather,
+                        fp8_communication, use_fp8, inner_ring_size) -> None:
+    """ColossalAI keywords meshboost does not implement: refused (pure, the same on every rank) with the
+    meshboost way to get what they are for."""
+    if cpu_offload:
+        raise NotImplementedError("cpu_offload=True is not supported by HybridParallelPlugin: fp32 masters and "
+                                  "optimizer states stay on the device; zero_stage=1 or 2 partitions them over the "
+                                  "data-parallel ranks instead")
+    working = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
+    if communication_dtype is not None and communication_dtype != working:
+        raise NotImplementedError(f"communication_dtype={communication_dtype}: HybridParallelPlugin reduces gradients "
+                                  f"in the working precision (precision={precision!r}); pass communication_dtype=None")
+    if scheduler_nodes is not None:
+        raise NotImplementedError("scheduler_nodes= (the zero-bubble V schedule) is not supported; use "
+                                  "pp_style='1f1b' or 'interleaved' without scheduler_nodes")
+    if not dp_outside:
+        raise NotImplementedError("dp_outside=False (pp as the outermost mesh axis) is not supported: meshboost's mesh "
+                                  "is (dp, pp, tp), dp outermost and tp innermost; drop the argument")
+    if overlap_allgather:
+        raise NotImplementedError("overlap_allgather=True is not supported: ZeRO all-gathers the updated shards "
+                                  "inside optimizer.step(), not during the next forward; drop the argument (training "
+                                  "is the same); overlap_communication=True overlaps the gradient reduce-scatter with "
+                                  "backward")
+    if fp8_communication:
+        why = ("gloo, the CPU backend, has no fp8 type" if get_current_device().type == "cpu"
+               else "meshboost has no fp8 collectives (scaled casts around NCCL)")
+        raise NotImplementedError(f"fp8_communication=True is not supported: {why}; collectives run in the working "
+                                  "precision, so precision='bf16' or 'fp16' halves their bytes against fp32")
+    if use_fp8:
+        raise NotImplementedError("use_fp8=True (fp8 matmuls) is not supported; train with precision='bf16' or 'fp16'")
+    if inner_ring_size is not None:
+        raise NotImplementedError(f"inner_ring_size={inner_ring_size}: ring attention is not in meshboost; sequence "
+                                  "parallelism is 'split_gather' over the tensor-parallel group")
+
+
 class HybridParallelPlugin(Plugin):
     """Tensor (Megatron 1D), pipeline and data parallelism over a (dp, pp, tp) mesh.
 
@@ -110,8 +146,8 @@ class HybridParallelPlugin(Plugin):
         max_skips_at_min_scale (fp16's dynamic loss scale): `meshboost.optim.PrecisionConfig`.
     zero_stage (0, 1, 2), overlap_communication, zero_bucket_size_in_m (millions of elements):
         `meshboost.optim.ZeroConfig`.
-    find_unused_parameters, ddp_bucket_cap_mb, broadcast_buffers: `DDPConfig` (torch DDP, used when
-        dp > 1 without ZeRO or pipeline).
+    find_unused_parameters, ddp_bucket_cap_mb, broadcast_buffers, check_reduction, gradient_as_bucket_view,
+        static_graph: `DDPConfig` (torch DDP, used when dp > 1 without ZeRO or pipeline).
     gradient_checkpoint_config: `meshboost.shardformer.PipelineGradientCheckpointConfig`: how many layers
         of each stage run under HF activation checkpointing once it is on (docs/optimizations.md).
     check_inputs: "first" (default) | "always" | "never": agree over tp (and pp) that every rank was
@@ -119,7 +155,18 @@ class HybridParallelPlugin(Plugin):
     loss_normalization: "tokens" (default): pipeline micro-batches and, for causal LMs, dp replicas
         are weighted by their labelled tokens, so every layout trains the single-process objective;
         "microbatch": the mean of micro-batch means (ColossalAI). See docs/reliability.md.
+    enable_metadata_cache, overlap_p2p: accepted, either value: stage traffic always sends its small
+        shape header (shapes may change between steps) and always sends asynchronously.
+    cpu_offload, communication_dtype (other than the working dtype), scheduler_nodes, dp_outside=False,
+        overlap_allgather, fp8_communication, use_fp8, inner_ring_size: refused, saying what to use
+        (docs/colossalai.md).
+
+    ColossalAI's views are attributes: `pg_mesh` (meshboost.cluster.ProcessGroupMesh, axes dp_axis=0,
+    pp_axis=1, tp_axis=2), `stage_manager` (meshboost.cluster.PipelineStageManager; None at pp_size 1),
+    `dp_group`, `pp_group`, `tp_group`, and the sizes `dp_size`, `pp_size`, `tp_size`.
     """
+
+    dp_axis, pp_axis, tp_axis = 0, 1, 2       # ColossalAI's axis numbers of pg_mesh (ParallelMesh's order)
 
     def __init__(self, tp_size: int, pp_size: int = 1, precision: str = "fp32", zero_stage: int = 0,
                  parallel_output: bool = True, make_vocab_size_divisible_by: int = 64,
@@ -136,7 +183,12 @@ class HybridParallelPlugin(Plugin):
                  enable_jit_fused: bool = False, enable_sequence_overlap: bool = False,
                  enable_all_optimization: bool = False, sequence_parallelism_mode: str | None = None,
                  sp_size: int | None = None,
-                 gradient_checkpoint_config: PipelineGradientCheckpointConfig | None = None):
+                 gradient_checkpoint_config: PipelineGradientCheckpointConfig | None = None,
+                 check_reduction: bool = False, gradient_as_bucket_view: bool = False, static_graph: bool = False,
+                 cpu_offload: bool = False, communication_dtype: torch.dtype | None = None, scheduler_nodes=None,
+                 enable_metadata_cache: bool = True, dp_outside: bool = True, overlap_p2p: bool = True,
+                 overlap_allgather: bool = False, fp8_communication: bool = False, use_fp8: bool = False,
+                 inner_ring_size: int | None = None):
         # Every rank must pass the same arguments; one all-gather of a digest says so (or names the
         # difference) before anything that could differ by rank, so no rank is left hanging.
         agree_settings({k: v for k, v in locals().items() if k != "self"}, "HybridParallelPlugin arguments")
@@ -145,6 +197,8 @@ class HybridParallelPlugin(Plugin):
             raise NotImplementedError(f"sp_size={sp_size!r}: meshboost's sequence parallelism ('split_gather') runs "
                                       "over the tensor-parallel group, so it needs no group of its own; pass "
                                       "sp_size=None with enable_sequence_parallelism=True and tp_size > 1")
+        _refuse_unsupported(precision, cpu_offload, communication_dtype, scheduler_nodes, dp_outside,
+                            overlap_allgather, fp8_communication, use_fp8, inner_ring_size)
         if gradient_checkpoint_config is not None and not isinstance(gradient_checkpoint_config,
                                                                      PipelineGradientCheckpointConfig):
             raise TypeError(f"gradient_checkpoint_config={gradient_checkpoint_config!r}: pass a "
@@ -169,17 +223,33 @@ class HybridParallelPlugin(Plugin):
                 initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale,
                 max_skips_at_min_scale)),
             zero=ZeroConfig(zero_stage, overlap_communication, int(zero_bucket_size_in_m * 1024 * 1024)),
-            ddp=DDPConfig(broadcast_buffers=broadcast_buffers, bucket_cap_mb=ddp_bucket_cap_mb,
-                          find_unused_parameters=find_unused_parameters),
+            ddp=DDPConfig(broadcast_buffers, ddp_bucket_cap_mb, find_unused_parameters, check_reduction,
+                          gradient_as_bucket_view, static_graph),
             check_inputs=check_inputs, loss_normalization=loss_normalization)
         self.mesh = ParallelMesh(tp_size=tp_size, pp_size=pp_size)       # collective: after the checks
         self.shard_config = dataclasses.replace(self.config.sharding, tensor_parallel_process_group=self.mesh.tp_group)
         self.dp_reducer = dp_reducer(self.mesh.dp_size, pp_size, zero_stage)
+        self.pg_mesh = ProcessGroupMesh(mesh=self.mesh)
+        self.stage_manager = PipelineStageManager(
+            self.pg_mesh, self.pp_axis, enable_interleave=pp_style == "interleaved", num_model_chunks=num_model_chunks,
+            num_layers_per_stage=num_layers_per_stage) if pp_size > 1 else None
 
     # a LazyInitContext model is materialised in configure, after sharding: each rank initialises its part
     materializes_lazy_models = True
 
     # ColossalAI reads these off the plugin
+    @property
+    def dp_group(self):
+        return self.mesh.dp_group
+
+    @property
+    def pp_group(self):
+        return self.mesh.pp_group
+
+    @property
+    def tp_group(self):
+        return self.mesh.tp_group
+
     @property
     def tp_size(self) -> int:
         return self.mesh.tp_size

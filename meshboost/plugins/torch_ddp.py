@@ -6,7 +6,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from meshboost.booster import ModelWrapper, OptimizerWrapper, Plugin
-from meshboost.distributed import ParallelMesh
+from meshboost.distributed import ParallelMesh, get_current_device
 from meshboost.distributed.agreement import agree_settings
 from meshboost.plugins.config import DDPConfig
 from meshboost.plugins.ddp_hooks import register_counting_allreduce
@@ -20,14 +20,22 @@ class TorchDDPModel(ModelWrapper):
 class TorchDDPPlugin(Plugin):
     """Replicate the model on every rank and average gradients with torch DDP over a dp-only mesh.
 
-    Arguments are passed to `torch.nn.parallel.DistributedDataParallel` (`DDPConfig`).
+    Arguments are passed to `torch.nn.parallel.DistributedDataParallel` (`DDPConfig`); ColossalAI's
+    `fp8_communication=True` is refused (docs/colossalai.md).
     """
 
     def __init__(self, broadcast_buffers: bool = True, bucket_cap_mb: int = 25, find_unused_parameters: bool = False,
-                 check_reduction: bool = False, gradient_as_bucket_view: bool = False, static_graph: bool = False):
+                 check_reduction: bool = False, gradient_as_bucket_view: bool = False, static_graph: bool = False,
+                 fp8_communication: bool = False):
         # Every rank must pass the same arguments; one all-gather of a digest says so (or names the
         # difference) before anything that could differ by rank, so no rank is left hanging.
         agree_settings({k: v for k, v in locals().items() if k != "self"}, "TorchDDPPlugin arguments")
+        if fp8_communication:                                           # pure: the same on every rank
+            why = ("gloo, the CPU backend, has no fp8 type" if get_current_device().type == "cpu"
+                   else "meshboost has no fp8 gradient compression hook for DDP")
+            raise NotImplementedError(f"fp8_communication=True is not supported: {why}; for 16-bit gradient "
+                                      "reductions train in 16 bits: HybridParallelPlugin(tp_size=1, precision='bf16') "
+                                      "(DDP over bf16 gradients) or LowLevelZeroPlugin(precision='bf16')")
         self.ddp_config = DDPConfig(broadcast_buffers, bucket_cap_mb, find_unused_parameters, check_reduction,
                                     gradient_as_bucket_view, static_graph)
         self.mesh = ParallelMesh(tp_size=1, pp_size=1)                  # collective: after the checks

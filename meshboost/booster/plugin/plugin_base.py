@@ -1,5 +1,6 @@
 """The Plugin interface the Booster dispatches to. A plugin owns how a model, optimizer and
-dataloader are made parallel and declares the mesh it does it over; the Booster owns none of it."""
+dataloader are made parallel and declares the mesh it does it over; the Booster owns none of it.
+(ColossalAI's path for it is `booster.plugin.plugin_base.Plugin`, kept.)"""
 
 from __future__ import annotations
 
@@ -33,9 +34,15 @@ class Plugin(ABC):
 
     def prepare_dataloader(self, dataset: Dataset, batch_size: int, shuffle: bool = False, seed: int = 1024,
                            drop_last: bool = False, pin_memory: bool = False, num_workers: int = 0,
-                           **kwargs) -> DataLoader:
+                           distributed_sampler_cls=None, **kwargs) -> DataLoader:
         """A DataLoader that gives each data-parallel replica its own samples (tensor- and
         pipeline-parallel ranks of one replica get the same ones)."""
+        if distributed_sampler_cls is not None:
+            raise NotImplementedError(
+                f"prepare_dataloader(distributed_sampler_cls={getattr(distributed_sampler_cls, '__name__', '?')}) "
+                "is not supported: meshboost's loader samples over the data-parallel ranks with its own resumable "
+                "sampler (its position is saved by booster.save_checkpoint(..., dataloader=loader)); drop the "
+                "argument, or build your own DataLoader with sampler rank plugin.mesh.dp_rank of plugin.dp_size")
         return build_dataloader(dataset, batch_size, self.mesh.dp_size, self.mesh.dp_rank, shuffle, seed, drop_last,
                                 pin_memory, num_workers, **kwargs)
 
