@@ -1,10 +1,16 @@
-"""Peak host memory per rank when loading an HF checkpoint into a tensor-parallel model.
+"""Peak host memory per rank when loading an HF checkpoint into a tensor-parallel model, or when
+boosting a model built from its config under `LazyInitContext` over a (tp, pp, dp) layout.
 
-The model is built on the meta device (no weight memory), sharded, then `load_model` reads only
-this rank's slices. Prints, per tp size, the peak RSS growth of each rank during build+load and
-the bytes of parameters it owns, next to the full model size.
+Load: the model is built on the meta device (no weight memory), sharded, then `load_model` reads
+only this rank's slices. Boost (`--boost`): the model is built under LazyInitContext and
+`booster.boost` (HybridParallelPlugin, no optimizer) materialises only this rank's shards of its
+stages. Prints, per layout, the peak private-memory growth of each rank and the parameter bytes it
+owns (full / (tp x pp) for a stage of layers; the first and last stages also hold the tied embedding),
+and what the peak adds to them against the fixed cost: materialisation initialises one unit (a layer,
+or the embedding) at full size at a time.
 
     python benchmarks/load_memory.py --layers 12 --hidden 768 --tp 1 2 4
+    python benchmarks/load_memory.py --boost 1,1,1 2,1,1 4,1,1 1,2,1 1,4,1 2,2,1 1,1,2 1,1,4
 """
 
 from __future__ import annotations
@@ -87,13 +93,67 @@ def _load_body(rank, world, args, folder, out_file):
                 f.write(json.dumps(s) + "\n")
 
 
+def _boost_body(rank, world, args, layout, out_file):
+    import transformers as tfm
+
+    from meshboost import Booster
+    from meshboost.lazy import LazyInitContext
+    from meshboost.plugins import HybridParallelPlugin
+
+    tp, pp, dp = layout
+    base_anon = _anon_mb()
+    with _AnonPeak() as sampler:
+        with LazyInitContext(seed=0):
+            model = tfm.GPT2LMHeadModel(_config(args))
+        settings = {"num_microbatches": pp} if pp > 1 else {}
+        plugin = HybridParallelPlugin(tp_size=tp, pp_size=pp, zero_stage=1 if dp > 1 else 0, **settings)
+        model, *_ = Booster(plugin=plugin).boost(model)
+    owned = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    stats = {"layout": f"tp{tp} pp{pp} dp{dp}", "rank": rank, "owned_param_mb": round(owned, 1),
+             "peak_growth_mb": round(sampler.peak - base_anon, 1)}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, stats)
+    if rank == 0:
+        with open(out_file, "a") as f:
+            for s in gathered:
+                f.write(json.dumps(s) + "\n")
+
+
+def _boost_main(args) -> None:
+    import transformers as tfm
+    with torch.device("meta"):
+        model = tfm.GPT2LMHeadModel(_config(args))
+    full_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    unit_mb = max(model.transformer.wte.weight.numel(), sum(p.numel() for p in model.transformer.h[0].parameters())) \
+        * 4 / 2**20
+    with tempfile.TemporaryDirectory() as root:
+        out_file = os.path.join(root, "stats.jsonl")
+        for spec in args.boost:
+            layout = tuple(int(x) for x in spec.split(","))
+            spawn(_boost_body, layout[0] * layout[1] * layout[2], args, layout, out_file)
+        rows = [json.loads(line) for line in open(out_file)]
+    print(f"GPT-2 {args.layers} layers, hidden {args.hidden}, built from its config under LazyInitContext and boosted: "
+          f"full fp32 parameters {full_mb:.1f} MB, largest unit (the embedding) {unit_mb:.1f} MB")
+    print("| layout | rank | owned MB | peak growth MB | peak - owned MB | (peak - owned) / unit |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        extra = r["peak_growth_mb"] - r["owned_param_mb"]
+        print(f"| {r['layout']} | {r['rank']} | {r['owned_param_mb']} | {r['peak_growth_mb']} | {extra:.1f} | "
+              f"{extra / unit_mb:.2f} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--boost", nargs="+", metavar="TP,PP,DP",
+                        help="measure boosting a LazyInitContext model over these layouts instead of loading")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.boost:
+        _boost_main(args)
+        return
     import transformers as tfm
 
     with tempfile.TemporaryDirectory() as root:

@@ -6,7 +6,8 @@ meta parameter and buffer a rank still holds after sharding and pipeline pruning
 unit at a time (a layer of a layer list, or one other module's own tensors), a full-size CPU shadow of
 the unit is initialised by the model's own init (`_init_weights` of the owning HF model, else
 `reset_parameters`) from a seed drawn from (context seed, unit path), and this rank keeps its shard.
-Peak memory is the model's shards plus one unit at full size; the values do not depend on the layout
+Units go largest first, so the peak is about the larger of (the rank's shards) and (one unit at full
+size plus its shard) plus a fixed overhead; the values do not depend on the layout
 (tp, pp, dp), so every layout starts from the weights the unsharded model gets from the same seed.
 Must not know parallel layers: it reads the tensor-parallel record on each parameter.
 """
@@ -137,7 +138,10 @@ def materialize(model: nn.Module, original: nn.Module, device: torch.device, see
     the model as built) its values: `original`'s init, unit by unit, this rank's shard kept."""
     real = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
     owners = _owners(original)
-    for path, unit, whole in _units(original):
+    # largest units first: their full-size shadows then come while the rank holds little else
+    units = sorted(_units(original), key=lambda u: -sum(t.numel() for t in [*u[1].parameters(recurse=u[2]),
+                                                                            *u[1].buffers(recurse=u[2])]))
+    for path, unit, whole in units:
         prefix = f"{path}." if path else ""
         tensors = [*unit.named_parameters(recurse=whole), *unit.named_buffers(recurse=whole)]
         wanted = [(prefix + n, real[prefix + n]) for n, _ in tensors
