@@ -2,7 +2,7 @@
 (fp32 masters, loss scaling, overflow skip, clipping) -> ZeroOptimizer (masters and states
 partitioned over dp). Every wrapper exports and imports its state per parameter in one format
 (state.py). The global gradient norm is written once, in grad_norm.py; memory accounting lives in
-memory.py."""
+memory.py; ZeRO's CPU offload (masters and states in host memory, the copies each step) in offload.py."""
 
 from meshboost.optim.grad_norm import clip_coefficient, counted_here, global_grad_norm
 from meshboost.optim.grad_scaler import DynamicGradScaler, GradScalerConfig

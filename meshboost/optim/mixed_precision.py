@@ -4,13 +4,15 @@ Owns the order of one optimizer step, written once for every wrapper (ZeroOptimi
 where master weights and their gradients live):
 
     backward:  loss * scale -> autograd                    (fp16 only: keeps small grads representable)
-    step:      grads -> fp32 master grads                  (ZeRO: reduce-scatter over dp first)
+    step:      grads -> fp32 master grads                  (ZeRO: reduce-scatter over dp first, and
+                                                           the checks below read the reduced shards)
                found_inf = any inf/nan, all-reduce MAX over the world group of the mesh
                                                            (every rank of the step agrees, so
                                                            replicas never diverge)
                overflow -> skip: zero grads, back off the scale, norm = None
                norm = global norm / scale                  (grad_norm.py, the one implementation)
-               master grads *= clip_coef / scale           (unscale and clip in one pass)
+               master grads *= clip_coef / scale           (unscale and clip in one pass; ZeRO makes
+                                                           the fp32 copy here, on the CPU if offloaded)
                inner optimizer step on the fp32 masters
                masters -> working weights                  (copy, or all-gather under ZeRO)
 
@@ -23,6 +25,7 @@ Must not contain data-parallel partitioning (that is zero.py) or norm maths (gra
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -37,6 +40,8 @@ from meshboost.optim.grad_scaler import DynamicGradScaler, GradScalerConfig
 from meshboost.optim.wrapper import OptimizerWrapper
 
 PRECISION_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+logger = logging.getLogger("meshboost.optim")
 
 
 def check_precision(precision: str) -> torch.dtype:
@@ -82,7 +87,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
 
     mesh: the `ParallelMesh` (overflow and norms are agreed over its world group, on its device).
     precision / max_norm / norm_type / scaler_config: see `PrecisionConfig` (scaler_config: the
-    fp16 `GradScalerConfig`, defaults when None; ignored otherwise).
+    fp16 `GradScalerConfig`, defaults when None; ignored otherwise). verbose: global rank 0 logs each
+    skipped step and the new loss scale (logger "meshboost.optim", level INFO).
 
     Build it while the parameters are still fp32 (before casting the model) so the masters start
     from the exact fp32 weights.
@@ -91,8 +97,9 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     dp_partitioned = False      # gradients are replicated over dp (DDP): dp rank 0 counts them
 
     def __init__(self, optim: Optimizer, mesh, precision: str = "fp32", max_norm: float = 0.0,
-                 norm_type: float = 2.0, scaler_config: GradScalerConfig | None = None):
+                 norm_type: float = 2.0, scaler_config: GradScalerConfig | None = None, verbose: bool = False):
         super().__init__(optim)
+        self.verbose = bool(verbose)
         self.config = PrecisionConfig(precision, max_norm, norm_type, scaler_config or GradScalerConfig())
         if len(optim.state) > 0:
             raise ValueError("the optimizer already has state (it has stepped); boost it before its first step")
@@ -127,7 +134,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             group["params"] = masters
 
     def _master_grads(self) -> list[tuple[torch.Tensor, bool]]:
-        """Fill master grads from the working grads; return [(grad, counted_in_norm_here)]."""
+        """Fill master grads from the working grads; return [(grad, counted_in_norm_here)], the
+        tensors the overflow check and the norm read."""
         out = []
         for params in self._working:
             for p in params:
@@ -139,6 +147,13 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                     m.grad = p.grad.detach().float()
                 out.append((m.grad, counted_here(p, self.mesh, self.dp_partitioned)))
         return out
+
+    def _unscale_and_clip(self, grads: list[tuple[torch.Tensor, bool]], factor: float) -> None:
+        """Master grads *= factor (1/scale times the clip coefficient), one pass; `grads` are what
+        `_master_grads` returned (here the master grads themselves)."""
+        if factor != 1.0:
+            for g, _ in grads:
+                g.mul_(factor)
 
     def _write_back(self) -> None:
         """Copy updated masters into the working weights."""
@@ -252,15 +267,14 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             self._grad_norm = None
             self._release_grads()
             self.scaler.update(found_inf=True)     # raises after too many skips at the minimum scale
+            if self.verbose and (not dist.is_initialized() or dist.get_rank() == 0):
+                logger.info("fp16 overflow (inf/nan gradients): step skipped, loss scale now %g", self.loss_scale)
             return None
         inv_scale = 1.0 / self.loss_scale
         norm = global_grad_norm([g for g, counted in grads if counted], self.mesh.world_group, self.norm_type,
                                 self.mesh.device)
         self._grad_norm = norm * inv_scale
-        factor = inv_scale * clip_coefficient(self._grad_norm, self.max_norm)
-        if factor != 1.0:
-            for g, _ in grads:                    # unscale and clip in one pass over the masters
-                g.mul_(factor)
+        self._unscale_and_clip(grads, inv_scale * clip_coefficient(self._grad_norm, self.max_norm))
         self.optim.step()
         self._write_back()
         if self.scaler is not None:

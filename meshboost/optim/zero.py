@@ -17,6 +17,11 @@ owns; building masters, refreshing them, exporting and importing state all read 
 After the inner step each rank all-gathers its updated shard (in the working dtype) back into the
 working parameters. The step order (unscale, overflow, clip, skip) is MixedPrecisionOptimizer's;
 this file only overrides the layout hooks. Must not re-implement the step or the norm.
+
+Options (`ZeroConfig`): cpu_offload puts the master shards, and so the optimizer states, on the CPU
+and copies the gradient shard down and the updated shard up each step (offload.py owns the copies);
+communication_dtype is the dtype of the gradient reduce-scatter; master_weights=False makes the
+master shards working-dtype slices (no fp32 copy: the inner optimizer steps half precision).
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from meshboost.distributed.param_info import get_tp_info, is_pipeline_replica, i
 from meshboost.optim import state as fmt
 from meshboost.optim.grad_norm import counted_here
 from meshboost.optim.grad_scaler import GradScalerConfig
-from meshboost.optim.mixed_precision import MixedPrecisionOptimizer, _copy_into_master
+from meshboost.optim.mixed_precision import PRECISION_DTYPES, MixedPrecisionOptimizer, _copy_into_master
+from meshboost.optim.offload import HostStaging, master_device
 
 DEFAULT_BUCKET_ELEMENTS = 12 * 1024 * 1024
 
@@ -44,13 +50,20 @@ class ZeroConfig:
     stage: int = 0                       # 0: off (DDP or the pipeline reduces), 1: states, 2: + gradients
     overlap_communication: bool = False  # reduce-scatter a bucket from the gradient hook of its last parameter
     reduce_bucket_size: int = DEFAULT_BUCKET_ELEMENTS     # elements per bucket (also the unit of overlap)
+    cpu_offload: bool = False            # master shards and optimizer states in CPU memory; the inner step runs there
+    communication_dtype: torch.dtype | None = None     # dtype of the gradient reduce-scatter (None: working dtype)
+    master_weights: bool = True          # False: no fp32 masters, the inner optimizer steps working-dtype shards
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2):
             raise ValueError(f"zero_stage={self.stage!r}; expected 0, 1 or 2")
         if not isinstance(self.reduce_bucket_size, int) or self.reduce_bucket_size < 1:
             raise ValueError(f"reduce_bucket_size={self.reduce_bucket_size!r} must be a positive number of elements")
+        if self.communication_dtype is not None and self.communication_dtype not in PRECISION_DTYPES.values():
+            raise ValueError(f"communication_dtype={self.communication_dtype!r}; expected None (the working dtype), "
+                             "torch.float32, torch.float16 or torch.bfloat16")
         self.overlap_communication = bool(self.overlap_communication)
+        self.cpu_offload, self.master_weights = bool(self.cpu_offload), bool(self.master_weights)
 
 
 _KINDS = [(sharded, tied, first) for sharded in (True, False) for tied in (False, True) for first in (True, False)]
@@ -95,26 +108,29 @@ class ZeroBucket:
             if start < end:
                 yield p, start, end, s
 
-    def gather_param(self, index: int, shards: list[torch.Tensor], group, dst: int | None = None):
+    def gather_param(self, index: int, shards: list[torch.Tensor], group, dst: int | None = None,
+                     device: torch.device | None = None):
         """params[index]'s part of each shard-sized tensor in `shards` (its master, its moments),
         assembled from every rank's piece and shaped like the parameter: a collective over `group`
         (the dp group) that moves only the parameter's elements, not the bucket's. dst=None: every
         rank gets the result; dst=r: only dp rank r does (each owner sends its piece straight into
-        place), the others get None."""
+        place), the others get None. device: where the collective runs (the group's device; offloaded
+        shards live on the CPU), by default each shard's own."""
         p = self.params[index]
         pieces = [self.piece(index, r) for r in range(self.dp_size)]
         start, end, s = pieces[self.dp_rank]
         if dst is not None:
             spans = [(a, b) for a, b, _ in pieces]
-            full = [comm.gather_spans(t.detach()[s:s + end - start], spans, group, dst) for t in shards]
+            full = [comm.gather_spans(t.detach()[s:s + end - start].to(device or t.device), spans, group, dst)
+                    for t in shards]
             return None if full[0] is None else [f.view(p.shape) for f in full]
         width = max(b - a for a, b, _ in pieces)
         out = []
         for t in shards:
-            send = torch.zeros(width, dtype=t.dtype, device=t.device)
+            send = torch.zeros(width, dtype=t.dtype, device=device or t.device)
             send[:end - start] = t.detach()[s:s + end - start]
             got = comm.all_gather(send, group, dim=0).view(self.dp_size, width)
-            full = torch.empty(p.numel(), dtype=t.dtype, device=t.device)
+            full = torch.empty(p.numel(), dtype=t.dtype, device=send.device)
             for r, (a, b, _) in enumerate(pieces):
                 full[a:b] = got[r, :b - a]
             out.append(full.view(p.shape))
@@ -124,9 +140,9 @@ class ZeroBucket:
 class ZeroOptimizer(MixedPrecisionOptimizer):
     """ZeRO-`stage` (1 or 2) around the user's `optim`, over `mesh.dp_group`.
 
-    precision / max_norm / norm_type / scaler_config: as MixedPrecisionOptimizer (fp32 works too:
-    the point is then the 1/dp optimizer state). overlap_communication / reduce_bucket_size: see
-    `ZeroConfig`.
+    precision / max_norm / norm_type / scaler_config / verbose: as MixedPrecisionOptimizer (fp32 works
+    too: the point is then the 1/dp optimizer state). overlap_communication / reduce_bucket_size /
+    cpu_offload / communication_dtype / master_weights: see `ZeroConfig`.
     """
 
     dp_partitioned = True
@@ -134,14 +150,23 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
 
     def __init__(self, optim: Optimizer, mesh, precision: str = "fp32", stage: int = 1, max_norm: float = 0.0,
                  norm_type: float = 2.0, scaler_config: GradScalerConfig | None = None,
-                 overlap_communication: bool = False, reduce_bucket_size: int = DEFAULT_BUCKET_ELEMENTS):
+                 overlap_communication: bool = False, reduce_bucket_size: int = DEFAULT_BUCKET_ELEMENTS,
+                 cpu_offload: bool = False, communication_dtype: torch.dtype | None = None,
+                 master_weights: bool = True, verbose: bool = False):
         if stage not in (1, 2):
             raise ValueError(f"stage={stage!r}; ZeroOptimizer implements stages 1 and 2")
-        self.zero_config = ZeroConfig(stage, overlap_communication, reduce_bucket_size)
-        self.stage, self.overlap_communication = stage, self.zero_config.overlap_communication
+        zc = self.zero_config = ZeroConfig(stage, overlap_communication, reduce_bucket_size, cpu_offload,
+                                           communication_dtype, master_weights)
+        self.stage, self.overlap_communication = stage, zc.overlap_communication
         self.bucket_elements = reduce_bucket_size
+        self.cpu_offload = zc.cpu_offload
         self.dp_group, self.dp_size, self.dp_rank = mesh.dp_group, mesh.dp_size, mesh.dp_rank
-        super().__init__(optim, mesh, precision, max_norm, norm_type, scaler_config)
+        # fp32 masters, or (master_weights=False) slices in the working dtype: the inner step then runs
+        # in half precision, as ColossalAI's master_weights=False does.
+        self.master_dtype = torch.float32 if zc.master_weights else PRECISION_DTYPES.get(precision, torch.float32)
+        self.staging = HostStaging(PRECISION_DTYPES.get(precision, torch.float32)) if zc.cpu_offload else None
+        super().__init__(optim, mesh, precision, max_norm, norm_type, scaler_config, verbose)
+        self.communication_dtype = zc.communication_dtype or self.working_dtype
         if self.overlap_communication:
             for b in self.buckets:
                 for p in b.params:
@@ -149,7 +174,9 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
 
     @property
     def keeps_masters(self) -> bool:
-        return True             # the master shards are tensors of their own even in fp32
+        # The master shards are tensors of their own even in fp32; without fp32 masters
+        # (master_weights=False) the half-precision weights are all there is.
+        return self.master_dtype == torch.float32
 
     # -- layout ---------------------------------------------------------------------------------
     def _build_masters(self) -> None:
@@ -177,7 +204,8 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
             offsets.append(numel)
             numel += p.numel()
         shard_size = -(-numel // self.dp_size)
-        master = torch.zeros(shard_size, dtype=torch.float32, device=params[0].device)
+        device = master_device(params[0].device, self.cpu_offload)
+        master = torch.zeros(shard_size, dtype=self.master_dtype, device=device)
         bucket = ZeroBucket(params, offsets, numel, shard_size, self.dp_rank, self.dp_size, nn.Parameter(master),
                             counted_here(params[0], self.mesh, dp_partitioned=True))
         self._copy_owned(bucket)                     # only the owned slices: no full flat copy
@@ -188,6 +216,8 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
     @staticmethod
     @torch.no_grad()
     def _copy_owned(b: ZeroBucket) -> None:
+        if any(p.is_meta for p in b.params):
+            return                               # no values yet (boosted on meta): sync_masters_from_model fills them
         for p, start, end, s in b.owned_slices():
             b.master.detach()[s:s + end - start].copy_(p.detach().reshape(-1)[start:end])
 
@@ -200,14 +230,15 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
 
     # -- gradient reduction ------------------------------------------------------------------------
     def _reduce_bucket(self, b: ZeroBucket) -> None:
-        parts = [p.grad.detach().reshape(-1).to(self.working_dtype) if p.grad is not None
-                 else torch.zeros(p.numel(), dtype=self.working_dtype, device=p.device) for p in b.params]
+        dtype = self.communication_dtype
+        parts = [p.grad.detach().reshape(-1).to(dtype) if p.grad is not None
+                 else torch.zeros(p.numel(), dtype=dtype, device=p.device) for p in b.params]
         padding = b.shard_size * self.dp_size - b.numel
         if padding:
-            parts.append(torch.zeros(padding, dtype=self.working_dtype, device=parts[0].device))
+            parts.append(torch.zeros(padding, dtype=dtype, device=parts[0].device))
         flat = torch.cat(parts)
         flat.div_(self.dp_size)               # average before summing: keeps scaled fp16 sums in range
-        shard = comm.reduce_scatter(flat, self.dp_group, dim=0)
+        shard = comm.reduce_scatter(flat, self.dp_group, dim=0).to(self.working_dtype)
         b.grad_shard = shard if b.grad_shard is None else b.grad_shard.add_(shard)
         for p in b.params:
             p.grad = None
@@ -243,20 +274,37 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
 
     # -- hooks of the shared step --------------------------------------------------------------------
     def _master_grads(self) -> list[tuple[torch.Tensor, bool]]:
+        """The reduced gradient shards, still in the working dtype on the working device: the overflow
+        check and the norm read them there (the norm accumulates in fp32 either way), and only a step
+        that goes ahead pays for the fp32 copy (and, offloaded, the trip to the CPU)."""
         self._flush()
         out = []
         for b in self.buckets:
-            if b.grad_shard is None:
-                b.master.grad = None
-                continue
-            b.master.grad = b.grad_shard.float()
-            out.append((b.master.grad, b.counted))
+            b.master.grad = None
+            if b.grad_shard is not None:
+                out.append((b.grad_shard, b.counted))
         return out
+
+    def _unscale_and_clip(self, grads, factor: float) -> None:
+        live = [(i, b) for i, b in enumerate(self.buckets) if b.grad_shard is not None]
+        shards = [b.grad_shard for _, b in live]
+        if self.staging is not None:          # offload: the gradient shard goes to the CPU masters
+            shards = self.staging.to_host([(i, shard) for (i, _), shard in zip(live, shards)])
+        for (_, b), shard in zip(live, shards):
+            b.master.grad = shard.to(self.master_dtype)
+            if factor != 1.0:
+                b.master.grad.mul_(factor)
+
+    def _working_shard(self, index: int, b: ZeroBucket) -> torch.Tensor:
+        """This rank's updated shard in the working dtype, on the working device."""
+        if self.staging is not None:
+            return self.staging.to_device(index, b.master, b.params[0].device)
+        return b.master.detach().to(self.working_dtype)
 
     def _write_back(self) -> None:
         with torch.no_grad():
-            for b in self.buckets:
-                full = comm.all_gather(b.master.detach().to(self.working_dtype), self.dp_group, dim=0)
+            for i, b in enumerate(self.buckets):
+                full = comm.all_gather(self._working_shard(i, b), self.dp_group, dim=0)
                 for p, off in zip(b.params, b.offsets):
                     p.copy_(full[off:off + p.numel()].view_as(p))
 
@@ -286,21 +334,25 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
     def master_weight(self, param: torch.Tensor) -> torch.Tensor | None:
         """The parameter's fp32 master, gathered to dp rank 0 (None on the other dp ranks, and where
         the weights are the masters). A collective over dp: every dp rank calls it."""
-        if param not in self._bucket_of or self.working_dtype == torch.float32:
-            return None                          # fp32: write-back made the weights the masters, bit for bit
+        if param not in self._bucket_of or self.master_dtype == self.working_dtype:
+            return None                          # write-back made the weights the masters, bit for bit
         b, i = self._bucket_of[param]
-        full = b.gather_param(i, [b.master], self.dp_group, dst=0)
+        full = b.gather_param(i, [b.master], self.dp_group, dst=0, device=self.mesh.device)
         return None if full is None else full[0]
 
     def _local_state(self, param: torch.Tensor, replica0_only: bool = False) -> tuple[dict, torch.Tensor | None]:
         b, i = self._bucket_of[param]
         state = self.optim.state.get(b.master, {})
         keys = [k for k, v in sorted(state.items()) if fmt.is_per_element(v, b.master)]
-        full = b.gather_param(i, [b.master] + [state[k] for k in keys], self.dp_group, 0 if replica0_only else None)
+        # Only fp32 masters are exported: working-dtype master slices equal the weights bit for bit.
+        masters = [b.master] if self.master_dtype == torch.float32 else []
+        shards = masters + [state[k] for k in keys]
+        full = b.gather_param(i, shards, self.dp_group, 0 if replica0_only else None, self.mesh.device) \
+            if shards else []
         if full is None:
             return {}, None                      # another dp rank assembles this parameter's state
-        master, *moments = full
-        local = dict(zip(keys, moments))
+        master = full[0] if masters else None
+        local = dict(zip(keys, full[len(masters):]))
         local.update({k: v for k, v in state.items() if k not in local})
         return local, master
 
@@ -309,7 +361,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         start, end, s = b.piece(i)
         own = self.optim.state.setdefault(b.master, {})
         source = master if master is not None else param.detach()
-        b.master.detach()[s:s + end - start] = source.reshape(-1)[start:end].float()
+        b.master.detach()[s:s + end - start] = source.reshape(-1)[start:end].to(self.master_dtype)
         for k, v in state.items():
             if fmt.is_per_element(v, param):
                 buf = own.setdefault(k, torch.zeros_like(b.master.detach()))
