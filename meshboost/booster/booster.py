@@ -40,7 +40,12 @@ class Booster:
     >>> model, optimizer, criterion, dataloader, lr_scheduler = booster.boost(model, optimizer, criterion)
     """
 
-    def __init__(self, plugin: Plugin | None = None, mixed_precision: str | None = None):
+    def __init__(self, plugin: Plugin | None = None, mixed_precision: str | None = None, device: str | None = None):
+        # ColossalAI's Booster(device=...): the device always comes from the environment here
+        # (cuda:LOCAL_RANK under CUDA, else the CPU); a different one is refused, not ignored.
+        if device is not None and torch.device(device).type != get_current_device().type:
+            raise ValueError(f"Booster(device={device!r}): this process runs on {get_current_device()} (chosen from "
+                             "the environment by launch_from_torch); drop device= or pass that device type")
         if plugin is not None and not isinstance(plugin, Plugin):
             raise TypeError(f"plugin must be a meshboost Plugin, got {type(plugin).__name__}")
         # autocast (+ fp16 loss scaling) for plugins without a precision of their own, e.g. TorchDDPPlugin

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import gc
+import logging
 import os
 import random
 
@@ -114,14 +115,15 @@ def _elastic_attempt_store(host: str, port, world_size: int, timeout: datetime.t
 
 
 def launch_from_torch(seed: int = 1024, backend: str | None = None,
-                      timeout: datetime.timedelta | float | None = None) -> None:
+                      timeout: datetime.timedelta | float | None = None, verbose: bool = False) -> None:
     """Initialise the default process group from the environment `torchrun` sets.
 
     Uses NCCL when CUDA is available and gloo otherwise (or `backend`), binds this process to
     cuda:LOCAL_RANK, and seeds Python, NumPy and torch with `seed` on every rank. `timeout` (a
     timedelta or seconds; default: the MESHBOOST_DIST_TIMEOUT environment variable, else torch's
     10 min for NCCL and 30 min for gloo) bounds every collective: a stalled peer makes the others
-    raise `CollectiveTimeout` after it instead of hanging.
+    raise `CollectiveTimeout` after it instead of hanging. verbose: rank 0 logs the backend, world
+    size and device once (ColossalAI's keyword).
     """
     missing = [k for k in _REQUIRED_ENV if k not in os.environ]
     if missing:
@@ -132,6 +134,9 @@ def launch_from_torch(seed: int = 1024, backend: str | None = None,
     launch(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
            local_rank=int(os.environ["LOCAL_RANK"]), host=os.environ["MASTER_ADDR"],
            port=os.environ["MASTER_PORT"], backend=backend, seed=seed, timeout=timeout)
+    if verbose and dist.get_rank() == 0:
+        logging.getLogger("meshboost").warning("meshboost: launched %d processes, backend %s, device %s, seed %d",
+                                               dist.get_world_size(), dist.get_backend(), get_current_device(), seed)
 
 
 def group_timeout(group=None) -> datetime.timedelta | None:

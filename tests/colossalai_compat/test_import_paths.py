@@ -91,3 +91,18 @@ def test_every_colossalai_keyword_is_in_the_signature(cls, keywords):
     a bare 'unexpected keyword argument'."""
     params = inspect.signature(getattr(meshboost.plugins, cls).__init__).parameters
     assert [k for k in keywords if k not in params] == []
+
+
+def test_launch_and_booster_take_colossalai_keywords():
+    """`launch_from_torch(verbose=...)` and `Booster(device=...)` as ColossalAI scripts pass them; a device
+    the environment did not choose is refused."""
+    import inspect
+
+    import pytest
+
+    import meshboost
+    from meshboost.booster import Booster
+    assert "verbose" in inspect.signature(meshboost.launch_from_torch).parameters
+    Booster(device=meshboost.get_current_device().type)
+    with pytest.raises(ValueError, match="device="):
+        Booster(device="meta")
