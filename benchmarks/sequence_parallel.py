@@ -34,18 +34,6 @@ def models(layers: int) -> dict:
     }
 
 
-def _held(model, batch) -> tuple[int, dict, torch.Tensor]:
-    saved = {}
-
-    def pack(t):
-        saved[(t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)] = \
-            t.numel() * t.element_size()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(**batch).loss
-    return sum(saved.values()), saved, loss
-
-
 def _replicated_elements(model) -> int:
     """Elements of the layers' parameters that see the split sequence (norms, row-parallel biases)."""
     from meshboost.distributed.param_info import get_tp_info
@@ -64,6 +52,7 @@ def _replicated_elements(model) -> int:
 
 def _worker(rank: int, world: int, args) -> None:
     from meshboost.distributed.profiling import comm_counter
+    from meshboost.optim.memory import saved_activation_bytes
     from meshboost.shardformer import ShardConfig, ShardFormer
     group = dist.group.WORLD
     torch.manual_seed(0)
@@ -79,7 +68,8 @@ def _worker(rank: int, world: int, args) -> None:
             shard_config = ShardConfig(tensor_parallel_process_group=group, enable_sequence_parallelism=sp)
             ShardFormer(shard_config).optimize(model)
             with comm_counter(names={group: "tp"}) as counter:
-                held, saved, loss = _held(model, batch)
+                held, saved, out = saved_activation_bytes(lambda: model(**batch))
+                loss = out.loss
                 loss.backward()
             model.zero_grad(set_to_none=True)
             split = sum(v for k, v in saved.items() if len(k[2]) == 3 and k[2][:2] == (args.batch, args.seq // world))

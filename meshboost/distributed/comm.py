@@ -70,17 +70,22 @@ def all_gather(tensor: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     return out.movedim(0, dim).contiguous()
 
 
+def _scatter_buffers(tensor: torch.Tensor, size: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input with `dim` moved first, output buffer) of a reduce-scatter over `size` ranks along `dim`."""
+    if tensor.shape[dim] % size:
+        raise ValueError(f"reduce_scatter: dim {dim} of size {tensor.shape[dim]} is not divisible by "
+                         f"the group size {size}")
+    moved = tensor.movedim(dim, 0).contiguous()
+    return moved, torch.empty((moved.shape[0] // size, *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+
+
 def reduce_scatter(tensor: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     """Sum `tensor` over ranks and keep this rank's chunk along `dim`."""
     size = dist.get_world_size(group)
     if size == 1:
         return tensor
     dim = dim % tensor.dim()
-    if tensor.shape[dim] % size:
-        raise ValueError(f"reduce_scatter: dim {dim} of size {tensor.shape[dim]} is not divisible by "
-                         f"the group size {size}")
-    moved = tensor.movedim(dim, 0).contiguous()
-    out = torch.empty((moved.shape[0] // size, *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    moved, out = _scatter_buffers(tensor, size, dim)
     record_collective("reduce_scatter", group, moved)
     run_collective("reduce_scatter", group, lambda: _reduce_scatter_single(out, moved, group=group))
     return out.movedim(0, dim).contiguous()
@@ -115,11 +120,7 @@ def reduce_scatter_async(tensor: torch.Tensor, group, dim: int = -1) -> Pending:
     if size == 1:
         return Pending("reduce_scatter", group, None, lambda: tensor)
     dim = dim % tensor.dim()
-    if tensor.shape[dim] % size:
-        raise ValueError(f"reduce_scatter: dim {dim} of size {tensor.shape[dim]} is not divisible by "
-                         f"the group size {size}")
-    moved = tensor.movedim(dim, 0).contiguous()
-    out = torch.empty((moved.shape[0] // size, *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    moved, out = _scatter_buffers(tensor, size, dim)
     record_collective("reduce_scatter", group, moved)
     work = run_collective("reduce_scatter", group,
                           lambda: _reduce_scatter_single(out, moved, group=group, async_op=True))

@@ -64,3 +64,17 @@ def memory_theory(num_params: int, tp_size: int = 1, dp_size: int = 1, zero_stag
            "optimizer_states": state_bytes_per_param * shard / partition}
     out["total"] = sum(out.values())
     return out
+
+
+def saved_activation_bytes(run) -> tuple[int, dict, object]:
+    """(bytes autograd holds for backward after `run()`, {(storage, offset, shape, dtype): bytes} of
+    each saved view counted once, run's result): activation memory after a forward."""
+    saved = {}
+
+    def pack(t):
+        saved[(t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)] = \
+            t.numel() * t.element_size()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = run()
+    return sum(saved.values()), saved, result

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from meshboost import Booster
 from meshboost.distributed.profiling import comm_counter
+from meshboost.optim.memory import saved_activation_bytes
 from meshboost.pipeline import split_microbatches
 from meshboost.plugins import HybridParallelPlugin
 from meshboost.shardformer import ShardConfig, ShardFormer
@@ -91,19 +92,6 @@ def test_sequence_parallel_through_the_plugin_with_zero_pp_and_checkpointing():
     spawn(_plugins, 4)
 
 
-def _saved_activations(model, batch) -> tuple[int, dict, torch.Tensor]:
-    """Bytes autograd holds for backward after the forward (each storage view counted once)."""
-    saved = {}
-
-    def pack(t):
-        saved[(t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)] = \
-            t.numel() * t.element_size()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(**batch).loss
-    return sum(saved.values()), saved, loss
-
-
 def _bytes_and_memory(rank: int, world: int) -> None:
     group, tp = dist.group.WORLD, world
     b, s = 4, 24                      # local chunk 12: neither a head count nor a width of these models
@@ -117,7 +105,8 @@ def _bytes_and_memory(rank: int, world: int) -> None:
             ShardFormer(config_sp).optimize(model)
             model.train()
             with comm_counter(names={group: "tp"}) as counter:
-                held, saved, loss = _saved_activations(model, batch)
+                held, saved, out = saved_activation_bytes(lambda: model(**batch))
+                loss = out.loss
                 loss.backward()
             measured[sp] = held, saved, counter.summary()["tp"], model
         (tp_held, _, tp_comm, _), (sp_held, sp_saved, sp_comm, sp_model) = measured[False], measured[True]
