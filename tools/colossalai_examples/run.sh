@@ -3,7 +3,8 @@
 # offline: its data source (data.py) is replaced by tools/colossalai_examples/data.py (real tweets),
 # `bert-base-uncased` resolves to a local folder holding the all-MiniLM-L6-v2 BERT, and
 # `evaluate.load("glue", ...)` to a local accuracy/F1 metric. The script comes from the ColossalAI
-# repository (COLOSSALAI_REPO, a git checkout) so nothing of it is vendored here.
+# repository (COLOSSALAI_REPO, a git checkout) so nothing of it is vendored here. Needs `pip install
+# evaluate` (the script imports it). EXAMPLE_SAMPLES sets the training and held-out sizes (default 256).
 #
 #   COLOSSALAI_REPO=/path/to/ColossalAI bash tools/colossalai_examples/run.sh torch_ddp low_level_zero ...
 set -euo pipefail
