@@ -5,10 +5,11 @@ Python GELU) for a `JitFusedActivation` calling that forward `torch.compile`d wi
 keeps every parameter object, and gives the eager numbers (fp32): eval outputs, loss and every
 gradient; a new batch and sequence length does not recompile. A single-op activation (BERT's F.gelu,
 the pooler's tanh) and a module carrying a hook are kept; without a working compiler nothing is
-swapped and the one log line says why. At tp=2 the sharded, compiled model matches the unsharded eager
-one (`check_tp_equivalence`: outputs, loss, gathered gradients, weights after AdamW). fuse_norms uses
-apex's kernels when `apex.normalization` is there (a torch stand-in plays apex, absent here), each with
-the norm's own weights, and names its backend.
+swapped and the one log line says why; a compiled function 0.1% off is refused. At tp=2 the sharded,
+compiled model (`ShardConfig(enable_jit_fused=True)`, and `enable_all_optimization=True`) matches the
+unsharded eager one (`check_tp_equivalence`: outputs, loss, gathered gradients, weights after AdamW).
+fuse_norms uses apex's kernels when `apex.normalization` is there (a torch stand-in plays apex, absent
+here), each with the norm's own weights, and names its backend.
 """
 
 import copy
@@ -23,9 +24,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from meshboost.shardformer import ShardFormer, optimizations
+from meshboost.shardformer import optimizations, sharder
 from meshboost.shardformer.optimizations import FusedRMSNorm, JitFusedActivation, fuse_norms, jit_fuse
-from meshboost.testing import compare, spawn
+from meshboost.testing import spawn
 from meshboost.testing.compare import check_tp_equivalence, model_loss
 from meshboost.testing.models import build_model, tiny_batch, tiny_config
 from meshboost.testing.tolerance import assert_close
@@ -90,6 +91,15 @@ def test_jit_fuse_falls_back_to_eager_without_a_compiler(monkeypatch, caplog):
         lines
 
 
+def test_jit_fuse_refuses_a_compiled_function_whose_numbers_differ(monkeypatch):
+    def off_by_a_little(fn, **kwargs):                   # a "compiler" 0.1% off: a wrong kernel
+        return lambda *args: fn(*args) * 1.001
+    monkeypatch.setattr(torch, "compile", off_by_a_little)
+    model = build_model("GPT2LMHeadModel", tiny_config("gpt2"))
+    assert jit_fuse(model, "cpu") == 0
+    assert not any(isinstance(m, JitFusedActivation) for m in model.modules())
+
+
 class _FakeApexRMSNorm(nn.Module):
     """apex's FusedRMSNorm interface on torch's kernel: (x / rms) * weight rounded once, as apex does."""
 
@@ -140,26 +150,21 @@ def test_fuse_norms_says_why_apex_is_not_used(caplog):
     assert "backend torch (apex.normalization does not import" in caplog.text, caplog.text
 
 
-class _JitShardFormer(ShardFormer):
-    """ShardFormer followed by jit_fuse, as `ShardConfig(enable_jit_fused=True)` is to run it; stands in
-    until that switch is wired, so check_tp_equivalence compares the compiled shards with eager."""
-
-    swapped: list[int] = []
-
-    def optimize(self, model, policy=None):
-        out = super().optimize(model, policy)
-        self.swapped.append(jit_fuse(model, "cpu"))
-        return out
-
-
 def _tp2_body(rank: int, world: int) -> None:
-    with mock.patch.object(compare, "ShardFormer", _JitShardFormer):
-        for class_name, family, overrides, swapped in CHAINS:
-            check_tp_equivalence(class_name, family, dist.group.WORLD, **overrides)
-            assert _JitShardFormer.swapped[-1] == swapped, (class_name, _JitShardFormer.swapped)
+    swapped = []                    # what the switch's jit_fuse returned, model by model
+
+    def counted(model, device_type):
+        swapped.append(jit_fuse(model, device_type))
+        return swapped[-1]
+
+    with mock.patch.object(sharder, "jit_fuse", counted):
+        for class_name, family, overrides, expected in CHAINS:
+            check_tp_equivalence(class_name, family, dist.group.WORLD, shard_options={"enable_jit_fused": True},
+                                 **overrides)
+            assert swapped[-1] == expected, (class_name, swapped)
         check_tp_equivalence("LlamaForCausalLM", "llama", dist.group.WORLD, attention="eager",
-                             shard_options={"enable_flash_attention": True, "enable_fused_normalization": True})
-        assert _JitShardFormer.swapped[-1] == 0          # SiLU is one kernel; act_fn(gate) * up is in the forward
+                             shard_options={"enable_all_optimization": True})
+        assert swapped[-1] == 0          # SiLU is one kernel; act_fn(gate) * up lives in the forward
 
 
 def test_jit_fused_shards_keep_unsharded_numbers_at_tp2():
