@@ -129,7 +129,7 @@ def worker(rank: int, world: int, port: int, keys: list[str], spec_dict: dict, w
     warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
     torch.set_num_threads(threads)
     from meshboost.distributed.launch import launch
-    launch(rank, world, rank, "127.0.0.1", port, seed=1024)
+    launch(rank, world, "127.0.0.1", port, local_rank=rank, seed=1024)
     try:
         results = run_group(keys, ModelSpec(**spec_dict), warmup, steps)
         with open(os.path.join(outdir, f"world{world}_rank{rank}.json"), "w") as f:

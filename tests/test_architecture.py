@@ -21,7 +21,7 @@ FLOORS = {
     "distributed": 0,                                               # the ground floor
     "shardformer": 1, "pipeline": 1, "optim": 1, "checkpoint": 1,   # peers: none imports another
     "lazy": 1,                                                      # LazyInitContext: init on meta, per unit
-    "cluster": 1, "accelerator": 1, "nn": 1,                        # ColossalAI's paths: views over distributed
+    "cluster": 1, "accelerator": 1, "nn": 1, "utils": 1,            # ColossalAI's paths: views over distributed
     "booster": 2,
     "plugins": 3,                                                   # composition only
     "testing": 4,                                                   # test support: nothing imports it

@@ -22,6 +22,16 @@ from meshboost.lazy import LazyInitContext, lazy_seed
 from meshboost.optim import OptimizerWrapper
 
 
+def _check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be True or False")
+
+
+def _check_threads(num_threads) -> None:
+    if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1:
+        raise ValueError(f"num_threads={num_threads!r} must be a positive integer")
+
+
 def _check_optimizer_trains(model: nn.Module, optimizer) -> None:
     """The optimizer must step this model's parameters (checked on every rank, before anything)."""
     inner = optimizer.unwrap() if isinstance(optimizer, OptimizerWrapper) else optimizer
@@ -109,29 +119,42 @@ class Booster:
         return self.plugin.mesh if self.plugin is not None else None
 
     def save_model(self, model: nn.Module, checkpoint: str, shard: bool = False, gather_dtensor: bool = True,
-                   prefix: str | None = None, size_per_shard: int = 1024, use_safetensors: bool = False) -> None:
+                   prefix: str | None = None, size_per_shard: int = 1024, use_safetensors: bool = False,
+                   use_async: bool = False) -> None:
         """Save `model` (boosted or not) as a HuggingFace checkpoint that `from_pretrained` loads.
         shard=True: a folder with size-capped weight files and the HF index json; shard=False: one
         weights file (plus config.json unless `checkpoint` is a file name). fp32 masters are saved
-        when mixed precision keeps them."""
+        when mixed precision keeps them. use_async (ColossalAI's keyword): accepted; meshboost writes
+        before returning either way, so the files are complete when the call ends."""
+        _check_flag("use_async", use_async)
         checkpoint_io.save_boosted_model(model, checkpoint, self.mesh, shard=shard, gather_dtensor=gather_dtensor,
                                          prefix=prefix, size_per_shard=size_per_shard,
                                          use_safetensors=use_safetensors)
 
-    def load_model(self, model: nn.Module, checkpoint: str, strict: bool = True) -> None:
+    def load_model(self, model: nn.Module, checkpoint: str, strict: bool = True, low_cpu_mem_mode: bool = True,
+                   num_threads: int = 1) -> None:
         """Load an HF folder/file (ours or `save_pretrained`'s) into boosted `model` at its layout; each rank
-        reads only its slices. Refreshes the fp32 masters of the optimizer boosted with it."""
+        reads only its slices. Refreshes the fp32 masters of the optimizer boosted with it.
+        low_cpu_mem_mode, num_threads (ColossalAI's keywords): accepted; meshboost always reads lazily
+        (safetensors memory-maps; each rank copies only its slices), on the calling thread."""
+        _check_flag("low_cpu_mem_mode", low_cpu_mem_mode)
+        _check_threads(num_threads)
         checkpoint_io.load_boosted_model(model, checkpoint, strict, self.mesh)
 
     def save_optimizer(self, optimizer, checkpoint: str, shard: bool = False, gather_dtensor: bool = True,
-                       prefix: str | None = None, size_per_shard: int = 1024) -> None:
+                       prefix: str | None = None, size_per_shard: int = 1024, use_async: bool = False) -> None:
         """Save optimizer states keyed by parameter name as full tensors (loads at any layout). shard=False:
-        one file; shard=True: a folder with an index (needed with pipeline stages)."""
+        one file; shard=True: a folder with an index (needed with pipeline stages). use_async: as in
+        save_model (written before returning)."""
+        _check_flag("use_async", use_async)
         checkpoint_io.save_boosted_optimizer(optimizer, checkpoint, shard, gather_dtensor, prefix, size_per_shard,
                                              self.mesh)
 
-    def load_optimizer(self, optimizer, checkpoint: str) -> None:
-        """Load a `save_optimizer` checkpoint saved at any layout. Load the model first."""
+    def load_optimizer(self, optimizer, checkpoint: str, low_cpu_mem_mode: bool = True, num_threads: int = 1) -> None:
+        """Load a `save_optimizer` checkpoint saved at any layout. Load the model first. low_cpu_mem_mode,
+        num_threads: as in load_model."""
+        _check_flag("low_cpu_mem_mode", low_cpu_mem_mode)
+        _check_threads(num_threads)
         checkpoint_io.load_boosted_optimizer(optimizer, checkpoint)
 
     def save_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:

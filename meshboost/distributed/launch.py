@@ -66,11 +66,22 @@ def resolve_timeout(timeout: datetime.timedelta | float | None) -> datetime.time
     return timeout
 
 
-def launch(rank: int, world_size: int, local_rank: int, host: str, port: int | str,
-           backend: str | None = None, seed: int = 1024,
+def launch(rank: int, world_size: int, host: str, port: int | str, backend: str | None = None,
+           local_rank: int | None = None, seed: int = 1024, verbose: bool = False,
            timeout: datetime.timedelta | float | None = None) -> None:
-    """Initialise the default process group from explicit values (used by tests and by
-    `launch_from_torch`). `timeout`: see `resolve_timeout`; every group the mesh builds inherits it."""
+    """Initialise the default process group from explicit values (ColossalAI's `launch`, same order:
+    rank, world_size, host, port, backend, local_rank, seed, verbose). backend: None chooses NCCL with
+    CUDA and gloo without. local_rank: the CUDA device index on this node (default: LOCAL_RANK from
+    the environment, else rank modulo the node's device count). `timeout`: see `resolve_timeout`;
+    every group the mesh builds inherits it. verbose: rank 0 logs the backend, world and device."""
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"launch: {name}={value!r} must be an int (ColossalAI's order is rank, world_size, "
+                            "host, port, backend, local_rank, seed)")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"launch: rank={rank} is outside world_size={world_size}")
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
     backend = backend or default_backend()
     timeout = resolve_timeout(timeout)
     if backend == "nccl" and not torch.cuda.is_available():
@@ -88,6 +99,9 @@ def launch(rank: int, world_size: int, local_rank: int, host: str, port: int | s
             dist.init_process_group(backend=backend, init_method=f"tcp://{host}:{port}", rank=rank,
                                     world_size=world_size, **kwargs)
     set_seed(seed)
+    if verbose and dist.get_rank() == 0:
+        logging.getLogger("meshboost").warning("meshboost: launched %d processes, backend %s, device %s, seed %d",
+                                               dist.get_world_size(), dist.get_backend(), get_current_device(), seed)
 
 
 def _shutdown() -> None:
@@ -131,12 +145,9 @@ def launch_from_torch(seed: int = 1024, backend: str | None = None,
             f"launch_from_torch: environment variables {missing} are not set; start the script with "
             "`torchrun --nproc_per_node N script.py` (or set RANK, WORLD_SIZE, LOCAL_RANK, "
             "MASTER_ADDR and MASTER_PORT yourself)")
-    launch(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-           local_rank=int(os.environ["LOCAL_RANK"]), host=os.environ["MASTER_ADDR"],
-           port=os.environ["MASTER_PORT"], backend=backend, seed=seed, timeout=timeout)
-    if verbose and dist.get_rank() == 0:
-        logging.getLogger("meshboost").warning("meshboost: launched %d processes, backend %s, device %s, seed %d",
-                                               dist.get_world_size(), dist.get_backend(), get_current_device(), seed)
+    launch(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), host=os.environ["MASTER_ADDR"],
+           port=os.environ["MASTER_PORT"], backend=backend, local_rank=int(os.environ["LOCAL_RANK"]), seed=seed,
+           verbose=verbose, timeout=timeout)
 
 
 def group_timeout(group=None) -> datetime.timedelta | None:

@@ -30,7 +30,7 @@ def _worker(rank: int, world_size: int, port: int, fn, args, kwargs):
     import torch
     torch.set_num_threads(1)          # N processes on 2 cores: avoid oversubscription
     from meshboost.distributed.launch import launch
-    launch(rank, world_size, rank, "127.0.0.1", port, seed=1024)
+    launch(rank, world_size, "127.0.0.1", port, local_rank=rank, seed=1024)
     try:
         fn(rank, world_size, *args, **kwargs)
     except BaseException:

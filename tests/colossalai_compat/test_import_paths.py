@@ -106,3 +106,50 @@ def test_launch_and_booster_take_colossalai_keywords():
     Booster(device=meshboost.get_current_device().type)
     with pytest.raises(ValueError, match="device="):
         Booster(device="meta")
+
+
+def test_launch_takes_colossalai_positional_order():
+    """ColossalAI's `launch(rank, world_size, host, port, backend, local_rank, seed, verbose)`: the same
+    order here, so a positional call means the same; nonsense is refused before any rendezvous."""
+    order = list(inspect.signature(meshboost.launch).parameters)
+    assert order[:8] == ["rank", "world_size", "host", "port", "backend", "local_rank", "seed", "verbose"]
+    with pytest.raises(TypeError, match="rank='127.0.0.1' must be an int"):
+        meshboost.launch("127.0.0.1", 2, "localhost", 29500)
+    with pytest.raises(ValueError, match="rank=3 is outside world_size=2"):
+        meshboost.launch(3, 2, "localhost", 29500)
+
+
+def test_utils_and_v_schedule_paths():
+    """`colossalai.utils.get_current_device` is meshboost's; `colossalai.pipeline.schedule.v_schedule`
+    imports (llama/benchmark.py does at module level) and planning the zero-bubble V schedule is refused
+    naming the schedules meshboost runs; the pipeline schedule itself is unchanged."""
+    from meshboost.distributed import get_current_device
+    from meshboost.pipeline import PipelineSchedule
+    from meshboost.pipeline.schedule import PipelineSchedule as Schedule
+    from meshboost.pipeline.schedule.v_schedule import PipelineGraph
+    from meshboost.utils import conditional_context, set_seed
+    from meshboost.utils import get_current_device as utils_device
+
+    assert utils_device is get_current_device and Schedule is PipelineSchedule and set_seed is meshboost.set_seed
+    with conditional_context(pytest.raises(ZeroDivisionError), enable=True):
+        1 / 0
+    with pytest.raises(NotImplementedError, match="zero-bubble V schedule.*pp_style='1f1b'.*'interleaved'"):
+        PipelineGraph(n_stage=2, n_micro=4, f_cost=1, b_cost=1, w_cost=1, c_cost=1, f_mem=1, b_mem=1, w_mem=1)
+
+
+def test_booster_checkpoint_methods_take_colossalai_keywords():
+    """ColossalAI's save/load keywords are in the signatures and checked (the work is tested in
+    tests/checkpoint); a bad value is refused before any file is touched."""
+    from meshboost.booster import Booster
+
+    for method, keywords in (("save_model", ["use_async", "use_safetensors", "size_per_shard", "prefix"]),
+                             ("load_model", ["strict", "low_cpu_mem_mode", "num_threads"]),
+                             ("save_optimizer", ["use_async", "size_per_shard", "prefix"]),
+                             ("load_optimizer", ["low_cpu_mem_mode", "num_threads"])):
+        params = inspect.signature(getattr(Booster, method)).parameters
+        assert [k for k in keywords if k not in params] == [], method
+    booster = Booster()
+    with pytest.raises(ValueError, match="num_threads=0 must be a positive integer"):
+        booster.load_model(torch.nn.Linear(2, 2), "/nonexistent", num_threads=0)
+    with pytest.raises(TypeError, match="use_async='yes' must be True or False"):
+        booster.save_model(torch.nn.Linear(2, 2), "/nonexistent/x", use_async="yes")
