@@ -54,6 +54,14 @@ class LazyInitContext:
         self._device.__exit__(*exc)
         self._hook.remove()
 
+    @staticmethod
+    def materialize(model: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
+        """ColossalAI's name: materialise a lazily built (unsharded) model in place."""
+        seed = lazy_seed(model)
+        if seed is not None:
+            materialize(model, copy.deepcopy(model), torch.device(device), seed)
+        return model
+
 
 def _load_pretrained_for_real(device: torch.device):
     """Inside the context, transformers' `from_pretrained` (which refuses a meta default device) loads the
@@ -75,14 +83,6 @@ def _load_pretrained_for_real(device: torch.device):
     def restore():
         PreTrainedModel.from_pretrained = original
     return restore
-
-    @staticmethod
-    def materialize(model: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
-        """ColossalAI's name: materialise a lazily built (unsharded) model in place."""
-        seed = lazy_seed(model)
-        if seed is not None:
-            materialize(model, copy.deepcopy(model), torch.device(device), seed)
-        return model
 
 
 def lazy_seed(model: nn.Module) -> int | None:
