@@ -112,6 +112,18 @@ class Booster:
             raise RuntimeError("execute_pipeline needs a plugin with pipeline parallelism")
         return self.plugin.execute_pipeline(data_iter, model, criterion, optimizer, return_loss, return_outputs)
 
+    def enable_lora(self, model: nn.Module, pretrained_dir: str | None = None, lora_config=None,
+                    bnb_quantization_config=None, quantize: bool = False) -> nn.Module:
+        """ColossalAI's LoRA entry point: not built in meshboost (its tensor-parallel policies do not
+        know peft's adapter layers); refused on every rank alike, before any collective."""
+        raise NotImplementedError("booster.enable_lora is not supported by meshboost: its plugins shard and "
+                                  "reduce whole HuggingFace models and have not been checked with peft's adapter "
+                                  "layers; fine-tune the full model, or apply peft yourself outside meshboost")
+
+    def save_lora_as_pretrained(self, model: nn.Module, checkpoint: str, use_safetensors: bool = False) -> None:
+        raise NotImplementedError("booster.save_lora_as_pretrained: LoRA is not supported by meshboost "
+                                  "(see Booster.enable_lora); booster.save_model saves the whole model")
+
     # -- checkpoints (ColossalAI's signatures). The layout is the plugin's mesh (no plugin: one
     # replicated model, rank 0 writes); the work is in meshboost/checkpoint. Call on every rank. --
     @property

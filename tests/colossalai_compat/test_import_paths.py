@@ -153,3 +153,12 @@ def test_booster_checkpoint_methods_take_colossalai_keywords():
         booster.load_model(torch.nn.Linear(2, 2), "/nonexistent", num_threads=0)
     with pytest.raises(TypeError, match="use_async='yes' must be True or False"):
         booster.save_model(torch.nn.Linear(2, 2), "/nonexistent/x", use_async="yes")
+
+
+def test_lora_is_refused_clearly():
+    from meshboost.booster import Booster
+
+    with pytest.raises(NotImplementedError, match="enable_lora is not supported"):
+        Booster().enable_lora(torch.nn.Linear(2, 2), lora_config=None)
+    with pytest.raises(NotImplementedError, match="save_lora_as_pretrained"):
+        Booster().save_lora_as_pretrained(torch.nn.Linear(2, 2), "/nonexistent")
