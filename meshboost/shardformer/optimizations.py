@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 logger = logging.getLogger("meshboost.shardformer")
 
 
-def _say(message: str, *args) -> None:
+def say(message: str, *args) -> None:
     """The one line a switch prints about its choice: a warning (shown by default), on global rank 0."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         logger.warning(message, *args)
@@ -62,9 +62,9 @@ def use_fast_attention(model: nn.Module, device_type: str) -> str:
             continue
         why = "" if impl == "flash_attention_2" else \
             " (flash-attn 2 needs CUDA, the flash_attn package and model support)"
-        _say("meshboost: enable_flash_attention -> attention %r%s, was %r", impl, why, current)
+        say("meshboost: enable_flash_attention -> attention %r%s, was %r", impl, why, current)
         return impl
-    _say("meshboost: enable_flash_attention -> %s supports neither flash-attn 2 nor SDPA; keeps %r",
+    say("meshboost: enable_flash_attention -> %s supports neither flash-attn 2 nor SDPA; keeps %r",
          type(model).__name__, current)
     return current
 
@@ -198,7 +198,7 @@ def fuse_norms(model: nn.Module, device_type: str) -> int:
         setattr(model.get_submodule(parent_name) if parent_name else model, leaf, fused)
     kept = sorted({t.__name__ for t, _ in verdict} - {t.__name__ for (t, _), ok in verdict.items() if ok})
     backend = "apex.normalization" if apex_normalization is not None else f"torch ({no_apex})"
-    _say("meshboost: enable_fused_normalization -> backend %s: %s%s%s", backend,
+    say("meshboost: enable_fused_normalization -> backend %s: %s%s%s", backend,
          ", ".join(f"{n} norms on {label}" for label, n in on.items()) or "no norm swapped",
          "" if apex_normalization is not None else "; LayerNorm is torch's fused kernel already",
          (f"; kept, the fused kernels differ from their numbers: {kept}" if kept else "")
@@ -361,7 +361,7 @@ def jit_fuse(model: nn.Module, device_type: str) -> int:
     chains = [kind for kind, why in why_kept.items() if why is None]
     no_compiler = _why_no_compiler(device) if chains else None
     if no_compiler:
-        _say("meshboost: enable_jit_fused -> eager: torch.compile cannot run here (%s); %d activation modules "
+        say("meshboost: enable_jit_fused -> eager: torch.compile cannot run here (%s); %d activation modules "
              "(%s) stay eager", no_compiler, sum(len(places[k]) for k in chains),
              ", ".join(sorted({k[0].__name__ for k in chains})))
         return 0
@@ -384,7 +384,7 @@ def jit_fuse(model: nn.Module, device_type: str) -> int:
             parent_name, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, leaf, stand_in)
     kept = sorted(f"{k[0].__name__} x{len(places[k])} ({why})" for k, why in why_kept.items() if why is not None)
-    _say("meshboost: enable_jit_fused -> %d activation modules on torch.compile'd kernels (inductor, dynamic "
+    say("meshboost: enable_jit_fused -> %d activation modules on torch.compile'd kernels (inductor, dynamic "
          "shapes): %s%s%s; bias, dropout and residual adds are not reached (the linears and the models' forwards "
          "hold them)", len(fused),
          ", ".join(f"{k[0].__name__} x{len(places[k])}" for k in runs) or "none",

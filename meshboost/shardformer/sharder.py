@@ -27,8 +27,7 @@ from meshboost.shardformer.layers import (
     make_causal_lm_loss,
 )
 from meshboost.shardformer.layers.vocab import embedding_extras
-from meshboost.shardformer.optimizations import _say as say
-from meshboost.shardformer.optimizations import fuse_norms, jit_fuse, use_fast_attention
+from meshboost.shardformer.optimizations import fuse_norms, jit_fuse, say, use_fast_attention
 from meshboost.shardformer.policies import Policy, get_policy
 from meshboost.shardformer.policies.base import pattern_to_regex
 from meshboost.shardformer.rng import install_tp_rank_rng
