@@ -19,6 +19,7 @@ def _world_of_one(rank: int, world: int) -> None:
 
     from meshboost import Booster
     from meshboost.plugins import HybridParallelPlugin
+    from meshboost.testing.compare import booster_step
     from meshboost.testing.models import build_model, tiny_batch, tiny_config
     assert dist.get_backend() == "nccl", dist.get_backend()
     config = tiny_config("llama")
@@ -33,11 +34,8 @@ def _world_of_one(rank: int, world: int) -> None:
     model, opt, *_ = booster.boost(model, opt)
     losses = []
     for _ in range(3):
-        loss = model(**batch).loss
-        booster.backward(loss, opt)
-        opt.step()
+        losses.append(booster_step(booster, model, opt, batch).item())
         opt.zero_grad()
-        losses.append(loss.item())
     assert abs(losses[0] - want) <= LOSS_ATOL[torch.bfloat16] * 4, (losses, want)
     assert losses[-1] < losses[0], losses
 

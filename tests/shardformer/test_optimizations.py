@@ -56,6 +56,7 @@ def _colossalai_snippets(rank: int, world: int) -> None:
     import torch
 
     from meshboost.testing import LOSS_ATOL
+    from meshboost.testing.compare import booster_step
     config = tiny_config("llama")
     batch = tiny_batch("LlamaForCausalLM", config, seed=3)
     ref = build_model("LlamaForCausalLM", copy.deepcopy(config))
@@ -68,11 +69,8 @@ def _colossalai_snippets(rank: int, world: int) -> None:
     model, optimizer, *_ = booster.boost(model, optimizer)
     losses = []
     for _ in range(3):
-        loss = model(**batch).loss
-        booster.backward(loss, optimizer)
-        optimizer.step()
+        losses.append(booster_step(booster, model, optimizer, batch).item())
         optimizer.zero_grad()
-        losses.append(loss.item())
     assert abs(losses[0] - ref_loss) <= LOSS_ATOL[torch.float16] * 4, (losses, ref_loss)
     assert losses[2] < losses[0], losses
 
