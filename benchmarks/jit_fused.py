@@ -14,10 +14,16 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+if __package__ in (None, ""):                    # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.timing import alternate, step_time  # noqa: E402
 
 
 def models(layers: int) -> dict:
@@ -30,24 +36,6 @@ def models(layers: int) -> dict:
         "bert (gelu)": ("BertForMaskedLM", tfm.BertConfig(**bert)),
         "bert (gelu_new)": ("BertForMaskedLM", tfm.BertConfig(**bert, hidden_act="gelu_new")),
     }
-
-
-def step_time(model, batch) -> float:
-    start = time.perf_counter()
-    model(**batch).loss.backward()
-    model.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
-
-
-def alternate(variants: dict, run, steps: int) -> dict:
-    """Median seconds of `run(variant)` per variant, over `steps` alternating rounds after 3 warm-up."""
-    times = {label: [] for label in variants}
-    for i in range(steps + 3):
-        for label, variant in variants.items():
-            t = run(variant)
-            if i >= 3:
-                times[label].append(t)
-    return {label: statistics.median(v) * 1e3 for label, v in times.items()}
 
 
 def activation_time(fn, x: torch.Tensor) -> float:

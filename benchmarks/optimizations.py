@@ -13,10 +13,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
+
+if __package__ in (None, ""):                    # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.timing import alternate, step_time  # noqa: E402
 
 
 def models(layers: int) -> dict:
@@ -28,13 +33,6 @@ def models(layers: int) -> dict:
         "gpt2": ("GPT2LMHeadModel", tfm.GPT2Config(vocab_size=4096, n_embd=256, n_head=4, n_layer=layers,
                                                    n_positions=512)),
     }
-
-
-def step_time(model, batch) -> float:
-    start = time.perf_counter()
-    model(**batch).loss.backward()
-    model.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -59,13 +57,8 @@ def main() -> None:
                                 enable_fused_normalization=True)).optimize(switched)
         ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), device=device)
         batch = {"input_ids": ids, "labels": ids}
-        times = {"eager + python norm": [], "switches on": []}
-        for i in range(args.steps + 3):
-            for label, model in (("eager + python norm", base), ("switches on", switched)):
-                t = step_time(model, batch)
-                if i >= 3:
-                    times[label].append(t)
-        medians = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        medians = alternate({"eager + python norm": base, "switches on": switched},
+                            lambda model: step_time(model, batch), args.steps)
         ratio = medians["switches on"] / medians["eager + python norm"]
         print(f"{name:6s} " + "  ".join(f"{k}: {v:8.2f} ms" for k, v in medians.items())
               + f"  ratio {ratio:.3f} (attention {switched.config._attn_implementation})")

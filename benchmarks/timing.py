@@ -1,0 +1,27 @@
+"""Timing helpers shared by the one-process kernel benchmarks (optimizations.py, jit_fused.py): one
+forward+backward step, and medians over rounds that alternate the variants so they share the
+machine's noise."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+
+def step_time(model, batch) -> float:
+    """Seconds of one forward + backward of `model` on `batch` (its own loss); gradients dropped."""
+    start = time.perf_counter()
+    model(**batch).loss.backward()
+    model.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def alternate(variants: dict, run, steps: int, warmup: int = 3) -> dict:
+    """Median milliseconds of `run(variant)` per variant, over `steps` alternating rounds after `warmup`."""
+    times = {label: [] for label in variants}
+    for i in range(steps + warmup):
+        for label, variant in variants.items():
+            t = run(variant)
+            if i >= warmup:
+                times[label].append(t)
+    return {label: statistics.median(v) * 1e3 for label, v in times.items()}
