@@ -1,6 +1,7 @@
 """CUDA checks (marker `cuda`, skipped on a machine without a GPU; `benchmarks/gpu_check.sh` runs them):
 a world of one spawned over NCCL trains a tiny Llama in bf16 with flash attention and fused norms
-through the hybrid plugin, its first loss within bf16 tolerance of the fp32 model's; with two or more
+through the hybrid plugin, its first loss within bf16 tolerance of the fp32 model's, and TorchDDPPlugin
+accepts fp8_communication and trains (at a world of one the hook has nothing to reduce); with two or more
 GPUs, tensor parallelism (plain and sequence-parallel) over NCCL matches the unsharded model in fp32."""
 
 import copy
@@ -38,6 +39,16 @@ def _world_of_one(rank: int, world: int) -> None:
         opt.zero_grad()
     assert abs(losses[0] - want) <= LOSS_ATOL[torch.bfloat16] * 4, (losses, want)
     assert losses[-1] < losses[0], losses
+
+    # fp8_communication is accepted on CUDA and its hook is the one DDP runs
+    from meshboost.plugins import TorchDDPPlugin
+    model = build_model("LlamaForCausalLM", copy.deepcopy(config))
+    plugin = TorchDDPPlugin(fp8_communication=True)
+    assert plugin.fp8_communication
+    booster = Booster(plugin=plugin)
+    model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    first = booster_step(booster, model, opt, batch).item()
+    assert abs(first - want) <= LOSS_ATOL[torch.float32], (first, want)
 
 
 def _tp(rank: int, world: int) -> None:

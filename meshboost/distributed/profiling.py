@@ -51,7 +51,7 @@ class CommCounter:
     def add(self, op: str, group, nbytes: int) -> None:
         size = dist.get_world_size(group)
         factor = {"all_reduce": 2 * (size - 1) / size, "all_gather": (size - 1) / size,
-                  "reduce_scatter": (size - 1) / size}.get(op, 1.0)
+                  "reduce_scatter": (size - 1) / size, "all_to_all": (size - 1) / size}.get(op, 1.0)
         stats = self.groups[self.label(group)]
         stats.calls += 1
         stats.payload_bytes += nbytes

@@ -9,7 +9,7 @@ from meshboost.booster import ModelWrapper, OptimizerWrapper, Plugin
 from meshboost.distributed import ParallelMesh, get_current_device
 from meshboost.distributed.agreement import agree_settings
 from meshboost.plugins.config import DDPConfig
-from meshboost.plugins.ddp_hooks import register_counting_allreduce
+from meshboost.plugins.ddp_hooks import fp8_refusal, register_counting_allreduce, register_fp8_allreduce
 
 
 class TorchDDPModel(ModelWrapper):
@@ -20,8 +20,9 @@ class TorchDDPModel(ModelWrapper):
 class TorchDDPPlugin(Plugin):
     """Replicate the model on every rank and average gradients with torch DDP over a dp-only mesh.
 
-    Arguments are passed to `torch.nn.parallel.DistributedDataParallel` (`DDPConfig`); ColossalAI's
-    `fp8_communication=True` is refused (docs/colossalai.md).
+    Arguments are passed to `torch.nn.parallel.DistributedDataParallel` (`DDPConfig`).
+    fp8_communication=True: gradient buckets are all-reduced in fp8 with per-rank scales
+    (`meshboost.distributed.fp8`, lossy by design) on CUDA; refused on the CPU (docs/colossalai.md).
     """
 
     def __init__(self, broadcast_buffers: bool = True, bucket_cap_mb: int = 25, find_unused_parameters: bool = False,
@@ -30,12 +31,10 @@ class TorchDDPPlugin(Plugin):
         # Every rank must pass the same arguments; one all-gather of a digest says so (or names the
         # difference) before anything that could differ by rank, so no rank is left hanging.
         agree_settings({k: v for k, v in locals().items() if k != "self"}, "TorchDDPPlugin arguments")
-        if fp8_communication:                                           # pure: the same on every rank
-            why = ("gloo, the CPU backend, has no fp8 type" if get_current_device().type == "cpu"
-                   else "meshboost has no fp8 gradient compression hook for DDP")
-            raise NotImplementedError(f"fp8_communication=True is not supported: {why}; for 16-bit gradient "
-                                      "reductions train in 16 bits: HybridParallelPlugin(tp_size=1, precision='bf16') "
-                                      "(DDP over bf16 gradients) or LowLevelZeroPlugin(precision='bf16')")
+        refusal = fp8_refusal(get_current_device().type, "TorchDDPPlugin") if fp8_communication else None
+        if refusal:                                                     # pure: the same on every rank
+            raise NotImplementedError(refusal)
+        self.fp8_communication = bool(fp8_communication)
         self.ddp_config = DDPConfig(broadcast_buffers, bucket_cap_mb, find_unused_parameters, check_reduction,
                                     gradient_as_bucket_view, static_graph)
         self.mesh = ParallelMesh(tp_size=1, pp_size=1)                  # collective: after the checks
@@ -46,7 +45,10 @@ class TorchDDPPlugin(Plugin):
         ddp = DistributedDataParallel(model, process_group=self.mesh.dp_group,
                                       device_ids=[device] if device.type == "cuda" else None,
                                       **self.ddp_config.kwargs())
-        register_counting_allreduce(ddp, self.mesh.dp_group)
+        if self.fp8_communication:
+            register_fp8_allreduce(ddp, self.mesh.dp_group)
+        else:
+            register_counting_allreduce(ddp, self.mesh.dp_group)
         if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
             optimizer = OptimizerWrapper(optimizer)
         return TorchDDPModel(ddp), optimizer, criterion, dataloader, lr_scheduler
