@@ -52,7 +52,8 @@ def measure(family: str, tp_size: int, zero_stage: int, precision: str) -> tuple
             break
     optimizer.backward(model(input_ids=ids, labels=ids).loss)    # ... then measure after a backward
     measured = memory_breakdown(model.unwrap(), optimizer)
-    theory = memory_theory(num_params, tp_size, plugin.dp_size, zero_stage, precision)
+    theory = memory_theory(num_params, tp_size, plugin.dp_size, zero_stage, precision,
+                           overlap_communication=plugin.config.zero.overlap_communication)
     return measured, theory, num_params
 
 

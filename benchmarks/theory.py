@@ -58,9 +58,9 @@ def dp_comm_theory(grad_bytes: int, dp: int) -> dict:
 def memory_theory(num_params: int, tp: int, dp: int, zero_stage: int, elem_bytes: int = 4) -> dict:
     """Ideal per-rank bytes with every parameter split over tp (DESIGN.md, fp32 here): weights and
     grads 4*Psi/P, AdamW moments 8*Psi/P (divided by D under ZeRO-1/2), fp32 masters none (the
-    working weights are fp32) except the master shard a ZeRO optimizer may keep, 4*Psi/(P*D)."""
+    working weights are fp32; ZeRO's fp32 master shard is a view of the weights' flat buffer)."""
     local = num_params / tp
     return {"weights": elem_bytes * local,
             "grads": elem_bytes * local / (dp if zero_stage >= 2 else 1),
-            "masters": 4 * local / dp if zero_stage >= 1 else 0.0,
+            "masters": 0.0,
             "optimizer_states": 8 * local / (dp if zero_stage >= 1 else 1)}

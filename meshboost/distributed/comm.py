@@ -70,6 +70,19 @@ def all_gather(tensor: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     return out.movedim(0, dim).contiguous()
 
 
+def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group) -> torch.Tensor:
+    """Flat all-gather into `out` (every rank's `shard`, rank order, concatenated), in place: `shard`
+    may be this rank's own slice of `out` (ZeRO's owned part of a bucket of weights), so nothing is
+    allocated. Returns `out`."""
+    if dist.get_world_size(group) == 1:
+        if out.data_ptr() != shard.data_ptr():
+            out.copy_(shard)
+        return out
+    record_collective("all_gather", group, out)
+    run_collective("all_gather", group, lambda: _all_gather_single(out, shard, group=group))
+    return out
+
+
 def _scatter_buffers(tensor: torch.Tensor, size: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(input with `dim` moved first, output buffer) of a reduce-scatter over `size` ranks along `dim`."""
     if tensor.shape[dim] % size:

@@ -15,7 +15,10 @@ import torch.nn as nn
 _BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
-def _bytes(tensors, seen: set, skip_scalars: bool = False) -> int:
+def _bytes(tensors, seen: dict, skip_scalars: bool = False) -> int:
+    """Bytes of `tensors` not already counted: `seen` maps a storage to the byte ranges counted in
+    it, so a view into counted memory (ZeRO's fp32 master that is a slice of the weights' flat
+    buffer, a tied weight) adds only what it does not share."""
     total = 0
     for t in tensors:
         if t is None or not torch.is_tensor(t):
@@ -23,19 +26,33 @@ def _bytes(tensors, seen: set, skip_scalars: bool = False) -> int:
         t = getattr(t, "_local_tensor", t)           # a DTensor counts this rank's shard
         if skip_scalars and t.dim() == 0:            # Adam's step counters
             continue
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
-        if key in seen:
-            continue
-        seen.add(key)
-        total += t.numel() * t.element_size()
+        size = t.element_size()
+        lo = t.storage_offset() * size
+        hi = lo + t.numel() * size
+        ranges = seen.setdefault((t.device, t.untyped_storage().data_ptr()), [])
+        new = hi - lo
+        for a, b in _merged(ranges):
+            new -= max(0, min(b, hi) - max(a, lo))
+        ranges.append((lo, hi))
+        total += new
     return total
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
 
 
 def memory_breakdown(model: nn.Module, optimizer=None) -> dict[str, int]:
     """Bytes this rank holds now, by kind: working weights, gradients (ZeRO-2's reduced partitions
     included), fp32 masters (tensors the inner optimizer steps that are not the weights) and
     optimizer states. Call it after backward (before step) to see gradients."""
-    seen: set = set()
+    seen: dict = {}
     params = list(model.parameters())
     working = _bytes(params, seen)
     grads = _bytes([p.grad for p in params], seen)
@@ -52,15 +69,22 @@ def memory_breakdown(model: nn.Module, optimizer=None) -> dict[str, int]:
 
 
 def memory_theory(num_params: int, tp_size: int = 1, dp_size: int = 1, zero_stage: int = 0,
-                  precision: str = "fp16", state_bytes_per_param: int = 8) -> dict[str, float]:
-    """Bytes per rank in theory for `num_params` (Psi) parameters; Adam keeps two fp32 moments
-    (8 bytes). fp32 training keeps no separate masters."""
+                  precision: str = "fp16", state_bytes_per_param: int = 8,
+                  overlap_communication: bool = False) -> dict[str, float]:
+    """Bytes per rank in theory for `num_params` (Psi) parameters after backward; Adam keeps two fp32
+    moments (8 bytes). fp32 training keeps no separate masters (ZeRO included: its master shard is the
+    weights' own owned slice; cpu_offload's host masters are not device memory). ZeRO-1 with
+    overlap_communication reduce-scatters during backward and frees the full gradients, so after
+    backward it holds only its partition, as ZeRO-2 does (it still needs the full ones while backward
+    runs, and ZeRO-2 with pipeline parallelism until the schedule is done)."""
     w = _BYTES[precision]
     shard = num_params / tp_size
     partition = dp_size if zero_stage > 0 else 1
     out = {"working_weights": w * shard,
-           "gradients": w * shard / (dp_size if zero_stage >= 2 else 1),
-           "fp32_masters": 0.0 if precision == "fp32" and zero_stage == 0 else 4 * shard / partition,
+           "gradients": w * shard / (dp_size if zero_stage >= 2 or (zero_stage == 1 and overlap_communication)
+                                     else 1),
+           # fp32: the weights are the masters (ZeRO's master shard is a view of the weights' flat buffer)
+           "fp32_masters": 0.0 if precision == "fp32" else 4 * shard / partition,
            "optimizer_states": state_bytes_per_param * shard / partition}
     out["total"] = sum(out.values())
     return out

@@ -10,7 +10,10 @@ where master weights and their gradients live):
                                                            (every rank of the step agrees, so
                                                            replicas never diverge)
                overflow -> skip: zero grads, back off the scale, norm = None
-               norm = global norm / scale                  (grad_norm.py, the one implementation)
+               norm = global norm / scale                  (grad_norm.py, the one implementation; only
+                                                           when clipping (max_norm > 0) or tracking
+                                                           (track_grad_norm): a pass over the grads and
+                                                           an all-reduce the step otherwise skips)
                master grads *= clip_coef / scale           (unscale and clip in one pass; ZeRO makes
                                                            the fp32 copy here, on the CPU if offloaded)
                inner optimizer step on the fp32 masters
@@ -27,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -89,17 +93,23 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     precision / max_norm / norm_type / scaler_config: see `PrecisionConfig` (scaler_config: the
     fp16 `GradScalerConfig`, defaults when None; ignored otherwise). verbose: global rank 0 logs each
     skipped step and the new loss scale (logger "meshboost.optim", level INFO).
+    track_grad_norm: compute the global gradient norm on every step even without clipping, so
+    `get_grad_norm()` returns it (with max_norm > 0 it is computed anyway: clipping needs it). It is
+    also the attribute `optimizer.track_grad_norm`, which may be switched on after `boost`, on every
+    rank alike (the norm is an all-reduce over the world group: a rank-local switch would hang).
 
     Build it while the parameters are still fp32 (before casting the model) so the masters start
     from the exact fp32 weights.
     """
 
     dp_partitioned = False      # gradients are replicated over dp (DDP): dp rank 0 counts them
+    _warned_untracked = False   # get_grad_norm() has said once that the norm is not computed
 
     def __init__(self, optim: Optimizer, mesh, precision: str = "fp32", max_norm: float = 0.0,
-                 norm_type: float = 2.0, scaler_config: GradScalerConfig | None = None, verbose: bool = False):
+                 norm_type: float = 2.0, scaler_config: GradScalerConfig | None = None, verbose: bool = False,
+                 track_grad_norm: bool = False):
         super().__init__(optim)
-        self.verbose = bool(verbose)
+        self.verbose, self.track_grad_norm = bool(verbose), bool(track_grad_norm)
         self.config = PrecisionConfig(precision, max_norm, norm_type, scaler_config or GradScalerConfig())
         if len(optim.state) > 0:
             raise ValueError("the optimizer already has state (it has stepped); boost it before its first step")
@@ -107,6 +117,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         self.precision, self.max_norm, self.norm_type = precision, float(max_norm), norm_type
         self.scaler = DynamicGradScaler(self.config.scaler) if precision == "fp16" else None
         self._grad_norm: float | None = None
+        self._norm_untracked = False      # the last step ran without computing the norm (get_grad_norm warns)
         self._grad_sync = True
         self._scaled_backward = False     # did this step's gradients come through backward() (fp16 check)
         self._working = [[p for p in g["params"] if p.requires_grad] for g in optim.param_groups]
@@ -264,17 +275,22 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         grads = self._master_grads()
         if self.scaler is not None and self._found_inf(grads):
             # Every rank saw the same verdict: skip together, keep weights bitwise unchanged.
-            self._grad_norm = None
+            self._grad_norm, self._norm_untracked = None, False
             self._release_grads()
             self.scaler.update(found_inf=True)     # raises after too many skips at the minimum scale
             if self.verbose and (not dist.is_initialized() or dist.get_rank() == 0):
                 logger.info("fp16 overflow (inf/nan gradients): step skipped, loss scale now %g", self.loss_scale)
             return None
         inv_scale = 1.0 / self.loss_scale
-        norm = global_grad_norm([g for g, counted in grads if counted], self.mesh.world_group, self.norm_type,
-                                self.mesh.device)
-        self._grad_norm = norm * inv_scale
-        self._unscale_and_clip(grads, inv_scale * clip_coefficient(self._grad_norm, self.max_norm))
+        # The norm costs a pass over every gradient and a world all-reduce: only clipping and
+        # track_grad_norm pay for it (the same decision on every rank: both are per-optimizer settings).
+        self._grad_norm, self._norm_untracked = None, not (self.max_norm > 0 or self.track_grad_norm)
+        if not self._norm_untracked:
+            norm = global_grad_norm([g for g, counted in grads if counted], self.mesh.world_group, self.norm_type,
+                                    self.mesh.device)
+            self._grad_norm = norm * inv_scale
+        self._unscale_and_clip(grads, inv_scale * (1.0 if self._norm_untracked
+                                                   else clip_coefficient(self._grad_norm, self.max_norm)))
         self.optim.step()
         self._write_back()
         if self.scaler is not None:
@@ -287,7 +303,15 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         self._release_grads()
 
     def get_grad_norm(self) -> float | None:
-        """The unscaled global gradient norm of the last step (None if it was skipped)."""
+        """The unscaled global gradient norm of the last step; None before the first step, after a
+        skipped (fp16 overflow) step, and after a step that did not compute it: the norm is computed
+        only when clipping (max_norm > 0) or with track_grad_norm (a warning says so, once)."""
+        if self._grad_norm is None and self._norm_untracked and not self._warned_untracked:
+            self._warned_untracked = True
+            warnings.warn("get_grad_norm() is None: without clipping (max_norm > 0) the step does not compute the "
+                          "gradient norm (it costs a pass over the gradients and an all-reduce). Set "
+                          "optimizer.track_grad_norm = True on every rank (or pass track_grad_norm=True) to "
+                          "compute it on every step", stacklevel=2)
         return self._grad_norm
 
     def get_loss_scale(self) -> float:

@@ -1,18 +1,22 @@
 """ZeroOptimizer: ZeRO stages 1 and 2 over the data-parallel group of the mesh.
 
 Owns where fp32 masters, optimizer states and reduced gradients live: the (tp-local) trainable
-parameters of each param group are flattened into buckets (tensor-parallel shards, replicated
-parameters and pipeline-tied replicas never share a bucket, so the norm counts each once), each
-padded to a multiple of dp_size; dp rank r owns the r-th 1/dp of every bucket: its fp32 master
-shard (which the user's optimizer steps, so the Adam moments are 1/dp too) and its reduced
-gradient. `ZeroBucket.piece` is the one routine that says which elements of a parameter a rank
-owns; building masters, refreshing them, exporting and importing state all read it.
+parameters of each param group are flattened into buckets (`zero_bucket.py`: tensor-parallel shards,
+replicated parameters and pipeline-tied replicas never share a bucket, so the norm counts each once;
+gradient-ready order), each padded to a multiple of dp_size; dp rank r owns the r-th 1/dp of every
+bucket: its master shard (which the user's optimizer steps, so the Adam moments are 1/dp too) and its
+reduced gradient. Where masters and weights share dtype and device (fp32, master_weights=False, not
+offloaded) the master shard is the weights' own slice of the bucket's flat buffer: no copy.
 
-    stage 1: working gradients accumulate in `param.grad` over any number of backward passes and
-             are reduce-scattered once, at `step()` (or from gradient hooks with
-             overlap_communication, outside `no_sync`).
+    overlap_communication (default): each bucket's reduce-scatter starts, asynchronously, from the
+             gradient hook of the last of its parameters to get a gradient, while backward goes on;
+             the end of backward waits for them all (stage 1 and 2 alike, outside `no_sync`).
+    stage 1: otherwise working gradients accumulate in `param.grad` over any number of backward
+             passes and are reduce-scattered once, at `step()`.
     stage 2: every backward reduce-scatters the gradients and keeps only this rank's partition
-             (summed over backward passes); `param.grad` is freed, so `no_sync` cannot exist.
+             (summed over backward passes, in fp32 from the second on); `param.grad` is freed, so
+             `no_sync` cannot exist; a pipeline step reduces once, when the schedule is done
+             (`accumulate_then_reduce`).
 
 After the inner step each rank all-gathers its updated shard (in the working dtype) back into the
 working parameters. The step order (unscale, overflow, clip, skip) is MixedPrecisionOptimizer's;
@@ -26,19 +30,20 @@ master shards working-dtype slices (no fp32 copy: the inner optimizer steps half
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.optim import Optimizer
 
 from meshboost.distributed import comm
-from meshboost.distributed.param_info import get_tp_info, is_pipeline_replica, is_tp_sharded
 from meshboost.optim import state as fmt
 from meshboost.optim.grad_norm import counted_here
 from meshboost.optim.grad_scaler import GradScalerConfig
 from meshboost.optim.mixed_precision import PRECISION_DTYPES, MixedPrecisionOptimizer, _copy_into_master
 from meshboost.optim.offload import HostStaging, master_device
+from meshboost.optim.zero_bucket import ZeroBucket, plan_buckets
 
 DEFAULT_BUCKET_ELEMENTS = 12 * 1024 * 1024
 
@@ -48,7 +53,8 @@ class ZeroConfig:
     """ZeRO settings, checked when built (before any collective)."""
 
     stage: int = 0                       # 0: off (DDP or the pipeline reduces), 1: states, 2: + gradients
-    overlap_communication: bool = False  # reduce-scatter a bucket from the gradient hook of its last parameter
+    overlap_communication: bool = True   # reduce-scatter each bucket, asynchronously, as soon as backward has
+                                         # produced all its gradients (ColossalAI's default too)
     reduce_bucket_size: int = DEFAULT_BUCKET_ELEMENTS     # elements per bucket (also the unit of overlap)
     cpu_offload: bool = False            # master shards and optimizer states in CPU memory; the inner step runs there
     communication_dtype: torch.dtype | None = None     # dtype of the gradient reduce-scatter (None: working dtype)
@@ -66,77 +72,6 @@ class ZeroConfig:
         self.cpu_offload, self.master_weights = bool(self.cpu_offload), bool(self.master_weights)
 
 
-_KINDS = [(sharded, tied, first) for sharded in (True, False) for tied in (False, True) for first in (True, False)]
-
-
-def _kind(p: torch.Tensor) -> tuple[bool, bool, bool]:
-    """What decides who counts a gradient in the norm: a bucket holds one kind only."""
-    info = get_tp_info(p)
-    return is_tp_sharded(p), is_pipeline_replica(p), info is None or info.counts_here
-
-
-@dataclass(eq=False)
-class ZeroBucket:
-    """A flat run of parameters of one param group, padded to `shard_size * dp_size`; rank r owns
-    elements [r * shard_size, (r + 1) * shard_size), this rank's being `master`."""
-
-    params: list
-    offsets: list             # start of each param in the flat bucket
-    numel: int                # real elements (the rest up to shard_size * dp_size is padding)
-    shard_size: int
-    dp_rank: int
-    dp_size: int
-    master: nn.Parameter      # fp32 shard, stepped by the user's optimizer
-    counted: bool             # does this rank count the bucket's gradient in the global norm
-    grad_shard: torch.Tensor | None = None       # reduced gradient partition (working dtype)
-    ready: set = field(default_factory=set)      # params whose grad arrived (overlap hooks)
-
-    def piece(self, index: int, rank: int | None = None) -> tuple[int, int, int]:
-        """(start, end, shard_start): elements [start, end) of params[index].view(-1) are rank
-        `rank`'s (default: this rank's) shard[shard_start : shard_start + end - start]; start == end
-        when the rank owns none of it."""
-        rank = self.dp_rank if rank is None else rank
-        lo, hi = rank * self.shard_size, (rank + 1) * self.shard_size
-        off = self.offsets[index]
-        a, b = max(lo, off), min(hi, off + self.params[index].numel())
-        return (a - off, b - off, a - lo) if a < b else (0, 0, 0)
-
-    def owned_slices(self):
-        """(param, start, end, shard_start) for every param this rank owns a part of."""
-        for i, p in enumerate(self.params):
-            start, end, s = self.piece(i)
-            if start < end:
-                yield p, start, end, s
-
-    def gather_param(self, index: int, shards: list[torch.Tensor], group, dst: int | None = None,
-                     device: torch.device | None = None):
-        """params[index]'s part of each shard-sized tensor in `shards` (its master, its moments),
-        assembled from every rank's piece and shaped like the parameter: a collective over `group`
-        (the dp group) that moves only the parameter's elements, not the bucket's. dst=None: every
-        rank gets the result; dst=r: only dp rank r does (each owner sends its piece straight into
-        place), the others get None. device: where the collective runs (the group's device; offloaded
-        shards live on the CPU), by default each shard's own."""
-        p = self.params[index]
-        pieces = [self.piece(index, r) for r in range(self.dp_size)]
-        start, end, s = pieces[self.dp_rank]
-        if dst is not None:
-            spans = [(a, b) for a, b, _ in pieces]
-            full = [comm.gather_spans(t.detach()[s:s + end - start].to(device or t.device), spans, group, dst)
-                    for t in shards]
-            return None if full[0] is None else [f.view(p.shape) for f in full]
-        width = max(b - a for a, b, _ in pieces)
-        out = []
-        for t in shards:
-            send = torch.zeros(width, dtype=t.dtype, device=device or t.device)
-            send[:end - start] = t.detach()[s:s + end - start]
-            got = comm.all_gather(send, group, dim=0).view(self.dp_size, width)
-            full = torch.empty(p.numel(), dtype=t.dtype, device=send.device)
-            for r, (a, b, _) in enumerate(pieces):
-                full[a:b] = got[r, :b - a]
-            out.append(full.view(p.shape))
-        return out
-
-
 class ZeroOptimizer(MixedPrecisionOptimizer):
     """ZeRO-`stage` (1 or 2) around the user's `optim`, over `mesh.dp_group`.
 
@@ -150,9 +85,9 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
 
     def __init__(self, optim: Optimizer, mesh, precision: str = "fp32", stage: int = 1, max_norm: float = 0.0,
                  norm_type: float = 2.0, scaler_config: GradScalerConfig | None = None,
-                 overlap_communication: bool = False, reduce_bucket_size: int = DEFAULT_BUCKET_ELEMENTS,
+                 overlap_communication: bool = True, reduce_bucket_size: int = DEFAULT_BUCKET_ELEMENTS,
                  cpu_offload: bool = False, communication_dtype: torch.dtype | None = None,
-                 master_weights: bool = True, verbose: bool = False):
+                 master_weights: bool = True, verbose: bool = False, track_grad_norm: bool = False):
         if stage not in (1, 2):
             raise ValueError(f"stage={stage!r}; ZeroOptimizer implements stages 1 and 2")
         zc = self.zero_config = ZeroConfig(stage, overlap_communication, reduce_bucket_size, cpu_offload,
@@ -165,7 +100,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         # in half precision, as ColossalAI's master_weights=False does.
         self.master_dtype = torch.float32 if zc.master_weights else PRECISION_DTYPES.get(precision, torch.float32)
         self.staging = HostStaging(PRECISION_DTYPES.get(precision, torch.float32)) if zc.cpu_offload else None
-        super().__init__(optim, mesh, precision, max_norm, norm_type, scaler_config, verbose)
+        super().__init__(optim, mesh, precision, max_norm, norm_type, scaler_config, verbose, track_grad_norm)
         self.communication_dtype = zc.communication_dtype or self.working_dtype
         if self.overlap_communication:
             for b in self.buckets:
@@ -174,29 +109,37 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
 
     @property
     def keeps_masters(self) -> bool:
-        # The master shards are tensors of their own even in fp32; without fp32 masters
-        # (master_weights=False) the half-precision weights are all there is.
-        return self.master_dtype == torch.float32
+        # fp32 masters apart from half-precision weights. fp32 training: the master shard is the
+        # weights' own slice (or, offloaded, a host copy equal to them bit for bit); without fp32
+        # masters (master_weights=False) the half-precision weights are all there is.
+        return self.master_dtype == torch.float32 and self.working_dtype != torch.float32
 
     # -- layout ---------------------------------------------------------------------------------
     def _build_masters(self) -> None:
         self.buckets: list[ZeroBucket] = []
         self._bucket_of: dict[torch.Tensor, tuple[ZeroBucket, int]] = {}
         for group, params in zip(self.optim.param_groups, self.working_param_groups):
-            group_buckets = []
-            for kind in _KINDS:
-                same_kind = [p for p in params if _kind(p) == kind]
-                run, size = [], 0
-                for p in same_kind:
-                    if run and size + p.numel() > self.bucket_elements:
-                        group_buckets.append(self._make_bucket(run))
-                        run, size = [], 0
-                    run.append(p)
-                    size += p.numel()
-                if run:
-                    group_buckets.append(self._make_bucket(run))
+            group_buckets = [self._make_bucket(run) for run in plan_buckets(params, self.bucket_elements)]
             self.buckets.extend(group_buckets)
             group["params"] = [b.master for b in group_buckets]
+
+    @property
+    def _masters_are_weights(self) -> bool:
+        """Masters of the weights' own dtype on the weights' device (fp32 training, master_weights=False,
+        not offloaded): each master is the owned slice of its bucket's flat weight buffer, no copy."""
+        return self.master_dtype == self.working_dtype and self.staging is None
+
+    def _bind(self, b: ZeroBucket) -> bool:
+        """Make `b`'s master the weights' own slice if it can be and is not already (the weights were
+        cast, moved, or loaded into new storage since); True when it is."""
+        if not self._masters_are_weights:
+            return False
+        if b.views_bound():
+            return True
+        if not b.can_bind(self.master_dtype):
+            return False                 # meta, or fp32 weights not yet cast to the working dtype
+        b.bind_views()
+        return True
 
     def _make_bucket(self, params: list) -> ZeroBucket:
         offsets, numel = [], 0
@@ -204,11 +147,15 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
             offsets.append(numel)
             numel += p.numel()
         shard_size = -(-numel // self.dp_size)
-        device = master_device(params[0].device, self.cpu_offload)
-        master = torch.zeros(shard_size, dtype=self.master_dtype, device=device)
-        bucket = ZeroBucket(params, offsets, numel, shard_size, self.dp_rank, self.dp_size, nn.Parameter(master),
+        bucket = ZeroBucket(params, offsets, numel, shard_size, self.dp_rank, self.dp_size, None,
                             counted_here(params[0], self.mesh, dp_partitioned=True))
-        self._copy_owned(bucket)                     # only the owned slices: no full flat copy
+        if self._masters_are_weights and bucket.can_bind(self.master_dtype):
+            bucket.master = nn.Parameter(torch.empty(0, dtype=self.master_dtype, device=params[0].device))
+            bucket.bind_views()                      # the master is the weights' owned slice: no copy
+        else:
+            device = master_device(params[0].device, self.cpu_offload)
+            bucket.master = nn.Parameter(torch.zeros(shard_size, dtype=self.master_dtype, device=device))
+            self._copy_owned(bucket)                 # only the owned slices: no full flat copy
         for i, p in enumerate(params):
             self._bucket_of[p] = (bucket, i)
         return bucket
@@ -223,13 +170,18 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
 
     @torch.no_grad()
     def sync_masters_from_model(self) -> None:
-        """Refresh this rank's master shards from the working weights (see MixedPrecisionOptimizer)."""
+        """Refresh this rank's master shards from the working weights (see MixedPrecisionOptimizer);
+        where the masters are the weights, lay the (re)loaded weights out in their flat buffer again."""
         for b in self.buckets:
+            if self._bind(b):
+                continue
             _copy_into_master(b.master, None, b.params[0])
             self._copy_owned(b)
 
     # -- gradient reduction ------------------------------------------------------------------------
-    def _reduce_bucket(self, b: ZeroBucket) -> None:
+    def _reduce_bucket(self, b: ZeroBucket, wait: bool = True) -> None:
+        """Reduce-scatter the bucket's working gradients (then freed) into its partition; wait=False
+        leaves the collective in flight (`_finish` adds it in)."""
         dtype = self.communication_dtype
         parts = [p.grad.detach().reshape(-1).to(dtype) if p.grad is not None
                  else torch.zeros(p.numel(), dtype=dtype, device=p.device) for p in b.params]
@@ -238,11 +190,27 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
             parts.append(torch.zeros(padding, dtype=dtype, device=parts[0].device))
         flat = torch.cat(parts)
         flat.div_(self.dp_size)               # average before summing: keeps scaled fp16 sums in range
-        shard = comm.reduce_scatter(flat, self.dp_group, dim=0).to(self.working_dtype)
-        b.grad_shard = shard if b.grad_shard is None else b.grad_shard.add_(shard)
+        self._finish(b)                       # one reduction in flight per bucket (a hook that fired twice)
+        b.pending = comm.reduce_scatter_async(flat, self.dp_group, dim=0)
         for p in b.params:
             p.grad = None
         b.ready.clear()
+        if wait:
+            self._finish(b)
+
+    def _finish(self, b: ZeroBucket) -> None:
+        """Wait for the bucket's reduce-scatter in flight and add it to the partition. A second
+        backward's partition is summed in fp32 (the masters' precision), not in the half working
+        dtype: accumulation over micro-steps does not round at every addition."""
+        if b.pending is None:
+            return
+        shard, b.pending = b.pending.wait().to(self.working_dtype), None
+        if b.grad_shard is None:
+            b.grad_shard = shard
+        elif b.grad_shard.dtype == torch.float32:
+            b.grad_shard.add_(shard)
+        else:
+            b.grad_shard = b.grad_shard.float().add_(shard)
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if not self._grad_sync:
@@ -250,14 +218,17 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         b, _ = self._bucket_of[p]
         b.ready.add(p)
         if len(b.ready) == len(b.params):
-            self._reduce_bucket(b)
+            self._reduce_bucket(b, wait=False)    # in flight while backward goes on
 
     def _flush(self) -> None:
-        """Reduce every bucket that still holds unreduced working gradients (same order on every
-        dp rank: buckets are built identically)."""
+        """Reduce every bucket that still holds unreduced working gradients, then wait for every
+        reduction in flight (same order on every dp rank: buckets are built identically, and hooks
+        complete them in the same gradient-ready order)."""
         for b in self.buckets:
             if any(p.grad is not None for p in b.params):
-                self._reduce_bucket(b)
+                self._reduce_bucket(b, wait=False)
+        for b in self.buckets:
+            self._finish(b)
 
     def _after_backward(self) -> None:
         if self._grad_sync and (self.stage == 2 or self.overlap_communication):
@@ -272,6 +243,20 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
                 "before step() (each backward is reduced and summed into the partition)")
         return super().no_sync()
 
+    @contextlib.contextmanager
+    def accumulate_then_reduce(self):
+        """Gradients of every backward inside the block accumulate locally in `param.grad` (a pipeline
+        step's micro-batches); leaving it, stage 2 reduce-scatters them once and frees the full
+        gradients, stage 1 leaves them for step() (as no_sync). Not for users' accumulation under stage
+        2: that is several backward passes before step, each reduced (summed in fp32)."""
+        previous, self._grad_sync = self._grad_sync, False
+        try:
+            yield
+        finally:
+            self._grad_sync = previous
+        if self.stage == 2 and previous:
+            self._flush()
+
     # -- hooks of the shared step --------------------------------------------------------------------
     def _master_grads(self) -> list[tuple[torch.Tensor, bool]]:
         """The reduced gradient shards, still in the working dtype on the working device: the overflow
@@ -280,6 +265,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         self._flush()
         out = []
         for b in self.buckets:
+            self._bind(b)                     # the weights were cast or moved since boost: views again
             b.master.grad = None
             if b.grad_shard is not None:
                 out.append((b.grad_shard, b.counted))
@@ -304,6 +290,9 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
     def _write_back(self) -> None:
         with torch.no_grad():
             for i, b in enumerate(self.buckets):
+                if b.views_bound():           # the master is the owned slice: gather the others in place
+                    comm.all_gather_into(b.flat, b.master.detach(), self.dp_group)
+                    continue
                 full = comm.all_gather(self._working_shard(i, b), self.dp_group, dim=0)
                 for p, off in zip(b.params, b.offsets):
                     p.copy_(full[off:off + p.numel()].view_as(p))
@@ -321,6 +310,9 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
 
     @staticmethod
     def _clear_bucket(b: ZeroBucket) -> None:
+        if b.pending is not None:
+            b.pending.wait()                  # a reduction still in flight (zero_grad before step)
+            b.pending = None
         b.grad_shard = None
         b.master.grad = None
         b.ready.clear()

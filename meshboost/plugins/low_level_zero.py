@@ -79,7 +79,7 @@ class LowLevelZeroPlugin(Plugin):
                  min_scale: float = 1, growth_factor: float = 2, backoff_factor: float = 0.5,
                  growth_interval: int = 1000, hysteresis: int = 2, max_scale: float = 2**32,
                  max_norm: float = 0.0, norm_type: float = 2.0, reduce_bucket_size_in_m: int = 12,
-                 communication_dtype: torch.dtype | None = None, overlap_communication: bool = False,
+                 communication_dtype: torch.dtype | None = None, overlap_communication: bool = True,
                  overlap_allgather: bool = False, cpu_offload: bool = False, master_weights: bool = True,
                  verbose: bool = False, cast_inputs: bool = True, fp8_communication: bool = False,
                  use_fp8: bool = False, extra_dp_size: int = 1, *, max_skips_at_min_scale: int = 50):

@@ -91,6 +91,7 @@ def check_training(cls, family, tp_size, zero_stage, precision, max_norm=0.0, **
     plugin = HybridParallelPlugin(tp_size=tp_size, zero_stage=zero_stage, precision=precision, max_norm=max_norm,
                                   **kwargs)
     booster, model, opt, sched = _boost(cls, config, plugin)
+    opt.track_grad_norm = True          # compared with the reference's norm on every step, clipped or not
     where = f"{cls} tp={tp_size} dp={plugin.dp_size} zero={zero_stage} {precision} max_norm={max_norm} {kwargs}"
     assert all(p.dtype == HALF.get(precision, torch.float32) for p in model.unwrap().parameters()), where
     tol = LOSS_ATOL[HALF.get(precision, torch.float32)]
