@@ -2,10 +2,10 @@
 they combine.
 
 Owns: `DDPConfig` (torch DDP's arguments), `HybridParallelConfig` (tensor-parallel size and
-sharding, pipeline, precision and loss scaler, ZeRO, DDP: each group validated by its own config,
-the combinations here), and `dp_reducer`, which decides once who averages the data-parallel
-gradients. Every check is pure: a bad setting raises on every rank before any collective. Must not
-build groups or touch a model.
+sharding, pipeline, precision and loss scaler, ZeRO (stages 1 and 2 meshboost's, stage 3 torch
+FSDP2's), DDP: each group validated by its own config, the combinations here), and `dp_reducer`,
+which decides once who averages the data-parallel gradients. Every check is pure: a bad setting
+raises on every rank before any collective. Must not build groups or touch a model.
 """
 
 from __future__ import annotations
@@ -19,13 +19,16 @@ from meshboost.optim import PrecisionConfig, ZeroConfig
 from meshboost.pipeline import PipelineConfig
 from meshboost.pipeline.normalization import MODES as NORMALIZATIONS
 from meshboost.pipeline.normalization import TOKENS
+from meshboost.plugins.hybrid_zero3 import check_zero3_settings
 from meshboost.shardformer import Policy, ShardConfig
 
 # Who averages gradients over the data-parallel group; exactly one of them does, decided by `dp_reducer`.
 NO_REDUCTION = "none"        # dp_size == 1
 DDP = "ddp"                  # torch DDP around the model, during backward
 PIPELINE = "pipeline"        # one flat all-reduce after the pipeline schedule (DDP cannot wrap a stage)
-ZERO = "zero"                # the ZeRO optimizer reduce-scatters (stage 1: at step; stage 2: every backward)
+ZERO = "zero"                # the ZeRO optimizer reduce-scatters (stage 1: at step, or each backward with
+                             # overlap; stage 2: every backward, with pp once per pipeline step)
+FSDP = "fsdp"                # zero_stage=3: torch FSDP2 reduce-scatters during backward (plugins/hybrid_zero3.py)
 
 
 CHECK_INPUTS = ("first", "always", "never")
@@ -33,6 +36,8 @@ CHECK_INPUTS = ("first", "always", "never")
 
 def dp_reducer(dp_size: int, pp_size: int, zero_stage: int) -> str:
     """Who reduces the data-parallel gradients, decided once for a plugin."""
+    if zero_stage == 3:
+        return FSDP
     if zero_stage > 0:
         return ZERO
     if dp_size == 1:
@@ -75,7 +80,10 @@ class HybridParallelConfig:
     custom_policy: Policy | None = None                             # instead of the family's table
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)            # stage 0 when fully_sharded
+    # zero_stage=3: weights, gradients and optimizer states sharded over dp by torch FSDP2
+    # (ZeroConfig covers meshboost's own stages 1 and 2 only).
+    fully_sharded: bool = False
     ddp: DDPConfig = field(default_factory=DDPConfig)
     # Agree over tp (and pp) that every rank was fed the same batch: "first" call, "always", "never".
     check_inputs: str = "first"
@@ -93,10 +101,16 @@ class HybridParallelConfig:
         if self.custom_policy is not None and not isinstance(self.custom_policy, Policy):
             raise TypeError(f"custom_policy must be a meshboost.shardformer.Policy, got "
                             f"{type(self.custom_policy).__name__}")
-        if self.zero.stage == 2 and self.pipeline.pp_size > 1:
-            raise NotImplementedError("zero_stage=2 with pp_size > 1 is not supported (gradients would be "
-                                      "reduce-scattered once per micro-batch); use zero_stage=1 or 0")
+        if self.fully_sharded:
+            if self.zero.stage != 0:
+                raise ValueError(f"fully_sharded=True (zero_stage=3) with ZeroConfig(stage={self.zero.stage}); "
+                                 "pass ZeroConfig(stage=0): FSDP2 does the sharding")
+            check_zero3_settings(self.pipeline.pp_size)
 
     @property
     def pp_size(self) -> int:
         return self.pipeline.pp_size
+
+    @property
+    def zero_stage(self) -> int:
+        return 3 if self.fully_sharded else self.zero.stage

@@ -11,8 +11,6 @@ meshboost.optim and meshboost.checkpoint do.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch.nn as nn
 
 from meshboost.booster import ModelWrapper, OptimizerWrapper, Plugin
@@ -20,7 +18,7 @@ from meshboost.distributed import ParallelMesh
 from meshboost.distributed.agreement import agree_settings
 from meshboost.plugins.fsdp_config import FSDPConfig, gemini_config, settings, torch_fsdp_config
 from meshboost.plugins.fsdp_optimizer import FSDPOptimizer
-from meshboost.plugins.fsdp_wrap import apply_fsdp, is_sharded, move_optimizer, prepare
+from meshboost.plugins.fsdp_wrap import apply_fsdp, is_sharded, move_optimizer, no_gradient_sync, prepare, reshard_all
 from meshboost.shardformer import ShardConfig, ShardFormer
 
 
@@ -33,15 +31,14 @@ class FSDPModel(ModelWrapper):
         self.mesh = mesh
         self.units = units
 
-    @contextlib.contextmanager
     def no_sync(self):
         """Backward inside the block keeps unreduced gradients (full size) and adds to them; the
         first backward after it reduce-scatters the sum."""
-        self.module.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self.module.set_requires_gradient_sync(True)
+        return no_gradient_sync(self.module)
+
+    def unwrap(self) -> nn.Module:
+        """The user's model with every parameter its DTensor shard (what checkpoints read and write)."""
+        return reshard_all(super().unwrap())
 
 
 class FSDPPluginBase(Plugin):

@@ -11,6 +11,7 @@ same error on every rank, before any collective. Must not build groups or touch 
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -20,6 +21,8 @@ from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, MixedPrecision,
 
 from meshboost.distributed import get_current_device
 from meshboost.optim import GradScalerConfig, PrecisionConfig
+
+logger = logging.getLogger("meshboost.plugins")
 
 DTYPE_PRECISION = {None: "fp32", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -109,19 +112,30 @@ def gemini_config(a: dict) -> FSDPConfig:
     """FSDPConfig from GeminiPlugin's keyword arguments `a` (ColossalAI's names and defaults)."""
     if a["tp_size"] != 1:
         _refuse("tp_size", a["tp_size"], "GeminiPlugin shards over data-parallel ranks only; for tensor parallelism "
-                "with sharded optimizer states use HybridParallelPlugin(tp_size=..., zero_stage=1 or 2)",
-                NotImplementedError)
+                f"with ZeRO-3 use HybridParallelPlugin(tp_size={a['tp_size']}, zero_stage=3, precision=...) (the "
+                "same FSDP2 sharding over the data-parallel ranks of each tensor-parallel shard), or zero_stage=1 "
+                "or 2 to shard only optimizer states (and gradients)", NotImplementedError)
     if a["extra_dp_size"] != 1:
         _refuse("extra_dp_size", a["extra_dp_size"], "hybrid sharding (replicas of sharded groups) is not "
                 "supported: every rank shards the model; pass extra_dp_size=1", NotImplementedError)
-    if a["placement_policy"] != "static":
-        _refuse("placement_policy", a["placement_policy"], "only 'static' exists on FSDP2 (no runtime memory "
-                "tracer); use placement_policy='static' with offload_optim_frac/offload_param_frac 0.0 or 1.0")
-    for name, default in (("warmup_non_model_data_ratio", 0.8), ("steady_cuda_cap_ratio", 0.9), ("memstats", None),
-                          ("gpu_margin_mem_ratio", 0.0)):
-        if a[name] != default:
-            _refuse(name, a[name], "it tunes placement_policy='auto', which FSDP2 has no equivalent of; remove it "
-                    "(placement is 'static': offload 0.0 or 1.0)")
+    if a["placement_policy"] not in ("static", "auto"):
+        _refuse("placement_policy", a["placement_policy"], "expected 'static' or 'auto'")
+    if a["placement_policy"] == "auto":
+        # Gemini's "auto" moves chunks between host and device as memory runs short, never changing a
+        # number; FSDP2 has no runtime placement, so everything stays on the device (the same as "auto"
+        # where memory suffices). Its tuning knobs are accepted; offloading is asked for explicitly.
+        if a["offload_optim_frac"] or a["offload_param_frac"]:
+            _refuse("placement_policy", "auto", "the offload fractions belong to placement_policy='static'; pass "
+                    "placement_policy='static' with offload_optim_frac=1.0")
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            logger.warning("meshboost GeminiPlugin: placement_policy='auto' keeps every shard on the device (FSDP2 "
+                           "has no runtime placement); if memory runs out, use placement_policy='static', "
+                           "offload_optim_frac=1.0, offload_param_frac=1.0")
+    else:
+        for name, default in (("warmup_non_model_data_ratio", 0.8), ("steady_cuda_cap_ratio", 0.9),
+                              ("memstats", None), ("gpu_margin_mem_ratio", 0.0)):
+            if a[name] != default:
+                _refuse(name, a[name], "it tunes placement_policy='auto'; remove it with placement_policy='static'")
     for name in ("chunk_config_dict", "hidden_dim"):
         if a[name] is not None:
             _refuse(name, a[name], "FSDP2 has no chunks: each transformer layer is one fully_shard unit; remove it")

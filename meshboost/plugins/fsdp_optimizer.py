@@ -1,4 +1,5 @@
-"""FSDPOptimizer: the boosted optimizer of the FSDP2 plugins (GeminiPlugin, TorchFSDPPlugin).
+"""FSDPOptimizer: the boosted optimizer of the FSDP2 plugins (GeminiPlugin, TorchFSDPPlugin, and
+HybridParallelPlugin with zero_stage=3).
 
 Owns: where state lives under torch FSDP2. The user's optimizer steps FSDP2's sharded parameters
 directly (DTensors holding 1/dp of every weight, kept in fp32: they are the master weights, FSDP2
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from meshboost.optim import MixedPrecisionOptimizer
+from meshboost.optim import MixedPrecisionOptimizer, counted_here
 from meshboost.optim import state as fmt
 
 
@@ -52,15 +53,18 @@ class FSDPOptimizer(MixedPrecisionOptimizer):
 
     @torch.no_grad()
     def _master_grads(self) -> list[tuple[torch.Tensor, bool]]:
-        """This rank's shard of every gradient (FSDP2 reduce-scattered and averaged them over dp). An
-        ignored module's parameter (not a DTensor) is whole on every rank: dp rank 0 counts it."""
+        """This rank's shard of every gradient (FSDP2 reduce-scattered and averaged them over dp). Who
+        counts it in the norm is `counted_here`'s rule: a dp shard (a DTensor) on every dp rank, an
+        ignored module's whole parameter on dp rank 0 only; under tensor parallelism (the parameter's
+        record, HybridParallelPlugin zero_stage=3) a tp shard on every tp rank and a weight replicated
+        over tp on tp rank 0 only."""
         out = []
         for params in self._working:
             for p in params:
                 if p.grad is None:
                     continue
                 sharded = isinstance(p.grad, DTensor)
-                out.append((p.grad.to_local() if sharded else p.grad, sharded or self.mesh.dp_rank == 0))
+                out.append((p.grad.to_local() if sharded else p.grad, counted_here(p, self.mesh, sharded)))
         return out
 
     def grad_bytes(self) -> int:

@@ -9,6 +9,7 @@ dtype) and moving the user's optimizer onto the sharded parameters. Must not ste
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -134,3 +135,26 @@ def move_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], mode
 
 def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+@contextlib.contextmanager
+def no_gradient_sync(module: nn.Module):
+    """Backward inside the block keeps unreduced gradients (full size) and adds to them; the first
+    backward after it reduce-scatters the sum."""
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+def reshard_all(model: nn.Module) -> nn.Module:
+    """Point every FSDP2 module back at its sharded (DTensor) parameters. FSDP2 leaves the root's
+    gathered weights in place after a forward that no backward follows (an evaluation under no_grad),
+    so `named_parameters()` would hand checkpoint code plain, freed-at-any-moment compute-dtype copies
+    (a load then wrote into freed storage). Local, no communication; the next forward or backward
+    gathers again where needed."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    return model

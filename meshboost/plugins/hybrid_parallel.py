@@ -27,8 +27,10 @@ from meshboost.optim import GradScalerConfig, MixedPrecisionOptimizer, Precision
 from meshboost.pipeline import PipelineConfig, PipelineSchedule, build_stages, get_layout, prune_optimizer, split_layers
 from meshboost.pipeline.checkpointing import checkpoint_plan, install_checkpoint_plan
 from meshboost.pipeline.normalization import TOKENS, count_items
-from meshboost.plugins.config import DDP, PIPELINE, ZERO, DDPConfig, HybridParallelConfig, dp_reducer
-from meshboost.plugins.ddp_hooks import register_counting_allreduce
+from meshboost.plugins.config import DDP, FSDP, PIPELINE, ZERO, DDPConfig, HybridParallelConfig, dp_reducer
+from meshboost.plugins.ddp_hooks import fp8_refusal, register_counting_allreduce, register_fp8_allreduce
+from meshboost.plugins.fsdp_wrap import is_sharded, no_gradient_sync, reshard_all
+from meshboost.plugins.hybrid_zero3 import ZERO3, check_zero3_model, shard_zero3
 from meshboost.shardformer import (
     PipelineGradientCheckpointConfig,
     Policy,
@@ -60,6 +62,7 @@ class HybridParallelModule(ModelWrapper):
         # A causal LM at dp > 1 with loss_normalization="tokens": its loss is normalised by the labelled
         # tokens of every dp replica (HF's num_items_in_batch), not by this replica's own.
         self.count_items_over_dp = count_items_over_dp
+        self.fully_sharded = is_sharded(module)       # zero_stage=3: torch FSDP2 over dp
 
     def check_same_inputs(self, *inputs) -> None:
         """Raise on every rank when the ranks that must share a batch (tp, and pp with stages) got
@@ -89,24 +92,30 @@ class HybridParallelModule(ModelWrapper):
         comm.all_reduce(total, self.mesh.dp_group)
         return total[0] / self.mesh.dp_size
 
+    def unwrap(self) -> nn.Module:
+        inner = super().unwrap()
+        return reshard_all(inner) if self.fully_sharded else inner      # zero_stage=3: the DTensor shards
+
     def no_sync(self):
         if isinstance(self.module, DistributedDataParallel):
             return self.module.no_sync()
+        if self.fully_sharded:                   # zero_stage=3: FSDP2 keeps unreduced gradients inside
+            return no_gradient_sync(self.module)
         return contextlib.nullcontext()
 
 
-def _refuse_unsupported(precision, cpu_offload, communication_dtype, scheduler_nodes, dp_outside, overlap_allgather,
-                        fp8_communication, use_fp8, inner_ring_size) -> None:
-    """ColossalAI keywords meshboost does not implement: refused (pure, the same on every rank) with the
-    meshboost way to get what they are for."""
-    if cpu_offload:
-        raise NotImplementedError("cpu_offload=True is not supported by HybridParallelPlugin: fp32 masters and "
-                                  "optimizer states stay on the device; zero_stage=1 or 2 partitions them over the "
-                                  "data-parallel ranks instead")
+def _refuse_unsupported(precision, zero_stage, cpu_offload, communication_dtype, scheduler_nodes, dp_outside,
+                        overlap_allgather, fp8_communication, use_fp8, inner_ring_size, layout) -> None:
+    """ColossalAI keywords meshboost does not implement, or not in this combination: refused (pure, the
+    same on every rank) with the meshboost way to get what they are for."""
+    if cpu_offload and zero_stage not in (1, 2):
+        raise ValueError(f"cpu_offload=True moves ZeRO's fp32 masters and optimizer states to the CPU, but "
+                         f"zero_stage={zero_stage!r}; set zero_stage=1 or 2 (ColossalAI ignores it without ZeRO)")
     working = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
-    if communication_dtype is not None and communication_dtype != working:
-        raise NotImplementedError(f"communication_dtype={communication_dtype}: HybridParallelPlugin reduces gradients "
-                                  f"in the working precision (precision={precision!r}); pass communication_dtype=None")
+    if communication_dtype is not None and communication_dtype != working and zero_stage not in (1, 2):
+        raise ValueError(f"communication_dtype={communication_dtype} sets the dtype of ZeRO's gradient "
+                         f"reduce-scatter, but zero_stage={zero_stage!r} (DDP and the pipeline reduce in the working "
+                         f"precision, {precision!r}); set zero_stage=1 or 2, or pass communication_dtype=None")
     if scheduler_nodes is not None:
         raise NotImplementedError("scheduler_nodes= (the zero-bubble V schedule) is not supported; use "
                                   "pp_style='1f1b' or 'interleaved' without scheduler_nodes")
@@ -119,10 +128,14 @@ def _refuse_unsupported(precision, cpu_offload, communication_dtype, scheduler_n
                                   "is the same); overlap_communication=True overlaps the gradient reduce-scatter with "
                                   "backward")
     if fp8_communication:
-        why = ("gloo, the CPU backend, has no fp8 type" if get_current_device().type == "cpu"
-               else "meshboost has no fp8 collectives (scaled casts around NCCL)")
-        raise NotImplementedError(f"fp8_communication=True is not supported: {why}; collectives run in the working "
-                                  "precision, so precision='bf16' or 'fp16' halves their bytes against fp32")
+        refusal = fp8_refusal(get_current_device().type, "HybridParallelPlugin")
+        if refusal:
+            raise NotImplementedError(refusal)
+        if layout != (1, 1, 0):
+            raise NotImplementedError(f"fp8_communication=True with (tp_size, pp_size, zero_stage)={layout}: meshboost "
+                                      "compresses only DDP's data-parallel gradient all-reduce (tp_size=1, pp_size=1, "
+                                      "zero_stage=0); tensor-parallel, pipeline and ZeRO traffic runs in the working "
+                                      "precision. Drop the argument, or use that layout")
     if use_fp8:
         raise NotImplementedError("use_fp8=True (fp8 matmuls) is not supported; train with precision='bf16' or 'fp16'")
     if inner_ring_size is not None:
@@ -144,8 +157,11 @@ class HybridParallelPlugin(Plugin):
     precision ("fp32" | "fp16" | "bf16"), max_norm (global-norm clipping when > 0), initial_scale,
         min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale,
         max_skips_at_min_scale (fp16's dynamic loss scale): `meshboost.optim.PrecisionConfig`.
-    zero_stage (0, 1, 2), overlap_communication, zero_bucket_size_in_m (millions of elements):
-        `meshboost.optim.ZeroConfig`.
+    zero_stage (0, 1, 2, 3), overlap_communication, zero_bucket_size_in_m (millions of elements):
+        stages 1 and 2 are `meshboost.optim.ZeroConfig` (fp32 master and state partitions, and
+        gradients at 2); 3 shards the tp-sharded model's weights, gradients and AdamW states over dp with
+        torch FSDP2 (`plugins/hybrid_zero3.py`, docs/fsdp.md; the bucket settings do not apply; pp_size
+        > 1 and cpu_offload are refused with it).
     find_unused_parameters, ddp_bucket_cap_mb, broadcast_buffers, check_reduction, gradient_as_bucket_view,
         static_graph: `DDPConfig` (torch DDP, used when dp > 1 without ZeRO or pipeline).
     gradient_checkpoint_config: `meshboost.shardformer.PipelineGradientCheckpointConfig`: how many layers
@@ -157,9 +173,13 @@ class HybridParallelPlugin(Plugin):
         "microbatch": the mean of micro-batch means (ColossalAI). See docs/reliability.md.
     enable_metadata_cache, overlap_p2p: accepted, either value: stage traffic always sends its small
         shape header (shapes may change between steps) and always sends asynchronously.
-    cpu_offload, communication_dtype (other than the working dtype), scheduler_nodes, dp_outside=False,
-        overlap_allgather, fp8_communication, use_fp8, inner_ring_size: refused, saying what to use
-        (docs/colossalai.md).
+    cpu_offload (with zero_stage 1 or 2: fp32 masters and optimizer states in CPU memory, the inner step
+        there), communication_dtype (with ZeRO: the dtype of the gradient reduce-scatter): `ZeroConfig`.
+    fp8_communication: on CUDA with tp_size=1, pp_size=1, zero_stage=0, DDP's gradient buckets are
+        all-reduced in fp8 with per-rank scales (`meshboost.distributed.fp8`, lossy by design); refused
+        otherwise (other traffic stays in the working precision) and on the CPU.
+    scheduler_nodes, dp_outside=False, overlap_allgather, use_fp8, inner_ring_size: refused, saying what
+        to use (docs/colossalai.md).
 
     ColossalAI's views are attributes: `pg_mesh` (meshboost.cluster.ProcessGroupMesh, axes dp_axis=0,
     pp_axis=1, tp_axis=2), `stage_manager` (meshboost.cluster.PipelineStageManager; None at pp_size 1),
@@ -177,7 +197,7 @@ class HybridParallelPlugin(Plugin):
                  find_unused_parameters: bool = False, ddp_bucket_cap_mb: int = 25, broadcast_buffers: bool = False,
                  initial_scale: float = 2**16, min_scale: float = 1, growth_factor: float = 2,
                  backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2,
-                 max_scale: float = 2**32, max_skips_at_min_scale: int = 50, overlap_communication: bool = False,
+                 max_scale: float = 2**32, max_skips_at_min_scale: int = 50, overlap_communication: bool = True,
                  zero_bucket_size_in_m: int = 12, check_inputs: str = "first", loss_normalization: str = "tokens",
                  enable_flash_attention: bool = False, enable_fused_normalization: bool = False,
                  enable_jit_fused: bool = False, enable_sequence_overlap: bool = False,
@@ -197,8 +217,10 @@ class HybridParallelPlugin(Plugin):
             raise NotImplementedError(f"sp_size={sp_size!r}: meshboost's sequence parallelism ('split_gather') runs "
                                       "over the tensor-parallel group, so it needs no group of its own; pass "
                                       "sp_size=None with enable_sequence_parallelism=True and tp_size > 1")
-        _refuse_unsupported(precision, cpu_offload, communication_dtype, scheduler_nodes, dp_outside,
-                            overlap_allgather, fp8_communication, use_fp8, inner_ring_size)
+        _refuse_unsupported(precision, zero_stage, cpu_offload, communication_dtype, scheduler_nodes, dp_outside,
+                            overlap_allgather, fp8_communication, use_fp8, inner_ring_size,
+                            layout=(tp_size, pp_size, zero_stage))
+        self.fp8_communication = bool(fp8_communication)
         if gradient_checkpoint_config is not None and not isinstance(gradient_checkpoint_config,
                                                                      PipelineGradientCheckpointConfig):
             raise TypeError(f"gradient_checkpoint_config={gradient_checkpoint_config!r}: pass a "
@@ -222,7 +244,10 @@ class HybridParallelPlugin(Plugin):
             precision=PrecisionConfig(precision, max_norm, 2.0, GradScalerConfig(
                 initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale,
                 max_skips_at_min_scale)),
-            zero=ZeroConfig(zero_stage, overlap_communication, int(zero_bucket_size_in_m * 1024 * 1024)),
+            zero=ZeroConfig(0 if zero_stage == ZERO3 else zero_stage, overlap_communication,
+                            int(zero_bucket_size_in_m * 1024 * 1024),
+                            cpu_offload=cpu_offload, communication_dtype=communication_dtype),
+            fully_sharded=zero_stage == ZERO3,
             ddp=DDPConfig(broadcast_buffers, ddp_bucket_cap_mb, find_unused_parameters, check_reduction,
                           gradient_as_bucket_view, static_graph),
             check_inputs=check_inputs, loss_normalization=loss_normalization)
@@ -264,7 +289,7 @@ class HybridParallelPlugin(Plugin):
 
     @property
     def zero_stage(self) -> int:
-        return self.config.zero.stage
+        return self.config.zero_stage
 
     def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None, lr_scheduler=None):
         # A model built under torch.device("meta") stays on meta until booster.load_model materialises
@@ -276,6 +301,8 @@ class HybridParallelPlugin(Plugin):
             raise ValueError(f"a meta-device model cannot be boosted with dp_size={self.mesh.dp_size} and "
                              "zero_stage=0 (torch DDP needs real weights); use zero_stage=1 or 2, or build the "
                              "model with real weights")
+        if self.dp_reducer == FSDP:
+            check_zero3_model(model, optimizer, on_meta)
         checkpointed = self._checkpointed_layers(model)          # pure: raises on every rank alike
         ShardFormer(self.shard_config).optimize(model, self.config.custom_policy)
         stages = self._build_stages(model, optimizer) if self.pp_size > 1 else None
@@ -285,16 +312,22 @@ class HybridParallelPlugin(Plugin):
             materialize(model, original, self.mesh.device, lazy)
         if not on_meta:
             model = model.to(self.mesh.device)  # in place: the optimizer's parameters stay the same objects
-        if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
-            optimizer = self._wrap_optimizer(optimizer)     # fp32 masters from the fp32 weights, before the cast
-        model = model.to(self.config.precision.dtype)      # working weights (in place, same objects)
+        if self.dp_reducer == FSDP:     # FSDP2 over dp: its fp32 shards are the masters; compute dtype by its policy
+            _, optimizer = shard_zero3(model, optimizer, self.mesh, self.config.precision)
+        else:
+            if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
+                optimizer = self._wrap_optimizer(optimizer)  # fp32 masters from the fp32 weights, before the cast
+            model = model.to(self.config.precision.dtype)   # working weights (in place, same objects)
         module: nn.Module = model
         if self.dp_reducer == DDP:
             device = self.mesh.device
             module = DistributedDataParallel(model, process_group=self.mesh.dp_group,
                                              device_ids=[device] if device.type == "cuda" else None,
                                              **self.config.ddp.kwargs())
-            register_counting_allreduce(module, self.mesh.dp_group)
+            if self.fp8_communication:
+                register_fp8_allreduce(module, self.mesh.dp_group)
+            else:
+                register_counting_allreduce(module, self.mesh.dp_group)
         count_over_dp = (self.config.loss_normalization == TOKENS and self.mesh.dp_size > 1 and stages is None
                          and uses_causal_lm_loss(model))
         boosted = HybridParallelModule(module, self.mesh, self.shard_config, self.config.check_inputs, count_over_dp,
@@ -335,7 +368,8 @@ class HybridParallelPlugin(Plugin):
             return MixedPrecisionOptimizer(optimizer, self.mesh, **common)
         zc = self.config.zero
         return ZeroOptimizer(optimizer, self.mesh, stage=zc.stage, overlap_communication=zc.overlap_communication,
-                             reduce_bucket_size=zc.reduce_bucket_size, **common)
+                             reduce_bucket_size=zc.reduce_bucket_size, cpu_offload=zc.cpu_offload,
+                             communication_dtype=zc.communication_dtype, **common)
 
     # -- pipeline parallelism (meshboost/pipeline) ---------------------------------------------------
     @property
@@ -376,17 +410,20 @@ class HybridParallelPlugin(Plugin):
                             f"{type(data_iter).__name__}")
         if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
             raise TypeError("execute_pipeline needs the optimizer returned by booster.boost(...) (or None to evaluate)")
-        # ZeRO (stage 1: stage 2 is refused with pp): keep gradients local over all micro-batches;
-        # step() reduce-scatters them once.
-        local = optimizer.no_sync() if optimizer is not None and self.dp_reducer == ZERO else contextlib.nullcontext()
+        # ZeRO: keep gradients local over all micro-batches and reduce-scatter them once per step, not
+        # once per micro-batch (stage 1 at step(); stage 2 when the schedule is done, freeing the full
+        # gradients: ZeroOptimizer.accumulate_then_reduce).
+        local = optimizer.accumulate_then_reduce() if optimizer is not None and self.dp_reducer == ZERO \
+            else contextlib.nullcontext()
         batch = next(data_iter)
         model.check_same_inputs(batch)
         with local:
             return pipeline.run(batch, criterion, optimizer, return_loss, return_outputs)
 
     def no_sync(self, model, optimizer=None):
-        """Whoever reduces the gradients skips it inside the block: DDP's no_sync, or the ZeRO optimizer's
-        (stage 1: gradients stay local until step; stage 2: an error, see ZeroOptimizer.no_sync)."""
+        """Whoever reduces the gradients skips it inside the block: DDP's no_sync, FSDP2's (zero_stage=3), or
+        the ZeRO optimizer's (stage 1: gradients stay local until step; stage 2: an error, see
+        ZeroOptimizer.no_sync)."""
         if not isinstance(model, HybridParallelModule):
             raise TypeError("no_sync needs the model returned by booster.boost(...)")
         if self.dp_reducer == ZERO:

@@ -7,7 +7,8 @@ on every rank) within 1e-5 of one process on the whole batch, and every weight a
 within the fp32 tolerance, compared by its HF name; loss_normalization="microbatch" reproduces the
 mean of micro-batch means instead; a 5-step run whose per-step losses match;
 dp=2 x pp=2 (gradients averaged over dp after the schedule); pp=2 x dp=2 with ZeRO-1 and fp16
-within 5e-3; evaluation (optimizer=None) loss and outputs; the error cases; the schedule order
+within 5e-3; pp=2 x dp=2 with ZeRO-2 (1F1B and interleaved) reduce-scattering once per step;
+evaluation (optimizer=None) loss and outputs; the error cases; the schedule order
 is deadlock-free for many shapes (simulated, no processes). Issue 12: OPT (embedding projections),
 BLOOM (ALiBi, embedding norm), Falcon (multi-query; ALiBi) and ViT (pixel_values) at pp=2, and at
 tp=2 x pp=2 for BLOOM, Falcon and ViT; models of several layer stacks: T5 and Whisper
@@ -29,6 +30,7 @@ import torch.nn as nn
 import transformers
 
 from meshboost import Booster
+from meshboost.distributed.profiling import comm_counter
 from meshboost.pipeline import PipelineConfig, schedule_order, split_layers, split_microbatches
 from meshboost.pipeline.layout import get_layout
 from meshboost.plugins import HybridParallelPlugin
@@ -301,6 +303,38 @@ def _pipeline_dp(cls, config, batches, **plugin_kwargs):
     return losses, model, plugin, booster
 
 
+def _check_zero2(rank: int) -> None:
+    """pp=2 x dp=2 with ZeRO-2, 1F1B and interleaved: the weights after 2 steps are the single-process
+    ones; each step reduce-scatters every bucket once (not once per micro-batch) when the schedule is
+    done, after which no full gradient is left, only this rank's fp32 partition (1/dp of the stage's)."""
+    family, cls = "gpt2", "GPT2LMHeadModel"
+    config = tiny_config(family, num_hidden_layers=4)
+    batches = _batches(cls, config, 2, batch=16)
+    ref_losses, ref = _reference(cls, config, batches, dp_size=2)
+    for style in STYLES:
+        where = f"ZeRO-2 dp x pp {style}"
+        plugin = HybridParallelPlugin(tp_size=1, pp_size=2, num_microbatches=M, zero_stage=2, **style)
+        model = build_model(cls, copy.deepcopy(config))
+        booster = Booster(plugin=plugin)
+        model, opt, crit, _, _ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-4),
+                                               criterion)
+        params = list(model.unwrap().parameters())
+        for step, batch in enumerate(batches):
+            mine = split_microbatches(batch, plugin.dp_size)[plugin.mesh.dp_rank]
+            with comm_counter(plugin.mesh) as counter:
+                loss = booster.execute_pipeline(iter([mine]), model, crit, opt)["loss"].item()
+            assert abs(loss - ref_losses[step][plugin.mesh.dp_rank]) <= LOSS_ATOL[torch.float32], where
+            calls = counter.summary()["dp"]["by_op"].get("reduce_scatter", 0)
+            assert calls == len(opt.buckets), f"{where}: {calls} reduce-scatters for {len(opt.buckets)} buckets"
+            assert all(p.grad is None for p in params), f"{where}: full gradients kept after the schedule"
+            shard_bytes = sum(b.shard_size for b in opt.buckets) * 4
+            assert opt.grad_bytes() == shard_bytes, f"{where}: {opt.grad_bytes()} vs {shard_bytes}"
+            assert 2 * shard_bytes <= sum(p.numel() for p in params) * 4 + 2 * 4 * len(opt.buckets), where
+            opt.step()
+            opt.zero_grad()
+        _check_weights(model, ref, where)
+
+
 def _check_errors(rank: int) -> None:
     plugin = HybridParallelPlugin(tp_size=1, pp_size=2, num_microbatches=M)
     booster = Booster(plugin=plugin)
@@ -363,6 +397,7 @@ def _body_4(rank: int, world_size: int) -> None:
     _check_evaluation(rank, tp_size=2)
     _check_dp(rank)
     _check_dp(rank, zero_stage=1, precision="fp16")
+    _check_zero2(rank)
 
 
 def test_pipeline_pp2():
@@ -443,8 +478,6 @@ def test_config_errors_before_any_collective():
     with pytest.raises(ValueError, match="needs 4 entries"):
         PipelineConfig(pp_size=2, num_microbatches=4, pp_style="interleaved", num_model_chunks=2,
                        num_layers_per_stage=[2, 2])
-    with pytest.raises(NotImplementedError, match="zero_stage=2"):
-        HybridParallelPlugin(tp_size=1, pp_size=2, num_microbatches=4, zero_stage=2)
     PipelineConfig(pp_size=1, microbatch_size=1)        # ignored without a pipeline (ColossalAI's guide passes it)
     with pytest.raises(ValueError, match="only apply with pp_size > 1"):
         PipelineConfig(pp_size=1, num_model_chunks=2)

@@ -267,7 +267,9 @@ def _refusals(rank, world):
     refused = [
         (lambda: GeminiPlugin(tp_size=2), NotImplementedError, "HybridParallelPlugin"),
         (lambda: GeminiPlugin(extra_dp_size=2), NotImplementedError, "extra_dp_size=1"),
-        (lambda: GeminiPlugin(placement_policy="auto"), ValueError, "placement_policy='static'"),
+        (lambda: GeminiPlugin(placement_policy="auto", offload_optim_frac=1.0), ValueError,
+         "placement_policy='static' with offload_optim_frac=1.0"),
+        (lambda: GeminiPlugin(placement_policy="dynamic"), ValueError, "'static' or 'auto'"),
         (lambda: GeminiPlugin(steady_cuda_cap_ratio=0.5), ValueError, "placement_policy='auto'"),
         (lambda: GeminiPlugin(offload_optim_frac=0.5), ValueError, r"pass 0.0 .* or 1.0"),
         (lambda: GeminiPlugin(offload_param_frac=1.0), ValueError, "offload_optim_frac=1.0 as well"),
@@ -298,6 +300,8 @@ def _refusals(rank, world):
     for make, error, match in refused:
         with pytest.raises(error, match=match):
             make()
+    # placement_policy="auto" (and its tuning knobs): the static, resident configuration
+    assert GeminiPlugin(placement_policy="auto", warmup_non_model_data_ratio=0.5).config == GeminiPlugin().config
     booster = Booster(plugin=GeminiPlugin(precision="fp32"))
     with torch.device("meta"):
         meta = build_model(LLAMA, copy.deepcopy(config))
