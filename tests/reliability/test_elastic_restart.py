@@ -1,7 +1,7 @@
 """Elastic restart: under `torchrun --max-restarts 1`, a rank killed mid-run (SIGKILL at step 5) makes
 torchrun restart every worker; the script's booster.load_checkpoint resumes from the last committed
 step (4), and the per-step losses of the restarted attempt equal the uninterrupted run's bitwise, for
-a tied (GPT-2) and an untied (Llama) LM head, in fp32 and fp16, at tp=2 x dp=2 with ZeRO-1.
+a tied (GPT-2, fp16) and an untied (Llama, fp32) LM head, at tp=2 x dp=2 with ZeRO-1.
 (torch's default restart reuses the agent's TCP store and would meet the dead attempt's keys:
 launch_from_torch gives each attempt its own prefix.)"""
 
@@ -33,8 +33,8 @@ def _torchrun(tmp: Path, name: str, extra: list[str]) -> dict:
     return {p.suffix: json.loads(p.read_text()) for p in attempts}
 
 
-@pytest.mark.parametrize("family,precision", [("gpt2", "fp32"), ("llama", "fp32"), ("gpt2", "fp16"),
-                                              ("llama", "fp16")])
+# Each factor once (tied/untied head x fp32/fp16 crossed): every restart costs ~50 s of the suite.
+@pytest.mark.parametrize("family,precision", [("llama", "fp32"), ("gpt2", "fp16")])
 def test_killed_rank_resumes_exactly(tmp_path, family, precision):
     common = ["--family", family, "--precision", precision]
     clean = _torchrun(tmp_path, "clean", common)
