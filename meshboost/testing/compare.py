@@ -103,3 +103,17 @@ def booster_step(booster, model, optimizer, batch: dict) -> torch.Tensor:
         booster.backward(loss, optimizer)
     optimizer.step()
     return loss
+
+
+def train_reference(model, optimizer, batches, max_norm: float = 0.0) -> tuple[list[float], list[float]]:
+    """Single-process training on whole batches (the unsharded reference of the plugin tests): per step
+    the model's loss and the global grad norm (clipped to `max_norm` when > 0). Returns (losses, norms)."""
+    losses, norms = [], []
+    for batch in batches:
+        loss = model(**batch).loss
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf")).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, norms

@@ -36,6 +36,7 @@ from meshboost.distributed.param_info import gather_tensor, get_tp_info
 from meshboost.plugins import GeminiPlugin, HybridParallelPlugin
 from meshboost.plugins.fsdp_optimizer import FSDPOptimizer
 from meshboost.testing import LOSS_ATOL, spawn
+from meshboost.testing.compare import train_reference
 from meshboost.testing.models import build_model, tiny_config
 
 STEPS, LR = 2, 1e-3
@@ -71,13 +72,7 @@ def _fresh(cls, config, seed=0):
 
 def _reference(cls, config, batches, max_norm=0.0):
     model, opt = _fresh(cls, config)
-    losses, norms = [], []
-    for b in batches:
-        loss = model(**b).loss
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf")).item())
-        opt.step(), opt.zero_grad()
-        losses.append(loss.item())
+    losses, norms = train_reference(model, opt, batches, max_norm)
     return losses, norms, dict(model.named_parameters())
 
 

@@ -10,7 +10,6 @@ The optimizer is the same ZeroOptimizer HybridParallelPlugin uses."""
 
 import copy
 import inspect
-import math
 import os
 
 import pytest
@@ -21,6 +20,7 @@ from meshboost import Booster
 from meshboost.optim import ZeroOptimizer
 from meshboost.plugins import LowLevelZeroPlugin
 from meshboost.testing import LOSS_ATOL, assert_close, spawn
+from meshboost.testing.compare import train_reference
 from meshboost.testing.models import build_model, tiny_config
 
 STEPS = 10
@@ -57,13 +57,7 @@ def _model_and_optimizer(config, device=None):
 
 def _reference(config, batches, max_norm):
     model, opt = _model_and_optimizer(config)
-    losses, norms = [], []
-    for b in batches:
-        loss = model(**b).loss
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf).item())
-        opt.step(), opt.zero_grad()
-        losses.append(loss.item())
+    losses, norms = train_reference(model, opt, batches, max_norm)
     return losses, norms, model
 
 
