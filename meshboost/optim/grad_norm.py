@@ -62,6 +62,8 @@ def global_grad_norm(grads: Iterable[torch.Tensor], group, norm_type: float = 2.
     if norm_type <= 0:
         raise ValueError(f"norm_type={norm_type!r} must be positive (2.0 or float('inf'))")
     partial = local_norm_power(grads, norm_type, device)
+    if device is not None and partial.device != torch.device(device):
+        partial = partial.to(device)       # offloaded (CPU) gradients: NCCL reduces device tensors only
     op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
     if dist.is_initialized():
         comm.all_reduce(partial, group, op=op)
