@@ -110,6 +110,11 @@ def _layers_body(rank, world):
         assert local.shape[-1] == get_tp_info(par.weight).local_size, "training logits should stay vocab-split"
         loss_par = vocab_parallel_cross_entropy(local, target, group, vocab)
         assert abs(loss_par.item() - loss_ref.item()) < 1e-5, f"vocab CE {loss_par.item()} vs {loss_ref.item()}"
+        # the loss neither changes the logits it is given nor spends its saved softmax (a retained graph)
+        before = local.detach().clone()
+        g1, = torch.autograd.grad(loss_par, local, retain_graph=True)
+        g2, = torch.autograd.grad(loss_par, local, retain_graph=True)
+        assert torch.equal(g1, g2) and torch.equal(local.detach(), before), f"vocab={vocab}: CE inputs changed"
         loss_ref.backward()
         loss_par.backward()
         assert_close(xp.grad, xr.grad, msg=f"LM head vocab={vocab} input grad")

@@ -159,9 +159,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # logits: [N, V_local] float, target: [N] global ids.
         rank, part = dist.get_rank(group), logits.shape[-1]
         start = rank * part
-        col = torch.arange(start, start + part, device=logits.device)
-        logits = logits.masked_fill(col >= vocab_size, torch.finfo(logits.dtype).min)
-        logits_max = logits.max(dim=-1).values
+        if start + part > vocab_size:              # this shard holds padded columns: they never win
+            col = torch.arange(start, start + part, device=logits.device)
+            logits = logits.masked_fill(col >= vocab_size, torch.finfo(logits.dtype).min)
+        logits_max = logits.amax(dim=-1)
         comm.all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
         shifted = logits - logits_max.unsqueeze(-1)
 
@@ -171,7 +172,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         owned = (target >= start) & (target < start + part) & ~ignored
         local_t = (target - start).masked_fill(~owned, 0)
         picked = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
-        exp = shifted.exp()
+        exp = shifted.exp_()                       # shifted is ours and read above: no second [N, V] buffer
         # One all-reduce carries both sums (target logit and softmax denominator).
         sums = torch.stack([picked, exp.sum(dim=-1)])
         comm.all_reduce(sums, group)
@@ -183,11 +184,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        # d loss_i / d logits_ij = (softmax_ij - [j is the target of i]) * grad_loss_i: one scaled
+        # copy of the saved softmax (left intact for a retained graph), then the target entries.
         softmax, owned, local_t, ignored = ctx.saved_tensors
-        grad = softmax.clone()
+        scale = grad_loss * (~ignored).to(softmax.dtype)
+        grad = softmax * scale.unsqueeze(-1)
         rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows, local_t] -= owned.to(grad.dtype)
-        grad.mul_((grad_loss * (~ignored).to(grad.dtype)).unsqueeze(-1))
+        grad[rows, local_t] -= owned.to(grad.dtype) * scale
         return grad, None, None, None, None
 
 
