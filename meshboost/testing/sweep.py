@@ -147,6 +147,12 @@ def _eval_and_train(model, batch):
 def check(model_type: str, group, atol: float = 1e-5, shard_options: dict | None = None) -> Verdict:
     """The verdict for one model type (call on every rank of `group`; the comparison communicates).
     shard_options: more `ShardConfig` fields (enable_sequence_parallelism=True for the SP sweep)."""
+    return check_variants(model_type, group, [shard_options or {}], atol)[0]
+
+
+def check_variants(model_type: str, group, variants: list[dict], atol: float = 1e-5) -> list[Verdict]:
+    """One verdict per entry of `variants` (`ShardConfig` options each), all against one unsharded
+    reference built and run once (the sweep with and without sequence parallelism)."""
     first_error = None
     for shrink_head_dim in (False, True):
         try:
@@ -157,13 +163,21 @@ def check(model_type: str, group, atol: float = 1e-5, shard_options: dict | None
         except Exception as e:  # noqa: BLE001 - not meshboost's: nothing to compare
             first_error = first_error or e
     else:
-        return Verdict(model_type, "?", "not run", f"{type(first_error).__name__}: "
-                       f"{str(first_error).splitlines()[0][:160]}")
+        return [Verdict(model_type, "?", "not run", f"{type(first_error).__name__}: "
+                        f"{str(first_error).splitlines()[0][:160]}") for _ in variants]
     if not torch.isfinite(ref_loss):
-        return Verdict(model_type, cls, "not run", "the unsharded tiny model gives a non-finite loss")
+        return [Verdict(model_type, cls, "not run", "the unsharded tiny model gives a non-finite loss")
+                for _ in variants]
+    reference = (ref, batch, ref_eval, ref_loss)
+    return [_check_sharded(model_type, cls, shrink_head_dim, reference, group, options, atol) for options in variants]
+
+
+def _check_sharded(model_type: str, cls: str, shrink_head_dim: bool, reference: tuple, group, shard_options: dict,
+                   atol: float) -> Verdict:
+    ref, batch, ref_eval, ref_loss = reference
     _, par = build(model_type, shrink_head_dim=shrink_head_dim)
     try:
-        ShardFormer(ShardConfig(tensor_parallel_process_group=group, **(shard_options or {}))).optimize(par)
+        ShardFormer(ShardConfig(tensor_parallel_process_group=group, **shard_options)).optimize(par)
     except (ValueError, TypeError, NotImplementedError) as e:
         return Verdict(model_type, cls, "refused", str(e).splitlines()[0][:240])
     try:

@@ -2,9 +2,10 @@
 transformers 5.24), built tiny and sharded at tp=2 against the unsharded model
 (meshboost/testing/sweep.py): each ends `ok` (loss, eval output and every gathered gradient within
 1e-5), a clear refusal at sharding time, or `not run` (the tiny model cannot run on input_ids alone
-unsharded). None may end FAIL: a crash after sharding or a number that differs. The sweep runs again
-with sequence parallelism on (same verdicts; a layer it cannot split is refused at the first call). docs/models.md is
-this table, written by `python tools/sweep_models.py`."""
+unsharded). None may end FAIL: a crash after sharding or a number that differs. Each model is also
+sharded with sequence parallelism on, against the same reference (same verdicts; a layer it cannot
+split is refused at the first call). docs/models.md is this table, written by
+`python tools/sweep_models.py`."""
 
 from __future__ import annotations
 
@@ -26,10 +27,13 @@ SP_MUST_BE_OK = ("llama", "mistral", "qwen2", "gemma", "gemma2", "cohere", "qwen
 def _body(rank, world):
     import transformers
 
-    from meshboost.testing.sweep import check, plan_model_types
+    from meshboost.testing.sweep import check_variants, plan_model_types
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore")
-    verdicts = [check(model_type, dist.group.WORLD) for model_type in plan_model_types()]
+    # each model type against one unsharded reference: plain tp, then with sequence parallelism
+    both = [check_variants(model_type, dist.group.WORLD, [{}, {"enable_sequence_parallelism": True}])
+            for model_type in plan_model_types()]
+    verdicts, sp = [b[0] for b in both], [b[1] for b in both]
     failed = [f"{v.model_type} ({v.cls}): {v.detail}" for v in verdicts if v.status == "FAIL"]
     assert not failed, "sharded models that crash or compute other numbers:\n" + "\n".join(failed)
     status = {v.model_type: v.status for v in verdicts}
@@ -37,8 +41,6 @@ def _body(rank, world):
     assert not not_ok, f"families that must match the unsharded model: {not_ok}"
     assert sum(v.status == "ok" for v in verdicts) >= 45, [(v.model_type, v.status) for v in verdicts]
     # the same sweep with sequence parallelism: ok or a clear refusal, never a crash or another number
-    sp = [check(model_type, dist.group.WORLD, shard_options={"enable_sequence_parallelism": True})
-          for model_type in plan_model_types()]
     failed = [f"{v.model_type} ({v.cls}): {v.detail}" for v in sp if v.status == "FAIL"]
     assert not failed, "sequence parallelism: crashes or other numbers:\n" + "\n".join(failed)
     sp_status = {v.model_type: v.status for v in sp}
