@@ -19,7 +19,6 @@ from meshboost.optim import PrecisionConfig, ZeroConfig
 from meshboost.pipeline import PipelineConfig
 from meshboost.pipeline.normalization import MODES as NORMALIZATIONS
 from meshboost.pipeline.normalization import TOKENS
-from meshboost.plugins.hybrid_zero3 import check_zero3_settings
 from meshboost.shardformer import Policy, ShardConfig
 
 # Who averages gradients over the data-parallel group; exactly one of them does, decided by `dp_reducer`.
@@ -105,7 +104,11 @@ class HybridParallelConfig:
             if self.zero.stage != 0:
                 raise ValueError(f"fully_sharded=True (zero_stage=3) with ZeroConfig(stage={self.zero.stage}); "
                                  "pass ZeroConfig(stage=0): FSDP2 does the sharding")
-            check_zero3_settings(self.pipeline.pp_size)
+            if self.pipeline.pp_size > 1:
+                raise NotImplementedError(
+                    f"zero_stage=3 with pp_size={self.pipeline.pp_size}: FSDP2 would gather and reduce every weight "
+                    "once per micro-batch on each stage (ColossalAI's HybridParallelPlugin allows zero_stage 0, 1, 2 "
+                    "only); use pp_size=1 with zero_stage=3, or zero_stage=1 with pipeline parallelism")
 
     @property
     def pp_size(self) -> int:

@@ -10,8 +10,9 @@ shards, as without ZeRO) and reduce-scatters the gradients over dp. The paramete
 gathering and loading read them as for every other layout, and the gradient hooks some parameters
 carry (sums over tp: sequence parallelism, shared q/k norms, replicated kv heads) are moved onto the
 unsharded parameters FSDP2 hands autograd. Precision is FSDP2's MixedPrecisionPolicy (fp32 shards
-are the masters) with `FSDPOptimizer`'s step. Also refuses what this composition does not run
-(pipeline stages). Must not implement sharding, reduction or checkpoints itself.
+are the masters) with `FSDPOptimizer`'s step. Also refuses models and optimizers it cannot shard
+(pipeline stages are refused with the other settings, in config.py). Must not implement sharding,
+reduction or checkpoints itself.
 """
 
 from __future__ import annotations
@@ -27,15 +28,6 @@ from meshboost.plugins.fsdp_optimizer import FSDPOptimizer
 from meshboost.plugins.fsdp_wrap import apply_fsdp, is_sharded, move_optimizer
 
 ZERO3 = 3
-
-
-def check_zero3_settings(pp_size: int) -> None:
-    """Pure (the same on every rank, before any collective): what zero_stage=3 does not compose with."""
-    if pp_size > 1:
-        raise NotImplementedError(f"zero_stage=3 with pp_size={pp_size}: FSDP2 would gather and reduce every "
-                                  "weight once per micro-batch on each stage (ColossalAI's HybridParallelPlugin "
-                                  "allows zero_stage 0, 1, 2 only); use pp_size=1 with zero_stage=3, or zero_stage=1 "
-                                  "with pipeline parallelism")
 
 
 def check_zero3_model(model: nn.Module, optimizer, on_meta: bool) -> None:
