@@ -17,5 +17,6 @@ setup(
     packages=find_packages(include=["meshboost", "meshboost.*"]),
     python_requires=">=3.10",
     install_requires=requirements("requirements.txt"),
+    extras_require={"lora": ["peft>=0.13"]},          # booster.enable_lora
     license="Apache-2.0",
 )

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from torch.optim import Optimizer
 
-from meshboost.booster import checkpoint_io
+from meshboost.booster import checkpoint_io, lora
 from meshboost.booster.mixed_precision import AutocastModel, apply_mixed_precision, check_mixed_precision
 from meshboost.booster.plugin import Plugin
 from meshboost.booster.wrappers import ModelWrapper
@@ -114,15 +114,19 @@ class Booster:
 
     def enable_lora(self, model: nn.Module, pretrained_dir: str | None = None, lora_config=None,
                     bnb_quantization_config=None, quantize: bool = False) -> nn.Module:
-        """ColossalAI's LoRA entry point: not built in meshboost (its tensor-parallel policies do not
-        know peft's adapter layers); refused on every rank alike, before any collective."""
-        raise NotImplementedError("booster.enable_lora is not supported by meshboost: its plugins shard and "
-                                  "reduce whole HuggingFace models and have not been checked with peft's adapter "
-                                  "layers; fine-tune the full model, or apply peft yourself outside meshboost")
+        """Wrap `model` with HuggingFace peft LoRA adapters, before `boost`: new ones from
+        `lora_config` (a `peft.LoraConfig`), or trainable ones loaded from `pretrained_dir` (a peft
+        folder). Boost the returned model; build the optimizer on its parameters (peft freezes the
+        base weights). Plugins: TorchDDPPlugin, LowLevelZeroPlugin, HybridParallelPlugin(tp_size=1,
+        pp_size=1), as ColossalAI. QLoRA (quantize / bnb_quantization_config) is refused."""
+        return lora.enable_lora(self.plugin, model, pretrained_dir, lora_config, bnb_quantization_config, quantize)
 
     def save_lora_as_pretrained(self, model: nn.Module, checkpoint: str, use_safetensors: bool = False) -> None:
-        raise NotImplementedError("booster.save_lora_as_pretrained: LoRA is not supported by meshboost "
-                                  "(see Booster.enable_lora); booster.save_model saves the whole model")
+        """Save only the LoRA adapters of boosted `model` as a peft folder (`adapter_config.json` and the
+        adapter weights: fp32 masters when the optimizer keeps them) that `PeftModel.from_pretrained`
+        and `enable_lora(pretrained_dir=...)` load. Call on every rank."""
+        _check_flag("use_safetensors", use_safetensors)
+        lora.save_lora(model, checkpoint, use_safetensors, self.mesh)
 
     # -- checkpoints (ColossalAI's signatures). The layout is the plugin's mesh (no plugin: one
     # replicated model, rank 0 writes); the work is in meshboost/checkpoint. Call on every rank. --

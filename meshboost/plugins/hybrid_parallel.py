@@ -372,6 +372,13 @@ class HybridParallelPlugin(Plugin):
                              communication_dtype=zc.communication_dtype, **common)
 
     # -- pipeline parallelism (meshboost/pipeline) ---------------------------------------------------
+    def lora_refusal(self) -> str | None:
+        if self.tp_size > 1 or self.pp_size > 1:          # ColossalAI: tp_size == 1 only
+            return (f"LoRA with tp_size={self.tp_size}, pp_size={self.pp_size}: peft's adapter layers are not "
+                    "sharded or staged by meshboost's policies; use HybridParallelPlugin(tp_size=1, pp_size=1) "
+                    "(ZeRO and precision as you like), LowLevelZeroPlugin or TorchDDPPlugin")
+        return None
+
     @property
     def supports_pipeline(self) -> bool:
         return self.pp_size > 1

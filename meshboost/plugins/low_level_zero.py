@@ -126,6 +126,9 @@ class LowLevelZeroPlugin(Plugin):
         input_dtype = self.precision_config.dtype if self.cast_inputs else None
         return LowLevelZeroModel(model, self.mesh, input_dtype), optimizer, criterion, dataloader, lr_scheduler
 
+    def lora_refusal(self) -> None:
+        return None                       # ZeRO partitions the trainable adapters; the frozen base is left alone
+
     def no_sync(self, model, optimizer=None):
         """Stage 1: gradients stay local until step. Stage 2: an error (ZeroOptimizer.no_sync says why)."""
         if not isinstance(optimizer, ZeroOptimizer):

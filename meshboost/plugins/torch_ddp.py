@@ -53,6 +53,9 @@ class TorchDDPPlugin(Plugin):
             optimizer = OptimizerWrapper(optimizer)
         return TorchDDPModel(ddp), optimizer, criterion, dataloader, lr_scheduler
 
+    def lora_refusal(self) -> None:
+        return None                       # adapters are ordinary trainable parameters to DDP
+
     def no_sync(self, model, optimizer=None):
         if not isinstance(model, TorchDDPModel):
             raise TypeError("no_sync needs the model returned by booster.boost(...)")

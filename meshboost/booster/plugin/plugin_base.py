@@ -60,3 +60,8 @@ class Plugin(ABC):
     @property
     def supports_pipeline(self) -> bool:
         return False
+
+    def lora_refusal(self) -> str | None:
+        """Why `booster.enable_lora` cannot train adapters with this plugin (None: it can). Pure."""
+        return (f"{type(self).__name__} does not support LoRA (nor does ColossalAI's); use TorchDDPPlugin, "
+                "LowLevelZeroPlugin or HybridParallelPlugin(tp_size=1, pp_size=1)")
