@@ -12,6 +12,7 @@ import os
 
 import torch.nn as nn
 
+from meshboost.booster import lora
 from meshboost.booster.wrappers import ModelWrapper, unwrap_model
 from meshboost.checkpoint import load_lr_scheduler, load_model, optimizer_io, save_lr_scheduler, save_model, step_io
 from meshboost.distributed.launch import get_current_device
@@ -34,10 +35,14 @@ def load_boosted_model(model: nn.Module, checkpoint: str, strict: bool = True, m
     """Load an HF folder/file into boosted `model` in place (any layout; only owned slices are read;
     a meta-device model is materialised on the mesh's device). With pipeline stages a stage holds
     part of the model, so checkpoint tensors of other stages are expected and skipped. The
-    optimizer boosted with `model` gets its fp32 masters refreshed from the loaded weights."""
+    optimizer boosted with `model` gets its fp32 masters refreshed from the loaded weights. A LoRA
+    model loads a checkpoint of its base model (its adapters keep their values) or one of itself."""
     staged = mesh is not None and mesh.pp_size > 1
     device = mesh.device if mesh is not None else get_current_device()
-    load_model(unwrap_model(model), checkpoint, strict=strict, device=device, partial_model=staged)
+    inner = unwrap_model(model)
+    # a LoRA model (booster.enable_lora) reads its base weights from the base model's HF checkpoint
+    rename = lora.base_checkpoint_name if lora.is_peft_model(inner) else None
+    load_model(inner, checkpoint, strict=strict, device=device, partial_model=staged, rename=rename)
     optimizer = _optimizer_of(model)
     if optimizer is not None:
         optimizer.sync_masters_from_model()

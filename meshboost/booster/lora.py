@@ -12,6 +12,7 @@ parameters and the base weights frozen ones. Must not shard, reduce or write ten
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 import torch.nn as nn
@@ -20,6 +21,24 @@ from meshboost.booster.wrappers import ModelWrapper, unwrap_model
 from meshboost.checkpoint.atomic import AtomicTarget
 from meshboost.checkpoint.writer import agree, save_roles
 from meshboost.distributed.param_info import full_on_cpu, get_tp_info
+
+_WRAPPED = re.compile(r"\.(base_layer|original_module|modules_to_save\.[^.]+)\.")
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    """Whether `model` is a peft model (checked by class module, so peft is not imported for others)."""
+    return any(c.__module__.startswith("peft.") for c in type(model).__mro__)
+
+
+def base_checkpoint_name(name: str) -> str | None:
+    """The name a parameter of a peft LoRA model goes by in a checkpoint of its base model (the
+    HF name: the `base_model.model.` prefix and peft's wrapper levels dropped), or None for an adapter
+    tensor, which such a checkpoint does not hold (`booster.load_model` of the base weights)."""
+    if any(part.startswith("lora_") for part in name.split(".")):
+        return None
+    if name.startswith("base_model.model."):
+        name = name[len("base_model.model."):]
+    return _WRAPPED.sub(".", name)
 
 
 def require_peft():

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -134,7 +135,7 @@ def _reinit_meta_buffers(model: nn.Module, device: torch.device) -> None:
 
 @torch.no_grad()
 def load_model(model: nn.Module, checkpoint: str, strict: bool = True, device: torch.device | None = None,
-               partial_model: bool = False) -> None:
+               partial_model: bool = False, rename: Callable[[str], str | None] | None = None) -> None:
     """Load `checkpoint` (an HF folder or file) into `model` in place, at whatever tensor-parallel
     layout `model` has. Parameters on the meta device are materialised on `device`.
 
@@ -146,6 +147,10 @@ def load_model(model: nn.Module, checkpoint: str, strict: bool = True, device: t
     A weight tied to another (GPT-2's lm_head to wte) is stored once, under the name HF keeps
     (`all_tied_weights_keys`); it is found under that name even where a pipeline stage holds only
     the tied copy.
+
+    rename(name): another name to look a tensor up by after its own (a peft model's parameters in a
+    checkpoint of its base model); None for a tensor such a checkpoint cannot hold (an adapter),
+    which is then left as it is when the checkpoint lacks it, not reported missing.
     """
     reader = CheckpointReader(checkpoint)
     prefix = getattr(model, "base_model_prefix", "") or ""
@@ -159,11 +164,18 @@ def load_model(model: nn.Module, checkpoint: str, strict: bool = True, device: t
     param_ids = {id(p) for _, p, _ in entries}
     entries += [(n, b, [n]) for n, b in state.items() if id(b) not in param_ids and isinstance(b, torch.Tensor)]
 
+    if rename is not None:
+        entries = [(name, t, [*names, *(r for r in [rename(name)] if r is not None)], rename(name) is None)
+                   for name, t, names in entries]
+    else:
+        entries = [(name, t, names, False) for name, t, names in entries]
     resolved = []
-    for name, tensor, names in entries:
+    for name, tensor, names, optional in entries:
         key = next((c for n in names for c in _candidates(n, prefix) if c in keys), None)
-        if key is None:
+        if key is None and not optional:
             missing.append(name)
+        elif key is None:
+            continue
         else:
             resolved.append((reader.weight_map[key], key, name, tensor))
     # File by file, releasing each file's mapping before the next: the file-backed pages a rank
@@ -198,7 +210,7 @@ def load_model(model: nn.Module, checkpoint: str, strict: bool = True, device: t
             tensor.copy_(value)
     reader.release()
     # tied aliases count as used
-    for _, _, names in entries:
+    for _, _, names, _ in entries:
         for n in names:
             for c in _candidates(n, prefix):
                 if c in keys:

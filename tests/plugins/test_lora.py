@@ -3,7 +3,9 @@ with TorchDDPPlugin, LowLevelZeroPlugin (ZeRO-2) and HybridParallelPlugin(tp_siz
 Llama with LoRA adapters on q/v trains like one process training the same peft model on the whole
 batch (loss per step and adapter weights after 3 AdamW steps within 1e-5; the frozen base weights
 bitwise unchanged); the adapters saved by save_lora_as_pretrained load with PeftModel.from_pretrained
-and through enable_lora(pretrained_dir=...) to the trained values; bf16 saves the fp32 masters.
+and through enable_lora(pretrained_dir=...) to the trained values; bf16 saves the fp32 masters;
+booster.load_model after boost reads the base weights from the base model's HF checkpoint (Llama, and
+GPT-2 with its tied head), keeps the adapters, and then trains like peft on that base.
 What is not supported is refused on every rank with the fix named: tp_size > 1, pp_size > 1,
 GeminiPlugin, QLoRA, enable_lora after boost, a missing or wrong config."""
 
@@ -29,8 +31,8 @@ def _lora_config():
     return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 
 
-def _peft_model(booster=None):
-    base = build_model("LlamaForCausalLM", tiny_config("llama"), seed=0)
+def _peft_model(booster=None, seed=0):
+    base = build_model("LlamaForCausalLM", tiny_config("llama"), seed=seed)
     torch.manual_seed(5)                                   # lora_A's random init: the same everywhere
     if booster is None:
         return peft.get_peft_model(base, _lora_config())
@@ -47,8 +49,8 @@ def _adapters(model) -> dict:
     return {n: p.detach().float().clone() for n, p in model.named_parameters() if "lora_" in n}
 
 
-def _reference():
-    model = _peft_model()
+def _reference(seed=0):
+    model = _peft_model(seed=seed)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses = []
     for batch in _batches():
@@ -118,6 +120,33 @@ def _body(rank, world, root):
         resumed, *_ = again.boost(resumed, torch.optim.AdamW(resumed.parameters(), lr=LR))
         _close(_adapters(resumed.unwrap()), trained, 0.0, f"{name} enable_lora(pretrained_dir)")
 
+    # booster.load_model of the base model's HF checkpoint after boost (ColossalChat's lora_finetune.py):
+    # base weights from the file (masters refreshed), adapters kept; trains like peft on that base
+    hf_losses, hf_adapters, _ = _reference(seed=3)
+    for name in ("ddp", "hybrid_zero1"):
+        booster = Booster(plugin=plugins[name]())
+        model = _peft_model(booster, seed=0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        model, optimizer, *_ = booster.boost(model, optimizer)
+        booster.load_model(model, os.path.join(root, "hf_llama"))
+        for batch in _batches():
+            booster.backward(model(**{k: v[rows] for k, v in batch.items()}).loss, optimizer)
+            optimizer.step()
+            optimizer.zero_grad()
+        _close(_adapters(model.unwrap()), hf_adapters, 1e-5, f"{name}: load_model(base checkpoint), then train")
+    # a tied LM head (GPT-2, Conv1D attention): every base weight read from the HF checkpoint
+    booster = Booster(plugin=TorchDDPPlugin())
+    gpt2 = booster.enable_lora(build_model("GPT2LMHeadModel", tiny_config("gpt2"), seed=0),
+                               lora_config=peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
+    gpt2, *_ = booster.boost(gpt2)
+    booster.load_model(gpt2, os.path.join(root, "hf_gpt2"))
+    hf = build_model("GPT2LMHeadModel", tiny_config("gpt2"), seed=3).state_dict()
+    for n, p in gpt2.unwrap().named_parameters():
+        if "lora_" not in n:
+            key = n.removeprefix("base_model.model.").replace(".base_layer.", ".")
+            assert torch.equal(p.detach(), hf[key]), f"GPT-2 LoRA load_model: {n}"
+    assert gpt2.unwrap().base_model.model.lm_head.weight is gpt2.unwrap().base_model.model.transformer.wte.weight
+
     # refusals: on every rank, before any collective
     base = build_model("LlamaForCausalLM", tiny_config("llama"), seed=0)
     def lora(plugin=None, **kwargs):
@@ -147,4 +176,6 @@ def _body(rank, world, root):
 
 
 def test_lora_trains_saves_and_loads_like_one_process(tmp_path):
+    build_model("LlamaForCausalLM", tiny_config("llama"), seed=3).save_pretrained(tmp_path / "hf_llama")
+    build_model("GPT2LMHeadModel", tiny_config("gpt2"), seed=3).save_pretrained(tmp_path / "hf_gpt2")
     spawn(_body, 2, str(tmp_path))
