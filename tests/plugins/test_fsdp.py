@@ -8,9 +8,9 @@
   states (sum of the local shards) are 1/dp of the unsharded figure, within one row of padding;
 * bf16 and fp16 train (fp16: the dynamic loss scale skips an overflowing step on every rank);
 * no_sync accumulates two micro-batches into one step;
-* save_model(shard=True) -> from_pretrained is bitwise equal; load_model round-trips; a
-  save/load_optimizer round-trip then one more step equals the uninterrupted run, and the same
-  optimizer checkpoint resumes a single-process run (topology-free);
+* save_model(shard=True) -> from_pretrained is bitwise equal; load_model round-trips (also after an
+  eval forward under no_grad); a save/load_optimizer round-trip then one more step equals the
+  uninterrupted run, and the same optimizer checkpoint resumes a single-process run (topology-free);
 * ColossalAI arguments without an FSDP2 meaning are refused, naming what to use.
 """
 
@@ -231,6 +231,10 @@ def _checkpoints(rank, world, folder):
     dist.barrier()
 
     booster, model, opt = boosted()                                  # resumed: different initial weights
+    model.eval()
+    with torch.no_grad():        # an evaluation forward first: the load must reshard (it crashed once)
+        model(**batches[0])
+    model.train()
     try:
         booster.load_model(model, f"{folder}/model")
     except RuntimeError as e:

@@ -2,8 +2,9 @@
 with TorchDDPPlugin, LowLevelZeroPlugin (ZeRO-2) and HybridParallelPlugin(tp_size=1, ZeRO-1), a tiny
 Llama with LoRA adapters on q/v trains like one process training the same peft model on the whole
 batch (loss per step and adapter weights after 3 AdamW steps within 1e-5; the frozen base weights
-bitwise unchanged); the adapters saved by save_lora_as_pretrained load with PeftModel.from_pretrained
-and through enable_lora(pretrained_dir=...) to the trained values; bf16 saves the fp32 masters;
+bitwise unchanged, with no fp32 master or optimizer state); the adapters saved by
+save_lora_as_pretrained load with PeftModel.from_pretrained and through enable_lora(pretrained_dir=...)
+to the trained values; bf16 saves the fp32 masters;
 booster.load_model after boost reads the base weights from the base model's HF checkpoint (Llama, and
 GPT-2 with its tied head), keeps the adapters, and then trains like peft on that base.
 What is not supported is refused on every rank with the fix named: tp_size > 1, pp_size > 1,
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from meshboost import Booster
+from meshboost.optim.memory import memory_breakdown
 from meshboost.plugins import GeminiPlugin, HybridParallelPlugin, LowLevelZeroPlugin, TorchDDPPlugin
 from meshboost.testing import spawn
 from meshboost.testing.models import VOCAB, build_model, tiny_config
@@ -94,6 +96,11 @@ def _body(rank, world, root):
         folder = os.path.join(root, name)
         booster.save_lora_as_pretrained(model, folder, use_safetensors=True)
         saved = peft.PeftModel.from_pretrained(build_model("LlamaForCausalLM", tiny_config("llama"), seed=0), folder)
+        # masters and AdamW states exist for the adapters only (the frozen base has neither)
+        lora_numel = sum(p.numel() for n, p in model.unwrap().named_parameters() if "lora_" in n)
+        held = memory_breakdown(model, optimizer)
+        assert held["optimizer_states"] <= 2 * 4 * lora_numel + 64, (name, held, lora_numel)
+        assert held["fp32_masters"] <= (4 * lora_numel + 64 if name == "hybrid_bf16" else 0), (name, held, lora_numel)
         if name == "hybrid_bf16":                     # bf16 compute: near the fp32 run; the files hold fp32 masters
             assert all(abs(a - b) < 5e-2 for a, b in zip(losses, ref_losses)), (losses, ref_losses)
             _close(_adapters(saved), ref_adapters, 2e-2, name)
