@@ -59,7 +59,7 @@ def _worker(rank: int, world_size: int, port: int, fn, args, kwargs, env=None):
 
 
 def spawn(fn, nprocs: int, *args, **kwargs) -> None:
-    """Run `fn(rank, world_size, *args, **kwargs)` in `nprocs` fresh processes sharing one process
+    """Run `fn(rank, world_size, *args, **kwargs)` in `nprocs` new processes sharing one process
     group; re-raises the first failure. `fn` must be importable (module level)."""
     if _START_METHOD == "forkserver":
         multiprocessing.set_forkserver_preload(_PRELOAD)     # read when the server starts (first call)
