@@ -106,16 +106,16 @@ def save_lora(model: nn.Module, checkpoint: str, use_safetensors: bool, mesh=Non
         source = tensor if source is None else source
         if roles.gathers:
             state[name] = full_on_cpu(source, get_tp_info(tensor), reuse=source is not tensor)
-    failed = 0.0
     if roles.main_writer:
-        target = AtomicTarget(checkpoint, is_file=False)
+        target = None
         try:
+            target = AtomicTarget(checkpoint, is_file=False)     # e.g. refuses a path that is a file
             peft_model.save_pretrained(target.path, state_dict=state, safe_serialization=use_safetensors)
             target.commit()
         except BaseException:
-            target.abort()
-            failed = 1.0
-            agree([failed], roles)             # the other ranks learn of it, then this one raises
+            if target is not None:
+                target.abort()
+            agree([1.0], roles)                # the other ranks learn of it, then this one raises
             raise
-    if agree([failed], roles)[0]:
+    if agree([0.0], roles)[0]:
         raise RuntimeError(f"save_lora_as_pretrained: rank 0 failed to write {checkpoint!r} (its error is above)")

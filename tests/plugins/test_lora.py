@@ -179,6 +179,17 @@ def _body(rank, world, root):
         booster.enable_lora(boosted, lora_config=_lora_config())
     with pytest.raises(TypeError, match="booster.enable_lora"):
         booster.save_lora_as_pretrained(boosted, os.path.join(root, "nope"))
+    # a save rank 0 cannot place (the path is a file) fails on every rank, leaving the file as it was
+    booster = Booster(plugin=TorchDDPPlugin())
+    model, *_ = booster.boost(_peft_model(booster))
+    blocker = os.path.join(root, "a_file")
+    if rank == 0:
+        with open(blocker, "w") as fh:
+            fh.write("keep me")
+    dist.barrier()
+    with pytest.raises((ValueError, RuntimeError), match="is a file|rank 0 failed"):
+        booster.save_lora_as_pretrained(model, blocker)
+    assert open(blocker).read() == "keep me"
     assert not os.path.exists(os.path.join(root, "nope"))
 
 
