@@ -371,7 +371,6 @@ class HybridParallelPlugin(Plugin):
                              reduce_bucket_size=zc.reduce_bucket_size, cpu_offload=zc.cpu_offload,
                              communication_dtype=zc.communication_dtype, **common)
 
-    # -- pipeline parallelism (meshboost/pipeline) ---------------------------------------------------
     def lora_refusal(self) -> str | None:
         if self.tp_size > 1 or self.pp_size > 1:          # ColossalAI: tp_size == 1 only
             return (f"LoRA with tp_size={self.tp_size}, pp_size={self.pp_size}: peft's adapter layers are not "
@@ -379,6 +378,7 @@ class HybridParallelPlugin(Plugin):
                     "(ZeRO and precision as you like), LowLevelZeroPlugin or TorchDDPPlugin")
         return None
 
+    # -- pipeline parallelism (meshboost/pipeline) ---------------------------------------------------
     @property
     def supports_pipeline(self) -> bool:
         return self.pp_size > 1
