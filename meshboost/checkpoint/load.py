@@ -164,20 +164,15 @@ def load_model(model: nn.Module, checkpoint: str, strict: bool = True, device: t
     param_ids = {id(p) for _, p, _ in entries}
     entries += [(n, b, [n]) for n, b in state.items() if id(b) not in param_ids and isinstance(b, torch.Tensor)]
 
-    if rename is not None:
-        entries = [(name, t, [*names, *(r for r in [rename(name)] if r is not None)], rename(name) is None)
-                   for name, t, names in entries]
-    else:
-        entries = [(name, t, names, False) for name, t, names in entries]
     resolved = []
-    for name, tensor, names, optional in entries:
-        key = next((c for n in names for c in _candidates(n, prefix) if c in keys), None)
-        if key is None and not optional:
-            missing.append(name)
-        elif key is None:
-            continue
-        else:
+    for name, tensor, names in entries:
+        alias = rename(name) if rename is not None else name
+        lookup = names if alias in (None, name) else [*names, alias]
+        key = next((c for n in lookup for c in _candidates(n, prefix) if c in keys), None)
+        if key is not None:
             resolved.append((reader.weight_map[key], key, name, tensor))
+        elif alias is not None:                # (a tensor renamed to None may be absent: left as it is)
+            missing.append(name)
     # File by file, releasing each file's mapping before the next: the file-backed pages a rank
     # maps stay bounded by one weights file.
     resolved.sort(key=lambda r: r[0])
@@ -210,7 +205,7 @@ def load_model(model: nn.Module, checkpoint: str, strict: bool = True, device: t
             tensor.copy_(value)
     reader.release()
     # tied aliases count as used
-    for _, _, names, _ in entries:
+    for _, _, names in entries:
         for n in names:
             for c in _candidates(n, prefix):
                 if c in keys:

@@ -84,12 +84,6 @@ def _carry_grad_hooks(model: nn.Module, hooks: dict[str, list]) -> None:
                            f"{sorted(left)[:4]}, whose gradient hooks would be lost; use zero_stage=1 or 2")
 
 
-def zero3_fsdp_config(precision: PrecisionConfig) -> FSDPConfig:
-    """The FSDP2 build of zero_stage=3: compute in the plugin's precision, gradients reduce-scattered
-    in fp32 (the masters' dtype), gathered weights freed after forward."""
-    return FSDPConfig(precision=precision)
-
-
 def shard_zero3(model: nn.Module, optimizer, mesh, precision: PrecisionConfig) -> tuple[list[nn.Module], object]:
     """Shard the tensor-parallel `model` (on the mesh's device, fp32) over dp with FSDP2, in place;
     move the user's `optimizer` onto the new parameters and wrap it in `FSDPOptimizer`. Returns
@@ -99,7 +93,8 @@ def shard_zero3(model: nn.Module, optimizer, mesh, precision: PrecisionConfig) -
     # The records each parameter carries (tp_info, pipeline ties): FSDP2's new parameters lack them.
     records = {n: {k: v for k, v in p.__dict__.items() if not k.startswith("_")}
                for n, p in model.named_parameters()}
-    units = apply_fsdp(model, zero3_fsdp_config(precision), mesh)
+    # compute in the plugin's precision, gradients reduce-scattered in fp32 (the masters' dtype)
+    units = apply_fsdp(model, FSDPConfig(precision=precision), mesh)
     for n, p in model.named_parameters():
         p.__dict__.update(records[n])
     _carry_grad_hooks(model, hooks)
