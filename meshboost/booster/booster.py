@@ -17,6 +17,7 @@ from meshboost.booster.plugin import Plugin
 from meshboost.booster.wrappers import ModelWrapper
 from meshboost.checkpoint import load_lr_scheduler, save_lr_scheduler
 from meshboost.distributed import ParallelMesh
+from meshboost.distributed.agreement import agree_model
 from meshboost.distributed.launch import get_current_device
 from meshboost.lazy import LazyInitContext, lazy_seed
 from meshboost.optim import OptimizerWrapper
@@ -70,6 +71,8 @@ class Booster:
             raise RuntimeError("this model was already boosted; pass the original model to boost() once")
         if optimizer is not None:
             _check_optimizer_trains(model, optimizer)
+        if self.plugin is not None:      # collective, after the pure checks: every rank built the same model
+            agree_model(model, f"{type(self.plugin).__name__} boost")
         if lazy_seed(model) is not None and not getattr(self.plugin, "materializes_lazy_models", False):
             # built under LazyInitContext: a plugin that does not shard it first gets it whole
             device = self.mesh.device if self.mesh is not None else get_current_device()

@@ -2,8 +2,9 @@
 
 Owns: `agree_settings` (every rank passed the same configuration: one all-gather of an 8-byte
 digest, details exchanged only on a mismatch) and `check_same_inputs` (every rank of a group was
-fed the same batch: one all-gather of a fixed-size digest). Both raise on every rank of the group
-at once, naming what differs. Must not know plugins or models.
+fed the same batch: one all-gather of a fixed-size digest) and `agree_model` (every rank built the
+same model before boost: names, shapes, dtypes, HF config). Each raises on every rank of the group
+at once, naming what differs. Must not know plugins or parallel layouts.
 """
 
 from __future__ import annotations
@@ -107,3 +108,44 @@ def check_same_inputs(tensors: list[torch.Tensor], group, what: str, fix: str) -
     differing = [ranks[i] for i in range(len(ranks)) if not torch.equal(rows[i], rows[0])]
     raise ValueError(f"the {what} ranks {ranks} were fed different inputs (ranks {differing} differ from rank "
                      f"{ranks[0]}): they must see the same batch, or the result is silently wrong. {fix}")
+
+
+def _model_description(model) -> dict:
+    """What every rank's copy of a model must share before it is boosted: each parameter's and
+    buffer's name, shape and dtype in order, and the HF config (when there is one)."""
+    tensors = [("parameter", n, p) for n, p in model.named_parameters()]
+    tensors += [("buffer", n, b) for n, b in model.named_buffers()]
+    described = {f"{kind} {name}": f"{list(t.shape)} {str(t.dtype).replace('torch.', '')}"
+                 for kind, name, t in tensors}
+    config = getattr(model, "config", None)
+    if hasattr(config, "to_dict"):
+        described.update({f"config.{k}": _stable(v) for k, v in config.to_dict().items()
+                          if k not in ("_name_or_path", "transformers_version")})
+    return described
+
+
+def agree_model(model, what: str) -> None:
+    """Raise on every rank, naming the first differences, unless every rank holds the same model
+    (parameter and buffer names, shapes and dtypes, HF config): one all-gather of an 8-byte digest;
+    the descriptions are only exchanged on a mismatch. Ranks that built different models (another
+    layer count, another width) would otherwise abort inside a collective (gloo: "collective
+    mismatch") or hang. A no-op without a process group or with one rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    described = _model_description(model)
+    digest = hashlib.sha256("\n".join(f"{k}={v}" for k, v in described.items()).encode()).digest()[:8]
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64,
+                        device=get_current_device())
+    everyone = comm.all_gather(mine, None, dim=0)
+    if bool((everyone == everyone[0]).all()):
+        return
+    views = [None] * dist.get_world_size()
+    dist.all_gather_object(views, described)
+    keys = list(dict.fromkeys(k for v in views for k in v))       # in model order, rank 0's first
+    differing = [k for k in keys if len({v.get(k) for v in views}) > 1]
+    differing.sort(key=lambda k: not k.startswith("config."))      # the cause first, then the tensors
+    shown = "; ".join(f"{k} is " + ", ".join(f"{v.get(k, '(absent)')} on rank {r}" for r, v in enumerate(views))
+                      for k in differing[:3])
+    more = f" (and {len(differing) - 3} more differences)" if len(differing) > 3 else ""
+    raise ValueError(f"ranks built different models for {what}: {shown}{more}. Every rank must build the same "
+                     "model (the same config, code and arguments) before boost; the plugin shards it")
