@@ -13,6 +13,7 @@ import os
 import torch.nn as nn
 
 from meshboost.booster import lora
+from meshboost.booster.dataloader import ResumableDataLoader
 from meshboost.booster.wrappers import ModelWrapper, unwrap_model
 from meshboost.checkpoint import load_lr_scheduler, load_model, optimizer_io, save_lr_scheduler, save_model, step_io
 from meshboost.distributed.launch import get_current_device
@@ -37,12 +38,21 @@ def load_boosted_model(model: nn.Module, checkpoint: str, strict: bool = True, m
     part of the model, so checkpoint tensors of other stages are expected and skipped. The
     optimizer boosted with `model` gets its fp32 masters refreshed from the loaded weights. A LoRA
     model loads a checkpoint of its base model (its adapters keep their values) or one of itself."""
+    _load_weights(model, checkpoint, strict, mesh)
+    _sync_masters(model)
+
+
+def _load_weights(model: nn.Module, checkpoint: str, strict: bool, mesh) -> None:
+    """The weights only (no communication: every rank reads its own slices)."""
     staged = mesh is not None and mesh.pp_size > 1
     device = mesh.device if mesh is not None else get_current_device()
     inner = unwrap_model(model)
     # a LoRA model (booster.enable_lora) reads its base weights from the base model's HF checkpoint
     rename = lora.base_checkpoint_name if lora.is_peft_model(inner) else None
     load_model(inner, checkpoint, strict=strict, device=device, partial_model=staged, rename=rename)
+
+
+def _sync_masters(model: nn.Module) -> None:
     optimizer = _optimizer_of(model)
     if optimizer is not None:
         optimizer.sync_masters_from_model()
@@ -80,28 +90,40 @@ def save_checkpoint(folder: str, step: int, model: nn.Module, optimizer=None, lr
         parts["optimizer"] = lambda path: save_boosted_optimizer(optimizer, path, shard=True, mesh=mesh)
     if lr_scheduler is not None:
         parts["lr_scheduler.pt"] = lambda path: save_lr_scheduler(lr_scheduler, path, mesh)
+    # prepare_dataloader's loader has a global sample position (any layout resumes from it); another
+    # loader's own state_dict is per rank (restored at the same layout only)
+    data = dataloader.state_dict() if isinstance(dataloader, ResumableDataLoader) else None
     rank_state = {"rng": step_io.rng_state(),
-                  "dataloader": dataloader.state_dict() if hasattr(dataloader, "state_dict") else None}
-    return step_io.save_step(folder, step, parts, rank_state, mesh, keep_last, extra)
+                  "dataloader": dataloader.state_dict() if data is None and hasattr(dataloader, "state_dict")
+                  else None}
+    return step_io.save_step(folder, step, parts, rank_state, mesh, keep_last, extra, data=data)
 
 
 def load_checkpoint(folder: str, model: nn.Module, optimizer=None, lr_scheduler=None, dataloader=None,
                     mesh=None) -> dict | None:
-    """Restore the committed step of `folder` (any layout for weights and optimizer; RNG states and
-    data position when the mesh is the one that saved). Returns its meta ({"step", "extra", ...}), or
-    None when `folder` holds no checkpoint yet (a fresh run)."""
-    step_folder = step_io.committed_step(folder)
-    if step_folder is None:
+    """Restore the committed step of `folder`: weights, optimizer, scheduler and the data position at
+    any layout (the position of `plugin.prepare_dataloader`'s loader is global), RNG states when the
+    mesh is the one that saved. Every rank agrees on the step and finds its files first. Returns its
+    meta ({"step", "extra", ...}), or None when `folder` holds no checkpoint yet (a fresh run)."""
+    wanted = ["model"] + (["optimizer"] if optimizer is not None else []) + \
+        (["lr_scheduler.pt"] if lr_scheduler is not None else [])
+    found = step_io.open_step(folder, wanted, mesh)
+    if found is None:
         return None
-    meta = step_io.read_meta(step_folder)
-    load_boosted_model(model, os.path.join(step_folder, "model"), mesh=mesh)
+    step_folder, meta = found.folder, found.meta
+    # a weight file one rank cannot read fails every rank here, not at the next collective
+    step_io.agreed(lambda: _load_weights(model, os.path.join(step_folder, "model"), True, mesh), mesh,
+                   f"load_checkpoint({folder!r})")
+    _sync_masters(model)
     if optimizer is not None and "optimizer" in meta["parts"]:
         load_boosted_optimizer(optimizer, os.path.join(step_folder, "optimizer"))
     if lr_scheduler is not None and "lr_scheduler.pt" in meta["parts"]:
         load_lr_scheduler(lr_scheduler, os.path.join(step_folder, "lr_scheduler.pt"))
-    rank_state = step_io.load_rank_state(step_folder, mesh)
-    if rank_state is not None:
-        step_io.set_rng_state(rank_state["rng"])
-        if dataloader is not None and rank_state["dataloader"] is not None and hasattr(dataloader, "load_state_dict"):
-            dataloader.load_state_dict(rank_state["dataloader"])
+    if found.rank_state is not None:
+        step_io.set_rng_state(found.rank_state["rng"])
+    if dataloader is not None and hasattr(dataloader, "load_state_dict"):
+        if meta.get("data") is not None and isinstance(dataloader, ResumableDataLoader):
+            dataloader.load_state_dict(meta["data"])
+        elif found.rank_state is not None and found.rank_state["dataloader"] is not None:
+            dataloader.load_state_dict(found.rank_state["dataloader"])
     return meta

@@ -3,8 +3,16 @@ axis only.
 
 Owns: `ResumableSampler` (torch's DistributedSampler that can skip the first samples of an epoch)
 and `ResumableDataLoader` (counts the batches it has handed out this epoch; `state_dict` /
-`load_state_dict` carry the epoch and that count into a training checkpoint). The count is taken
-where the user receives a batch, so worker prefetching never makes it run ahead.
+`load_state_dict` carry the epoch and the *global* sample position into a training checkpoint).
+The count is taken where the user receives a batch, so worker prefetching never makes it run ahead.
+
+Why a global position resumes at any layout: DistributedSampler draws one permutation of the whole
+dataset per epoch from (seed, epoch), independent of the number of replicas, and replica r takes
+positions r, r + R, r + 2R, ... of it. After k batches of b samples on each of R replicas the run
+has consumed exactly the first k * b * R positions of that permutation, whatever R and b are. A
+run with R' replicas resumes there by skipping that many / R' samples of its own share; when the
+count is not a multiple of R', the few samples past the last multiple are trained again, and the
+warning names them.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ class ResumableSampler(DistributedSampler):
         return itertools.islice(super().__iter__(), skip, None)
 
     def __len__(self) -> int:
-        return super().__len__() - self.skip
+        return max(super().__len__() - self.skip, 0)
 
 
 class ResumableDataLoader(DataLoader):
@@ -57,23 +65,59 @@ class ResumableDataLoader(DataLoader):
         super().__init__(*args, **kwargs)
         self.seed = seed
         self.batches_done = 0       # batches handed out in the sampler's current epoch
+        self.samples_done = 0       # samples of this replica's share consumed this epoch (skipped ones included)
 
     def __iter__(self):
+        self.samples_done = self.sampler.skip
         self.batches_done = self.sampler.skip // self.batch_size
         self.generator.manual_seed(self.seed * 1_000_003 + self.sampler.epoch)
         for batch in super().__iter__():
             self.batches_done += 1
+            self.samples_done = min(self.samples_done + self.batch_size, self.sampler.num_samples)
             yield batch
 
+    def _order(self) -> dict:
+        """What fixes the epoch's permutation of the whole dataset (not the replica count)."""
+        s = self.sampler
+        return {"dataset_len": len(s.dataset), "shuffle": bool(s.shuffle), "seed": int(s.seed)}
+
     def state_dict(self) -> dict:
-        return {"epoch": self.sampler.epoch, "batches_done": self.batches_done}
+        """The epoch and the global position in its sample order (equal on every rank of a run whose
+        replicas step together), plus this replica's own batch count."""
+        s = self.sampler
+        return {"epoch": s.epoch, "samples_done": self.samples_done * s.num_replicas, "num_replicas": s.num_replicas,
+                "batch_size": self.batch_size, "batches_done": self.batches_done, **self._order()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume at `state`'s position: the next iteration (of that epoch) starts after the batches
-        already done, so keep calling `sampler.set_epoch` with the saved epoch (`loader.sampler.epoch`)."""
-        self.sampler.set_epoch(int(state["epoch"]))
-        self.sampler.skip = int(state["batches_done"]) * self.batch_size
-        self.batches_done = int(state["batches_done"])
+        """Resume at `state`'s position, saved at this or any other data-parallel layout: the next
+        iteration (of that epoch) starts after the samples already consumed, so keep calling
+        `sampler.set_epoch` with the saved epoch (`loader.sampler.epoch`)."""
+        s, epoch = self.sampler, int(state["epoch"])
+        s.set_epoch(epoch)
+        if "samples_done" not in state:           # an older checkpoint: this replica's own count (same layout)
+            s.skip = int(state["batches_done"]) * self.batch_size
+        else:
+            changed = {k: (state[k], v) for k, v in self._order().items() if state.get(k) != v}
+            if changed:
+                detail = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
+                warnings.warn(f"the checkpoint's data order differs from this loader's ({detail}): epoch {epoch} "
+                              f"restarts from its first sample in this loader's order (the "
+                              f"{state['samples_done']} samples the checkpoint had consumed may be trained again); "
+                              "build the loader with the same dataset, shuffle and seed to resume exactly",
+                              stacklevel=3)
+                s.skip = 0
+            else:
+                consumed = int(state["samples_done"])
+                s.skip = consumed // s.num_replicas
+                resumed = s.skip * s.num_replicas
+                if resumed != consumed:
+                    warnings.warn(f"the checkpoint is {consumed} samples into epoch {epoch}'s order (saved with "
+                                  f"{state['num_replicas']} data-parallel replicas); with {s.num_replicas} replicas "
+                                  f"this run resumes at sample {resumed}, so samples {resumed}..{consumed - 1} of "
+                                  f"that order ({consumed - resumed}) are trained again; resume with a "
+                                  f"data-parallel size that divides {consumed} to avoid it", stacklevel=3)
+        self.samples_done = s.skip
+        self.batches_done = s.skip // self.batch_size
 
 
 def build_dataloader(dataset: Dataset, batch_size: int, num_replicas: int, rank: int, shuffle: bool = False,

@@ -3,15 +3,18 @@ atomic pointer update.
 
 Layout of a checkpoint folder:
     step-00000010/    model/, optimizer/, lr_scheduler.pt (whatever the caller's parts write),
-                      ranks/rank-00000.pt ... (each rank's RNG states and data-loader position),
-                      meta.json (written last: step, world size, mesh, the caller's extras)
+                      ranks/rank-00000.pt ... (each rank's RNG states; the state of a data loader
+                      that has no global position),
+                      meta.json (written last: step, world size, mesh, the data loader's global
+                      sample position, the caller's extras)
     latest            "step-00000010": the committed step, replaced atomically (os.replace)
     .step-00000012.tmp-<token>/   a save in progress; removed when it fails, or by the next save
 Saving: every rank writes into one staging folder (the parts through their own writers, then its
 rank file), all agree, global rank 0 writes meta.json, renames the folder to its step name and
 replaces `latest`; only then does it delete committed steps beyond `keep_last`. A crash at any
 point leaves `latest` naming a complete step. Loading reads `latest` (or, without it, the newest
-step holding meta.json). Needs a file system every rank shares. Must not know what the parts are.
+step holding meta.json); every rank agrees on the step and finds its files before anything is
+loaded (`open_step`). Needs a file system every rank shares. Must not know what the parts are.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import re
 import secrets
 import shutil
 import warnings
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -30,6 +34,8 @@ import torch
 
 from meshboost.checkpoint.atomic import exchange
 from meshboost.checkpoint.writer import agree, any_failed, raise_agreed_failure, save_roles
+from meshboost.distributed import comm
+from meshboost.distributed.agreement import agree_settings
 
 FORMAT = "meshboost-step-v1"
 POINTER = "latest"
@@ -117,10 +123,17 @@ def _commit(folder: str, staging: str, name: str, meta: dict, keep_last: int) ->
 
 
 def save_step(folder: str, step: int, parts: dict[str, Callable[[str], None]], rank_state: dict, mesh=None,
-              keep_last: int = 3, extra: dict | None = None) -> str:
+              keep_last: int = 3, extra: dict | None = None, data: dict | None = None) -> str:
     """Write step `step` into checkpoint folder `folder`; call on every rank. `parts`: name ->
     save(path) (collective: every rank calls each, in this order); `rank_state`: this rank's own
-    state (RNG, data position), one file per rank. Returns the committed step folder."""
+    state (RNG), one file per rank; `data`: the data loader's global position (JSON-able, equal on
+    every rank), kept in meta.json so that any layout can resume from it. Returns the committed
+    step folder."""
+    # A script that counts steps per rank would commit a step without some ranks' state (they staged
+    # elsewhere): agree first, naming each rank's value (before the checks below too, so a bad value
+    # on one rank cannot leave the others waiting).
+    agree_settings({"step": step, "keep_last": keep_last, "data position": data},
+                   f"save_checkpoint({folder!r}) arguments")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step={step!r} must be a non-negative integer (the training step just finished)")
     if not isinstance(keep_last, int) or keep_last < 1:
@@ -155,7 +168,7 @@ def save_step(folder: str, step: int, parts: dict[str, Callable[[str], None]], r
         world = torch.distributed.get_world_size() if roles.group is not None else 1
         layout = {"dp": mesh.dp_size, "pp": mesh.pp_size, "tp": mesh.tp_size} if mesh is not None else None
         meta = {"format": FORMAT, "step": step, "world_size": world, "mesh": layout, "parts": list(parts),
-                "extra": extra or {}}
+                "extra": extra or {}, "data": data}
         try:
             _commit(folder, staging, name, meta, keep_last)
         except Exception as e:  # noqa: BLE001
@@ -167,22 +180,85 @@ def save_step(folder: str, step: int, parts: dict[str, Callable[[str], None]], r
     return os.path.join(folder, name)
 
 
-def load_rank_state(step_folder: str, mesh=None) -> dict | None:
-    """This rank's saved state (RNG, data position), or None with a warning when the checkpoint
-    was written by another number of ranks or another mesh (weights and optimizer still load)."""
-    with open(os.path.join(step_folder, "meta.json"), encoding="utf-8") as fh:
-        meta = json.load(fh)
+@dataclass
+class StepToLoad:
+    """A committed step every rank has agreed on, checked before anything is loaded."""
+
+    folder: str                 # the step folder
+    meta: dict                  # its meta.json
+    rank_state: dict | None     # this rank's RNG states; None when another layout saved the step
+
+
+def open_step(folder: str, parts: list[str], mesh=None) -> StepToLoad | None:
+    """Call on every rank before loading anything: the committed step of `folder`, its meta and this
+    rank's own state. Any rank that finds a file missing or unreadable (meta.json, one of `parts` the
+    caller will load, its `ranks/rank-N.pt`) fails every rank at once, naming the file, so no rank
+    walks into the next collective while another has died; ranks that see different committed steps
+    (a folder that is not one shared file system, or a save committing meanwhile) are refused too.
+    None on every rank when no step is committed yet."""
+    result: list[StepToLoad | None] = []
+
+    def find() -> None:
+        step_folder = committed_step(folder)
+        result.append(None if step_folder is None else _read_step(step_folder, parts, mesh))
+    agreed(find, mesh, f"load_checkpoint({folder!r})")
+    found, roles = result[0], save_roles(mesh)
+    if roles.group is not None:
+        step = torch.tensor([found.meta["step"] if found is not None else -1], dtype=torch.int64, device=roles.device)
+        seen = comm.all_gather(step, roles.group, dim=0).tolist()
+        if len(set(seen)) > 1:
+            views = ", ".join(f"{step_name(v) if v >= 0 else 'none'} on rank {r}" for r, v in enumerate(seen))
+            raise RuntimeError(f"ranks see different committed steps in {folder!r} ({views}): every rank must read "
+                               "one file system that all of them share, and no save may commit while they load")
+    return found
+
+
+def agreed(load: Callable[[], None], mesh, what: str) -> None:
+    """Run `load` (which must not communicate) on every rank; a failure on any rank raises on every
+    rank, the failing one its own error, the others one quoting it."""
+    roles, error = save_roles(mesh), None
+    try:
+        load()
+    except Exception as e:  # noqa: BLE001 - agreed just below
+        error = e
+    if any_failed(error, roles):
+        raise_agreed_failure(error, roles, what)
+
+
+def _read_step(step_folder: str, parts: list[str], mesh) -> StepToLoad:
+    meta = read_meta(step_folder)
+    for part in parts:
+        if part in meta["parts"] and not os.path.exists(os.path.join(step_folder, part)):
+            raise FileNotFoundError(f"checkpoint step {step_folder!r} lists {part!r} but it is missing: the step is "
+                                    "incomplete; restore it or point 'latest' at another step")
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     layout = {"dp": mesh.dp_size, "pp": mesh.pp_size, "tp": mesh.tp_size} if mesh is not None else None
     if meta["world_size"] != world or meta["mesh"] != layout:
+        data = ("the data position is restored from the global sample count" if meta.get("data") else
+                "nor is the data-loader position (this checkpoint has no global sample count)")
         warnings.warn(f"{step_folder} was saved by {meta['world_size']} ranks as {meta['mesh']}; this run is {world} "
-                      f"ranks as {layout}: model, optimizer and scheduler are restored, the random generators and "
-                      "the data-loader position are not (the run continues from a fresh data order)", stacklevel=3)
-        return None
+                      f"ranks as {layout}: model, optimizer and scheduler are restored, the random generators are "
+                      f"not (each rank kept its own); {data}", stacklevel=4)
+        return StepToLoad(step_folder, meta, None)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    return torch.load(os.path.join(step_folder, "ranks", f"rank-{rank:05d}.pt"), weights_only=True)
+    path = os.path.join(step_folder, "ranks", f"rank-{rank:05d}.pt")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint step {step_folder!r} has no state file for rank {rank} ({path!r}; it "
+                                f"was saved by {meta['world_size']} ranks): restore the file or point 'latest' at "
+                                "another step")
+    try:
+        rank_state = torch.load(path, weights_only=True)
+    except Exception as e:  # a truncated or foreign file: name it
+        raise RuntimeError(f"cannot read rank {rank}'s state file {path!r} ({type(e).__name__}: {e}): restore the "
+                           "file or point 'latest' at another step") from e
+    return StepToLoad(step_folder, meta, rank_state)
 
 
 def read_meta(step_folder: str) -> dict:
-    with open(os.path.join(step_folder, "meta.json"), encoding="utf-8") as fh:
-        return json.load(fh)
+    path = os.path.join(step_folder, "meta.json")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError) as e:
+        raise RuntimeError(f"cannot read {path!r} ({type(e).__name__}: {e}): the step is damaged; restore it or "
+                           "point 'latest' at another step") from e
