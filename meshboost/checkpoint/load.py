@@ -2,11 +2,12 @@
 the slices this rank owns.
 
 Owns: finding the weight files of a folder (single file or index, safetensors or torch pickle),
-refusing incomplete folders, mapping checkpoint names onto parameter names (with or without the
-base-model prefix; tied weights through `names.py`), reading each parameter's owned slices as its
-`TensorParallelInfo` says (`param_info.shard_from`: vocab padding, fused blocks), and materialising
-parameters of a model built on the meta device. Must not communicate:
-every rank reads its own slices, so no rank ever holds more than its share of a tensor
+refusing incomplete folders, naming a weight file that is truncated or corrupt (`open_weights`),
+putting back a folder a dead save left aside (`atomic.recover`), mapping checkpoint names onto
+parameter names (with or without the base-model prefix; tied weights through `names.py`), reading
+each parameter's owned slices as its `TensorParallelInfo` says (`param_info.shard_from`: vocab
+padding, fused blocks), and materialising parameters of a model built on the meta device. Must not
+communicate: every rank reads its own slices, so no rank ever holds more than its share of a tensor
 (safetensors reads slices lazily; torch pickles are memory-mapped).
 """
 
@@ -21,6 +22,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from meshboost.checkpoint.atomic import recover
 from meshboost.checkpoint.names import ParamNames
 from meshboost.distributed.param_info import TensorParallelInfo, get_tp_info, replace_keeping_object, shard_from
 
@@ -30,12 +32,29 @@ _SINGLES = ("model.safetensors", "pytorch_model.bin")
 _IGNORABLE = re.compile(r"(^|\.)(position_ids|rotary_emb\.inv_freq)$")
 
 
+def open_weights(file: str, opener: Callable[[], object]):
+    """`opener()`, the file read by safetensors or torch; a file that cannot be parsed (truncated by
+    an interrupted save or copy, or corrupt) raises an error naming it and saying what to do, in
+    place of the reader's own ("incomplete metadata", "failed finding central directory")."""
+    from safetensors import SafetensorError
+    try:
+        return opener()
+    except (FileNotFoundError, PermissionError, IsADirectoryError):
+        raise                                      # the file system's answer names the file already
+    except (SafetensorError, RuntimeError, EOFError, OSError) as e:   # torch's zip reader: EINVAL, RuntimeError
+        size = os.path.getsize(file) if os.path.exists(file) else 0
+        raise RuntimeError(f"checkpoint file {file!r} ({size} bytes) cannot be read: it is truncated or corrupt "
+                           f"({type(e).__name__}: {e}). An interrupted save, copy or download? Save the checkpoint "
+                           "again, or copy a complete one over it") from e
+
+
 class CheckpointReader:
     """Name -> lazily sliced tensor over the weight files of one checkpoint (file or folder)."""
 
     def __init__(self, path: str):
         self.path = path
         self.weight_map: dict[str, str] = {}
+        recover(path)                              # a folder a dead save's commit left aside comes back
         if os.path.isfile(path):
             files = [path]
             folder = os.path.dirname(path)
@@ -68,9 +87,10 @@ class CheckpointReader:
         if file not in self._handles:
             if file.endswith(".safetensors"):
                 from safetensors import safe_open
-                self._handles[file] = safe_open(file, framework="pt")
+                self._handles[file] = open_weights(file, lambda: safe_open(file, framework="pt"))
             else:
-                self._handles[file] = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+                self._handles[file] = open_weights(
+                    file, lambda: torch.load(file, map_location="cpu", mmap=True, weights_only=True))
         return self._handles[file]
 
     def release(self) -> None:

@@ -69,16 +69,20 @@ def save_model(model: nn.Module, checkpoint: str, mesh=None, shard: bool = False
         shard_name=lambda k, total: hf_format.shard_name(use_safetensors, prefix, k, total),
         single_name=hf_format.weights_name(use_safetensors), what="save_model",
         write_file=lambda tensors, path: hf_format.write_weights(tensors, path, use_safetensors))
-    for name, tensor in checkpoint_entries(model).items():
-        # Every rank joins the master's gather (ZeRO sends each partition to dp rank 0); replica 0
-        # then gathers it over tp.
-        source = master_weight(tensor) if master_weight is not None else None
-        source = tensor if source is None else source
-        if isinstance(source, DTensor):           # torch FSDP2: every rank of its mesh joins the all-gather
-            source = source.detach().to(roles.device).full_tensor()
-        if roles.gathers:
-            full = full_on_cpu(source, get_tp_info(tensor), reuse=source is not tensor)
-            writer.add(name, full, full.numel() * full.element_size())
+    try:
+        for name, tensor in checkpoint_entries(model).items():
+            # Every rank joins the master's gather (ZeRO sends each partition to dp rank 0); replica 0
+            # then gathers it over tp.
+            source = master_weight(tensor) if master_weight is not None else None
+            source = tensor if source is None else source
+            if isinstance(source, DTensor):       # torch FSDP2: every rank of its mesh joins the all-gather
+                source = source.detach().to(roles.device).full_tensor()
+            if roles.gathers:
+                full = full_on_cpu(source, get_tp_info(tensor), reuse=source is not tensor)
+                writer.add(name, full, full.numel() * full.element_size())
+    except BaseException:
+        writer.discard()                          # no staging folder or save lock outlives a raised save
+        raise
 
     def finalize(folder: str, files, extras) -> None:
         if as_file:

@@ -27,6 +27,8 @@ from collections.abc import Mapping
 import torch
 import torch.nn as nn
 
+from meshboost.checkpoint.atomic import recover
+from meshboost.checkpoint.load import open_weights
 from meshboost.checkpoint.names import ParamNames
 from meshboost.checkpoint.writer import CheckpointWriter, save_roles
 
@@ -68,10 +70,14 @@ def save_optimizer(optimizer, model: nn.Module, checkpoint: str, shard: bool = F
         checkpoint, roles, shard=shard, as_file=not shard, size_per_shard_mb=size_per_shard,
         shard_name=lambda k, total: f"{prefix + '-' if prefix else ''}optimizer-{k:05d}-of-{total:05d}.bin",
         write_file=write_file, what="save_optimizer")
-    for key, entry in optimizer.export_state(key_of, replica0_only=True):
-        if entry is not None:
-            tensors = list(entry["per_element"].values()) + ([entry["master"]] if "master" in entry else [])
-            writer.add(key, entry, sum(t.numel() * t.element_size() for t in tensors))
+    try:
+        for key, entry in optimizer.export_state(key_of, replica0_only=True):
+            if entry is not None:
+                tensors = list(entry["per_element"].values()) + ([entry["master"]] if "master" in entry else [])
+                writer.add(key, entry, sum(t.numel() * t.element_size() for t in tensors))
+    except BaseException:
+        writer.discard()                          # no staging folder or save lock outlives a raised save
+        raise
     writer.finish(extra, _write_index if shard else None)
 
 
@@ -97,8 +103,9 @@ class OptimizerCheckpoint(Mapping):
 
     def __init__(self, path: str):
         self._files: dict[str, dict] = {}
+        recover(path)                              # a folder a dead save's commit left aside comes back
         if os.path.isfile(path):
-            blob = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            blob = open_weights(path, lambda: torch.load(path, map_location="cpu", mmap=True, weights_only=True))
             if not isinstance(blob, dict) or not {"format", "state", "extra"} <= set(blob):
                 raise ValueError(f"{path!r} is not a meshboost optimizer checkpoint (saved by save_optimizer)")
             self.extra, self.weight_map = blob["extra"], {n: path for n in blob["state"]}
@@ -118,7 +125,8 @@ class OptimizerCheckpoint(Mapping):
             raise RuntimeError(f"optimizer checkpoint {path!r} is incomplete: its index lists {missing}, which do not "
                                "exist; use a complete checkpoint")
         self.weight_map = {n: os.path.join(path, f) for n, f in meta["weight_map"].items()}
-        self.extra = torch.load(os.path.join(path, meta["param_groups"]), weights_only=True)
+        groups = os.path.join(path, meta["param_groups"])
+        self.extra = open_weights(groups, lambda: torch.load(groups, weights_only=True))
 
     def names(self) -> set[str]:
         return set(self.weight_map)
@@ -136,7 +144,8 @@ class OptimizerCheckpoint(Mapping):
     def entry(self, name: str) -> dict:
         file = self.weight_map[name]
         if file not in self._files:
-            self._files[file] = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+            self._files[file] = open_weights(file, lambda: torch.load(file, map_location="cpu", mmap=True,
+                                                                      weights_only=True))
         return self._files[file][name]
 
     def __getitem__(self, name: str) -> dict:
@@ -179,6 +188,7 @@ def save_lr_scheduler(lr_scheduler, checkpoint: str, mesh=None) -> None:
 
 
 def load_lr_scheduler(lr_scheduler, checkpoint: str) -> None:
+    recover(checkpoint)
     if not os.path.isfile(checkpoint):
         raise FileNotFoundError(f"lr scheduler checkpoint {checkpoint!r} does not exist")
     lr_scheduler.load_state_dict(torch.load(checkpoint, weights_only=True))

@@ -9,6 +9,8 @@ Layout of a checkpoint folder:
                       sample position, the caller's extras)
     latest            "step-00000010": the committed step, replaced atomically (os.replace)
     .step-00000012.tmp-<token>/   a save in progress; removed when it fails, or by the next save
+    .lock             held (flock) by the save in progress, naming it: a second save is refused, and
+                      only the holder cleans what dead saves left (`atomic.SaveLock`)
 Saving: every rank writes into one staging folder (the parts through their own writers, then its
 rank file), all agree, global rank 0 writes meta.json, renames the folder to its step name and
 replaces `latest`; only then does it delete committed steps beyond `keep_last`. A crash at any
@@ -32,14 +34,16 @@ from typing import Callable
 import numpy as np
 import torch
 
-from meshboost.checkpoint.atomic import exchange
+from meshboost.checkpoint.atomic import SaveLock, clean_leftovers, recover, replace_folder
 from meshboost.checkpoint.writer import agree, any_failed, raise_agreed_failure, save_roles
 from meshboost.distributed import comm
 from meshboost.distributed.agreement import agree_settings
 
 FORMAT = "meshboost-step-v1"
 POINTER = "latest"
+LOCK = ".lock"          # inside the folder: held by the save in progress (atomic.SaveLock)
 _STEP = re.compile(r"^step-(\d{8})$")
+_LEFTOVER = re.compile(r"^\.(step-\d{8}|latest)\.(tmp|old)-")   # what a dead save can leave (atomic.py)
 
 
 def step_name(step: int) -> str:
@@ -70,11 +74,29 @@ def set_rng_state(state: dict) -> None:
 
 def committed_step(folder: str) -> str | None:
     """The step folder `latest` names, or (no pointer) the newest one holding meta.json; None when
-    the folder holds no complete step."""
+    the folder holds no complete step. A committed step that a save re-saving it moved aside and
+    died before renaming the new one in (file systems without an atomic exchange) is put back
+    first, unless that save is still running (`atomic.SaveInProgress`)."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ValueError(f"checkpoint folder {folder!r} is a file; pass the folder save_checkpoint wrote")
+    name = _pointer(folder)
+    if name is not None and _STEP.match(name):
+        recover(os.path.join(folder, name), lock_file=os.path.join(folder, LOCK))
+    return _committed(folder)
+
+
+def _pointer(folder: str) -> str | None:
     pointer = os.path.join(folder, POINTER)
-    if os.path.isfile(pointer):
-        with open(pointer, encoding="utf-8") as fh:
-            name = fh.read().strip()
+    if not os.path.isfile(pointer):
+        return None
+    with open(pointer, encoding="utf-8") as fh:
+        return fh.read().strip()
+
+
+def _committed(folder: str) -> str | None:
+    """committed_step without the recovery (the save holding the lock has recovered already)."""
+    name = _pointer(folder)
+    if name is not None:
         if _STEP.match(name) and os.path.isfile(os.path.join(folder, name, "meta.json")):
             return os.path.join(folder, name)
         raise RuntimeError(f"checkpoint folder {folder!r}: {POINTER} names {name!r}, which is not a complete step; "
@@ -86,12 +108,28 @@ def committed_step(folder: str) -> str | None:
     return os.path.join(folder, steps[-1]) if steps else None
 
 
-def _prepare(folder: str, name: str) -> None:
-    """Rank 0, before a save: the folder exists; staging folders of saves that died are removed."""
+def _prepare(folder: str, name: str) -> SaveLock:
+    """Rank 0, before a save: the folder exists and this save holds its lock (returned: released
+    by save_step after the commit or the abort; `atomic.SaveInProgress` naming the holder while
+    another live save has it); then, and only then, what dead saves left is cleaned: staging
+    folders and pointer files removed, a committed step moved aside by a dead commit put back."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ValueError(f"checkpoint folder {folder!r} is a file; pass a folder path (save_checkpoint writes a "
+                         "folder of step-* folders and a 'latest' pointer)")
     os.makedirs(folder, exist_ok=True)
-    for entry in os.listdir(folder):
-        if entry.startswith(".step-") and ".tmp-" in entry:
-            shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
+    lock = SaveLock(os.path.join(folder, LOCK), folder).acquire()
+    try:
+        for base in sorted({m.group(1) for m in map(_LEFTOVER.match, os.listdir(folder)) if m}):
+            clean_leftovers(os.path.join(folder, base))
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def _release(lock: SaveLock | None) -> None:
+    if lock is not None:
+        lock.release()
 
 
 def _commit(folder: str, staging: str, name: str, meta: dict, keep_last: int) -> None:
@@ -99,16 +137,11 @@ def _commit(folder: str, staging: str, name: str, meta: dict, keep_last: int) ->
     with open(os.path.join(staging, "meta.json"), "w", encoding="utf-8") as fh:
         json.dump(meta, fh, indent=2, sort_keys=True)
     final = os.path.join(folder, name)
-    pointed = committed_step(folder)
+    pointed = _committed(folder)
     if os.path.exists(final) and (pointed is None or os.path.abspath(pointed) != os.path.abspath(final)):
         shutil.rmtree(final)                           # an uncommitted leftover of a save that died
-    if os.path.exists(final):                          # the committed step saved again under its own name
-        if not exchange(staging, final):               # one atomic swap where the file system can
-            old = os.path.join(folder, f".{name}.replaced-{secrets.token_hex(4)}")
-            os.replace(final, old)
-            os.replace(staging, final)
-            staging = old
-        shutil.rmtree(staging, ignore_errors=True)     # holds the replaced step now
+    if os.path.exists(final):                          # the committed step saved again under its own name:
+        replace_folder(staging, final)                 # one exchange, or moved aside (recovered after a crash)
     else:
         os.replace(staging, final)
     tmp = os.path.join(folder, f".{POINTER}.tmp-{secrets.token_hex(4)}")
@@ -139,10 +172,10 @@ def save_step(folder: str, step: int, parts: dict[str, Callable[[str], None]], r
     if not isinstance(keep_last, int) or keep_last < 1:
         raise ValueError(f"keep_last={keep_last!r} must be a positive integer (how many steps to keep)")
     roles = save_roles(mesh)
-    name, error = step_name(step), None
+    name, error, lock = step_name(step), None, None
     if roles.main_writer:
         try:
-            _prepare(folder, name)
+            lock = _prepare(folder, name)              # held until the commit or the abort
         except Exception as e:  # noqa: BLE001 - agreed just below
             error = e
     token, failed = agree([float(secrets.randbits(48)) if roles.main_writer else 0.0,
@@ -156,6 +189,7 @@ def save_step(folder: str, step: int, parts: dict[str, Callable[[str], None]], r
     except BaseException:
         if roles.main_writer:
             shutil.rmtree(staging, ignore_errors=True)
+        _release(lock)
         agree([0.0], roles)                            # nobody returns before the staging folder is gone
         raise
     rank = torch.distributed.get_rank() if roles.group is not None else 0
@@ -176,7 +210,9 @@ def save_step(folder: str, step: int, parts: dict[str, Callable[[str], None]], r
     if any_failed(error, roles):
         if roles.main_writer:
             shutil.rmtree(staging, ignore_errors=True)
+        _release(lock)
         raise_agreed_failure(error, roles, f"save_checkpoint({folder!r})")
+    _release(lock)
     return os.path.join(folder, name)
 
 

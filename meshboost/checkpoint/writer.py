@@ -11,6 +11,8 @@ Who does what (mesh order dp x pp x tp, tp innermost):
   * the tp ranks of data-parallel replica 0 join the tp gathers (`gathers`); other replicas hold
     the same values and skip them (under ZeRO they still send their partitions to dp rank 0,
     inside the callers);
+  * global rank 0 first takes the target's save lock (`atomic.SaveLock`: a second live save of the
+    same target is refused on every rank) and alone removes what dead saves left;
   * each stage's (dp 0, tp 0) rank writes that stage's files (`stage_writer`) into one staging
     folder, named by a token rank 0 draws; with pipeline stages this needs a file system every
     writer shares (one node, or a shared mount);
@@ -104,12 +106,22 @@ class CheckpointWriter:
         self.parts: list[WrittenFile] = []
         self._pending: dict = {}
         self._pending_bytes = 0
-        token = None
-        if roles.num_stages > 1:                  # one staging folder for every stage, named by rank 0
-            token = int(agree([float(secrets.randbits(48)) if roles.main_writer else 0.0], roles)[0])
-        if roles.stage_writer:
+        # Global rank 0 takes the target's save lock (refused while another live save holds it) and
+        # removes what dead saves left, before any other writer touches the folder; then every rank
+        # agrees that it did (a refusal raises on every rank before anything is written) and on the
+        # token naming the staging folder that every pipeline stage writes into.
+        token = secrets.randbits(48) if roles.num_stages > 1 and roles.main_writer else None
+        if roles.main_writer:
             try:
                 self.target = AtomicTarget(checkpoint, is_file=as_file, token=token)
+            except Exception as e:  # noqa: BLE001 - agreed just below
+                self.error = e
+        agreed_token, failed = agree([float(token or 0), float(self.error is not None)], roles)
+        if failed:
+            raise_agreed_failure(self.error, roles, f"{what}({checkpoint!r})")
+        if roles.stage_writer and not roles.main_writer:      # another stage: write into rank 0's folder
+            try:
+                self.target = AtomicTarget(checkpoint, is_file=as_file, token=int(agreed_token), owner=False)
             except Exception as e:  # noqa: BLE001 - agreed on every rank in finish()
                 self.error = e
 
@@ -200,6 +212,12 @@ class CheckpointWriter:
 
     def _failed(self) -> bool:
         return any_failed(self.error, self.roles)
+
+    def discard(self) -> None:
+        """This rank's part of a save its caller abandons on an exception (no collective): the
+        staging folder goes and the save lock is released, so a later save is not refused."""
+        if self.target is not None:
+            self.target.abort()
 
     def _abort(self) -> None:
         if self.target is not None:               # any stage writer may hold the shared folder

@@ -121,7 +121,7 @@ def test_leftovers_of_a_dead_save(tmp_path):
     (tmp_path / ".ckpt.tmp-dead").mkdir()
     target = AtomicTarget(str(tmp_path / "ckpt"), is_file=False)
     assert (tmp_path / "ckpt" / "weights").read_text() == "step 5", "the old checkpoint must come back"
-    assert sorted(p.name for p in tmp_path.iterdir()) == [os.path.basename(target.staging), "ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ckpt.lock", os.path.basename(target.staging), "ckpt"]
     (tmp_path / target.staging / "weights").write_text("step 10")
     target.commit()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
