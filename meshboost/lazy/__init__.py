@@ -1,7 +1,9 @@
 """LazyInitContext: build a model on the meta device; `booster.boost` materialises only each rank's part.
 
 Owns: the context (ColossalAI's `colossalai.lazy.LazyInitContext`) that builds modules on torch's meta
-device and tags their parameters with the initialisation seed, and `materialize`, which gives every
+device and records the initialisation seed on every module that registers a parameter (a record
+that `copy.deepcopy` keeps: a deep copy of a lazy model is lazy too, and materialises to the same
+values, ColossalAI's tests boost such copies), and `materialize`, which gives every
 meta parameter and buffer a rank still holds after sharding and pipeline pruning its real values: one
 unit at a time (a layer of a layer list, or one other module's own tensors), a full-size CPU shadow of
 the unit is initialised by the model's own init (`_init_weights` of the owning HF model, else
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -23,7 +26,16 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from meshboost.distributed.param_info import get_tp_info, replace_keeping_object, shard_tensor
 
-SEED_ATTR = "_meshboost_lazy_seed"
+RECORD_ATTR = "_meshboost_lazy_init"
+
+
+@dataclass(frozen=True)
+class LazyInit:
+    """What a module built under LazyInitContext carries: the seed its parameters are initialised from.
+    It lives on the module, not on its parameters, because `copy.deepcopy` keeps a module's attributes
+    but torch's `Parameter.__deepcopy__` drops a parameter's."""
+
+    seed: int
 
 
 class LazyInitContext:
@@ -38,11 +50,11 @@ class LazyInitContext:
         self.seed = seed
 
     def __enter__(self) -> "LazyInitContext":
-        seed = torch.initial_seed() if self.seed is None else int(self.seed)
+        record = LazyInit(torch.initial_seed() if self.seed is None else int(self.seed))
 
         def tag(module, name, param):
             if param is not None:
-                setattr(param, SEED_ATTR, seed)
+                module.__dict__[RECORD_ATTR] = record
         self._hook = register_module_parameter_registration_hook(tag)
         self._device = torch.device("meta")
         self._device.__enter__()
@@ -86,11 +98,15 @@ def _load_pretrained_for_real(device: torch.device):
 
 
 def lazy_seed(model: nn.Module) -> int | None:
-    """The init seed of a model built under `LazyInitContext` (every parameter still on meta), else None."""
+    """The init seed of a model built under `LazyInitContext` (or a deep copy of one): every parameter
+    still on meta and every module holding parameters built there; else None."""
     params = list(model.parameters())
-    if not params or not all(p.is_meta and hasattr(p, SEED_ATTR) for p in params):
+    if not params or not all(p.is_meta for p in params):
         return None
-    seeds = {getattr(p, SEED_ATTR) for p in params}
+    records = [m.__dict__.get(RECORD_ATTR) for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+    if any(r is None for r in records):
+        return None
+    seeds = {r.seed for r in records}
     if len(seeds) != 1:
         raise ValueError(f"the model's parameters were built under LazyInitContexts with different seeds {seeds}")
     return seeds.pop()

@@ -4,7 +4,11 @@ Owns the order of one optimizer step, written once for every wrapper (ZeroOptimi
 where master weights and their gradients live):
 
     backward:  loss * scale -> autograd                    (fp16 only: keeps small grads representable)
-    step:      grads -> fp32 master grads                  (ZeRO: reduce-scatter over dp first, and
+    step:      checks before the update                    (`check_before_update`: a verdict every
+                                                           rank shares, e.g. "the global batch held
+                                                           a labelled token"; one that raises drops
+                                                           the grads, the weights stay unchanged)
+               grads -> fp32 master grads                  (ZeRO: reduce-scatter over dp first, and
                                                            the checks below read the reduced shards)
                found_inf = any inf/nan, all-reduce MAX over the world group of the mesh
                                                            (every rank of the step agrees, so
@@ -21,7 +25,11 @@ where master weights and their gradients live):
 
 The user's optimizer object is kept and its param groups are pointed at the masters, so an LR
 scheduler built on it keeps working and `optimizer.param_groups` is the real thing. Its state is
-exported and imported per parameter in the one format of `state.py` (`state_dict` included).
+exported and imported per parameter in the one format of `state.py` (`state_dict` included). An
+optimizer that already stepped keeps its state (ColossalAI allows boosting it): each parameter's
+moments, still full-size from before sharding, are cut to this rank's layout and installed on its
+master (ZeRO: into its partitions) by the same per-parameter import a checkpoint load uses, so the
+next steps are the ones the unboosted optimizer would take.
 Must not contain data-parallel partitioning (that is zero.py) or norm maths (grad_norm.py).
 """
 
@@ -31,6 +39,7 @@ import contextlib
 import logging
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +47,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from meshboost.distributed import comm
+from meshboost.distributed.param_info import full_shape
 from meshboost.optim import state as fmt
 from meshboost.optim.grad_norm import clip_coefficient, counted_here, global_grad_norm
 from meshboost.optim.grad_scaler import DynamicGradScaler, GradScalerConfig
@@ -104,6 +114,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
 
     dp_partitioned = False      # gradients are replicated over dp (DDP): dp rank 0 counts them
     _warned_untracked = False   # get_grad_norm() has said once that the norm is not computed
+    _update_checks: tuple = ()  # check_before_update's callables, run first in every step()
 
     def __init__(self, optim: Optimizer, mesh, precision: str = "fp32", max_norm: float = 0.0,
                  norm_type: float = 2.0, scaler_config: GradScalerConfig | None = None, verbose: bool = False,
@@ -111,8 +122,6 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         super().__init__(optim)
         self.verbose, self.track_grad_norm = bool(verbose), bool(track_grad_norm)
         self.config = PrecisionConfig(precision, max_norm, norm_type, scaler_config or GradScalerConfig())
-        if len(optim.state) > 0:
-            raise ValueError("the optimizer already has state (it has stepped); boost it before its first step")
         self.mesh, self.working_dtype = mesh, self.config.dtype
         self.precision, self.max_norm, self.norm_type = precision, float(max_norm), norm_type
         self.scaler = DynamicGradScaler(self.config.scaler) if precision == "fp16" else None
@@ -121,7 +130,10 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         self._grad_sync = True
         self._scaled_backward = False     # did this step's gradients come through backward() (fp16 check)
         self._working = [[p for p in g["params"] if p.requires_grad] for g in optim.param_groups]
+        carried, problem = self._take_state()    # an optimizer that already stepped: its state, before masters exist
         self._build_masters()
+        self._agree_carry(problem or (self._check_carried(carried) if carried else None))
+        self._carry_state(carried)
 
     @property
     def working_param_groups(self) -> list[list[torch.Tensor]]:
@@ -193,6 +205,57 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         for p, m in self.master_of.items():
             if m is not p:
                 m.grad = None
+
+    # -- the state of an optimizer that stepped before boost ---------------------------------------
+    def _take_state(self) -> tuple[dict[torch.Tensor, dict], str | None]:
+        """The user's state per trained parameter (moments full-size: sharding slices the weights in
+        place, never the state), removed from the optimizer ({} for a fresh optimizer), and what makes
+        it impossible to carry (None: nothing)."""
+        state, carried, problem = self.optim.state, {}, None
+        for params in self._working:
+            for p in params:
+                if p not in state or not state[p]:
+                    continue
+                want = full_shape(p)
+                for k, v in state[p].items():
+                    if torch.is_tensor(v) and v.dim() > 0 and tuple(v.shape) != want:
+                        problem = problem or (
+                            f"the optimizer already stepped: its state {k!r} of a parameter of shape {want} has "
+                            f"shape {tuple(v.shape)}, neither the parameter's nor a scalar; boost the optimizer "
+                            "before its first step")
+                carried[p] = dict(state[p])
+        state.clear()                         # what is not carried (untrained parameters) is never stepped again
+        return carried, problem
+
+    def _agree_carry(self, problem: str | None) -> None:
+        """Raise on every rank when any rank cannot carry its optimizer's state: pipeline stages hold
+        different parameters, so one stage may refuse alone, and the others would wait for it in their
+        next collective. One all-reduce of a flag per rank over the world group, at boost."""
+        failed = [0] if problem else []
+        if dist.is_initialized():
+            group = self.mesh.world_group
+            flags = torch.zeros(dist.get_world_size(group), device=self.mesh.device)
+            flags[dist.get_rank(group)] = float(problem is not None)
+            comm.all_reduce(flags, group)
+            failed = flags.nonzero().flatten().tolist()
+        if problem:
+            raise ValueError(problem)
+        if failed:
+            raise ValueError(f"rank(s) {failed} cannot carry the state of the optimizer, which already stepped (their "
+                             "error says why and names the fix), so boost fails on every rank")
+
+    @torch.no_grad()
+    def _carry_state(self, carried: dict[torch.Tensor, dict]) -> None:
+        """Install the carried state on the masters (this rank's tp part of each moment; scalars as
+        they are), as a checkpoint load would; the masters keep the weights' values."""
+        for p, state in carried.items():
+            local = {k: fmt.local_part(v, p, f"optimizer state {k!r}") if torch.is_tensor(v) and v.dim() > 0 else v
+                     for k, v in state.items()}
+            self._import_param(p, local, None)
+
+    def _check_carried(self, carried: dict[torch.Tensor, dict]) -> str | None:
+        """Why the carried state cannot be kept exactly (ZeroOptimizer: one state per bucket), or None."""
+        return None
 
     # -- state by parameter (optim/state.py) ----------------------------------------------------
     def master_weight(self, param: torch.Tensor) -> torch.Tensor | None:
@@ -269,9 +332,21 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 f"{self.loss_scale:g}x too small. The gradients were dropped and the weights are unchanged")
         return bool(flags[0] > 0)
 
+    def check_before_update(self, check: Callable[[], None]) -> None:
+        """Run `check()` first in every `step()`, before anything changes. It must decide alike on every
+        rank of the step (a verdict agreed over them: the boosted model's "no labelled token in the
+        global batch"); when it raises, the gradients are dropped and the weights stay unchanged."""
+        self._update_checks = (*self._update_checks, check)
+
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("closures are not supported by the mixed-precision/ZeRO optimizer")
+        for check in self._update_checks:
+            try:
+                check()
+            except Exception:
+                self._release_grads()
+                raise
         grads = self._master_grads()
         if self.scaler is not None and self._found_inf(grads):
             # Every rank saw the same verdict: skip together, keep weights bitwise unchanged.

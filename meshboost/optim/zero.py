@@ -322,6 +322,27 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         return sum(b.grad_shard.numel() * b.grad_shard.element_size() for b in self.buckets
                    if b.grad_shard is not None)
 
+    def _check_carried(self, carried: dict[torch.Tensor, dict]) -> str | None:
+        """A bucket's partition is one tensor the user's optimizer steps with one set of scalars (Adam's
+        step): carried state is exact only where every parameter of a bucket has state and the same
+        scalars. Checked for every bucket before anything is installed."""
+        for b in self.buckets:
+            have = [p for p in b.params if p in carried]
+            if not have:
+                continue
+            scalars = [{k: v.item() if torch.is_tensor(v) else v for k, v in carried[p].items()
+                        if not (torch.is_tensor(v) and v.dim() > 0)} for p in have]
+            if len(have) < len(b.params) or any(sc != scalars[0] for sc in scalars):
+                seen = sorted({repr(sc) for sc in scalars} | ({"no state"} if len(have) < len(b.params) else set()))
+                shapes = [tuple(p.shape) for p in b.params]
+                return (
+                    f"zero_stage={self.stage}: the optimizer already stepped, and {len(shapes)} parameters ZeRO "
+                    f"partitions together (shapes {shapes[:4]}{' ...' if len(shapes) > 4 else ''}) have different "
+                    f"optimizer scalars ({', '.join(seen)}); ZeRO keeps one state per bucket, so their next steps "
+                    "would not be the unboosted optimizer's. Boost the optimizer before its first step, step every "
+                    "parameter alike before boosting, or use zero_stage=0 (per-parameter state)")
+        return None
+
     # -- state by parameter: each parameter's partitions gathered over dp as it goes ----------------
     def master_weight(self, param: torch.Tensor) -> torch.Tensor | None:
         """The parameter's fp32 master, gathered to dp rank 0 (None on the other dp ranks, and where

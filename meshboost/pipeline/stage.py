@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from meshboost.distributed.param_info import PipelineTie, set_pipeline_tie
 from meshboost.pipeline.layout import Segment, StageLayout, get_layout, split_layers
-from meshboost.pipeline.stand_ins import AbsentEmbedding, AbsentModule, ReceivedOutput, stand_in_for
+from meshboost.pipeline.stand_ins import AbsentEmbedding, AbsentLayer, AbsentModule, ReceivedOutput, stand_in_for
 
 
 class _StageOutput(BaseException):
@@ -44,13 +44,18 @@ class _StageOutput(BaseException):
 
 class StageLayerList(nn.ModuleList):
     """The layers this rank holds, registered under their original indices (so parameter names stay
-    the model's own). Iteration, len and indexing see only the layers of the chunk being run."""
+    the model's own). While a chunk runs, iteration, len and indexing see only its layers, in order
+    (the model's forward loops over them). Outside a step, iteration and len see the layers held here,
+    and `layers[i]` is the model's layer i by its original index: the layer itself, or for one another
+    stage holds its `AbsentLayer` (every tensor None), never another layer that happens to sit at
+    position i here."""
 
-    def __init__(self, layers: dict[int, nn.Module]):
+    def __init__(self, layers: dict[int, nn.Module], absent: dict[int, nn.Module] | None = None):
         super().__init__()
         for index, layer in layers.items():
             self.add_module(str(index), layer)
         self.running: list[nn.Module] | None = None
+        self.__dict__["_absent"] = dict(absent or {})       # not submodules: they hold nothing of the model
 
     def _visible(self) -> list[nn.Module]:
         return self.running if self.running is not None else list(self._modules.values())
@@ -62,7 +67,18 @@ class StageLayerList(nn.ModuleList):
         return len(self._visible())
 
     def __getitem__(self, idx):
-        return self._visible()[idx]
+        if self.running is not None:
+            return self.running[idx]
+        size = len(self._modules) + len(self.__dict__["_absent"])
+        if isinstance(idx, slice):
+            return nn.ModuleList([self[i] for i in range(size)[idx]])
+        index = idx + size if isinstance(idx, int) and idx < 0 else idx
+        if str(index) in self._modules:
+            return self._modules[str(index)]
+        if index in self.__dict__["_absent"]:
+            return self.__dict__["_absent"][index]
+        raise IndexError(f"layer index {idx} is out of range: the model has {size} layers (this pipeline rank "
+                         f"holds {sorted(int(k) for k in self._modules)})")
 
 
 @dataclass
@@ -333,6 +349,13 @@ def build_stages(model: nn.Module, pp_rank: int, pp_size: int, num_chunks: int =
             for j in range(len(segments)) for i in range(offsets[j], offsets[j] + sizes[j]) if i in held}
     stand_ins = {p: stand_in_for(_resolve(base, p)) for s in segments for p in s.embeddings
                  if _resolve(base, p) is not None}
+
+    def holders(j: int, index: int) -> list[int]:
+        """The pipeline ranks holding entry `index` of segment j's layer list (a layer, or a shared group)."""
+        if groups[j] is None:
+            return [stage_of[offsets[j] + index] % pp_size]
+        return sorted({stage_of[offsets[j] + it] % pp_size for it, g in enumerate(groups[j]) if g == index})
+
     layer_lists: dict[int, StageLayerList] = {}
     absent_stacks = []
     for j, s in enumerate(segments):
@@ -348,7 +371,9 @@ def build_stages(model: nn.Module, pp_rank: int, pp_size: int, num_chunks: int =
         if groups[j] is not None:           # hold the groups themselves, under their own indices
             mine_j = {g: lists[j][g] for g in sorted({groups[j][i] for i in mine_j})}
         if mine_j or not s.stack:
-            layer_lists[j] = StageLayerList(mine_j)
+            absent = {i: AbsentLayer(lists[j][i], f"{s.layers}.{i}", holders(j, i))
+                      for i in range(len(lists[j])) if i not in mine_j}
+            layer_lists[j] = StageLayerList(mine_j, absent)
             _set(base, s.layers, layer_lists[j])
         else:
             absent_stacks.append(s.stack)

@@ -3,8 +3,10 @@
 Owns: `AbsentEmbedding` (a segment's embeddings on a stage starting inside the segment: zeros of
 the real output's shape, weightless), `ReceivedOutput` (an earlier segment's whole stack: the
 output the previous stage sent for it), `AbsentModule` (a module another stage holds: calling it
-is a usage error), and `stand_in_for` (the stand-in of an embeddings path, module or bare
-parameter). Must not know layouts, schedules or families: stage.py decides where each goes.
+is a usage error), `AbsentLayer` (what a script reading `layers[i]` gets for a layer another stage
+holds: its tree with every tensor None, ColossalAI's convention), and `stand_in_for` (the stand-in
+of an embeddings path, module or bare parameter). Must not know layouts, schedules or families:
+stage.py decides where each goes.
 """
 
 from __future__ import annotations
@@ -137,3 +139,32 @@ class AbsentModule(nn.Module):
     def forward(self, *args, **kwargs):
         raise RuntimeError(f"{self.path} lives on the {self.owner} pipeline stage; with pp_size > 1 run the model "
                            "through booster.execute_pipeline(data_iter, model, criterion, optimizer)")
+
+
+class AbsentLayer(nn.Module):
+    """What `layers[i]` answers, outside a pipeline step, for a layer another pipeline stage holds: the
+    layer's tree of submodules and plain attributes with every parameter and buffer None (ColossalAI's
+    convention for what a stage does not hold, so `layers[i].mlp.weight is None` tells a script to skip
+    it). Built from the layer before the stage drops it; holds no tensor and is not part of the model
+    (no parameters, no state_dict entries). Calling it, or any part of it, is a usage error."""
+
+    def __init__(self, replaced: nn.Module, path: str, holders: list[int]):
+        super().__init__()
+        for key, value in vars(replaced).items():
+            if not key.startswith("_") and key != "training" and isinstance(value, _PLAIN):
+                self.__dict__[key] = value
+        for name in replaced._parameters:
+            self.register_parameter(name, None)
+        for name in replaced._buffers:
+            self.register_buffer(name, None)
+        for name, child in replaced.named_children():
+            self.add_module(name, AbsentLayer(child, f"{path}.{name}", holders))
+        self.__dict__["_where"] = (path, holders)
+
+    def __getitem__(self, index: int) -> nn.Module:      # a layer list inside the layer (experts)
+        return self._modules[str(index)]
+
+    def forward(self, *args, **kwargs):
+        path, holders = self.__dict__["_where"]
+        raise RuntimeError(f"{path} is held by pipeline rank(s) {holders}, not this one; with pp_size > 1 run the "
+                           "model through booster.execute_pipeline(data_iter, model, criterion, optimizer)")

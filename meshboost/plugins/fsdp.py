@@ -18,7 +18,8 @@ from meshboost.distributed import ParallelMesh
 from meshboost.distributed.agreement import agree_settings
 from meshboost.plugins.fsdp_config import FSDPConfig, gemini_config, settings, torch_fsdp_config
 from meshboost.plugins.fsdp_optimizer import FSDPOptimizer
-from meshboost.plugins.fsdp_wrap import apply_fsdp, is_sharded, move_optimizer, no_gradient_sync, prepare, reshard_all
+from meshboost.plugins.fsdp_wrap import apply_fsdp, is_sharded, no_gradient_sync, prepare, reshard_all
+from meshboost.plugins.hybrid_zero3 import carry_state
 from meshboost.shardformer import ShardConfig, ShardFormer
 
 
@@ -64,9 +65,6 @@ class FSDPPluginBase(Plugin):
                                       "need real weights (build it normally or with from_pretrained)")
         if isinstance(optimizer, OptimizerWrapper):
             raise TypeError(f"{name}: pass the user's torch optimizer to boost(), not a boosted one")
-        if optimizer is not None and len(optimizer.state) > 0:
-            raise ValueError(f"{name}: the optimizer already has state (it has stepped); boost it before its first "
-                             "step (FSDP2 replaces the parameters it was built on)")
         names = {id(p): n for n, p in model.named_parameters()}        # the optimizer's, before FSDP2 swaps them
         if optimizer is not None and any(id(p) not in names for g in optimizer.param_groups for p in g["params"]):
             raise ValueError(f"{name}: the optimizer holds parameters that are not the model's; build it on the "
@@ -76,7 +74,7 @@ class FSDPPluginBase(Plugin):
         prepare(model, self.config, self.mesh)
         units = apply_fsdp(model, self.config, self.mesh)     # in place; parameters become DTensor shards
         if optimizer is not None:
-            move_optimizer(optimizer, names, model)
+            carry_state(optimizer, names, model)       # an optimizer that stepped: its state onto the new parameters
             pc = self.config.precision
             optimizer = FSDPOptimizer(optimizer, self.mesh, precision=pc.precision, max_norm=pc.max_norm,
                                       norm_type=pc.norm_type, scaler_config=pc.scaler)

@@ -43,13 +43,22 @@ def check_zero3_model(model: nn.Module, optimizer, on_meta: bool) -> None:
     if isinstance(optimizer, OptimizerWrapper):
         raise TypeError("HybridParallelPlugin(zero_stage=3): pass the user's torch optimizer to boost(), not a "
                         "boosted one")
-    if optimizer is not None and len(optimizer.state) > 0:
-        raise ValueError("HybridParallelPlugin(zero_stage=3): the optimizer already has state (it has stepped); "
-                         "boost it before its first step (FSDP2 replaces the parameters it was built on)")
     names = {id(p) for p in model.parameters()}
     if optimizer is not None and any(id(p) not in names for g in optimizer.param_groups for p in g["params"]):
         raise ValueError("HybridParallelPlugin(zero_stage=3): the optimizer holds parameters that are not the "
                          "model's; build it on the model you boost")
+
+
+def carry_state(optimizer: torch.optim.Optimizer, names: dict[int, str], model: nn.Module) -> None:
+    """Point the user's param groups at the parameters FSDP2 put in place of theirs (`move_optimizer`)
+    and key the state of an optimizer that already stepped to them, still whole: `FSDPOptimizer` cuts it
+    to this rank's shard (MixedPrecisionOptimizer's carried state). `names`: id(original) -> name."""
+    state = {names[id(p)]: optimizer.state.pop(p) for g in optimizer.param_groups for p in g["params"]
+             if p in optimizer.state}
+    move_optimizer(optimizer, names, model)
+    sharded = dict(model.named_parameters())
+    for name, entry in state.items():
+        optimizer.state[sharded[name]] = entry
 
 
 def _grad_hooks(model: nn.Module) -> dict[str, list]:
@@ -99,7 +108,7 @@ def shard_zero3(model: nn.Module, optimizer, mesh, precision: PrecisionConfig) -
         p.__dict__.update(records[n])
     _carry_grad_hooks(model, hooks)
     if optimizer is not None:
-        move_optimizer(optimizer, names, model)
+        carry_state(optimizer, names, model)
         optimizer = FSDPOptimizer(optimizer, mesh, precision=precision.precision, max_norm=precision.max_norm,
                                   norm_type=precision.norm_type, scaler_config=precision.scaler)
     return units, optimizer

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch.distributed as dist
 
@@ -66,6 +67,29 @@ class ShardConfig:
         if not dist.is_initialized():
             return 1
         return dist.get_world_size(self.tensor_parallel_process_group)
+
+    # ColossalAI's views of sequence parallelism, read by its model tests. Derived, never set: meshboost's
+    # sequence parallelism ("split_gather") splits the sequence over the tensor-parallel group.
+    @property
+    def sequence_parallel_size(self) -> int:
+        """How many ranks split the sequence: tensor_parallel_size with sequence parallelism on, else 1."""
+        return self.tensor_parallel_size if self.enable_sequence_parallelism else 1
+
+    @property
+    def sequence_parallel_process_group(self) -> dist.ProcessGroup | None:
+        """The group over which the sequence is split (its size is `sequence_parallel_size`): the tp group
+        with sequence parallelism on at tp > 1; otherwise this rank alone (each rank holds the whole
+        sequence, its rank in the group is 0, as in ColossalAI's size-1 sequence axis). None without a
+        process group."""
+        if self.sequence_parallel_size > 1:
+            return self.tensor_parallel_process_group
+        return self._own_group if dist.is_initialized() else None
+
+    @cached_property
+    def _own_group(self) -> dist.ProcessGroup:
+        # A group of this rank only, built by this rank alone (use_local_synchronization: no other rank
+        # takes part, so reading the property on some ranks only cannot hang), once per config.
+        return dist.new_group([dist.get_rank()], use_local_synchronization=True)
 
 
 @dataclass

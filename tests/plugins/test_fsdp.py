@@ -309,8 +309,7 @@ def _refusals(rank, world):
     model, opt = _fresh(LLAMA, config)
     model(**_batches(LLAMA, config, n=1)[0]).loss.backward()
     opt.step()
-    with pytest.raises(ValueError, match="before its first step"):
-        booster.boost(model, opt)
+    booster.boost(model, opt)     # a stepped optimizer's state is carried (test_colossalai_suite.py checks it)
     with pytest.raises(ValueError, match="cannot be combined"):
         Booster(plugin=GeminiPlugin(precision="bf16"), mixed_precision="fp16")
 

@@ -8,6 +8,7 @@ import contextlib
 from abc import ABC, abstractmethod
 from typing import Callable, Iterator
 
+import torch.distributed as dist
 import torch.nn as nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Dataset
@@ -23,6 +24,17 @@ class Plugin(ABC):
     mesh: ParallelMesh
     precision: str | None = None      # a plugin that keeps fp32 masters itself names its working precision
 
+    def __init__(self) -> None:
+        """ColossalAI's `DPPluginBase.__init__` (DPPluginBase is this class): a subclass that builds no
+        mesh of its own (one that only implements `configure`) gets a dp-only mesh over every rank, so
+        `prepare_dataloader` gives each rank its own samples; `rank` and `world_size` as ColossalAI's.
+        A collective: every rank builds the plugin. meshboost's plugins build their own mesh instead."""
+        if not dist.is_initialized():
+            raise RuntimeError(f"{type(self).__name__}: torch.distributed is not initialised; call "
+                               "meshboost.launch_from_torch() (or meshboost.launch) before building the plugin")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.mesh = ParallelMesh(tp_size=1, pp_size=1)
+
     @abstractmethod
     def configure(self, model: nn.Module, optimizer: Optimizer | None = None, criterion: Callable | None = None,
                   dataloader: DataLoader | None = None, lr_scheduler=None) -> tuple:
@@ -30,7 +42,7 @@ class Plugin(ABC):
 
     @property
     def dp_size(self) -> int:
-        return self.mesh.dp_size
+        return self._own_mesh("dp_size").dp_size
 
     def prepare_dataloader(self, dataset: Dataset, batch_size: int, shuffle: bool = False, seed: int = 1024,
                            drop_last: bool = False, pin_memory: bool = False, num_workers: int = 0,
@@ -43,8 +55,18 @@ class Plugin(ABC):
                 "is not supported: meshboost's loader samples over the data-parallel ranks with its own resumable "
                 "sampler (its position is saved by booster.save_checkpoint(..., dataloader=loader)); drop the "
                 "argument, or build your own DataLoader with sampler rank plugin.mesh.dp_rank of plugin.dp_size")
-        return build_dataloader(dataset, batch_size, self.mesh.dp_size, self.mesh.dp_rank, shuffle, seed, drop_last,
+        mesh = self._own_mesh("prepare_dataloader")
+        return build_dataloader(dataset, batch_size, mesh.dp_size, mesh.dp_rank, shuffle, seed, drop_last,
                                 pin_memory, num_workers, **kwargs)
+
+    def _own_mesh(self, what: str) -> ParallelMesh:
+        """The plugin's mesh, or an error naming the fix for a subclass that built none."""
+        mesh = getattr(self, "mesh", None)
+        if mesh is None:
+            raise AttributeError(f"{type(self).__name__}.{what}: the plugin has no mesh. A DPPluginBase (Plugin) "
+                                 "subclass with an __init__ of its own must call super().__init__() (it builds "
+                                 "the data-parallel mesh) or set self.mesh = ParallelMesh(...)")
+        return mesh
 
     def backward(self, loss, optimizer) -> None:
         optimizer.backward(loss)
