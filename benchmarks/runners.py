@@ -93,7 +93,9 @@ class MeshboostRunner(Runner):
         from meshboost.plugins import HybridParallelPlugin
 
         # Raises NotImplementedError on every rank, before any collective, while a feature is missing.
-        plugin = HybridParallelPlugin(tp_size=config.tp, zero_stage=config.zero_stage)
+        # check_inputs="first": the step's traffic is the model's, compared with Megatron's formula; the
+        # per-step input check (one all-gather of 6 numbers over tp) is measured by benchmarks/input_check.py.
+        plugin = HybridParallelPlugin(tp_size=config.tp, zero_stage=config.zero_stage, check_inputs="first")
         self.booster = Booster(plugin=plugin)
         self.mesh = plugin.mesh
         model = build_model(spec)

@@ -2,8 +2,10 @@
 
 Owns: `agree_settings` (every rank passed the same configuration: one all-gather of an 8-byte
 digest, details exchanged only on a mismatch) and `check_same_inputs` (every rank of a group was
-fed the same batch: one all-gather of a fixed-size digest) and `agree_model` (every rank built the
-same model before boost: names, shapes, dtypes, HF config). Each raises on every rank of the group
+fed bitwise the same batch: one all-gather of a 6-number digest of the bytes, `gather_input_digests`
+and `input_mismatch` to judge it later; `DeferredRead` reads such a verdict without waiting for the
+device) and `agree_model` (every rank built the same model before boost: names, shapes, dtypes, HF
+config). Each raises on every rank of the group
 at once, naming what differs. Must not know plugins or parallel layouts.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -66,19 +69,31 @@ def agree_settings(settings: dict, what: str) -> None:
                      "script and arguments on every node)")
 
 
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of `t` as float64 integers: 16-bit words (bytes for one-byte dtypes)."""
+    flat = t.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8 if flat.element_size() == 1 else torch.int16).to(torch.float64)
+
+
 def _input_digest(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Five float64 numbers that equal inputs always share and different inputs almost never do:
-    the count of tensors, their elements, a digest of their shapes, their sum and a position-weighted
-    sum (so a permutation of the same values differs)."""
-    digest = torch.zeros(5, dtype=torch.float64, device=device)
+    """Six float64 numbers that equal inputs always share and different inputs almost never do: the
+    count of tensors, their elements, a digest of their shapes and dtypes, the sum and a
+    position-weighted sum of their bytes (so a permutation of the same values differs), and the
+    count of non-finite elements. Digesting bytes, not values, makes bitwise-equal inputs agree
+    even where they hold NaN (NaN != NaN as a value), and keeps every sum an exact integer in
+    float64 (below 2**53 up to ~2.7e8 16-bit words a call), independent of summation order. No
+    host sync: the scalars are written into a device tensor, the sums stay on the device."""
+    digest = torch.zeros(6, dtype=torch.float64, device=device)
     digest[0] = len(tensors)
+    digest[1] = sum(t.numel() for t in tensors)
+    digest[2] = sum((zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode()) % 1000003) * (i + 1)
+                    for i, t in enumerate(tensors))
     for i, t in enumerate(tensors):
-        flat = t.detach().reshape(-1).to(device=device, dtype=torch.float64)
-        weights = torch.arange(flat.numel(), device=device, dtype=torch.float64).remainder_(1009).add_(1 + i)
-        digest[1] += flat.numel()
-        digest[2] += sum((d + 1) * 31 ** k for k, d in enumerate(t.shape)) * (i + 1)
-        digest[3] += flat.sum()
-        digest[4] += (flat * weights).sum()
+        words = _words(t)
+        weights = torch.arange(words.numel(), device=words.device, dtype=torch.float64).remainder_(1009).add_(1 + i)
+        nonfinite = (~torch.isfinite(t.detach())).sum() if t.is_floating_point() or t.is_complex() \
+            else words.new_zeros(())
+        digest[3:] += torch.stack([words.sum(), (words * weights).sum(), nonfinite.to(torch.float64)]).to(device)
     return digest
 
 
@@ -95,19 +110,40 @@ def tensors_of(*values) -> list[torch.Tensor]:
     return out
 
 
-def check_same_inputs(tensors: list[torch.Tensor], group, what: str, fix: str) -> None:
-    """Raise on every rank of `group` unless every rank passed equal `tensors` (one all-gather of a
-    5-number digest). `what` names the group ("tensor-parallel"), `fix` says how to feed it."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return
-    device = tensors[0].device if tensors else get_current_device()
-    rows = comm.all_gather(_input_digest(tensors, device).unsqueeze(0), group, dim=0)
-    if bool(torch.equal(rows, rows[:1].expand_as(rows))):
-        return
+def gather_input_digests(tensors: list[torch.Tensor], group) -> torch.Tensor:
+    """Every rank's input digest, one row per rank of `group` in rank order, left on the device (one
+    all-gather of 6 numbers; nothing waits for the host)."""
+    return comm.all_gather(_input_digest(tensors, get_current_device()).unsqueeze(0), group, dim=0)
+
+
+def input_mismatch(rows: torch.Tensor, group, what: str, fix: str, call: int | None = None) -> str | None:
+    """The error for gathered digests `rows` (`gather_input_digests`) that differ, or None when
+    every rank of `group` was fed the same inputs (NaN and all: bitwise equal). When they differ, it
+    names the ranks whose inputs hold non-finite values too. `call` numbers the call it judges."""
+    rows = rows.cpu()
+    if torch.equal(rows, rows[:1].expand_as(rows)):
+        return None
     ranks = dist.get_process_group_ranks(group)
     differing = [ranks[i] for i in range(len(ranks)) if not torch.equal(rows[i], rows[0])]
-    raise ValueError(f"the {what} ranks {ranks} were fed different inputs (ranks {differing} differ from rank "
-                     f"{ranks[0]}): they must see the same batch, or the result is silently wrong. {fix}")
+    when = f" at call {call}" if call is not None else ""
+    detail = f"ranks {differing} differ from rank {ranks[0]}"
+    nonfinite = {ranks[i]: int(rows[i, 5]) for i in range(len(ranks)) if rows[i, 5] > 0}
+    if nonfinite:
+        detail += (f"; ranks {sorted(nonfinite)} were fed non-finite inputs: NaN/inf in "
+                   + ", ".join(f"{n} elements on rank {r}" for r, n in nonfinite.items()))
+    return (f"the {what} ranks {ranks} were fed different inputs{when} ({detail}): they must see the same batch, "
+            f"or the result is silently wrong. {fix}")
+
+
+def check_same_inputs(tensors: list[torch.Tensor], group, what: str, fix: str) -> None:
+    """Raise on every rank of `group` unless every rank passed bitwise-equal `tensors` (one
+    all-gather of a 6-number digest, read at once). `what` names the group ("tensor-parallel"),
+    `fix` says how to feed it."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    message = input_mismatch(gather_input_digests(tensors, group), group, what, fix)
+    if message is not None:
+        raise ValueError(message)
 
 
 def _model_description(model) -> dict:
@@ -149,3 +185,25 @@ def agree_model(model, what: str) -> None:
     more = f" (and {len(differing) - 3} more differences)" if len(differing) > 3 else ""
     raise ValueError(f"ranks built different models for {what}: {shown}{more}. Every rank must build the same "
                      "model (the same config, code and arguments) before boost; the plugin shards it")
+
+
+class DeferredRead:
+    """A small device tensor read on the host later, without waiting for the rest of the device's
+    queue: on CUDA a non-blocking copy into pinned memory and an event recorded right after it, so
+    `get()` waits only until the stream has passed that point (long passed, typically, one call
+    later); elsewhere the tensor itself (a CPU read is immediate)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._event = None
+        if tensor.device.type == "cuda":
+            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host.copy_(tensor, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tensor
+
+    def get(self) -> torch.Tensor:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.cpu()

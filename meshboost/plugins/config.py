@@ -30,7 +30,9 @@ ZERO = "zero"                # the ZeRO optimizer reduce-scatters (stage 1: at s
 FSDP = "fsdp"                # zero_stage=3: torch FSDP2 reduce-scatters during backward (plugins/hybrid_zero3.py)
 
 
-CHECK_INPUTS = ("first", "always", "never")
+# check_inputs: the tp (and pp) ranks were fed the same batch on every call (the default), the first, or never
+# (plugins/input_checks.py runs the check; docs/reliability.md states its cost).
+CHECK_INPUTS = ("always", "first", "never")
 
 
 def dp_reducer(dp_size: int, pp_size: int, zero_stage: int) -> str:
@@ -84,8 +86,9 @@ class HybridParallelConfig:
     # (ZeroConfig covers meshboost's own stages 1 and 2 only).
     fully_sharded: bool = False
     ddp: DDPConfig = field(default_factory=DDPConfig)
-    # Agree over tp (and pp) that every rank was fed the same batch: "first" call, "always", "never".
-    check_inputs: str = "first"
+    # Agree over tp (and pp) that every rank was fed the same batch: on every call ("always"), the
+    # "first", or "never".
+    check_inputs: str = "always"
     # "tokens": the single-process objective over micro-batches and dp ranks; "microbatch": ColossalAI's
     # mean of micro-batch means (meshboost.pipeline.normalization).
     loss_normalization: str = TOKENS

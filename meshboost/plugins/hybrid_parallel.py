@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from meshboost.booster import ModelWrapper, OptimizerWrapper, Plugin
 from meshboost.cluster import PipelineStageManager, ProcessGroupMesh
 from meshboost.distributed import ParallelMesh, comm, get_current_device
-from meshboost.distributed.agreement import agree_settings, check_same_inputs, tensors_of
+from meshboost.distributed.agreement import agree_settings
 from meshboost.distributed.inputs import cast_floating
 from meshboost.distributed.p2p import StageComm
 from meshboost.lazy import lazy_seed, materialize
@@ -31,6 +31,7 @@ from meshboost.plugins.config import DDP, FSDP, PIPELINE, ZERO, DDPConfig, Hybri
 from meshboost.plugins.ddp_hooks import fp8_refusal, register_counting_allreduce, register_fp8_allreduce
 from meshboost.plugins.fsdp_wrap import is_sharded, no_gradient_sync, reshard_all
 from meshboost.plugins.hybrid_zero3 import ZERO3, check_zero3_model, shard_zero3
+from meshboost.plugins.input_checks import ALWAYS, InputCheck, LabelledItemsGuard, next_pipeline_batch
 from meshboost.shardformer import (
     PipelineGradientCheckpointConfig,
     Policy,
@@ -40,17 +41,16 @@ from meshboost.shardformer import (
     uses_causal_lm_loss,
 )
 
-_FEED_FIX = ("Build the DataLoader with plugin.prepare_dataloader(...) (it samples over data-parallel ranks only), "
-             "not a DistributedSampler over the whole world; check_inputs='never' turns this check off")
-
-
 class HybridParallelModule(ModelWrapper):
     """The boosted model: the sharded HF model, inside torch DDP over the dp group when the plugin
-    chose DDP to reduce gradients. check_inputs: agree over tp that every rank got the same inputs
-    on the first call ("first"), on every call ("always") or never."""
+    chose DDP to reduce gradients. check_inputs: agree over tp (and pp) that every rank got the same
+    inputs on every call ("always"), the first call ("first") or never (`input_checks.InputCheck`).
+    count_items: a causal LM with loss_normalization="tokens" outside a pipeline: count the labelled
+    tokens of every dp replica; at dp > 1 its loss is normalised by them (HF's num_items_in_batch),
+    and `items_guard` tells the optimizer when a global batch had none."""
 
-    def __init__(self, module: nn.Module, mesh: ParallelMesh, shard_config: ShardConfig, check_inputs: str = "first",
-                 count_items_over_dp: bool = False, input_dtype: torch.dtype = torch.float32):
+    def __init__(self, module: nn.Module, mesh: ParallelMesh, shard_config: ShardConfig, check_inputs: str = ALWAYS,
+                 count_items: bool = False, input_dtype: torch.dtype = torch.float32):
         super().__init__(module)
         # Floating-point inputs (pixel_values, input_features, inputs_embeds) are cast to the working
         # precision, as the weights are (ColossalAI's HybridParallelModule does the same).
@@ -58,39 +58,32 @@ class HybridParallelModule(ModelWrapper):
         self.mesh = mesh
         self.shard_config = shard_config
         self.pipeline: PipelineSchedule | None = None
-        self.check_inputs = check_inputs
-        # A causal LM at dp > 1 with loss_normalization="tokens": its loss is normalised by the labelled
-        # tokens of every dp replica (HF's num_items_in_batch), not by this replica's own.
-        self.count_items_over_dp = count_items_over_dp
+        self.input_check = InputCheck(mesh, check_inputs)
+        self.items_guard = LabelledItemsGuard() if count_items else None
         self.fully_sharded = is_sharded(module)       # zero_stage=3: torch FSDP2 over dp
 
-    def check_same_inputs(self, *inputs) -> None:
-        """Raise on every rank when the ranks that must share a batch (tp, and pp with stages) got
-        different ones; a no-op after the first call unless check_inputs="always"."""
-        if self.check_inputs == "never":
-            return
-        tensors = tensors_of(*inputs)
-        check_same_inputs(tensors, self.mesh.tp_group, "tensor-parallel", _FEED_FIX)
-        check_same_inputs(tensors, self.mesh.pp_group, "pipeline-parallel", _FEED_FIX)
-        if self.check_inputs == "first":
-            self.check_inputs = "never"
+    def check_same_inputs(self, *inputs, immediate: bool = False) -> None:
+        """Raise on every rank of the group when the ranks that must share a batch (tp, and pp with
+        stages) got different ones (InputCheck: on CUDA judged at the next call unless `immediate`)."""
+        self.input_check(*inputs, immediate=immediate)
 
     def forward(self, *args, **kwargs):
         self.check_same_inputs(args, kwargs)
         args, kwargs = cast_floating(args, self.input_dtype), cast_floating(kwargs, self.input_dtype)
-        if self.count_items_over_dp and self.training and torch.is_tensor(kwargs.get("labels")):
-            kwargs["num_items_in_batch"] = self._global_items(kwargs["labels"], kwargs.get("num_items_in_batch"))
+        if self.items_guard is not None and self.training and torch.is_tensor(kwargs.get("labels")):
+            items = self._global_items(kwargs["labels"], kwargs.get("num_items_in_batch"))
+            self.items_guard.record(items)
+            if self.mesh.dp_size > 1:          # the gradient reduction averages over the replicas
+                kwargs["num_items_in_batch"] = items / self.mesh.dp_size
         return self.module(*args, **kwargs)
 
     def _global_items(self, labels: torch.Tensor, given) -> torch.Tensor:
-        """num_items_in_batch for this replica's loss: the labelled tokens of every replica (this
-        replica's own count, or the `num_items_in_batch` the caller passed for an accumulation
-        window), divided by dp because the gradient reduction averages over the replicas. One
-        8-byte all-reduce over dp, no host sync."""
+        """The labelled tokens of every replica (this replica's own count, or the `num_items_in_batch`
+        the caller passed for an accumulation window): one 8-byte all-reduce over dp, no host sync."""
         local = given if given is not None else count_items(labels, shifted=True)
         total = torch.as_tensor(local, dtype=torch.float32, device=labels.device).reshape(1).clone()
         comm.all_reduce(total, self.mesh.dp_group)
-        return total[0] / self.mesh.dp_size
+        return total[0]
 
     def unwrap(self) -> nn.Module:
         inner = super().unwrap()
@@ -166,8 +159,9 @@ class HybridParallelPlugin(Plugin):
         static_graph: `DDPConfig` (torch DDP, used when dp > 1 without ZeRO or pipeline).
     gradient_checkpoint_config: `meshboost.shardformer.PipelineGradientCheckpointConfig`: how many layers
         of each stage run under HF activation checkpointing once it is on (docs/optimizations.md).
-    check_inputs: "first" (default) | "always" | "never": agree over tp (and pp) that every rank was
-        fed the same batch, on the first call or on every call (one all-gather of 5 numbers).
+    check_inputs: "always" (default) | "first" | "never": agree over tp (and pp) that every rank was
+        fed bitwise the same batch, on every call or the first (one all-gather of 6 numbers per group;
+        on CUDA a call's verdict is read at the next call: no host sync; docs/reliability.md).
     loss_normalization: "tokens" (default): pipeline micro-batches and, for causal LMs, dp replicas
         are weighted by their labelled tokens, so every layout trains the single-process objective;
         "microbatch": the mean of micro-batch means (ColossalAI). See docs/reliability.md.
@@ -198,7 +192,7 @@ class HybridParallelPlugin(Plugin):
                  initial_scale: float = 2**16, min_scale: float = 1, growth_factor: float = 2,
                  backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2,
                  max_scale: float = 2**32, max_skips_at_min_scale: int = 50, overlap_communication: bool = True,
-                 zero_bucket_size_in_m: int = 12, check_inputs: str = "first", loss_normalization: str = "tokens",
+                 zero_bucket_size_in_m: int = 12, check_inputs: str = "always", loss_normalization: str = "tokens",
                  enable_flash_attention: bool = False, enable_fused_normalization: bool = False,
                  enable_jit_fused: bool = False, enable_sequence_overlap: bool = False,
                  enable_all_optimization: bool = False, sequence_parallelism_mode: str | None = None,
@@ -328,10 +322,11 @@ class HybridParallelPlugin(Plugin):
                 register_fp8_allreduce(module, self.mesh.dp_group)
             else:
                 register_counting_allreduce(module, self.mesh.dp_group)
-        count_over_dp = (self.config.loss_normalization == TOKENS and self.mesh.dp_size > 1 and stages is None
-                         and uses_causal_lm_loss(model))
-        boosted = HybridParallelModule(module, self.mesh, self.shard_config, self.config.check_inputs, count_over_dp,
+        count = self.config.loss_normalization == TOKENS and stages is None and uses_causal_lm_loss(model)
+        boosted = HybridParallelModule(module, self.mesh, self.shard_config, self.config.check_inputs, count,
                                        input_dtype=self.config.precision.dtype)
+        if boosted.items_guard is not None and isinstance(optimizer, MixedPrecisionOptimizer):
+            optimizer.check_before_update(boosted.items_guard)     # no labelled token: refuse the update
         if stages is not None:
             boosted.pipeline = self._build_schedule(stages)
         return boosted, optimizer, criterion, dataloader, lr_scheduler
@@ -408,7 +403,9 @@ class HybridParallelPlugin(Plugin):
     def execute_pipeline(self, data_iter, model, criterion, optimizer=None, return_loss: bool = True,
                          return_outputs: bool = False) -> dict:
         """One pipeline step on `next(data_iter)`: forward (and backward when `optimizer` is given) over its
-        micro-batches. Returns {"loss": mean micro-batch loss on every rank, "outputs": last stage only}."""
+        micro-batches. Returns {"loss": mean micro-batch loss on every rank, "outputs": last stage only}.
+        StopIteration on every rank when every iterator ran out; an error on every rank when only some did
+        (`input_checks.next_pipeline_batch`)."""
         pipeline = model.pipeline if isinstance(model, HybridParallelModule) else None
         if pipeline is None:
             raise TypeError("execute_pipeline needs the model returned by booster.boost(...) with pp_size > 1")
@@ -422,10 +419,12 @@ class HybridParallelPlugin(Plugin):
         # gradients: ZeroOptimizer.accumulate_then_reduce).
         local = optimizer.accumulate_then_reduce() if optimizer is not None and self.dp_reducer == ZERO \
             else contextlib.nullcontext()
-        batch = next(data_iter)
-        model.check_same_inputs(batch)
+        # Every rank has a batch (or none: StopIteration everywhere) and the global batch a labelled
+        # token, agreed over the world before anything runs; the step waits for the host here anyway.
+        batch, items = next_pipeline_batch(data_iter, self.mesh, pipeline.count_items, training=optimizer is not None)
+        model.check_same_inputs(batch, immediate=True)
         with local:
-            return pipeline.run(batch, criterion, optimizer, return_loss, return_outputs)
+            return pipeline.run(batch, criterion, optimizer, return_loss, return_outputs, items=items)
 
     def no_sync(self, model, optimizer=None):
         """Whoever reduces the gradients skips it inside the block: DDP's no_sync, FSDP2's (zero_stage=3), or

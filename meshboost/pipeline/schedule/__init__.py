@@ -26,7 +26,7 @@ import torch
 from meshboost.distributed.inputs import cast_floating
 from meshboost.distributed.p2p import StageComm
 from meshboost.pipeline.grads import average_grads, sum_tied_grads
-from meshboost.pipeline.normalization import TOKENS, microbatch_weights
+from meshboost.pipeline.normalization import TOKENS, batch_items, microbatch_weights
 from meshboost.pipeline.stage import PipelineStages
 
 
@@ -97,8 +97,16 @@ class PipelineSchedule:
         self.shifted_labels = shifted_labels
         self.input_dtype = input_dtype            # floating inputs take the weights' precision (inputs.py)
 
-    def run(self, batch, criterion, optimizer=None, return_loss: bool = True, return_outputs: bool = False) -> dict:
-        """Forward (and backward when `optimizer` is given) every micro-batch of `batch`."""
+    def count_items(self, batch) -> torch.Tensor | None:
+        """The labelled items of this rank's `batch` that mode "tokens" normalises by (None without
+        labels, or in mode "microbatch"), counted as the model counts them."""
+        return batch_items(batch, self.shifted_labels) if self.loss_normalization == TOKENS else None
+
+    def run(self, batch, criterion, optimizer=None, return_loss: bool = True, return_outputs: bool = False,
+            items: float | None = None) -> dict:
+        """Forward (and backward when `optimizer` is given) every micro-batch of `batch`. `items`: the
+        labelled items of the whole global batch when the caller agreed them (execute_pipeline does),
+        else the last stage counts them with one all-reduce over dp."""
         stages = self.stages
         if isinstance(batch, Mapping):
             batch = cast_floating({k: v.to(self.comm.device) if torch.is_tensor(v) else v for k, v in batch.items()},
@@ -113,7 +121,8 @@ class PipelineSchedule:
             raise ValueError("execute_pipeline needs a criterion(outputs, inputs) to compute the loss")
         weights = None
         if self.loss_normalization == TOKENS and stages.pp_rank == P - 1 and (training or return_loss):
-            weights = microbatch_weights(microbatches, self.shifted_labels, self.count_group, self.count_size)
+            weights = microbatch_weights(microbatches, self.shifted_labels, self.count_group, self.count_size,
+                                         total=items)
         step = _Step(self, microbatches, criterion, optimizer, return_loss, return_outputs, weights)
         with contextlib.nullcontext() if training else torch.no_grad():
             for kind, chunk, mb in schedule_order(P, stages.pp_rank, M, V, forward_only=not training):
@@ -161,6 +170,9 @@ class _Step:
         if self.weights is None:
             return losses.mean().float()
         weights = self.weights.to(losses.device)
+        # A micro-batch without a labelled item has the mean 0/0 and weighs 0: it adds nothing (a
+        # replica without any reports NaN, the mean over no item, as the model itself would).
+        losses = torch.where(weights > 0, losses, 0.0)
         return ((losses * weights).sum() / weights.sum()).float()
 
     def forward(self, chunk: int, mb: int) -> None:

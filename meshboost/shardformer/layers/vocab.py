@@ -187,7 +187,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # d loss_i / d logits_ij = (softmax_ij - [j is the target of i]) * grad_loss_i: one scaled
         # copy of the saved softmax (left intact for a retained graph), then the target entries.
         softmax, owned, local_t, ignored = ctx.saved_tensors
-        scale = grad_loss * (~ignored).to(softmax.dtype)
+        # Ignored rows get no gradient whatever flows in, as in torch's nll_loss: a mean over no
+        # labelled token is 0/0, whose backward sends inf or NaN here (inf * 0 would be NaN).
+        scale = grad_loss.masked_fill(ignored, 0.0)
         grad = softmax * scale.unsqueeze(-1)
         rows = torch.arange(grad.shape[0], device=grad.device)
         grad[rows, local_t] -= owned.to(grad.dtype) * scale

@@ -1,0 +1,150 @@
+"""What the boosted model checks about its inputs, so that bad or diverging batches end in one clear
+error on every rank that shares the verdict, never in a silently wrong step or a hang.
+
+Owns: `InputCheck` (check_inputs: the tp and pp ranks were fed bitwise the same inputs, on every
+call by default; on CUDA a call's verdict is read at the next call, so the hot path never waits for
+the device), `LabelledItemsGuard` (the optimizer asks it before an update whether a training
+forward since the last step had no labelled token in its global batch) and `next_pipeline_batch`
+(one all-reduce over the world at the start of a pipeline step: every rank has a batch, none has,
+and whether the global batch holds a labelled token). Must not contain digests or collectives of
+its own (distributed/agreement.py, distributed/comm.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from meshboost.distributed import ParallelMesh, comm
+from meshboost.distributed.agreement import DeferredRead, gather_input_digests, input_mismatch, tensors_of
+from meshboost.plugins.config import CHECK_INPUTS
+
+ALWAYS, FIRST, NEVER = CHECK_INPUTS
+
+FEED_FIX = ("Build the DataLoader with plugin.prepare_dataloader(...) (it samples over data-parallel ranks only), "
+            "not a DistributedSampler over the whole world, and draw any per-step randomness (augmentation, "
+            "masking) from a generator seeded alike on every rank of the group; check_inputs='never' turns this "
+            "check off")
+
+NO_LABEL_FIX = ("Every label of the global batch is -100 (ignored): its loss is 0/0 (NaN) and the step would "
+                "train on nothing. Drop samples with no labelled token before batching (e.g. a prompt whose answer "
+                "was truncated away), or make the batch larger")
+
+
+class InputCheck:
+    """Agree over the tensor- and pipeline-parallel groups that every rank was fed the same inputs.
+
+    mode "always" (the default): every call. The first call is judged at once; later calls are
+    judged at once on the CPU, and on CUDA when `immediate=True` (execute_pipeline, whose step waits
+    for the host anyway); otherwise (`deferred`, the default on CUDA) the gathered digests are copied
+    to pinned memory and judged at the start of the next call, which raises naming the call that
+    differed. "first": the first call only. "never": off. Every rank of a group reads the same
+    gathered digests at the same call, so they raise together.
+    """
+
+    def __init__(self, mesh: ParallelMesh, mode: str = ALWAYS, deferred: bool | None = None, fix: str = FEED_FIX):
+        if mode not in CHECK_INPUTS:
+            raise ValueError(f"check_inputs={mode!r}; expected one of {CHECK_INPUTS}")
+        self.mode, self.fix = mode, fix
+        self.groups = [(group, what) for group, what in ((mesh.tp_group, "tensor-parallel"),
+                                                          (mesh.pp_group, "pipeline-parallel"))
+                       if dist.get_world_size(group) > 1]
+        self.deferred = mesh.device.type == "cuda" if deferred is None else deferred
+        self.calls = 0
+        self._pending: list[tuple[int, object, str, DeferredRead]] = []
+
+    def __call__(self, *inputs, immediate: bool = False) -> None:
+        if self.mode == NEVER or not self.groups:
+            return
+        self.calls += 1
+        self.report_pending()
+        if self.mode == FIRST and self.calls > 1:
+            return
+        tensors = tensors_of(*inputs)
+        now = immediate or not self.deferred or self.calls == 1
+        for group, what in self.groups:
+            rows = gather_input_digests(tensors, group)
+            if now:
+                message = input_mismatch(rows, group, what, self.fix, self.calls)
+                if message is not None:
+                    raise ValueError(message)
+            else:
+                self._pending.append((self.calls, group, what, DeferredRead(rows)))
+
+    def report_pending(self) -> None:
+        """Judge the digests an earlier call left (deferred): raise for the first that differ."""
+        pending, self._pending = self._pending, []
+        for call, group, what, read in pending:
+            message = input_mismatch(read.get(), group, what, self.fix, call)
+            if message is not None:
+                raise ValueError(f"{message} (reported at call {self.calls}: on CUDA a call's check is read at the "
+                                 "next call, so training never waits for the device)")
+
+
+class LabelledItemsGuard:
+    """Remembers, for each training forward since the last optimizer step, whether the labelled
+    items of its global batch (the count every dp replica agreed) were 0, without waiting for the
+    device (`DeferredRead`). The optimizer calls it first in `step()`; every rank of the step holds
+    the same counts, so every rank raises there together and the weights stay unchanged."""
+
+    _KEEP = 8           # pending reads beyond this are resolved (long done) into one flag
+
+    def __init__(self):
+        self._pending: list[DeferredRead] = []
+        self._seen_empty = False
+
+    def record(self, items: torch.Tensor) -> None:
+        self._pending.append(DeferredRead((items == 0).reshape(1)))
+        if len(self._pending) > self._KEEP:
+            self._seen_empty |= bool(self._pending.pop(0).get()[0])
+
+    def __call__(self) -> None:
+        pending, self._pending = self._pending, []
+        empty = self._seen_empty or any(bool(read.get()[0]) for read in pending)
+        self._seen_empty = False
+        if empty:
+            raise ValueError(f"optimizer.step(): a training forward since the last step had no labelled token in its "
+                             f"global batch (every data-parallel replica). {NO_LABEL_FIX}. The gradients were "
+                             "dropped and the weights are unchanged")
+
+
+def next_pipeline_batch(data_iter, mesh: ParallelMesh, count_items, training: bool) -> tuple[object, float | None]:
+    """`next(data_iter)` on every rank of a pipeline step, agreed over the world with one all-reduce
+    of 3 integers (has a batch, labelled items, has labels), read on the host: every rank
+    has a batch (returns it, with the labelled items of the global batch, or None without labels),
+    none has (StopIteration on every rank: the end of an epoch), or some ran out (RuntimeError on
+    every rank naming them: the others would wait in the schedule). When `training`, a global batch
+    whose labels are all ignored raises ValueError on every rank before any forward (evaluated, its
+    loss is NaN, the mean over no item). `count_items(batch)`: this rank's labelled items (a
+    tensor), or None."""
+    try:
+        batch = next(data_iter)
+    except StopIteration:
+        batch = None
+    items = count_items(batch) if batch is not None else None
+    mine = torch.zeros(3, dtype=torch.int64, device=mesh.device)
+    mine[0] = int(batch is not None)
+    if items is not None:
+        mine[1] = items.to(mine.device)
+        mine[2] = 1
+    have, total, labelled = comm.all_reduce(mine.clone(), mesh.world_group).tolist()
+    if have == 0:
+        raise StopIteration
+    if have < mesh.world_size:
+        flags = comm.all_gather(mine[:1], mesh.world_group, dim=0).tolist()
+        ran_out = [r for r, f in enumerate(flags) if f == 0]
+        grid = mesh.device_mesh.mesh
+        replicas = sorted({int((grid == r).nonzero()[0][0]) for r in ran_out})
+        raise RuntimeError(
+            f"execute_pipeline: the data iterators of ranks {ran_out} (data-parallel replicas {replicas}) ran out "
+            f"while the other {have} ranks still had a batch; every rank of a pipeline step needs one, or the others "
+            "wait in the schedule. Give every replica the same number of batches (plugin.prepare_dataloader(dataset, "
+            "batch_size=..., drop_last=True) splits the dataset evenly over the data-parallel replicas) and run the "
+            "same number of steps on every rank")
+    if labelled < mesh.world_size:
+        return batch, None
+    if total == 0 and training:
+        raise ValueError(f"execute_pipeline: the global batch of this step holds no labelled token on any "
+                         f"data-parallel replica. {NO_LABEL_FIX}. Nothing was run; the weights are unchanged")
+    # every rank of a replica counted the same batch (the input check holds them to it)
+    return batch, total / (mesh.pp_size * mesh.tp_size)
