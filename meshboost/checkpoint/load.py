@@ -175,61 +175,11 @@ def load_model(model: nn.Module, checkpoint: str, strict: bool = True, device: t
     reader = CheckpointReader(checkpoint)
     prefix = getattr(model, "base_model_prefix", "") or ""
     keys = reader.keys()
-    used: set[str] = set()
-    missing: list[str] = []
-
-    names = ParamNames(model)
-    entries = [(name, p, names.names(p)) for name, p in model.named_parameters()]
-    state = model.state_dict(keep_vars=True)
-    param_ids = {id(p) for _, p, _ in entries}
-    entries += [(n, b, [n]) for n, b in state.items() if id(b) not in param_ids and isinstance(b, torch.Tensor)]
-
-    resolved = []
-    for name, tensor, names in entries:
-        alias = rename(name) if rename is not None else name
-        lookup = names if alias in (None, name) else [*names, alias]
-        key = next((c for n in lookup for c in _candidates(n, prefix) if c in keys), None)
-        if key is not None:
-            resolved.append((reader.weight_map[key], key, name, tensor))
-        elif alias is not None:                # (a tensor renamed to None may be absent: left as it is)
-            missing.append(name)
-    # File by file, releasing each file's mapping before the next: the file-backed pages a rank
-    # maps stay bounded by one weights file.
-    resolved.sort(key=lambda r: r[0])
-    current_file = None
-    for file, key, name, tensor in resolved:
-        if file != current_file:
-            reader.release()
-            current_file = file
-        used.add(key)
-        shard = read_shard(reader, key, get_tp_info(tensor))
-        if shard.shape != tensor.shape:
-            raise ValueError(f"{name}: checkpoint slice has shape {tuple(shard.shape)}, parameter has "
-                             f"{tuple(tensor.shape)}")
-        target_device = device if tensor.is_meta else tensor.device
-        if tensor.is_meta and target_device is None:
-            raise ValueError("the model is on the meta device: pass device= to materialise it")
-        value = shard.to(device=target_device, dtype=tensor.dtype)
-        if value.data_ptr() == shard.data_ptr():
-            # safetensors and mmap'ed pickles hand out file-backed memory: own it, so the model
-            # never depends on the file (and memory figures are honest).
-            value = value.clone()
-        if tensor.is_meta:
-            replace_keeping_object(tensor, value)
-        elif isinstance(tensor, DTensor):
-            # torch FSDP2 (GeminiPlugin, TorchFSDPPlugin): each rank cuts its own piece, no communication
-            mesh = tensor.device_mesh
-            tensor.to_local().copy_(distribute_tensor(value.to(mesh.device_type), mesh, tensor.placements,
-                                                      src_data_rank=None).to_local())
-        else:
-            tensor.copy_(value)
-    reader.release()
-    # tied aliases count as used
-    for _, _, names in entries:
-        for n in names:
-            for c in _candidates(n, prefix):
-                if c in keys:
-                    used.add(c)
+    entries = _model_tensors(model)
+    resolved, missing = _find_keys(entries, reader, prefix, rename)
+    used = _copy_into_model(reader, resolved, device)
+    # the other names of a tied weight count as used
+    used |= {c for _, _, names in entries for n in names for c in _candidates(n, prefix) if c in keys}
     unexpected = [] if partial_model else sorted(k for k in keys - used if not _IGNORABLE.search(k))
     if strict and (missing or unexpected):
         raise RuntimeError(f"loading {checkpoint!r}: missing {missing[:20]}{' ...' if len(missing) > 20 else ''}; "
@@ -240,3 +190,72 @@ def load_model(model: nn.Module, checkpoint: str, strict: bool = True, device: t
         raise RuntimeError(f"parameters {meta_left[:10]} are still on the meta device: the checkpoint lacks them")
     if any(b.is_meta for b in model.buffers()):
         _reinit_meta_buffers(model, device or torch.device("cpu"))
+
+
+def _model_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor, list[str]]]:
+    """(name, tensor, the checkpoint names it may be stored under) for every parameter, then every
+    persistent buffer, of `model`."""
+    names = ParamNames(model)
+    entries = [(name, p, names.names(p)) for name, p in model.named_parameters()]
+    state = model.state_dict(keep_vars=True)
+    param_ids = {id(p) for _, p, _ in entries}
+    entries += [(n, b, [n]) for n, b in state.items() if id(b) not in param_ids and isinstance(b, torch.Tensor)]
+    return entries
+
+
+def _find_keys(entries: list, reader: CheckpointReader, prefix: str,
+               rename: Callable[[str], str | None] | None) -> tuple[list[tuple], list[str]]:
+    """(file, checkpoint key, name, tensor) for every model tensor the checkpoint holds, and the names
+    of those it lacks (a tensor renamed to None may be absent: it is left as it is)."""
+    keys = reader.keys()
+    resolved, missing = [], []
+    for name, tensor, names in entries:
+        alias = rename(name) if rename is not None else name
+        lookup = names if alias in (None, name) else [*names, alias]
+        key = next((c for n in lookup for c in _candidates(n, prefix) if c in keys), None)
+        if key is not None:
+            resolved.append((reader.weight_map[key], key, name, tensor))
+        elif alias is not None:
+            missing.append(name)
+    return resolved, missing
+
+
+def _copy_into_model(reader: CheckpointReader, resolved: list[tuple], device: torch.device | None) -> set[str]:
+    """Read this rank's slice of every resolved tensor into its model tensor; returns the keys read.
+    File by file, releasing each file's mapping before the next: the file-backed pages a rank maps
+    stay bounded by one weights file."""
+    used: set[str] = set()
+    current_file = None
+    for file, key, name, tensor in sorted(resolved, key=lambda r: r[0]):
+        if file != current_file:
+            reader.release()
+            current_file = file
+        used.add(key)
+        _copy_shard(tensor, read_shard(reader, key, get_tp_info(tensor)), name, device)
+    reader.release()
+    return used
+
+
+def _copy_shard(tensor: torch.Tensor, shard: torch.Tensor, name: str, device: torch.device | None) -> None:
+    """Put `shard` into `tensor`: materialised from the meta device on `device`, into a DTensor's
+    local piece, or copied in place."""
+    if shard.shape != tensor.shape:
+        raise ValueError(f"{name}: checkpoint slice has shape {tuple(shard.shape)}, parameter has "
+                         f"{tuple(tensor.shape)}")
+    target_device = device if tensor.is_meta else tensor.device
+    if tensor.is_meta and target_device is None:
+        raise ValueError("the model is on the meta device: pass device= to materialise it")
+    value = shard.to(device=target_device, dtype=tensor.dtype)
+    if value.data_ptr() == shard.data_ptr():
+        # safetensors and mmap'ed pickles hand out file-backed memory: own it, so the model
+        # never depends on the file (and memory figures are honest).
+        value = value.clone()
+    if tensor.is_meta:
+        replace_keeping_object(tensor, value)
+    elif isinstance(tensor, DTensor):
+        # torch FSDP2 (GeminiPlugin, TorchFSDPPlugin): each rank cuts its own piece, no communication
+        mesh = tensor.device_mesh
+        tensor.to_local().copy_(distribute_tensor(value.to(mesh.device_type), mesh, tensor.placements,
+                                                  src_data_rank=None).to_local())
+    else:
+        tensor.copy_(value)

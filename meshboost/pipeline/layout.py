@@ -7,7 +7,7 @@ encoder-decoder; one per tower for a model chaining several), each naming, relat
 boundary must carry (T5's position bias); choosing a model's layout (the one its family's policy
 declares, passed in by the plugin, else transformers' own `config.base_model_pp_plan`); and
 `split_layers` (contiguous over the layers of every segment in order, even, remainder to the
-middle stages). Must not touch a model (stage construction lives in stage.py) nor know a family.
+middle stages). Must not touch a model (cutting one lives in cut.py) nor know a family.
 
 Every module outside the base model (LM head, classifier, ...) belongs to the last stage. The
 layout is checked against the model's parameters, so a family whose layout misses a parameter

@@ -4,9 +4,9 @@ Owns: `AbsentEmbedding` (a segment's embeddings on a stage starting inside the s
 the real output's shape, weightless), `ReceivedOutput` (an earlier segment's whole stack: the
 output the previous stage sent for it), `AbsentModule` (a module another stage holds: calling it
 is a usage error), `AbsentLayer` (what a script reading `layers[i]` gets for a layer another stage
-holds: its tree with every tensor None, ColossalAI's convention), and `stand_in_for` (the stand-in
-of an embeddings path, module or bare parameter). Must not know layouts, schedules or families:
-stage.py decides where each goes.
+holds: its tree with every tensor None, ColossalAI's convention), `stand_in_for` (the stand-in
+of an embeddings path, module or bare parameter) and `put_at` (putting one in place, and back).
+Must not know layouts, schedules or families: cut.py and run.py decide where each goes.
 """
 
 from __future__ import annotations
@@ -168,3 +168,16 @@ class AbsentLayer(nn.Module):
         path, holders = self.__dict__["_where"]
         raise RuntimeError(f"{path} is held by pipeline rank(s) {holders}, not this one; with pp_size > 1 run the "
                            "model through booster.execute_pipeline(data_iter, model, criterion, optimizer)")
+
+
+def put_at(root: nn.Module, path: str, value):
+    """Put `value` (a module, or a parameter's stand-in tensor and back) at `path` under `root`;
+    returns what was there."""
+    parent_path, _, leaf = path.rpartition(".")
+    parent = root.get_submodule(parent_path) if parent_path else root
+    old = getattr(parent, leaf)
+    if not (isinstance(value, nn.Module) and leaf in parent._modules):
+        parent._parameters.pop(leaf, None)         # a parameter becomes a plain tensor attribute, and back
+        parent.__dict__.pop(leaf, None)
+    setattr(parent, leaf, value)
+    return old

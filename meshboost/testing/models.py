@@ -9,97 +9,136 @@ import transformers as tfm
 VOCAB = 101   # prime: padded at every tp
 
 
+# Families built on the common sizes (hidden 32, 4 heads, ffn 64): config class -> its other settings.
+_ON_COMMON = {
+    "bert": ("BertConfig", dict(max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                type_vocab_size=2)),
+    "llama": ("LlamaConfig", dict(num_key_value_heads=4, max_position_embeddings=64)),
+    "llama_gqa": ("LlamaConfig", dict(num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)),
+    # 8 query heads, 2 kv heads: at tp=4 each kv head lives on 2 ranks
+    "llama_kv2": ("LlamaConfig", dict(num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64)),
+    # multi-query: one kv head, held by every rank
+    "llama_mqa": ("LlamaConfig", dict(num_key_value_heads=1, max_position_embeddings=64)),
+    # per-head q/k norm weights [heads, head_dim]; 2 kv heads (replicas at tp=4)
+    "cohere_qk": ("CohereConfig", dict(num_attention_heads=8, num_key_value_heads=2, use_qk_norm=True,
+                                       max_position_embeddings=64)),
+    # whole-hidden q/k LayerNorms: q/k/v gathered, attention on every rank
+    "esmc": ("EsmcConfig", dict(num_key_value_heads=4, max_position_embeddings=64, pad_token_id=1,
+                                classifier_dropout=0.0)),
+    "qwen2": ("Qwen2Config", dict(num_key_value_heads=4, max_position_embeddings=64)),
+    "mistral": ("MistralConfig", dict(num_key_value_heads=4, max_position_embeddings=64, sliding_window=None)),
+    # a scaled word embedding (x sqrt(hidden)) that must survive sharding
+    "gemma": ("GemmaConfig", dict(num_key_value_heads=4, head_dim=8, max_position_embeddings=64)),
+    # scaled embedding, soft-capping, alternating sliding/full layers
+    "gemma2": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=4,
+                                    query_pre_attn_scalar=8)),
+    # factorised embedding (16 -> 32), one shared layer group
+    "albert": ("AlbertConfig", dict(embedding_size=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                    classifier_dropout_prob=0.0, max_position_embeddings=64)),
+}
+
+
 def tiny_config(family: str, **overrides):
     """A tiny transformers config for `family` (a key of MODEL_CLASSES, or 'qwen2_sliding', 'gemma2')."""
-    common = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4,
-                  num_hidden_layers=overrides.pop("num_hidden_layers", 2),  # at construction: per-layer lists follow it
-                  intermediate_size=64)
-    if family == "bert":
-        cfg = tfm.BertConfig(**common, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                             attention_probs_dropout_prob=0.0, type_vocab_size=2)
-    elif family == "gpt2":
-        cfg = tfm.GPT2Config(vocab_size=VOCAB, n_embd=32, n_head=4, n_layer=common["num_hidden_layers"], n_inner=64,
-                             n_positions=64,
-                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=VOCAB - 1,
-                             eos_token_id=VOCAB - 1)
-    elif family == "llama":
-        cfg = tfm.LlamaConfig(**common, num_key_value_heads=4, max_position_embeddings=64)
-    elif family == "llama_gqa":
-        cfg = tfm.LlamaConfig(**common | {"num_attention_heads": 8}, num_key_value_heads=4, max_position_embeddings=64)
-    elif family == "llama_kv2":           # 8 query heads, 2 kv heads: at tp=4 each kv head lives on 2 ranks
-        cfg = tfm.LlamaConfig(**common | {"num_attention_heads": 8}, num_key_value_heads=2, max_position_embeddings=64)
-    elif family == "llama_mqa":           # multi-query: one kv head, held by every rank
-        cfg = tfm.LlamaConfig(**common, num_key_value_heads=1, max_position_embeddings=64)
-    elif family == "cohere_qk":           # per-head q/k norm weights [heads, head_dim]; 2 kv heads (replicas at tp=4)
-        cfg = tfm.CohereConfig(**common | {"num_attention_heads": 8}, num_key_value_heads=2, use_qk_norm=True,
-                               max_position_embeddings=64)
-    elif family == "esmc":                # whole-hidden q/k LayerNorms: q/k/v gathered, attention on every rank
-        cfg = tfm.EsmcConfig(**common, num_key_value_heads=4, max_position_embeddings=64, pad_token_id=1,
-                             classifier_dropout=0.0)
-    elif family == "qwen2":
-        cfg = tfm.Qwen2Config(**common, num_key_value_heads=4, max_position_embeddings=64)
-    elif family == "mistral":
-        cfg = tfm.MistralConfig(**common, num_key_value_heads=4, max_position_embeddings=64, sliding_window=None)
-    elif family == "qwen2_sliding":       # per-layer types: layers >= max_window_layers use a 4-token window
-        cfg = tfm.Qwen2Config(**common, num_key_value_heads=4, max_position_embeddings=64, use_sliding_window=True,
-                              sliding_window=4, max_window_layers=overrides.pop("max_window_layers", 2))
-    elif family == "gemma":               # a scaled word embedding (x sqrt(hidden)) that must survive sharding
-        cfg = tfm.GemmaConfig(**common, num_key_value_heads=4, head_dim=8, max_position_embeddings=64)
-    elif family == "gemma2":              # scaled embedding, soft-capping, alternating sliding/full layers
-        cfg = tfm.Gemma2Config(**common, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-                               sliding_window=4, query_pre_attn_scalar=8)
-    elif family == "opt":                 # word_embed_proj_dim != hidden: project_in / project_out
-        cfg = tfm.OPTConfig(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, ffn_dim=64, word_embed_proj_dim=16,
-                            num_hidden_layers=common["num_hidden_layers"], max_position_embeddings=64, dropout=0.0,
-                            attention_dropout=0.0)
-    elif family == "bloom":               # ALiBi, fused per-head query_key_value
-        cfg = tfm.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_head=4, n_layer=common["num_hidden_layers"],
-                              hidden_dropout=0.0, attention_dropout=0.0)
-    elif family.startswith("falcon"):
-        layout = {"falcon": dict(new_decoder_architecture=True, num_attention_heads=8, num_kv_heads=2),  # grouped
-                  "falcon_mqa": dict(multi_query=True, parallel_attn=True),                         # falcon-7b
-                  "falcon_alibi": dict(multi_query=False, alibi=True, parallel_attn=False)}[family]
-        cfg = tfm.FalconConfig(vocab_size=VOCAB, hidden_size=64 if family == "falcon" else 32,
-                               num_hidden_layers=common["num_hidden_layers"], ffn_hidden_size=64,
-                               max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0,
-                               **{"new_decoder_architecture": False, "num_attention_heads": 4, **layout})
-    elif family == "vit":
-        cfg = tfm.ViTConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=common["num_hidden_layers"],
-                            intermediate_size=64, image_size=16, patch_size=8, hidden_dropout_prob=0.0,
-                            attention_probs_dropout_prob=0.0, num_labels=3)
-    elif family == "albert":              # factorised embedding (16 -> 32), one shared layer group
-        cfg = tfm.AlbertConfig(**common, embedding_size=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                               classifier_dropout_prob=0.0, max_position_embeddings=64)
-    elif family in ("t5", "t5_gated"):    # t5_gated: T5 v1.1 / Flan (gated-gelu, untied head)
-        extra = dict(feed_forward_proj="gated-gelu", tie_word_embeddings=False) if family == "t5_gated" else {}
-        cfg = tfm.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_heads=4,
-                           num_layers=common["num_hidden_layers"], num_decoder_layers=common["num_hidden_layers"],
-                           dropout_rate=0.0, decoder_start_token_id=0, eos_token_id=1, relative_attention_num_buckets=8,
-                           **extra)
-    elif family == "whisper":             # audio encoder (conv front end) + decoder with cross-attention
-        cfg = tfm.WhisperConfig(vocab_size=VOCAB, d_model=32, encoder_layers=common["num_hidden_layers"],
-                                decoder_layers=common["num_hidden_layers"], encoder_attention_heads=4,
-                                decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8,
-                                max_source_positions=8, max_target_positions=32, pad_token_id=0, bos_token_id=1,
-                                eos_token_id=2, decoder_start_token_id=1, suppress_tokens=None,
-                                begin_suppress_tokens=None, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
-    elif family == "blip2":               # vision tower + Q-Former (2 query tokens) + OPT; image token = VOCAB - 1
-        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=16,
-                      patch_size=8, attention_dropout=0.0)
-        qformer = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                       intermediate_size=64, encoder_hidden_size=32, max_position_embeddings=64,
-                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-        text = tfm.OPTConfig(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4,
-                             num_hidden_layers=common["num_hidden_layers"], ffn_dim=64, word_embed_proj_dim=32,
-                             max_position_embeddings=64, dropout=0.0, attention_dropout=0.0)
-        cfg = tfm.Blip2Config(vision_config=vision, qformer_config=qformer, text_config=text.to_dict(),
-                              num_query_tokens=2, image_token_index=VOCAB - 1)
+    layers = overrides.pop("num_hidden_layers", 2)       # at construction: per-layer lists follow it
+    if family in _ON_COMMON:
+        class_name, settings = _ON_COMMON[family]
+        cfg = getattr(tfm, class_name)(**(_common(layers) | settings))
+    elif family in _BUILDERS:
+        cfg = _BUILDERS[family](family, layers, overrides)
     else:
         raise ValueError(f"unknown tiny family {family!r}")
     for k, v in overrides.items():
         setattr(cfg, k, v)
     cfg.pad_token_id = 0
     return cfg
+
+
+def _common(layers: int) -> dict:
+    return dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_hidden_layers=layers,
+                intermediate_size=64)
+
+
+def _qwen2_sliding(family: str, layers: int, overrides: dict):
+    """Per-layer types: layers >= max_window_layers use a 4-token window."""
+    return tfm.Qwen2Config(**_common(layers), num_key_value_heads=4, max_position_embeddings=64,
+                           use_sliding_window=True, sliding_window=4,
+                           max_window_layers=overrides.pop("max_window_layers", 2))
+
+
+def _gpt2(family: str, layers: int, overrides: dict):
+    return tfm.GPT2Config(vocab_size=VOCAB, n_embd=32, n_head=4, n_layer=layers, n_inner=64, n_positions=64,
+                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=VOCAB - 1,
+                          eos_token_id=VOCAB - 1)
+
+
+def _opt(family: str, layers: int, overrides: dict):
+    """word_embed_proj_dim != hidden: project_in / project_out."""
+    return tfm.OPTConfig(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, ffn_dim=64, word_embed_proj_dim=16,
+                         num_hidden_layers=layers, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0)
+
+
+def _bloom(family: str, layers: int, overrides: dict):
+    """ALiBi, fused per-head query_key_value."""
+    return tfm.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_head=4, n_layer=layers, hidden_dropout=0.0,
+                           attention_dropout=0.0)
+
+
+_FALCON_ATTENTION = {
+    "falcon": dict(new_decoder_architecture=True, num_attention_heads=8, num_kv_heads=2),   # grouped
+    "falcon_mqa": dict(multi_query=True, parallel_attn=True),                               # falcon-7b
+    "falcon_alibi": dict(multi_query=False, alibi=True, parallel_attn=False),
+}
+
+
+def _falcon(family: str, layers: int, overrides: dict):
+    return tfm.FalconConfig(vocab_size=VOCAB, hidden_size=64 if family == "falcon" else 32, num_hidden_layers=layers,
+                            ffn_hidden_size=64, max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0,
+                            **{"new_decoder_architecture": False, "num_attention_heads": 4,
+                               **_FALCON_ATTENTION[family]})
+
+
+def _vit(family: str, layers: int, overrides: dict):
+    return tfm.ViTConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=layers, intermediate_size=64,
+                         image_size=16, patch_size=8, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                         num_labels=3)
+
+
+def _t5(family: str, layers: int, overrides: dict):
+    """t5_gated: T5 v1.1 / Flan (gated-gelu, untied head)."""
+    extra = dict(feed_forward_proj="gated-gelu", tie_word_embeddings=False) if family == "t5_gated" else {}
+    return tfm.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_heads=4, num_layers=layers,
+                        num_decoder_layers=layers, dropout_rate=0.0, decoder_start_token_id=0, eos_token_id=1,
+                        relative_attention_num_buckets=8, **extra)
+
+
+def _whisper(family: str, layers: int, overrides: dict):
+    """Audio encoder (conv front end) + decoder with cross-attention."""
+    return tfm.WhisperConfig(vocab_size=VOCAB, d_model=32, encoder_layers=layers, decoder_layers=layers,
+                             encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                             decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=8, max_target_positions=32,
+                             pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+                             suppress_tokens=None, begin_suppress_tokens=None, dropout=0.0, attention_dropout=0.0,
+                             activation_dropout=0.0)
+
+
+def _blip2(family: str, layers: int, overrides: dict):
+    """Vision tower + Q-Former (2 query tokens) + OPT; image token = VOCAB - 1."""
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=16,
+                  patch_size=8, attention_dropout=0.0)
+    qformer = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                   intermediate_size=64, encoder_hidden_size=32, max_position_embeddings=64,
+                   hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    text = tfm.OPTConfig(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_hidden_layers=layers,
+                         ffn_dim=64, word_embed_proj_dim=32, max_position_embeddings=64, dropout=0.0,
+                         attention_dropout=0.0)
+    return tfm.Blip2Config(vision_config=vision, qformer_config=qformer, text_config=text.to_dict(),
+                           num_query_tokens=2, image_token_index=VOCAB - 1)
+
+
+_BUILDERS = {"qwen2_sliding": _qwen2_sliding, "gpt2": _gpt2, "opt": _opt, "bloom": _bloom, "falcon": _falcon,
+             "falcon_mqa": _falcon, "falcon_alibi": _falcon, "vit": _vit, "t5": _t5, "t5_gated": _t5,
+             "whisper": _whisper, "blip2": _blip2}
 
 
 MODEL_CLASSES = {

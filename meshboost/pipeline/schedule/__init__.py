@@ -4,7 +4,7 @@ Owns: splitting a batch into micro-batches, the order in which each rank runs it
 and backward (B) units, and executing that order: receive, run the chunk, send, with the loss
 computed by `criterion(outputs, inputs)` on the last stage, divided by the number of
 micro-batches (the step's loss is their mean) and broadcast to every stage. Must not build
-stages or hold process groups of its own (stage.py, grads.py, `meshboost.distributed.p2p`).
+stages or hold process groups of its own (cut.py, grads.py, `meshboost.distributed.p2p`).
 
 Why not torch.distributed.pipelining: see docs/pipeline.md (it fixes tensor shapes at the first
 step, gives only the first stage the inputs, and calls the loss as loss_fn(output, target)).
