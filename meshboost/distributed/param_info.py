@@ -1,11 +1,12 @@
 """The records a parameter carries, and the one routine that maps a full tensor onto tp shards.
 
 Owns: `TensorParallelInfo` (which dim is split, over which group, the full shape, vocab padding,
-fused blocks) and `PipelineTie` (a weight held by several pipeline stages), each
-attached to the parameter itself; `local_slices`, the only code that knows which slices of a full
-tensor make up this rank's shard, and the shard/gather functions built on it. Grad-norm, ZeRO,
-sharding, pipelines and checkpoints read the records; none of them re-derives a layout from
-module types.
+fused blocks), `PipelineTie` (a weight held by several pipeline stages) and the gradient hooks
+meshboost registers, each attached to the parameter itself; `carry_records` / `carry_grad_hooks`, the
+one way to move them to a parameter that replaces another (FSDP2's DTensors); `local_slices`, the
+only code that knows which slices of a full tensor make up this rank's shard, and the shard/gather
+functions built on it. Grad-norm, ZeRO, sharding, pipelines and checkpoints read the records; none
+of them re-derives a layout from module types.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from meshboost.distributed import comm
 
 _TP_ATTR = "tp_info"
 _TIE_ATTR = "pipeline_tie"
+_HOOKS_ATTR = "grad_hooks"
 
 
 @dataclass
@@ -99,6 +101,64 @@ def is_pipeline_replica(param: torch.Tensor) -> bool:
     """True for the last stage's copy of a weight tied across pipeline stages."""
     tie = get_pipeline_tie(param)
     return tie is not None and tie.replica
+
+
+# -- gradient hooks, and moving every record to a replacement parameter ---------------------------
+def register_grad_hook(param: torch.Tensor, hook: Callable) -> torch.utils.hooks.RemovableHandle:
+    """`param.register_hook(hook)`, recorded on the parameter so `carry_grad_hooks` can put the same
+    hook on a tensor that replaces it. The way meshboost registers a gradient hook on a parameter
+    (the sums over tp: replicated kv-head shards, shared q/k norms, sequence-parallel weights)."""
+    handle = param.register_hook(hook)
+    setattr(param, _HOOKS_ATTR, (*getattr(param, _HOOKS_ATTR, ()), hook))
+    return handle
+
+
+def grad_hooks(param: torch.Tensor) -> tuple[Callable, ...]:
+    """The gradient hooks on `param`, in the order they were registered (the order autograd runs them)."""
+    # Transitional, and the one place that reads torch's table: shardformer's layers, styles and
+    # sequence.py still call `Tensor.register_hook` directly and leave no record. On a live parameter
+    # torch's table holds every hook, recorded ones included, so it is read first; a parameter that
+    # only had records carried onto it (FSDP2's sharded DTensor) has none there and gives its record.
+    # Once every call site uses `register_grad_hook`, this reads the record alone.
+    live = getattr(param, "_backward_hooks", None)
+    if live:
+        return tuple(live.values())
+    return getattr(param, _HOOKS_ATTR, ())
+
+
+@dataclass(frozen=True)
+class ParamRecords:
+    """Everything meshboost records on one parameter, taken off it to be put on its replacement."""
+
+    tp_info: TensorParallelInfo | None
+    pipeline_tie: PipelineTie | None
+    grad_hooks: tuple[Callable, ...]
+
+
+def records_of(param: torch.Tensor) -> ParamRecords:
+    return ParamRecords(get_tp_info(param), get_pipeline_tie(param), grad_hooks(param))
+
+
+def attach_records(param: torch.Tensor, records: ParamRecords) -> None:
+    """Put `records` on `param` (a parameter that replaced the one they were taken from). The gradient
+    hooks are recorded, not registered: `carry_grad_hooks` registers them where autograd will see them."""
+    for attr, value in ((_TP_ATTR, records.tp_info), (_TIE_ATTR, records.pipeline_tie)):
+        if value is not None:
+            setattr(param, attr, value)
+    if records.grad_hooks:
+        setattr(param, _HOOKS_ATTR, records.grad_hooks)
+
+
+def carry_records(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """`dst` replaces `src`: give it `src`'s tensor-parallel record, pipeline tie and gradient-hook record."""
+    attach_records(dst, records_of(src))
+
+
+def carry_grad_hooks(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Register on `dst` every gradient hook `src` has (`grad_hooks`), the same callables in the same
+    order, so autograd runs on `dst`'s gradient exactly what it ran on `src`'s."""
+    for hook in grad_hooks(src):
+        register_grad_hook(dst, hook)
 
 
 # -- the shard layout -----------------------------------------------------------------------------

@@ -1,12 +1,12 @@
 """GeminiPlugin and TorchFSDPPlugin: ZeRO-3 data parallelism on torch FSDP2 (`fully_shard`).
 
 Owns: the wiring only. Weights, gradients and optimizer states are sharded over every rank (a
-dp-only mesh) by FSDP2, one unit per transformer layer plus the root (`fsdp_wrap.py`); mixed
-precision is FSDP2's MixedPrecisionPolicy (fp32 sharded weights are the masters), CPU offload its
-CPUOffloadPolicy; the step (fp16 loss scale, clipping by the global norm over the shards) is
-`FSDPOptimizer`'s. ColossalAI's keyword arguments map onto `FSDPConfig` (`fsdp_config.py`, the
-table in docs/fsdp.md). Must not implement sharding, reduction or checkpoint formats: FSDP2,
-meshboost.optim and meshboost.checkpoint do.
+dp-only mesh) by the FSDP2 engine (meshboost.fsdp), one unit per transformer layer
+(`fsdp_wrap.transformer_layers`) plus the root; mixed precision is FSDP2's MixedPrecisionPolicy (fp32
+sharded weights are the masters), CPU offload its CPUOffloadPolicy; the step (fp16 loss scale,
+clipping by the global norm over the shards) is `FSDPOptimizer`'s. ColossalAI's keyword arguments map
+onto the engine's `FSDPConfig` (`fsdp_config.py`, the table in docs/fsdp.md). Must not implement
+sharding, reduction or checkpoint formats: meshboost.fsdp, meshboost.optim and meshboost.checkpoint do.
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ import torch.nn as nn
 from meshboost.booster import ModelWrapper, OptimizerWrapper, Plugin
 from meshboost.distributed import ParallelMesh
 from meshboost.distributed.agreement import agree_settings
-from meshboost.plugins.fsdp_config import FSDPConfig, gemini_config, settings, torch_fsdp_config
-from meshboost.plugins.fsdp_optimizer import FSDPOptimizer
-from meshboost.plugins.fsdp_wrap import apply_fsdp, is_sharded, no_gradient_sync, prepare, reshard_all
-from meshboost.plugins.hybrid_zero3 import carry_state
+from meshboost.fsdp import FSDPConfig, apply_fsdp, boost_optimizer, is_sharded, no_gradient_sync, prepare, reshard_all
+from meshboost.plugins.fsdp_config import gemini_config, settings, torch_fsdp_config
+from meshboost.plugins.fsdp_wrap import transformer_layers
 from meshboost.shardformer import ShardConfig, ShardFormer
 
 
@@ -72,12 +71,10 @@ class FSDPPluginBase(Plugin):
         if self.config.kernels:
             ShardFormer(ShardConfig(enable_tensor_parallelism=False, **self.config.kernels)).optimize(model)
         prepare(model, self.config, self.mesh)
-        units = apply_fsdp(model, self.config, self.mesh)     # in place; parameters become DTensor shards
-        if optimizer is not None:
-            carry_state(optimizer, names, model)       # an optimizer that stepped: its state onto the new parameters
-            pc = self.config.precision
-            optimizer = FSDPOptimizer(optimizer, self.mesh, precision=pc.precision, max_norm=pc.max_norm,
-                                      norm_type=pc.norm_type, scaler_config=pc.scaler)
+        # in place; parameters become DTensor shards
+        units = apply_fsdp(model, self.config, self.mesh, transformer_layers(model))
+        if optimizer is not None:      # moved onto the new parameters (a stepped one with its state), then wrapped
+            optimizer = boost_optimizer(optimizer, names, model, self.mesh, self.config.precision)
         return FSDPModel(model, self.mesh, units), optimizer, criterion, dataloader, lr_scheduler
 
     def no_sync(self, model, optimizer=None):

@@ -1,75 +1,30 @@
-"""What the FSDP2 plugins build, and the mapping of ColossalAI's GeminiPlugin / TorchFSDPPlugin
-keyword arguments onto it.
+"""The mapping of ColossalAI's GeminiPlugin / TorchFSDPPlugin keyword arguments onto the FSDP2
+engine's `FSDPConfig` (meshboost/fsdp/config.py, which checks its own fields).
 
-Owns: `FSDPConfig` (precision and clipping, resharding, CPU offload, mixed-precision dtypes, how the
-model is cut into `fully_shard` units, kernel switches) and `gemini_config` / `torch_fsdp_config`,
-which honour every ColossalAI keyword that has a meaning on top of torch FSDP2 and refuse the others
-with a message naming what to use instead (docs/fsdp.md has the table). Every check is pure: the
-same error on every rank, before any collective. Must not build groups or touch a model.
+Owns: `gemini_config` / `torch_fsdp_config`, which honour every ColossalAI keyword that has a
+meaning on top of torch FSDP2 and refuse the others with a message naming what to use instead
+(docs/fsdp.md has the table), and `settings`, the arguments as every rank must agree on them.
+Every check is pure: the same error on every rank, before any collective. Must not build groups or
+touch a model.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, MixedPrecision, MixedPrecisionPolicy
 
 from meshboost.distributed import get_current_device
+from meshboost.fsdp import FSDPConfig
 from meshboost.optim import GradScalerConfig, PrecisionConfig
 
 logger = logging.getLogger("meshboost.plugins")
 
 DTYPE_PRECISION = {None: "fp32", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-
-
-@dataclass
-class FSDPConfig:
-    """The FSDP2 build, checked when constructed."""
-
-    precision: PrecisionConfig = field(default_factory=PrecisionConfig)  # compute dtype, max_norm, fp16 scaler
-    reshard_after_forward: bool = True    # free gathered weights after forward (ZeRO-3); False: after backward
-    cpu_offload: bool = False             # sharded weights, grads and optimizer step on the CPU (CPUOffloadPolicy)
-    pin_memory: bool = False              # pin the offloaded shards (CUDA only)
-    reduce_dtype: torch.dtype | None = torch.float32  # gradient reduce-scatter dtype (None: the compute dtype)
-    output_dtype: torch.dtype | None = None           # the root's floating outputs are cast to this
-    cast_forward_inputs: bool = True      # each unit casts its floating inputs to the compute dtype
-    buffer_dtype: torch.dtype | None = None           # floating buffers are cast to this at boost
-    auto_wrap_policy: Callable | None = None          # FSDP1-style policy; None: one unit per layer
-    forward_prefetch: int = 0             # all-gather the next k layer units during a layer's forward
-    sync_module_states: bool = False      # broadcast rank 0's weights and buffers before sharding
-    ignored_modules: tuple = ()           # their parameters stay whole and unreduced (FSDP's ignored_modules)
-    kernels: dict = field(default_factory=dict)       # ShardConfig kernel switches (flash attention, ...)
-    verbose: bool = False                 # rank 0 logs the units and the policies
-
-    def __post_init__(self):
-        if not isinstance(self.forward_prefetch, int) or isinstance(self.forward_prefetch, bool) \
-                or self.forward_prefetch < 0:
-            raise ValueError(f"max_prefetch={self.forward_prefetch!r} must be a non-negative integer")
-        if self.auto_wrap_policy is not None and not callable(self.auto_wrap_policy):
-            raise TypeError(f"auto_wrap_policy={self.auto_wrap_policy!r} must be callable like FSDP1's policies "
-                            "(module, recurse, nonwrapped_numel) -> bool, e.g. functools.partial("
-                            "transformer_auto_wrap_policy, transformer_layer_cls={...}) or ModuleWrapPolicy({...}); "
-                            "None wraps every transformer layer")
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.precision.dtype
-
-    def mp_policy(self, root: bool) -> MixedPrecisionPolicy:
-        """FSDP2's mixed precision: sharded weights stay fp32 (they are the masters), compute in `dtype`."""
-        return MixedPrecisionPolicy(param_dtype=self.dtype if self.dtype != torch.float32 else None,
-                                    reduce_dtype=self.reduce_dtype,
-                                    output_dtype=self.output_dtype if root else None,
-                                    cast_forward_inputs=self.cast_forward_inputs)
-
-    def offload_policy(self):
-        return CPUOffloadPolicy(pin_memory=self.pin_memory and torch.cuda.is_available()) if self.cpu_offload \
-            else None
 
 
 def _refuse(name: str, value, why_and_fix: str, error=ValueError):

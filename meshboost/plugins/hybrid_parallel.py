@@ -22,6 +22,7 @@ from meshboost.distributed import ParallelMesh, comm, get_current_device
 from meshboost.distributed.agreement import agree_settings
 from meshboost.distributed.inputs import cast_floating
 from meshboost.distributed.p2p import StageComm
+from meshboost.fsdp import is_sharded, no_gradient_sync, reshard_all
 from meshboost.lazy import lazy_seed, materialize
 from meshboost.optim import GradScalerConfig, MixedPrecisionOptimizer, PrecisionConfig, ZeroConfig, ZeroOptimizer
 from meshboost.pipeline import PipelineConfig, PipelineSchedule, build_stages, get_layout, prune_optimizer, split_layers
@@ -29,7 +30,6 @@ from meshboost.pipeline.checkpointing import checkpoint_plan, install_checkpoint
 from meshboost.pipeline.normalization import TOKENS, count_items
 from meshboost.plugins.config import DDP, FSDP, PIPELINE, ZERO, DDPConfig, HybridParallelConfig, dp_reducer
 from meshboost.plugins.ddp_hooks import fp8_refusal, register_counting_allreduce, register_fp8_allreduce
-from meshboost.plugins.fsdp_wrap import is_sharded, no_gradient_sync, reshard_all
 from meshboost.plugins.hybrid_zero3 import ZERO3, check_zero3_model, shard_zero3
 from meshboost.plugins.input_checks import ALWAYS, InputCheck, LabelledItemsGuard, next_pipeline_batch
 from meshboost.shardformer import (
