@@ -6,7 +6,10 @@ outgrows one reader's sitting. Run as a script to print the package graph:
     python tests/test_architecture.py
 
 Implicit edges to parent packages (importing `meshboost.distributed` runs `meshboost/__init__`)
-are not counted: only what a file names.
+are not counted: only what a file names. A ColossalAI path that `meshboost.compat` serves
+(`meshboost.booster.plugin` is the file `compat/booster/plugin/__init__.py`, by the rule of
+`compat/paths.py`) counts as an import of that compat module, so the core cannot reach compat through
+one; no module puts a `__getattr__` on another, and no compat file shadows a core module.
 """
 
 from __future__ import annotations
@@ -17,14 +20,18 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "meshboost"
+sys.path.insert(0, str(ROOT.parent))
+from meshboost.compat.paths import mirror_file  # noqa: E402  (the rule the ColossalAI paths are served by)
+
 FLOORS = {
     "distributed": 0,                                               # the ground floor
     "shardformer": 1, "pipeline": 1, "optim": 1, "checkpoint": 1,   # peers: none imports another
     "lazy": 1,                                                      # LazyInitContext: init on meta, per unit
-    "cluster": 1, "accelerator": 1, "nn": 1, "utils": 1,            # ColossalAI's paths: views over distributed
-    "booster": 2,
+    "cluster": 1,                                                   # ColossalAI's mesh views the plugins answer with
+    "booster": 2, "fsdp": 2,                                        # peers; fsdp: the FSDP2 engine (distributed, optim)
     "plugins": 3,                                                   # composition only
     "testing": 4,                                                   # test support: nothing imports it
+    "compat": 4,                                                    # ColossalAI's surface: nothing imports it
 }
 MAX_LINES = 450
 
@@ -46,6 +53,14 @@ def _resolve(target: str, names: list[str], modules: dict[str, Path]) -> list[st
     return out
 
 
+def _physical(name: str, modules: dict[str, Path]) -> str:
+    """The module a name is loaded from: a ColossalAI path served by compat is that compat file."""
+    if name in modules:
+        return name
+    served = mirror_file(name)
+    return _module_name(served) if served is not None else name
+
+
 def _imports(path: Path, modules: dict[str, Path]) -> list[tuple[str, list[str], int]]:
     """(imported meshboost module, names taken from it, line) for every import in the file."""
     me = _module_name(path)
@@ -53,7 +68,8 @@ def _imports(path: Path, modules: dict[str, Path]) -> list[tuple[str, list[str],
     out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            out += [(a.name, [], node.lineno) for a in node.names if a.name.split(".")[0] == "meshboost"]
+            out += [(_physical(a.name, modules), [], node.lineno) for a in node.names
+                    if a.name.split(".")[0] == "meshboost"]
         elif isinstance(node, ast.ImportFrom):
             target = node.module or ""
             if node.level:
@@ -62,6 +78,7 @@ def _imports(path: Path, modules: dict[str, Path]) -> list[tuple[str, list[str],
             if target.split(".")[0] != "meshboost":
                 continue
             names = [a.name for a in node.names]
+            target = _physical(target, modules)
             for resolved in _resolve(target, names, modules):
                 taken = names if resolved == target else []
                 out.append((resolved, taken, node.lineno))
@@ -161,6 +178,57 @@ def test_modules_are_one_sitting():
     assert not long, f"modules over {MAX_LINES} lines (split by idea): {long}"
 
 
+def test_compat_is_the_top_floor_and_nothing_imports_it():
+    """ColossalAI's surface sits on the top floor; no other package (ColossalAI paths included) imports it."""
+    assert FLOORS["compat"] == max(FLOORS.values())
+    modules = _modules()
+    wrong = [f"{path.relative_to(ROOT.parent)}:{line} imports {target}" for module, path in modules.items()
+             if _package(module) not in (None, "compat")
+             for target, _, line in _imports(path, modules) if _package(target) == "compat"]
+    assert not wrong, "core modules importing meshboost.compat (directly or through a ColossalAI path):\n" + \
+        "\n".join(wrong)
+
+
+def _patches_getattr(node: ast.AST) -> bool:
+    """`x.__getattr__ = ...` or `setattr(x, "__getattr__", ...)` (a class or module defining its own is fine)."""
+    if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return any(isinstance(t, ast.Attribute) and t.attr == "__getattr__" for t in targets)
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+            and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value == "__getattr__")
+
+
+def test_no_module_puts_a_getattr_on_another():
+    """A `__getattr__` assigned onto another module is an import the floors cannot see."""
+    wrong = [f"{p.relative_to(ROOT.parent)}:{node.lineno}" for p in sorted(ROOT.rglob("*.py"))
+             for node in ast.walk(ast.parse(p.read_text(), str(p))) if _patches_getattr(node)]
+    assert not wrong, "modules assigning __getattr__ onto another object: " + ", ".join(wrong)
+
+
+def test_compat_serves_only_names_the_core_lacks():
+    """Every compat file is served under its ColossalAI name, never in place of a core module, and its
+    parent is a real package (core or compat)."""
+    modules = _modules()
+    wrong = []
+    for module in modules:
+        if _package(module) != "compat" or module in ("meshboost.compat", "meshboost.compat.paths"):
+            continue
+        name = "meshboost." + module[len("meshboost.compat."):]
+        if name in modules and modules[module].name == "__init__.py" and modules[name].name == "__init__.py":
+            # a folder of paths inside a core package (compat/booster/ for booster.accelerator...): its
+            # __init__ is a docstring (so packaging finds the folder), never served
+            body = ast.parse(modules[module].read_text()).body
+            if not (len(body) == 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)):
+                wrong.append(f"{module} is the folder of a core package's paths: it must hold only a docstring")
+        elif name in modules:
+            wrong.append(f"{module} would shadow the core module {name}")
+        elif mirror_file(name) is None or _module_name(mirror_file(name)) != module:
+            wrong.append(f"{module} is not served as {name}")
+        elif (parent := name.rpartition(".")[0]) not in modules and mirror_file(parent) is None:
+            wrong.append(f"{name}: its parent {parent} is no package")
+    assert not wrong, "\n".join(wrong)
+
+
 if __name__ == "__main__":
     graph = package_graph()
     for pkg in sorted(FLOORS, key=lambda p: (FLOORS[p], p)):
@@ -168,7 +236,8 @@ if __name__ == "__main__":
         print(f"floor {FLOORS[pkg]}  {pkg:12s} imports: {below}")
     failures = 0
     for test in (test_every_package_has_a_floor, test_imports_only_go_down, test_module_graph_has_no_cycle,
-                 test_modules_are_one_sitting):
+                 test_modules_are_one_sitting, test_compat_is_the_top_floor_and_nothing_imports_it,
+                 test_no_module_puts_a_getattr_on_another, test_compat_serves_only_names_the_core_lacks):
         try:
             test()
         except AssertionError as e:

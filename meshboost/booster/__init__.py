@@ -1,7 +1,7 @@
 """Booster, the Plugin interface and the wrappers boosted objects come back in."""
 
 from meshboost.booster.booster import Booster
-from meshboost.booster.plugin import Plugin
+from meshboost.booster.plugin_base import Plugin
 from meshboost.booster.wrappers import ModelWrapper
 from meshboost.optim import OptimizerWrapper
 

@@ -12,8 +12,9 @@ import torch.nn as nn
 from torch.optim import Optimizer
 
 from meshboost.booster import checkpoint_io, lora
-from meshboost.booster.mixed_precision import AutocastModel, apply_mixed_precision, check_mixed_precision
-from meshboost.booster.plugin import Plugin
+from meshboost.booster.mixed_precision import (
+    AutocastModel, apply_mixed_precision, check_mixed_precision, scaler_settings)
+from meshboost.booster.plugin_base import Plugin
 from meshboost.booster.wrappers import ModelWrapper
 from meshboost.checkpoint import load_lr_scheduler, save_lr_scheduler
 from meshboost.distributed import ParallelMesh
@@ -51,7 +52,7 @@ class Booster:
     >>> model, optimizer, criterion, dataloader, lr_scheduler = booster.boost(model, optimizer, criterion)
     """
 
-    def __init__(self, plugin: Plugin | None = None, mixed_precision: str | None = None, device: str | None = None):
+    def __init__(self, plugin: Plugin | None = None, mixed_precision=None, device: str | None = None):
         # ColossalAI's Booster(device=...): the device always comes from the environment here
         # (cuda:LOCAL_RANK under CUDA, else the CPU); a different one is refused, not ignored.
         if device is not None and torch.device(device).type != get_current_device().type:
@@ -84,7 +85,8 @@ class Booster:
             out = self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler)
         if self.amp_dtype is not None:
             device = self.mesh.device if self.mesh is not None else get_current_device()
-            out = (*apply_mixed_precision(out[0], out[1], self.amp_dtype, device.type), *out[2:])
+            out = (*apply_mixed_precision(out[0], out[1], self.amp_dtype, device.type,
+                                          **scaler_settings(self.mixed_precision)), *out[2:])
         if out[1] is not None:
             # Checkpoints need the pair: optimizer states are keyed by the model's parameter names, and
             # loading a model must refresh the optimizer's fp32 masters.

@@ -14,13 +14,17 @@ from __future__ import annotations
 import torch
 
 from meshboost.booster.wrappers import ModelWrapper
+from meshboost.distributed import get_current_device
 from meshboost.optim import OptimizerWrapper
 
 AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def check_mixed_precision(mixed_precision: str | None, plugin) -> torch.dtype | None:
-    """The autocast dtype for `mixed_precision`, or None; raises (pure, every rank) on bad input."""
+def check_mixed_precision(mixed_precision, plugin) -> torch.dtype | None:
+    """The autocast dtype for `mixed_precision` (a name, or an FP16TorchMixedPrecision), or None; raises
+    (pure, every rank) on bad input."""
+    if isinstance(mixed_precision, FP16TorchMixedPrecision):
+        mixed_precision = mixed_precision.precision
     if mixed_precision is None or mixed_precision == "fp32":
         return None
     if mixed_precision not in AMP_DTYPES:
@@ -55,10 +59,12 @@ class AMPOptimizer(OptimizerWrapper):
     """
 
     def __init__(self, optimizer: OptimizerWrapper, dtype: torch.dtype, device_type: str,
-                 init_scale: float = 2.0**16, growth_interval: int = 1000):
+                 init_scale: float = 2.0**16, growth_interval: int = 1000, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5):
         super().__init__(optimizer.unwrap() if isinstance(optimizer, OptimizerWrapper) else optimizer)
         self.inner = optimizer if isinstance(optimizer, OptimizerWrapper) else OptimizerWrapper(optimizer)
         self.scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, growth_interval=growth_interval,
+                                           growth_factor=growth_factor, backoff_factor=backoff_factor,
                                            enabled=dtype == torch.float16)
         self.skipped_steps = 0
 
@@ -88,9 +94,34 @@ class AMPOptimizer(OptimizerWrapper):
         self.scaler.load_state_dict(state_dict["grad_scaler"])
 
 
-def apply_mixed_precision(model, optimizer, dtype: torch.dtype, device_type: str):
-    """Wrap a boosted (model, optimizer) pair for autocast + loss scaling."""
+def apply_mixed_precision(model, optimizer, dtype: torch.dtype, device_type: str, **scaler):
+    """Wrap a boosted (model, optimizer) pair for autocast + loss scaling (`scaler`: AMPOptimizer's
+    init_scale, growth_interval, growth_factor, backoff_factor)."""
     model = AutocastModel(model, dtype, device_type)
     if optimizer is not None:
-        optimizer = AMPOptimizer(optimizer, dtype, device_type)
+        optimizer = AMPOptimizer(optimizer, dtype, device_type, **scaler)
     return model, optimizer
+
+
+def scaler_settings(mixed_precision) -> dict:
+    """The GradScaler settings `Booster(mixed_precision=...)` asks for (none for a precision name)."""
+    return dict(mixed_precision.scaler) if isinstance(mixed_precision, FP16TorchMixedPrecision) else {}
+
+
+class FP16TorchMixedPrecision:
+    """ColossalAI's `booster.mixed_precision.FP16TorchMixedPrecision`: fp16 autocast with torch's
+    GradScaler, as `Booster(mixed_precision="fp16")` but with ColossalAI's scaler settings (and its
+    default growth_interval, 2000). `Booster(mixed_precision=FP16TorchMixedPrecision(...))` takes it;
+    `configure(model, optimizer, criterion)` wraps a pair directly, on the current device."""
+
+    precision = "fp16"
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000):
+        self.scaler = dict(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+                           growth_interval=growth_interval)
+
+    def configure(self, model, optimizer=None, criterion=None) -> tuple:
+        model, optimizer = apply_mixed_precision(model, optimizer, AMP_DTYPES["fp16"], get_current_device().type,
+                                                 **self.scaler)
+        return model, optimizer, criterion

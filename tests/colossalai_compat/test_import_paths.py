@@ -1,11 +1,13 @@
 """ColossalAI's import paths resolve to meshboost's own objects (aliases, not second copies):
 `meshboost.booster.plugin` and its plugin submodules, `dp_plugin_base.DPPluginBase`,
-`meshboost.cluster`, `meshboost.accelerator`, `meshboost.nn.optimizer`. The concrete plugins are
-provided lazily by the top-level package (importing meshboost does not import them), a plugin
+`meshboost.cluster`, `meshboost.accelerator`, `meshboost.nn.optimizer`, and the paths meshboost.compat
+adds (`interface`, `logging`, `checkpoint_io`, `pipeline.stage_manager`...). The concrete plugins are
+provided lazily by compat's `booster.plugin` module (importing meshboost does not import them), a plugin
 that meshboost.plugins does not export fails with a message saying what to use, and every
 keyword of ColossalAI's HybridParallelPlugin and TorchDDPPlugin is in meshboost's signatures."""
 
 import importlib
+import os
 import inspect
 import subprocess
 import sys
@@ -165,3 +167,33 @@ def test_lora_entry_points_check_their_arguments():
         Booster().enable_lora(torch.nn.Linear(2, 2), lora_config=None)
     with pytest.raises(TypeError, match="needs the model returned by booster.enable_lora"):
         Booster().save_lora_as_pretrained(torch.nn.Linear(2, 2), "/nonexistent")
+
+
+def test_paths_meshboost_compat_adds_are_meshboost_objects():
+    """The ColossalAI module paths served by meshboost.compat for names meshboost has elsewhere are those
+    objects (`is`): HybridParallelModule, PipelineStageManager, LazyInitContext, ModelWrapper,
+    OptimizerWrapper; the new names import (their behaviour: test_colossalai_names.py)."""
+    import meshboost.booster.plugin as paths
+    from meshboost.booster import ModelWrapper as BoostedModel
+    from meshboost.booster.accelerator import Accelerator  # noqa: F401
+    from meshboost.booster.mixed_precision import FP16TorchMixedPrecision  # noqa: F401
+    from meshboost.booster.plugin.hybrid_parallel_plugin import HybridParallelModule
+    from meshboost.checkpoint_io import CheckpointIO, GeneralCheckpointIO
+    from meshboost.cluster import PipelineStageManager as StageManager
+    from meshboost.interface import ModelWrapper, OptimizerWrapper
+    from meshboost.interface.pretrained import get_pretrained_path, set_pretrained_path  # noqa: F401
+    from meshboost.lazy import LazyInitContext as Lazy
+    from meshboost.lazy.lazy_init import LazyInitContext
+    from meshboost.logging import DistributedLogger, disable_existing_loggers, get_dist_logger  # noqa: F401
+    from meshboost.nn.lr_scheduler import CosineAnnealingWarmupLR  # noqa: F401
+    from meshboost.optim import OptimizerWrapper as BoostedOptimizer
+    from meshboost.pipeline.stage_manager import PipelineStageManager
+    from meshboost.plugins.hybrid_parallel import HybridParallelModule as Module
+
+    assert HybridParallelModule is Module and issubclass(HybridParallelModule, ModelWrapper)
+    assert PipelineStageManager is StageManager and LazyInitContext is Lazy
+    assert ModelWrapper is BoostedModel and OptimizerWrapper is BoostedOptimizer
+    assert issubclass(GeneralCheckpointIO, CheckpointIO)
+    # served from meshboost/compat, each module once, under its ColossalAI name only
+    assert paths.__file__.endswith(os.path.join("compat", "booster", "plugin", "__init__.py"))
+    assert not any(name.startswith("meshboost.compat.") and name != "meshboost.compat.paths" for name in sys.modules)

@@ -1,6 +1,7 @@
 """The Plugin interface the Booster dispatches to. A plugin owns how a model, optimizer and
 dataloader are made parallel and declares the mesh it does it over; the Booster owns none of it.
-(ColossalAI's path for it is `booster.plugin.plugin_base.Plugin`, kept.)"""
+(ColossalAI's paths for it, `booster.plugin.Plugin` and `booster.plugin.plugin_base.Plugin`, are served
+by `meshboost.compat`.)"""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ does that (over its mesh's dp axis), so it is the Plugin base itself. A user's s
 implements `configure` (ColossalAI's tests write such plugins) gets `Plugin.__init__`: a dp-only mesh
 over every rank, and ColossalAI's `rank` / `world_size`."""
 
-from meshboost.booster.plugin.plugin_base import Plugin
+from meshboost.booster.plugin_base import Plugin
 
 DPPluginBase = Plugin
 
