@@ -45,26 +45,35 @@ def _stable(value) -> str:
     return type(value).__name__
 
 
+def _differences(described: dict[str, str]) -> list[str]:
+    """Every rank's `described` (str -> str) compared over the world: [] when all are equal (one
+    all-gather of an 8-byte digest), else "key is A on rank 0, B on rank 1" for each key that differs
+    (the descriptions are exchanged only then), keys in order of first appearance, rank 0's first.
+    A no-op ([]) without a process group or with one rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return []
+    digest = hashlib.sha256("\n".join(f"{k}={v}" for k, v in described.items()).encode()).digest()[:8]
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64,
+                        device=get_current_device())
+    everyone = comm.all_gather(mine, None, dim=0)
+    if bool((everyone == everyone[0]).all()):
+        return []
+    views = [None] * dist.get_world_size()
+    dist.all_gather_object(views, described)
+    keys = list(dict.fromkeys(k for v in views for k in v))
+    return [f"{k} is " + ", ".join(f"{v.get(k, '(absent)')} on rank {r}" for r, v in enumerate(views))
+            for k in keys if len({v.get(k) for v in views}) > 1]
+
+
 def agree_settings(settings: dict, what: str) -> None:
     """Raise on every rank, naming each setting that differs and its value on each rank, unless
     every rank passed equal `settings`: one all-gather of an 8-byte digest (the details are only
     exchanged on a mismatch). Ranks that disagree would otherwise build different groups and hang.
     A no-op without a process group or with one rank."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    differing = _differences({str(k): _stable(v) for k, v in settings.items()})
+    if not differing:
         return
-    described = {str(k): _stable(v) for k, v in settings.items()}
-    digest = hashlib.sha256(_stable(described).encode()).digest()[:8]
-    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64,
-                        device=get_current_device())
-    everyone = comm.all_gather(mine, None, dim=0)
-    if bool((everyone == everyone[0]).all()):
-        return
-    views = [None] * dist.get_world_size()
-    dist.all_gather_object(views, described)
-    keys = sorted({k for v in views for k in v})
-    differing = [k for k in keys if len({v.get(k) for v in views}) > 1]
-    detail = "; ".join(f"{k} is " + ", ".join(f"{v.get(k, '(absent)')} on rank {r}" for r, v in enumerate(views))
-                       for k in differing)
+    detail = "; ".join(sorted(differing))
     raise ValueError(f"ranks disagree on the {what}: {detail}. Every rank must pass the same settings (the same "
                      "script and arguments on every node)")
 
@@ -166,22 +175,11 @@ def agree_model(model, what: str) -> None:
     the descriptions are only exchanged on a mismatch. Ranks that built different models (another
     layer count, another width) would otherwise abort inside a collective (gloo: "collective
     mismatch") or hang. A no-op without a process group or with one rank."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    differing = _differences(_model_description(model))         # in model order, rank 0's first
+    if not differing:
         return
-    described = _model_description(model)
-    digest = hashlib.sha256("\n".join(f"{k}={v}" for k, v in described.items()).encode()).digest()[:8]
-    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64,
-                        device=get_current_device())
-    everyone = comm.all_gather(mine, None, dim=0)
-    if bool((everyone == everyone[0]).all()):
-        return
-    views = [None] * dist.get_world_size()
-    dist.all_gather_object(views, described)
-    keys = list(dict.fromkeys(k for v in views for k in v))       # in model order, rank 0's first
-    differing = [k for k in keys if len({v.get(k) for v in views}) > 1]
-    differing.sort(key=lambda k: not k.startswith("config."))      # the cause first, then the tensors
-    shown = "; ".join(f"{k} is " + ", ".join(f"{v.get(k, '(absent)')} on rank {r}" for r, v in enumerate(views))
-                      for k in differing[:3])
+    differing.sort(key=lambda line: not line.startswith("config."))      # the cause first, then the tensors
+    shown = "; ".join(differing[:3])
     more = f" (and {len(differing) - 3} more differences)" if len(differing) > 3 else ""
     raise ValueError(f"ranks built different models for {what}: {shown}{more}. Every rank must build the same "
                      "model (the same config, code and arguments) before boost; the plugin shards it")
