@@ -17,13 +17,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 if __package__ in (None, ""):                    # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.timing import alternate_times, timed  # noqa: E402
 
 
 def _model(args):
@@ -41,13 +42,7 @@ def _batch(args, rows: int):
 
 
 def _median_ms(run, rounds: int, warmup: int = 3) -> float:
-    times = []
-    for i in range(rounds + warmup):
-        start = time.perf_counter()
-        run()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return statistics.median(alternate_times({"": run}, timed, rounds, warmup)[""]) * 1e3
 
 
 def _tensor_parallel(rank: int, args) -> None:
@@ -68,13 +63,8 @@ def _tensor_parallel(rank: int, args) -> None:
         opt.step()
         opt.zero_grad()
 
-    times = {mode: [] for mode in variants}
-    for i in range(args.steps + 3):                  # alternate the variants: both share the noise
-        for mode in variants:
-            start = time.perf_counter()
-            step(mode)
-            if i >= 3:
-                times[mode].append(time.perf_counter() - start)
+    # alternating rounds: both variants share the machine's noise
+    times = alternate_times({mode: mode for mode in variants}, lambda mode: timed(lambda: step(mode)), args.steps)
     always, never = (statistics.median(times[m]) * 1e3 for m in ("always", "never"))
     paired = statistics.median(a - b for a, b in zip(times["always"], times["never"])) * 1e3   # same round's noise
     check = variants["always"][1].input_check

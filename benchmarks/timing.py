@@ -16,12 +16,25 @@ def step_time(model, batch) -> float:
     return time.perf_counter() - start
 
 
-def alternate(variants: dict, run, steps: int, warmup: int = 3) -> dict:
-    """Median milliseconds of `run(variant)` per variant, over `steps` alternating rounds after `warmup`."""
+def alternate_times(variants: dict, run, steps: int, warmup: int = 3) -> dict[str, list[float]]:
+    """The `steps` values of `run(variant)` (seconds) per variant, rounds alternating the variants after
+    `warmup` rounds, so round i of every variant shares that moment's noise (paired differences)."""
     times = {label: [] for label in variants}
     for i in range(steps + warmup):
         for label, variant in variants.items():
             t = run(variant)
             if i >= warmup:
                 times[label].append(t)
-    return {label: statistics.median(v) * 1e3 for label, v in times.items()}
+    return times
+
+
+def timed(fn) -> float:
+    """Seconds one call of `fn()` takes."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def alternate(variants: dict, run, steps: int, warmup: int = 3) -> dict:
+    """Median milliseconds of `run(variant)` per variant, over `steps` alternating rounds after `warmup`."""
+    return {label: statistics.median(v) * 1e3 for label, v in alternate_times(variants, run, steps, warmup).items()}
