@@ -45,7 +45,7 @@ def main() -> None:
     import meshboost
     from meshboost import Booster
     from meshboost.lazy import LazyInitContext
-    from meshboost.plugins import HybridParallelPlugin
+    from meshboost.booster.plugin import HybridParallelPlugin
 
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")

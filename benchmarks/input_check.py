@@ -47,7 +47,7 @@ def _median_ms(run, rounds: int, warmup: int = 3) -> float:
 
 def _tensor_parallel(rank: int, args) -> None:
     from meshboost import Booster
-    from meshboost.plugins import HybridParallelPlugin
+    from meshboost.booster.plugin import HybridParallelPlugin
 
     variants = {}
     for mode in ("always", "never"):
@@ -81,7 +81,7 @@ def _tensor_parallel(rank: int, args) -> None:
 
 def _pipeline(rank: int, args) -> None:
     from meshboost import Booster
-    from meshboost.plugins import HybridParallelPlugin
+    from meshboost.booster.plugin import HybridParallelPlugin
     from meshboost.plugins.input_checks import next_pipeline_batch
 
     model, opt = _model(args)

@@ -98,7 +98,7 @@ def _boost_body(rank, world, args, layout, out_file):
 
     from meshboost import Booster
     from meshboost.lazy import LazyInitContext
-    from meshboost.plugins import HybridParallelPlugin
+    from meshboost.booster.plugin import HybridParallelPlugin
 
     tp, pp, dp = layout
     base_anon = _anon_mb()

@@ -90,7 +90,7 @@ class MeshboostRunner(Runner):
     def __init__(self, config, spec):
         super().__init__(config, spec)
         from meshboost import Booster
-        from meshboost.plugins import HybridParallelPlugin
+        from meshboost.booster.plugin import HybridParallelPlugin
 
         # Raises NotImplementedError on every rank, before any collective, while a feature is missing.
         # check_inputs="first": the step's traffic is the model's, compared with Megatron's formula; the

@@ -19,7 +19,7 @@ def _world_of_one(rank: int, world: int) -> None:
     import torch.distributed as dist
 
     from meshboost import Booster
-    from meshboost.plugins import HybridParallelPlugin
+    from meshboost.booster.plugin import HybridParallelPlugin
     from meshboost.testing.compare import booster_step
     from meshboost.testing.models import build_model, tiny_batch, tiny_config
     assert dist.get_backend() == "nccl", dist.get_backend()

@@ -15,9 +15,9 @@ import torch
 
 from meshboost.booster.wrappers import ModelWrapper
 from meshboost.distributed import get_current_device
-from meshboost.optim import OptimizerWrapper
+from meshboost.optim import PRECISION_DTYPES, OptimizerWrapper
 
-AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+AUTOCAST = ("fp16", "bf16")            # the precisions autocast runs in (dtypes: PRECISION_DTYPES)
 
 
 def check_mixed_precision(mixed_precision, plugin) -> torch.dtype | None:
@@ -27,13 +27,13 @@ def check_mixed_precision(mixed_precision, plugin) -> torch.dtype | None:
         mixed_precision = mixed_precision.precision
     if mixed_precision is None or mixed_precision == "fp32":
         return None
-    if mixed_precision not in AMP_DTYPES:
-        raise ValueError(f"mixed_precision={mixed_precision!r}; expected one of {tuple(AMP_DTYPES)} or None")
+    if mixed_precision not in AUTOCAST:
+        raise ValueError(f"mixed_precision={mixed_precision!r}; expected one of {AUTOCAST} or None")
     if plugin is not None and plugin.precision is not None:
         raise ValueError(f"Booster(mixed_precision={mixed_precision!r}) cannot be combined with "
                          f"{type(plugin).__name__}, which has its own precision; pass "
                          f"{type(plugin).__name__}(precision={mixed_precision!r}) instead")
-    return AMP_DTYPES[mixed_precision]
+    return PRECISION_DTYPES[mixed_precision]
 
 
 class AutocastModel(ModelWrapper):
@@ -122,6 +122,6 @@ class FP16TorchMixedPrecision:
                            growth_interval=growth_interval)
 
     def configure(self, model, optimizer=None, criterion=None) -> tuple:
-        model, optimizer = apply_mixed_precision(model, optimizer, AMP_DTYPES["fp16"], get_current_device().type,
+        model, optimizer = apply_mixed_precision(model, optimizer, PRECISION_DTYPES["fp16"], get_current_device().type,
                                                  **self.scaler)
         return model, optimizer, criterion

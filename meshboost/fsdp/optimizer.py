@@ -38,8 +38,8 @@ def local_piece(full: torch.Tensor, like: DTensor) -> torch.Tensor:
 
 class FSDPOptimizer(MixedPrecisionOptimizer):
     """The user's `optim`, whose param groups hold the FSDP2 sharded parameters, stepped with
-    MixedPrecisionOptimizer's order. precision / max_norm / norm_type / scaler_config: as there
-    (`precision` is FSDP2's compute dtype; the stepped weights are fp32 in every case)."""
+    MixedPrecisionOptimizer's order, with its `PrecisionConfig` (whose precision is FSDP2's
+    compute dtype; the stepped weights are fp32 in every case)."""
 
     dp_partitioned = True       # each rank holds a disjoint shard of every gradient: each counts its own
     _gathers_state = True       # exported state comes back freshly gathered

@@ -138,8 +138,7 @@ def boost_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], mod
     """The user's `optimizer` moved onto the sharded `model` (`carry_state`) and wrapped in
     `FSDPOptimizer` with `precision`'s step (compute dtype, clipping, fp16 loss scaler)."""
     carry_state(optimizer, names, model)
-    return FSDPOptimizer(optimizer, mesh, precision=precision.precision, max_norm=precision.max_norm,
-                         norm_type=precision.norm_type, scaler_config=precision.scaler)
+    return FSDPOptimizer(optimizer, mesh, precision)
 
 
 def is_sharded(model: nn.Module) -> bool:

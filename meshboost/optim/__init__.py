@@ -6,9 +6,10 @@ memory.py; ZeRO's CPU offload (masters and states in host memory, the copies eac
 
 from meshboost.optim.grad_norm import clip_coefficient, counted_here, global_grad_norm
 from meshboost.optim.grad_scaler import DynamicGradScaler, GradScalerConfig
-from meshboost.optim.mixed_precision import PRECISION_DTYPES, MixedPrecisionOptimizer, PrecisionConfig
+from meshboost.optim.mixed_precision import PRECISION_DTYPES, MixedPrecisionOptimizer, PrecisionConfig, precision_of
 from meshboost.optim.wrapper import OptimizerWrapper
-from meshboost.optim.zero import ZeroConfig, ZeroOptimizer
+from meshboost.optim.zero import ZeroConfig, ZeroOptimizer, bucket_elements
 
 __all__ = ["OptimizerWrapper", "DynamicGradScaler", "GradScalerConfig", "MixedPrecisionOptimizer", "PrecisionConfig",
-           "ZeroOptimizer", "ZeroConfig", "PRECISION_DTYPES", "global_grad_norm", "counted_here", "clip_coefficient"]
+           "ZeroOptimizer", "ZeroConfig", "PRECISION_DTYPES", "precision_of", "bucket_elements", "global_grad_norm",
+           "counted_here", "clip_coefficient"]

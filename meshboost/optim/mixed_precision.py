@@ -58,6 +58,12 @@ PRECISION_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.
 logger = logging.getLogger("meshboost.optim")
 
 
+def precision_of(dtype: torch.dtype) -> str | None:
+    """The precision name of `dtype` (the inverse of PRECISION_DTYPES), None for a dtype meshboost does
+    not train in."""
+    return next((name for name, d in PRECISION_DTYPES.items() if d == dtype), None)
+
+
 def check_precision(precision: str) -> torch.dtype:
     if precision not in PRECISION_DTYPES:
         raise ValueError(f"precision={precision!r}; expected one of {tuple(PRECISION_DTYPES)}")
@@ -85,6 +91,16 @@ class PrecisionConfig:
         return PRECISION_DTYPES[self.precision]
 
 
+def _precision_config(config) -> PrecisionConfig:
+    """`config`, or the defaults for None; a precision name or anything else is refused with the fix."""
+    if config is None:
+        return PrecisionConfig()
+    if not isinstance(config, PrecisionConfig):
+        hint = f"PrecisionConfig({config!r})" if isinstance(config, str) else "PrecisionConfig(...)"
+        raise TypeError(f"the optimizer wrapper takes a meshboost.optim.PrecisionConfig, got {config!r}; pass {hint}")
+    return config
+
+
 def _copy_into_master(master: torch.Tensor, value: torch.Tensor | None, like: torch.Tensor) -> None:
     """master <- value (fp32); a meta master is first given storage on `like`'s device."""
     if master.is_meta:
@@ -100,8 +116,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     """Wrap `optim` (built on the model's parameters) for training with `precision` working weights.
 
     mesh: the `ParallelMesh` (overflow and norms are agreed over its world group, on its device).
-    precision / max_norm / norm_type / scaler_config: see `PrecisionConfig` (scaler_config: the
-    fp16 `GradScalerConfig`, defaults when None; ignored otherwise). verbose: global rank 0 logs each
+    config: the `PrecisionConfig` (working precision, clipping, the fp16 `GradScalerConfig`; defaults
+    when None), read through this object, never copied into fields. verbose: global rank 0 logs each
     skipped step and the new loss scale (logger "meshboost.optim", level INFO).
     track_grad_norm: compute the global gradient norm on every step even without clipping, so
     `get_grad_norm()` returns it (with max_norm > 0 it is computed anyway: clipping needs it). It is
@@ -116,15 +132,13 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     _warned_untracked = False   # get_grad_norm() has said once that the norm is not computed
     _update_checks: tuple = ()  # check_before_update's callables, run first in every step()
 
-    def __init__(self, optim: Optimizer, mesh, precision: str = "fp32", max_norm: float = 0.0,
-                 norm_type: float = 2.0, scaler_config: GradScalerConfig | None = None, verbose: bool = False,
+    def __init__(self, optim: Optimizer, mesh, config: PrecisionConfig | None = None, *, verbose: bool = False,
                  track_grad_norm: bool = False):
         super().__init__(optim)
         self.verbose, self.track_grad_norm = bool(verbose), bool(track_grad_norm)
-        self.config = PrecisionConfig(precision, max_norm, norm_type, scaler_config or GradScalerConfig())
+        self.config = _precision_config(config)
         self.mesh, self.working_dtype = mesh, self.config.dtype
-        self.precision, self.max_norm, self.norm_type = precision, float(max_norm), norm_type
-        self.scaler = DynamicGradScaler(self.config.scaler) if precision == "fp16" else None
+        self.scaler = DynamicGradScaler(self.config.scaler) if self.config.precision == "fp16" else None
         self._grad_norm: float | None = None
         self._norm_untracked = False      # the last step ran without computing the norm (get_grad_norm warns)
         self._grad_sync = True
@@ -134,6 +148,19 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         self._build_masters()
         self._agree_carry(problem or (self._check_carried(carried) if carried else None))
         self._carry_state(carried)
+
+    # the step's numerics, read from the one config
+    @property
+    def precision(self) -> str:
+        return self.config.precision
+
+    @property
+    def max_norm(self) -> float:
+        return float(self.config.max_norm)
+
+    @property
+    def norm_type(self) -> float:
+        return self.config.norm_type
 
     @property
     def working_param_groups(self) -> list[list[torch.Tensor]]:

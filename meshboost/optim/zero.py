@@ -40,19 +40,33 @@ from torch.optim import Optimizer
 from meshboost.distributed import comm
 from meshboost.optim import state as fmt
 from meshboost.optim.grad_norm import counted_here
-from meshboost.optim.grad_scaler import GradScalerConfig
-from meshboost.optim.mixed_precision import PRECISION_DTYPES, MixedPrecisionOptimizer, _copy_into_master
+from meshboost.optim.mixed_precision import (
+    PRECISION_DTYPES,
+    MixedPrecisionOptimizer,
+    PrecisionConfig,
+    _copy_into_master,
+    _precision_config,
+)
 from meshboost.optim.offload import HostStaging, master_device
 from meshboost.optim.zero_bucket import ZeroBucket, plan_buckets
 
 DEFAULT_BUCKET_ELEMENTS = 12 * 1024 * 1024
 
 
+def bucket_elements(millions, name: str = "reduce_bucket_size_in_m") -> int:
+    """A bucket size given in millions of elements (ColossalAI's unit), as elements; `name` is the
+    keyword the caller took it from, for the error."""
+    if isinstance(millions, bool) or not (isinstance(millions, (int, float)) and millions > 0):
+        raise ValueError(f"{name}={millions!r} must be a positive number (millions of elements)")
+    return int(millions * 1024 * 1024)
+
+
 @dataclass
 class ZeroConfig:
     """ZeRO settings, checked when built (before any collective)."""
 
-    stage: int = 0                       # 0: off (DDP or the pipeline reduces), 1: states, 2: + gradients
+    stage: int = 0                       # 0: off (DDP or the pipeline reduces), 1: states, 2: + gradients,
+                                         # 3: + weights (torch FSDP2, composed by HybridParallelPlugin)
     overlap_communication: bool = True   # reduce-scatter each bucket, asynchronously, as soon as backward has
                                          # produced all its gradients (ColossalAI's default too)
     reduce_bucket_size: int = DEFAULT_BUCKET_ELEMENTS     # elements per bucket (also the unit of overlap)
@@ -60,9 +74,12 @@ class ZeroConfig:
     communication_dtype: torch.dtype | None = None     # dtype of the gradient reduce-scatter (None: working dtype)
     master_weights: bool = True          # False: no fp32 masters, the inner optimizer steps working-dtype shards
 
+    STAGES = (0, 1, 2, 3)
+    OPTIMIZER_STAGES = (1, 2)            # the stages ZeroOptimizer partitions (3 is FSDP2's)
+
     def __post_init__(self):
-        if self.stage not in (0, 1, 2):
-            raise ValueError(f"zero_stage={self.stage!r}; expected 0, 1 or 2")
+        if isinstance(self.stage, bool) or self.stage not in self.STAGES:
+            raise ValueError(f"zero_stage={self.stage!r}; expected one of {self.STAGES}")
         if not isinstance(self.reduce_bucket_size, int) or self.reduce_bucket_size < 1:
             raise ValueError(f"reduce_bucket_size={self.reduce_bucket_size!r} must be a positive number of elements")
         if self.communication_dtype is not None and self.communication_dtype not in PRECISION_DTYPES.values():
@@ -70,42 +87,65 @@ class ZeroConfig:
                              "torch.float32, torch.float16 or torch.bfloat16")
         self.overlap_communication = bool(self.overlap_communication)
         self.cpu_offload, self.master_weights = bool(self.cpu_offload), bool(self.master_weights)
+        if self.cpu_offload and not self.partitioned_by_optimizer:
+            raise ValueError(f"cpu_offload=True moves ZeRO's fp32 masters and optimizer states to the CPU, but "
+                             f"zero_stage={self.stage!r}; set zero_stage=1 or 2 (ColossalAI ignores it without ZeRO)")
+
+    @property
+    def partitioned_by_optimizer(self) -> bool:
+        """Stages 1 and 2: ZeroOptimizer holds the partitions (and reduce-scatters the gradients)."""
+        return self.stage in self.OPTIMIZER_STAGES
 
 
 class ZeroOptimizer(MixedPrecisionOptimizer):
     """ZeRO-`stage` (1 or 2) around the user's `optim`, over `mesh.dp_group`.
 
-    precision / max_norm / norm_type / scaler_config / verbose: as MixedPrecisionOptimizer (fp32 works
-    too: the point is then the 1/dp optimizer state). overlap_communication / reduce_bucket_size /
-    cpu_offload / communication_dtype / master_weights: see `ZeroConfig`.
+    precision: the `PrecisionConfig`, as MixedPrecisionOptimizer's (fp32 works too: the point is then
+    the 1/dp optimizer state); zero: the `ZeroConfig` (stage 1 or 2, bucket size, overlap, offload,
+    communication dtype, master weights; ZeroConfig(stage=1) when None). verbose, track_grad_norm: as
+    MixedPrecisionOptimizer.
     """
 
     dp_partitioned = True
     _gathers_state = True       # per-element state and masters come back freshly gathered
 
-    def __init__(self, optim: Optimizer, mesh, precision: str = "fp32", stage: int = 1, max_norm: float = 0.0,
-                 norm_type: float = 2.0, scaler_config: GradScalerConfig | None = None,
-                 overlap_communication: bool = True, reduce_bucket_size: int = DEFAULT_BUCKET_ELEMENTS,
-                 cpu_offload: bool = False, communication_dtype: torch.dtype | None = None,
-                 master_weights: bool = True, verbose: bool = False, track_grad_norm: bool = False):
-        if stage not in (1, 2):
-            raise ValueError(f"stage={stage!r}; ZeroOptimizer implements stages 1 and 2")
-        zc = self.zero_config = ZeroConfig(stage, overlap_communication, reduce_bucket_size, cpu_offload,
-                                           communication_dtype, master_weights)
-        self.stage, self.overlap_communication = stage, zc.overlap_communication
-        self.bucket_elements = reduce_bucket_size
-        self.cpu_offload = zc.cpu_offload
+    def __init__(self, optim: Optimizer, mesh, precision: PrecisionConfig | None = None, zero: ZeroConfig | None = None,
+                 *, verbose: bool = False, track_grad_norm: bool = False):
+        zc = self.zero_config = ZeroConfig(stage=1) if zero is None else zero
+        if not isinstance(zc, ZeroConfig):
+            raise TypeError(f"ZeroOptimizer takes a meshboost.optim.ZeroConfig, got {zc!r}; pass ZeroConfig(stage=...)")
+        if not zc.partitioned_by_optimizer:
+            raise ValueError(f"ZeroConfig(stage={zc.stage}): ZeroOptimizer implements stages {ZeroConfig.OPTIMIZER_STAGES}"
+                             " (stage 3 is torch FSDP2's: HybridParallelPlugin(zero_stage=3))")
+        working = _precision_config(precision).dtype
         self.dp_group, self.dp_size, self.dp_rank = mesh.dp_group, mesh.dp_size, mesh.dp_rank
         # fp32 masters, or (master_weights=False) slices in the working dtype: the inner step then runs
         # in half precision, as ColossalAI's master_weights=False does.
-        self.master_dtype = torch.float32 if zc.master_weights else PRECISION_DTYPES.get(precision, torch.float32)
-        self.staging = HostStaging(PRECISION_DTYPES.get(precision, torch.float32)) if zc.cpu_offload else None
-        super().__init__(optim, mesh, precision, max_norm, norm_type, scaler_config, verbose, track_grad_norm)
+        self.master_dtype = torch.float32 if zc.master_weights else working
+        self.staging = HostStaging(working) if zc.cpu_offload else None
+        super().__init__(optim, mesh, precision, verbose=verbose, track_grad_norm=track_grad_norm)
         self.communication_dtype = zc.communication_dtype or self.working_dtype
         if self.overlap_communication:
             for b in self.buckets:
                 for p in b.params:
                     p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    # the layout, read from the one config
+    @property
+    def stage(self) -> int:
+        return self.zero_config.stage
+
+    @property
+    def overlap_communication(self) -> bool:
+        return self.zero_config.overlap_communication
+
+    @property
+    def bucket_elements(self) -> int:
+        return self.zero_config.reduce_bucket_size
+
+    @property
+    def cpu_offload(self) -> bool:
+        return self.zero_config.cpu_offload
 
     @property
     def keeps_masters(self) -> bool:

@@ -1,8 +1,19 @@
-"""Parallel strategies a Booster can use."""
+"""Parallel strategies a Booster can use, and the configs HybridParallelPlugin takes.
 
+`HybridParallelPlugin(HybridParallelConfig(tp_size=2, pipeline=PipelineConfig(...), precision=
+PrecisionConfig(...), zero=ZeroConfig(...), sharding=ShardConfig(...)))`, or its shortcuts
+`HybridParallelPlugin(tp_size=2, zero_stage=1, precision="fp16")`; ColossalAI's flat keywords are
+`meshboost.booster.plugin.HybridParallelPlugin`'s (the compat package)."""
+
+from meshboost.optim import GradScalerConfig, PrecisionConfig, ZeroConfig
+from meshboost.pipeline import PipelineConfig
+from meshboost.plugins.config import DDPConfig, HybridParallelConfig
 from meshboost.plugins.fsdp import GeminiPlugin, TorchFSDPPlugin
 from meshboost.plugins.hybrid_parallel import HybridParallelPlugin
 from meshboost.plugins.low_level_zero import LowLevelZeroPlugin
 from meshboost.plugins.torch_ddp import TorchDDPPlugin
+from meshboost.shardformer import PipelineGradientCheckpointConfig, ShardConfig
 
-__all__ = ["HybridParallelPlugin", "LowLevelZeroPlugin", "TorchDDPPlugin", "GeminiPlugin", "TorchFSDPPlugin"]
+__all__ = ["HybridParallelPlugin", "LowLevelZeroPlugin", "TorchDDPPlugin", "GeminiPlugin", "TorchFSDPPlugin",
+           "HybridParallelConfig", "DDPConfig", "PipelineConfig", "PrecisionConfig", "GradScalerConfig", "ZeroConfig",
+           "ShardConfig", "PipelineGradientCheckpointConfig"]

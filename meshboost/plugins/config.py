@@ -3,7 +3,8 @@ they combine.
 
 Owns: `DDPConfig` (torch DDP's arguments), `HybridParallelConfig` (tensor-parallel size and
 sharding, pipeline, precision and loss scaler, ZeRO (stages 1 and 2 meshboost's, stage 3 torch
-FSDP2's), DDP: each group validated by its own config, the combinations here), and `dp_reducer`,
+FSDP2's, all in `ZeroConfig.stage`), DDP: each group validated by its own config, the combinations
+here; the plugin's one constructor argument), and `dp_reducer`,
 which decides once who averages the data-parallel gradients. Every check is pure: a bad setting
 raises on every rank before any collective. Must not build groups or touch a model.
 """
@@ -11,7 +12,7 @@ raises on every rank before any collective. Must not build groups or touch a mod
 from __future__ import annotations
 
 import inspect
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from torch.nn.parallel import DistributedDataParallel
 
@@ -19,7 +20,7 @@ from meshboost.optim import PrecisionConfig, ZeroConfig
 from meshboost.pipeline import PipelineConfig
 from meshboost.pipeline.normalization import MODES as NORMALIZATIONS
 from meshboost.pipeline.normalization import TOKENS
-from meshboost.shardformer import Policy, ShardConfig
+from meshboost.shardformer import PipelineGradientCheckpointConfig, Policy, ShardConfig
 
 # Who averages gradients over the data-parallel group; exactly one of them does, decided by `dp_reducer`.
 NO_REDUCTION = "none"        # dp_size == 1
@@ -73,19 +74,24 @@ class DDPConfig:
 
 @dataclass
 class HybridParallelConfig:
-    """Everything HybridParallelPlugin composes; each field validates itself, `__post_init__` the
-    combinations."""
+    """Everything HybridParallelPlugin composes, and its one constructor argument: each field validates
+    itself (its own config's `__post_init__`), `__post_init__` here the combinations. Build it with the
+    configs of its parts, e.g. `HybridParallelConfig(tp_size=2, zero=ZeroConfig(stage=1),
+    precision=PrecisionConfig("bf16"), pipeline=PipelineConfig(pp_size=2, num_microbatches=4))`."""
 
     tp_size: int = 1
     sharding: ShardConfig = field(default_factory=ShardConfig)      # its process group is set from the mesh
     custom_policy: Policy | None = None                             # instead of the family's table
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    zero: ZeroConfig = field(default_factory=ZeroConfig)            # stage 0 when fully_sharded
-    # zero_stage=3: weights, gradients and optimizer states sharded over dp by torch FSDP2
-    # (ZeroConfig covers meshboost's own stages 1 and 2 only).
-    fully_sharded: bool = False
+    # stages 1 and 2: meshboost's ZeroOptimizer; 3: weights, gradients and optimizer states sharded over
+    # dp by torch FSDP2 (plugins/hybrid_zero3.py; the bucket settings do not apply)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
+    # how many layers of each stage run under HF activation checkpointing once it is on
+    gradient_checkpoint: PipelineGradientCheckpointConfig | None = None
+    # DDP's gradient buckets all-reduced in fp8 (CUDA, tp_size=1, pp_size=1, zero stage 0; lossy by design)
+    fp8_communication: bool = False
     # Agree over tp (and pp) that every rank was fed the same batch: on every call ("always"), the
     # "first", or "never".
     check_inputs: str = "always"
@@ -100,18 +106,38 @@ class HybridParallelConfig:
             raise ValueError(f"loss_normalization={self.loss_normalization!r}; expected one of {NORMALIZATIONS}")
         if not isinstance(self.tp_size, int) or isinstance(self.tp_size, bool) or self.tp_size < 1:
             raise ValueError(f"tp_size={self.tp_size!r} must be a positive integer")
+        for name, kind in (("sharding", ShardConfig), ("pipeline", PipelineConfig), ("precision", PrecisionConfig),
+                           ("zero", ZeroConfig), ("ddp", DDPConfig)):
+            if not isinstance(getattr(self, name), kind):
+                raise TypeError(f"HybridParallelConfig({name}={getattr(self, name)!r}): pass a {kind.__name__}")
         if self.custom_policy is not None and not isinstance(self.custom_policy, Policy):
             raise TypeError(f"custom_policy must be a meshboost.shardformer.Policy, got "
                             f"{type(self.custom_policy).__name__}")
-        if self.fully_sharded:
-            if self.zero.stage != 0:
-                raise ValueError(f"fully_sharded=True (zero_stage=3) with ZeroConfig(stage={self.zero.stage}); "
-                                 "pass ZeroConfig(stage=0): FSDP2 does the sharding")
-            if self.pipeline.pp_size > 1:
-                raise NotImplementedError(
-                    f"zero_stage=3 with pp_size={self.pipeline.pp_size}: FSDP2 would gather and reduce every weight "
-                    "once per micro-batch on each stage (ColossalAI's HybridParallelPlugin allows zero_stage 0, 1, 2 "
-                    "only); use pp_size=1 with zero_stage=3, or zero_stage=1 with pipeline parallelism")
+        if self.gradient_checkpoint is not None and not isinstance(self.gradient_checkpoint,
+                                                                   PipelineGradientCheckpointConfig):
+            raise TypeError(f"gradient_checkpoint_config={self.gradient_checkpoint!r}: pass a "
+                            "meshboost.shardformer.PipelineGradientCheckpointConfig")
+        self.fp8_communication = bool(self.fp8_communication)
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
+        stage, zero = self.zero.stage, self.zero
+        if stage == 3 and self.pipeline.pp_size > 1:
+            raise NotImplementedError(
+                f"zero_stage=3 with pp_size={self.pipeline.pp_size}: FSDP2 would gather and reduce every weight "
+                "once per micro-batch on each stage (ColossalAI's HybridParallelPlugin allows zero_stage 0, 1, 2 "
+                "only); use pp_size=1 with zero_stage=3, or zero_stage=1 with pipeline parallelism")
+        if zero.communication_dtype not in (None, self.precision.dtype) and not zero.partitioned_by_optimizer:
+            raise ValueError(f"communication_dtype={zero.communication_dtype} sets the dtype of ZeRO's gradient "
+                             f"reduce-scatter, but zero_stage={stage!r} (DDP and the pipeline reduce in the working "
+                             f"precision, {self.precision.precision!r}); set zero_stage=1 or 2, or pass "
+                             "communication_dtype=None")
+        layout = (self.tp_size, self.pipeline.pp_size, stage)
+        if self.fp8_communication and layout != (1, 1, 0):
+            raise NotImplementedError(f"fp8_communication=True with (tp_size, pp_size, zero_stage)={layout}: meshboost "
+                                      "compresses only DDP's data-parallel gradient all-reduce (tp_size=1, pp_size=1, "
+                                      "zero_stage=0); tensor-parallel, pipeline and ZeRO traffic runs in the working "
+                                      "precision. Drop the argument, or use that layout")
 
     @property
     def pp_size(self) -> int:
@@ -119,4 +145,15 @@ class HybridParallelConfig:
 
     @property
     def zero_stage(self) -> int:
-        return 3 if self.fully_sharded else self.zero.stage
+        return self.zero.stage
+
+    @classmethod
+    def of(cls, tp_size: int = 1, pp_size: int = 1, zero_stage: int = 0, precision: str = "fp32"):
+        """The config of the plugin's shortcuts (`HybridParallelPlugin(tp_size=2, zero_stage=1,
+        precision="fp16")`): every other setting at its default."""
+        return cls(tp_size=tp_size, pipeline=PipelineConfig(pp_size), precision=PrecisionConfig(precision),
+                   zero=ZeroConfig(stage=zero_stage))
+
+    def settings(self) -> dict:
+        """The fields as every rank must agree on them (`agree_settings`), one level deep."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -20,12 +20,9 @@ from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, MixedPrecision,
 
 from meshboost.distributed import get_current_device
 from meshboost.fsdp import FSDPConfig
-from meshboost.optim import GradScalerConfig, PrecisionConfig
+from meshboost.optim import GradScalerConfig, PrecisionConfig, precision_of
 
 logger = logging.getLogger("meshboost.plugins")
-
-DTYPE_PRECISION = {None: "fp32", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-
 
 def _refuse(name: str, value, why_and_fix: str, error=ValueError):
     raise error(f"{name}={value!r}: {why_and_fix}")
@@ -151,9 +148,10 @@ def _mixed_precision(mp) -> dict:
         raise TypeError(f"mixed_precision={mp!r}: pass torch.distributed.fsdp.MixedPrecision(param_dtype=..., "
                         "reduce_dtype=..., buffer_dtype=...) or MixedPrecisionPolicy(...), or None for fp32")
     for key in ("param_dtype", "reduce_dtype", "buffer_dtype", "output_dtype"):
-        if out.get(key) not in DTYPE_PRECISION:
+        if out.get(key) is not None and precision_of(out[key]) is None:
             _refuse(f"mixed_precision.{key}", out[key], "expected torch.float16, torch.bfloat16, torch.float32 or None")
-    out["precision"] = DTYPE_PRECISION[out.pop("param_dtype")]
+    param_dtype = out.pop("param_dtype")
+    out["precision"] = "fp32" if param_dtype is None else precision_of(param_dtype)
     return out
 
 

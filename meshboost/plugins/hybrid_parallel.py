@@ -1,7 +1,7 @@
 """HybridParallelPlugin: data x pipeline x tensor parallelism, composed from the pieces.
 
-Owns: mapping ColossalAI's flat keyword arguments onto the typed configs (`plugins/config.py`,
-checked before any collective), building the mesh, and wiring sharding, pipeline stages, device
+Owns: taking its one `HybridParallelConfig` (`plugins/config.py`, checked before any collective; the
+shortcuts tp_size / pp_size / zero_stage / precision build one), building the mesh, and wiring sharding, pipeline stages, device
 placement, the data-parallel reducer and the optimizer wrapper together. Must not contain
 parallel algorithms itself: those live in shardformer/, pipeline/, optim/ and distributed/.
 """
@@ -24,17 +24,16 @@ from meshboost.distributed.inputs import cast_floating
 from meshboost.distributed.p2p import StageComm
 from meshboost.fsdp import is_sharded, no_gradient_sync, reshard_all
 from meshboost.lazy import lazy_seed, materialize
-from meshboost.optim import GradScalerConfig, MixedPrecisionOptimizer, PrecisionConfig, ZeroConfig, ZeroOptimizer
-from meshboost.pipeline import PipelineConfig, PipelineSchedule, build_stages, get_layout, prune_optimizer, split_layers
+from meshboost.optim import MixedPrecisionOptimizer, ZeroOptimizer
+from meshboost.pipeline import PipelineSchedule, build_stages, get_layout, prune_optimizer, split_layers
 from meshboost.pipeline.checkpointing import checkpoint_plan, install_checkpoint_plan
 from meshboost.pipeline.normalization import TOKENS, count_items
-from meshboost.plugins.config import DDP, FSDP, PIPELINE, ZERO, DDPConfig, HybridParallelConfig, dp_reducer
+from meshboost.plugins.config import DDP, FSDP, PIPELINE, ZERO, HybridParallelConfig, dp_reducer
 from meshboost.plugins.ddp_hooks import fp8_refusal, register_counting_allreduce, register_fp8_allreduce
-from meshboost.plugins.hybrid_zero3 import ZERO3, check_zero3_model, shard_zero3
+from meshboost.plugins.hybrid_zero3 import check_zero3_model, shard_zero3
 from meshboost.plugins.input_checks import ALWAYS, InputCheck, LabelledItemsGuard, next_pipeline_batch
 from meshboost.shardformer import (
     PipelineGradientCheckpointConfig,
-    Policy,
     ShardConfig,
     ShardFormer,
     pipeline_layout,
@@ -97,83 +96,41 @@ class HybridParallelModule(ModelWrapper):
         return contextlib.nullcontext()
 
 
-def _refuse_unsupported(precision, zero_stage, cpu_offload, communication_dtype, scheduler_nodes, dp_outside,
-                        overlap_allgather, fp8_communication, use_fp8, inner_ring_size, layout) -> None:
-    """ColossalAI keywords meshboost does not implement, or not in this combination: refused (pure, the
-    same on every rank) with the meshboost way to get what they are for."""
-    if cpu_offload and zero_stage not in (1, 2):
-        raise ValueError(f"cpu_offload=True moves ZeRO's fp32 masters and optimizer states to the CPU, but "
-                         f"zero_stage={zero_stage!r}; set zero_stage=1 or 2 (ColossalAI ignores it without ZeRO)")
-    working = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
-    if communication_dtype is not None and communication_dtype != working and zero_stage not in (1, 2):
-        raise ValueError(f"communication_dtype={communication_dtype} sets the dtype of ZeRO's gradient "
-                         f"reduce-scatter, but zero_stage={zero_stage!r} (DDP and the pipeline reduce in the working "
-                         f"precision, {precision!r}); set zero_stage=1 or 2, or pass communication_dtype=None")
-    if scheduler_nodes is not None:
-        raise NotImplementedError("scheduler_nodes= (the zero-bubble V schedule) is not supported; use "
-                                  "pp_style='1f1b' or 'interleaved' without scheduler_nodes")
-    if not dp_outside:
-        raise NotImplementedError("dp_outside=False (pp as the outermost mesh axis) is not supported: meshboost's mesh "
-                                  "is (dp, pp, tp), dp outermost and tp innermost; drop the argument")
-    if overlap_allgather:
-        raise NotImplementedError("overlap_allgather=True is not supported: ZeRO all-gathers the updated shards "
-                                  "inside optimizer.step(), not during the next forward; drop the argument (training "
-                                  "is the same); overlap_communication=True overlaps the gradient reduce-scatter with "
-                                  "backward")
-    if fp8_communication:
-        refusal = fp8_refusal(get_current_device().type, "HybridParallelPlugin")
-        if refusal:
-            raise NotImplementedError(refusal)
-        if layout != (1, 1, 0):
-            raise NotImplementedError(f"fp8_communication=True with (tp_size, pp_size, zero_stage)={layout}: meshboost "
-                                      "compresses only DDP's data-parallel gradient all-reduce (tp_size=1, pp_size=1, "
-                                      "zero_stage=0); tensor-parallel, pipeline and ZeRO traffic runs in the working "
-                                      "precision. Drop the argument, or use that layout")
-    if use_fp8:
-        raise NotImplementedError("use_fp8=True (fp8 matmuls) is not supported; train with precision='bf16' or 'fp16'")
-    if inner_ring_size is not None:
-        raise NotImplementedError(f"inner_ring_size={inner_ring_size}: ring attention is not in meshboost; sequence "
-                                  "parallelism is 'split_gather' over the tensor-parallel group")
+SHORTCUTS = ("tp_size", "pp_size", "zero_stage", "precision")
+
+
+def plugin_config(config, shortcuts: dict, unknown: dict) -> HybridParallelConfig:
+    """The plugin's one config: `config`, or `HybridParallelConfig.of(**shortcuts)` for the shortcuts
+    given (pure: the same error on every rank)."""
+    if unknown:
+        names = ", ".join(sorted(unknown))
+        raise TypeError(f"HybridParallelPlugin() got {names}: meshboost.plugins.HybridParallelPlugin takes "
+                        f"config=HybridParallelConfig(...) (or the shortcuts {', '.join(SHORTCUTS)}); ColossalAI's "
+                        "flat keywords are taken by `from meshboost.booster.plugin import HybridParallelPlugin`, "
+                        "ColossalAI's path, which maps them onto the config (docs/colossalai.md)")
+    given = {k: v for k, v in shortcuts.items() if v is not None}
+    if config is None:
+        return HybridParallelConfig.of(**given)
+    if not isinstance(config, HybridParallelConfig):
+        hint = f"tp_size={config!r}" if isinstance(config, int) else "config=HybridParallelConfig(...)"
+        raise TypeError(f"HybridParallelPlugin(config={config!r}): pass a meshboost.plugins.HybridParallelConfig, "
+                        f"or {hint}")
+    if given:
+        raise ValueError(f"HybridParallelPlugin(config=..., {', '.join(f'{k}={v!r}' for k, v in given.items())}): "
+                         "set these inside the config (HybridParallelConfig(tp_size=..., pipeline=PipelineConfig(...), "
+                         "zero=ZeroConfig(stage=...), precision=PrecisionConfig(...))), not beside it")
+    return config
 
 
 class HybridParallelPlugin(Plugin):
-    """Tensor (Megatron 1D), pipeline and data parallelism over a (dp, pp, tp) mesh.
-
-    The flat keyword arguments follow ColossalAI and map onto `self.config` (HybridParallelConfig):
-    tp_size, custom_policy, enable_tensor_parallelism, parallel_output, make_vocab_size_divisible_by,
-        enable_sequence_parallelism, enable_flash_attention, enable_fused_normalization, enable_jit_fused,
-        enable_sequence_overlap, enable_all_optimization, sequence_parallelism_mode: sharding and kernels
-        (`meshboost.shardformer.ShardConfig`, docs/optimizations.md); sp_size: None or 1 (sequence
-        parallelism runs over the tp group).
-    pp_size, num_microbatches / microbatch_size (one required with pp_size > 1), pp_style ("1f1b" |
-        "interleaved"), num_model_chunks, num_layers_per_stage: `meshboost.pipeline.PipelineConfig`.
-    precision ("fp32" | "fp16" | "bf16"), max_norm (global-norm clipping when > 0), initial_scale,
-        min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale,
-        max_skips_at_min_scale (fp16's dynamic loss scale): `meshboost.optim.PrecisionConfig`.
-    zero_stage (0, 1, 2, 3), overlap_communication, zero_bucket_size_in_m (millions of elements):
-        stages 1 and 2 are `meshboost.optim.ZeroConfig` (fp32 master and state partitions, and
-        gradients at 2); 3 shards the tp-sharded model's weights, gradients and AdamW states over dp with
-        torch FSDP2 (`plugins/hybrid_zero3.py`, docs/fsdp.md; the bucket settings do not apply; pp_size
-        > 1 and cpu_offload are refused with it).
-    find_unused_parameters, ddp_bucket_cap_mb, broadcast_buffers, check_reduction, gradient_as_bucket_view,
-        static_graph: `DDPConfig` (torch DDP, used when dp > 1 without ZeRO or pipeline).
-    gradient_checkpoint_config: `meshboost.shardformer.PipelineGradientCheckpointConfig`: how many layers
-        of each stage run under HF activation checkpointing once it is on (docs/optimizations.md).
-    check_inputs: "always" (default) | "first" | "never": agree over tp (and pp) that every rank was
-        fed bitwise the same batch, on every call or the first (one all-gather of 6 numbers per group;
-        on CUDA a call's verdict is read at the next call: no host sync; docs/reliability.md).
-    loss_normalization: "tokens" (default): pipeline micro-batches and, for causal LMs, dp replicas
-        are weighted by their labelled tokens, so every layout trains the single-process objective;
-        "microbatch": the mean of micro-batch means (ColossalAI). See docs/reliability.md.
-    enable_metadata_cache, overlap_p2p: accepted, either value: stage traffic always sends its small
-        shape header (shapes may change between steps) and always sends asynchronously.
-    cpu_offload (with zero_stage 1 or 2: fp32 masters and optimizer states in CPU memory, the inner step
-        there), communication_dtype (with ZeRO: the dtype of the gradient reduce-scatter): `ZeroConfig`.
-    fp8_communication: on CUDA with tp_size=1, pp_size=1, zero_stage=0, DDP's gradient buckets are
-        all-reduced in fp8 with per-rank scales (`meshboost.distributed.fp8`, lossy by design); refused
-        otherwise (other traffic stays in the working precision) and on the CPU.
-    scheduler_nodes, dp_outside=False, overlap_allgather, use_fp8, inner_ring_size: refused, saying what
-        to use (docs/colossalai.md).
+    """Tensor (Megatron 1D), pipeline and data parallelism over a (dp, pp, tp) mesh, composed from
+    `config` (`HybridParallelConfig`: sharding and kernels `ShardConfig`, `PipelineConfig`,
+    `PrecisionConfig`, `ZeroConfig` (stage 3: torch FSDP2 under tp, docs/fsdp.md), `DDPConfig`, the
+    gradient-checkpointing split, fp8 gradient communication, check_inputs, loss_normalization; each
+    documented on its config). `HybridParallelPlugin(tp_size=2, zero_stage=1, precision="fp16")` is
+    `HybridParallelPlugin(HybridParallelConfig.of(...))`. ColossalAI's flat keywords (all 51) are
+    taken by the class at ColossalAI's path, `meshboost.booster.plugin.HybridParallelPlugin` (the
+    compat package), which maps them onto this config.
 
     ColossalAI's views are attributes: `pg_mesh` (meshboost.cluster.ProcessGroupMesh, axes dp_axis=0,
     pp_axis=1, tp_axis=2), `stage_manager` (meshboost.cluster.PipelineStageManager; None at pp_size 1),
@@ -182,76 +139,36 @@ class HybridParallelPlugin(Plugin):
 
     dp_axis, pp_axis, tp_axis = 0, 1, 2       # ColossalAI's axis numbers of pg_mesh (ParallelMesh's order)
 
-    def __init__(self, tp_size: int, pp_size: int = 1, precision: str = "fp32", zero_stage: int = 0,
-                 parallel_output: bool = True, make_vocab_size_divisible_by: int = 64,
-                 custom_policy: Policy | None = None, enable_tensor_parallelism: bool = True,
-                 enable_sequence_parallelism: bool = False, max_norm: float = 0.0,
-                 num_microbatches: int | None = None, microbatch_size: int | None = None,
-                 pp_style: str = "1f1b", num_model_chunks: int = 1, num_layers_per_stage: list[int] | None = None,
-                 find_unused_parameters: bool = False, ddp_bucket_cap_mb: int = 25, broadcast_buffers: bool = False,
-                 initial_scale: float = 2**16, min_scale: float = 1, growth_factor: float = 2,
-                 backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2,
-                 max_scale: float = 2**32, max_skips_at_min_scale: int = 50, overlap_communication: bool = True,
-                 zero_bucket_size_in_m: int = 12, check_inputs: str = "always", loss_normalization: str = "tokens",
-                 enable_flash_attention: bool = False, enable_fused_normalization: bool = False,
-                 enable_jit_fused: bool = False, enable_sequence_overlap: bool = False,
-                 enable_all_optimization: bool = False, sequence_parallelism_mode: str | None = None,
-                 sp_size: int | None = None,
-                 gradient_checkpoint_config: PipelineGradientCheckpointConfig | None = None,
-                 check_reduction: bool = False, gradient_as_bucket_view: bool = False, static_graph: bool = False,
-                 cpu_offload: bool = False, communication_dtype: torch.dtype | None = None, scheduler_nodes=None,
-                 enable_metadata_cache: bool = True, dp_outside: bool = True, overlap_p2p: bool = True,
-                 overlap_allgather: bool = False, fp8_communication: bool = False, use_fp8: bool = False,
-                 inner_ring_size: int | None = None):
+    def __init__(self, config: HybridParallelConfig | None = None, *, tp_size: int | None = None,
+                 pp_size: int | None = None, zero_stage: int | None = None, precision: str | None = None,
+                 **unknown):
+        shortcuts = dict(tp_size=tp_size, pp_size=pp_size, zero_stage=zero_stage, precision=precision)
         # Every rank must pass the same arguments; one all-gather of a digest says so (or names the
         # difference) before anything that could differ by rank, so no rank is left hanging.
-        agree_settings({k: v for k, v in locals().items() if k != "self"}, "HybridParallelPlugin arguments")
+        agree_settings({"config": config, **shortcuts, **unknown}, "HybridParallelPlugin arguments")
         # -- pure checks first: every rank raises the same error before any collective ----------
-        if sp_size not in (None, 1):
-            raise NotImplementedError(f"sp_size={sp_size!r}: meshboost's sequence parallelism ('split_gather') runs "
-                                      "over the tensor-parallel group, so it needs no group of its own; pass "
-                                      "sp_size=None with enable_sequence_parallelism=True and tp_size > 1")
-        _refuse_unsupported(precision, zero_stage, cpu_offload, communication_dtype, scheduler_nodes, dp_outside,
-                            overlap_allgather, fp8_communication, use_fp8, inner_ring_size,
-                            layout=(tp_size, pp_size, zero_stage))
-        self.fp8_communication = bool(fp8_communication)
-        if gradient_checkpoint_config is not None and not isinstance(gradient_checkpoint_config,
-                                                                     PipelineGradientCheckpointConfig):
-            raise TypeError(f"gradient_checkpoint_config={gradient_checkpoint_config!r}: pass a "
-                            "meshboost.shardformer.PipelineGradientCheckpointConfig")
-        self.gradient_checkpoint_config = gradient_checkpoint_config
-        if not (isinstance(zero_bucket_size_in_m, (int, float)) and zero_bucket_size_in_m > 0):
-            raise ValueError(f"zero_bucket_size_in_m={zero_bucket_size_in_m!r} must be a positive number")
-        self.config = HybridParallelConfig(
-            tp_size=tp_size,
-            sharding=ShardConfig(enable_tensor_parallelism=enable_tensor_parallelism, parallel_output=parallel_output,
-                                 make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                                 enable_sequence_parallelism=enable_sequence_parallelism,
-                                 sequence_parallelism_mode=sequence_parallelism_mode,
-                                 enable_flash_attention=enable_flash_attention,
-                                 enable_fused_normalization=enable_fused_normalization,
-                                 enable_jit_fused=enable_jit_fused, enable_sequence_overlap=enable_sequence_overlap,
-                                 enable_all_optimization=enable_all_optimization),
-            custom_policy=custom_policy,
-            pipeline=PipelineConfig(pp_size, pp_style, num_model_chunks, num_microbatches, microbatch_size,
-                                    num_layers_per_stage),
-            precision=PrecisionConfig(precision, max_norm, 2.0, GradScalerConfig(
-                initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale,
-                max_skips_at_min_scale)),
-            zero=ZeroConfig(0 if zero_stage == ZERO3 else zero_stage, overlap_communication,
-                            int(zero_bucket_size_in_m * 1024 * 1024),
-                            cpu_offload=cpu_offload, communication_dtype=communication_dtype),
-            fully_sharded=zero_stage == ZERO3,
-            ddp=DDPConfig(broadcast_buffers, ddp_bucket_cap_mb, find_unused_parameters, check_reduction,
-                          gradient_as_bucket_view, static_graph),
-            check_inputs=check_inputs, loss_normalization=loss_normalization)
-        self.mesh = ParallelMesh(tp_size=tp_size, pp_size=pp_size)       # collective: after the checks
-        self.shard_config = dataclasses.replace(self.config.sharding, tensor_parallel_process_group=self.mesh.tp_group)
-        self.dp_reducer = dp_reducer(self.mesh.dp_size, pp_size, zero_stage)
+        self.config = config = plugin_config(config, shortcuts, unknown)
+        if config.fp8_communication:
+            refusal = fp8_refusal(get_current_device().type, "HybridParallelPlugin")
+            if refusal:
+                raise NotImplementedError(refusal)
+        pc = config.pipeline
+        self.mesh = ParallelMesh(tp_size=config.tp_size, pp_size=pc.pp_size)       # collective: after the checks
+        self.shard_config = dataclasses.replace(config.sharding, tensor_parallel_process_group=self.mesh.tp_group)
+        self.dp_reducer = dp_reducer(self.mesh.dp_size, pc.pp_size, config.zero.stage)
         self.pg_mesh = ProcessGroupMesh(mesh=self.mesh)
         self.stage_manager = PipelineStageManager(
-            self.pg_mesh, self.pp_axis, enable_interleave=pp_style == "interleaved", num_model_chunks=num_model_chunks,
-            num_layers_per_stage=num_layers_per_stage) if pp_size > 1 else None
+            self.pg_mesh, self.pp_axis, enable_interleave=pc.pp_style == "interleaved",
+            num_model_chunks=pc.num_model_chunks, num_layers_per_stage=pc.num_layers_per_stage) \
+            if pc.pp_size > 1 else None
+
+    @property
+    def fp8_communication(self) -> bool:
+        return self.config.fp8_communication
+
+    @property
+    def gradient_checkpoint_config(self) -> PipelineGradientCheckpointConfig | None:
+        return self.config.gradient_checkpoint
 
     # a LazyInitContext model is materialised in configure, after sharding: each rank initialises its part
     materializes_lazy_models = True
@@ -314,14 +231,14 @@ class HybridParallelPlugin(Plugin):
             model = model.to(self.config.precision.dtype)   # working weights (in place, same objects)
         module: nn.Module = model
         if self.dp_reducer == DDP:
-            device = self.mesh.device
-            module = DistributedDataParallel(model, process_group=self.mesh.dp_group,
+            device, group = self.mesh.device, self.mesh.dp_group
+            module = DistributedDataParallel(model, process_group=group,
                                              device_ids=[device] if device.type == "cuda" else None,
                                              **self.config.ddp.kwargs())
             if self.fp8_communication:
-                register_fp8_allreduce(module, self.mesh.dp_group)
+                register_fp8_allreduce(module, group)
             else:
-                register_counting_allreduce(module, self.mesh.dp_group)
+                register_counting_allreduce(module, group)
         count = self.config.loss_normalization == TOKENS and stages is None and uses_causal_lm_loss(model)
         boosted = HybridParallelModule(module, self.mesh, self.shard_config, self.config.check_inputs, count,
                                        input_dtype=self.config.precision.dtype)
@@ -357,14 +274,9 @@ class HybridParallelPlugin(Plugin):
 
     def _wrap_optimizer(self, optimizer) -> MixedPrecisionOptimizer:
         """user optimizer -> MixedPrecisionOptimizer, or ZeroOptimizer when ZeRO reduces over dp."""
-        pc = self.config.precision
-        common = dict(precision=pc.precision, max_norm=pc.max_norm, norm_type=pc.norm_type, scaler_config=pc.scaler)
         if self.dp_reducer != ZERO:
-            return MixedPrecisionOptimizer(optimizer, self.mesh, **common)
-        zc = self.config.zero
-        return ZeroOptimizer(optimizer, self.mesh, stage=zc.stage, overlap_communication=zc.overlap_communication,
-                             reduce_bucket_size=zc.reduce_bucket_size, cpu_offload=zc.cpu_offload,
-                             communication_dtype=zc.communication_dtype, **common)
+            return MixedPrecisionOptimizer(optimizer, self.mesh, self.config.precision)
+        return ZeroOptimizer(optimizer, self.mesh, self.config.precision, self.config.zero)
 
     def lora_refusal(self) -> str | None:
         if self.tp_size > 1 or self.pp_size > 1:          # ColossalAI: tp_size == 1 only

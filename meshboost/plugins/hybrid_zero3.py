@@ -16,8 +16,6 @@ from meshboost.fsdp import is_sharded, shard_tensor_parallel
 from meshboost.optim import PrecisionConfig
 from meshboost.plugins.fsdp_wrap import transformer_layers
 
-ZERO3 = 3
-
 
 def check_zero3_model(model: nn.Module, optimizer, on_meta: bool) -> None:
     """Pure checks on what is boosted (every rank raises alike, before any collective). on_meta: the

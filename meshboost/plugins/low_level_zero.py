@@ -16,7 +16,7 @@ from meshboost.booster import ModelWrapper, OptimizerWrapper, Plugin
 from meshboost.distributed import ParallelMesh
 from meshboost.distributed.agreement import agree_settings
 from meshboost.distributed.inputs import cast_floating
-from meshboost.optim import GradScalerConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer
+from meshboost.optim import GradScalerConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer, bucket_elements
 
 
 class LowLevelZeroModel(ModelWrapper):
@@ -88,16 +88,16 @@ class LowLevelZeroPlugin(Plugin):
         agree_settings({k: v for k, v in locals().items() if k != "self"}, "LowLevelZeroPlugin arguments")
         # -- pure checks first: every rank raises the same error before any collective ----------
         _refuse_unsupported(overlap_allgather, fp8_communication, use_fp8, extra_dp_size)
-        if stage not in (1, 2):
-            raise ValueError(f"stage={stage!r}; LowLevelZeroPlugin supports ZeRO stage 1 or 2 "
-                             "(use TorchDDPPlugin for plain data parallelism)")
-        if not (isinstance(reduce_bucket_size_in_m, (int, float)) and reduce_bucket_size_in_m > 0):
-            raise ValueError(f"reduce_bucket_size_in_m={reduce_bucket_size_in_m!r} must be a positive number")
         self.precision_config = PrecisionConfig(precision, max_norm, norm_type, GradScalerConfig(
             initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale,
-                max_skips_at_min_scale))
-        self.zero_config = ZeroConfig(stage, overlap_communication, int(reduce_bucket_size_in_m * 1024 * 1024),
+            max_skips_at_min_scale))
+        self.zero_config = ZeroConfig(stage, overlap_communication, bucket_elements(reduce_bucket_size_in_m,
+                                                                                    "reduce_bucket_size_in_m"),
                                       cpu_offload, communication_dtype, master_weights)
+        if not self.zero_config.partitioned_by_optimizer:      # a valid stage (the config says), not this plugin's
+            raise ValueError(f"stage={stage!r}; LowLevelZeroPlugin supports ZeRO stage 1 or 2 "
+                             "(use TorchDDPPlugin for plain data parallelism, HybridParallelPlugin(zero_stage=3) "
+                             "for ZeRO-3)")
         self.verbose, self.cast_inputs = bool(verbose), bool(cast_inputs)
         self.mesh = ParallelMesh(tp_size=1, pp_size=1)                  # collective: after the checks
 
@@ -115,13 +115,8 @@ class LowLevelZeroPlugin(Plugin):
         if not any(p.is_meta for p in model.parameters()):
             model = model.to(self.mesh.device)     # in place: the optimizer's parameters stay the same objects
         if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
-            pc, zc = self.precision_config, self.zero_config
-            optimizer = ZeroOptimizer(optimizer, self.mesh, precision=pc.precision, stage=zc.stage,
-                                      max_norm=pc.max_norm, norm_type=pc.norm_type, scaler_config=pc.scaler,
-                                      overlap_communication=zc.overlap_communication,
-                                      reduce_bucket_size=zc.reduce_bucket_size, cpu_offload=zc.cpu_offload,
-                                      communication_dtype=zc.communication_dtype,
-                                      master_weights=zc.master_weights, verbose=self.verbose)
+            optimizer = ZeroOptimizer(optimizer, self.mesh, self.precision_config, self.zero_config,
+                                      verbose=self.verbose)
         model = model.to(self.precision_config.dtype)   # after the masters copied the fp32 weights
         input_dtype = self.precision_config.dtype if self.cast_inputs else None
         return LowLevelZeroModel(model, self.mesh, input_dtype), optimizer, criterion, dataloader, lr_scheduler

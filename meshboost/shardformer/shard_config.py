@@ -95,10 +95,11 @@ class ShardConfig:
 @dataclass
 class PipelineGradientCheckpointConfig:
     """ColossalAI's knob for how many layers of each pipeline stage are activation-checkpointed
-    (`HybridParallelPlugin(gradient_checkpoint_config=...)`), once HF checkpointing is on
-    (`model.gradient_checkpointing_enable()`, before or after boost). A stage checkpoints its first
-    layers: `int(gradient_checkpointing_ratio * its layers)`, or `num_ckpt_layers_per_stage[v]` for
-    virtual stage v = chunk * pp_size + pp_rank. Without pipeline parallelism the model is one stage.
+    (`HybridParallelConfig(gradient_checkpoint=...)`, ColossalAI's `gradient_checkpoint_config=`), once
+    HF checkpointing is on (`model.gradient_checkpointing_enable()`, before or after boost). A stage
+    checkpoints its first layers: `int(gradient_checkpointing_ratio * its layers)`, or
+    `num_ckpt_layers_per_stage[v]` for virtual stage v = chunk * pp_size + pp_rank. Without pipeline
+    parallelism the model is one stage.
     num_stages, num_model_chunks, num_model_layers, num_layers_per_stage: accepted as ColossalAI takes
     them; meshboost reads the real values from the plugin and checks the list against them at boost.
     """

@@ -9,7 +9,8 @@ import torch
 
 from meshboost import Booster
 from meshboost.booster.mixed_precision import AMPOptimizer, AutocastModel
-from meshboost.plugins import HybridParallelPlugin, TorchDDPPlugin
+from meshboost.booster.plugin import HybridParallelPlugin
+from meshboost.plugins import TorchDDPPlugin
 from meshboost.testing import assert_close, spawn
 from meshboost.testing.models import build_model, tiny_batch, tiny_config
 

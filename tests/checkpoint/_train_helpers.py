@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from meshboost import Booster
-from meshboost.plugins import HybridParallelPlugin
+from meshboost.booster.plugin import HybridParallelPlugin
 from meshboost.testing.compare import booster_step
 from meshboost.testing.models import build_model, tiny_batch, tiny_config
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import transformers as tfm
 
 from meshboost import Booster
-from meshboost.plugins import HybridParallelPlugin
+from meshboost.booster.plugin import HybridParallelPlugin
 from meshboost.testing import spawn
 from meshboost.testing.compare import gathered
 from meshboost.testing.models import MODEL_CLASSES, build_model, tiny_config

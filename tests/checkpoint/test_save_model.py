@@ -16,7 +16,8 @@ from meshboost import Booster
 from meshboost.checkpoint import hf_format
 from meshboost.checkpoint.writer import CheckpointWriter, save_roles
 from meshboost.distributed.param_info import gather_tensor, get_tp_info
-from meshboost.plugins import HybridParallelPlugin, TorchDDPPlugin
+from meshboost.booster.plugin import HybridParallelPlugin
+from meshboost.plugins import TorchDDPPlugin
 from meshboost.testing import assert_close, spawn
 from meshboost.testing.models import VOCAB, build_model, tiny_batch, tiny_config
 

@@ -17,7 +17,14 @@ import torch
 import torch.distributed as dist
 
 from meshboost import Booster
-from meshboost.plugins import HybridParallelPlugin
+from meshboost.plugins import (
+    HybridParallelConfig,
+    HybridParallelPlugin,
+    PipelineConfig,
+    PrecisionConfig,
+    ShardConfig,
+    ZeroConfig,
+)
 from meshboost.testing import spawn
 from meshboost.testing.compare import booster_step
 from meshboost.testing.models import build_model, tiny_batch, tiny_config
@@ -25,21 +32,25 @@ from meshboost.testing.models import build_model, tiny_batch, tiny_config
 GOLDEN = os.path.join(os.path.dirname(__file__), "losses.json")
 STEPS, GLOBAL_BATCH, RTOL = 10, 8, 1e-6
 
-# name -> (model class, family, config overrides, plugin arguments); 4 ranks each
+# name -> (model class, family, config overrides, the plugin's HybridParallelConfig); 4 ranks each.
+# Built with meshboost's typed configs (the core constructor), not ColossalAI's flat keywords.
 LAYOUTS = {
-    "gpt2 tp2 dp2 zero1": ("GPT2LMHeadModel", "gpt2", {}, dict(tp_size=2, zero_stage=1)),
-    "gpt2 tp2 dp2 zero3": ("GPT2LMHeadModel", "gpt2", {}, dict(tp_size=2, zero_stage=3)),
-    "llama tp4 sp": ("LlamaForCausalLM", "llama", {}, dict(tp_size=4, enable_sequence_parallelism=True)),
-    "llama tp2 pp2 1f1b": ("LlamaForCausalLM", "llama", {}, dict(tp_size=2, pp_size=2, num_microbatches=2)),
-    "opt pp2 dp2 interleaved zero2": ("OPTForCausalLM", "opt", {"num_hidden_layers": 4},
-                                      dict(tp_size=1, pp_size=2, pp_style="interleaved", num_model_chunks=2,
-                                           num_microbatches=4, zero_stage=2)),
-    "bert-cls dp4 ddp clip": ("BertForSequenceClassification", "bert", {}, dict(tp_size=1, max_norm=1.0)),
+    "gpt2 tp2 dp2 zero1": ("GPT2LMHeadModel", "gpt2", {}, lambda: HybridParallelConfig(tp_size=2, zero=ZeroConfig(1))),
+    "gpt2 tp2 dp2 zero3": ("GPT2LMHeadModel", "gpt2", {}, lambda: HybridParallelConfig(tp_size=2, zero=ZeroConfig(3))),
+    "llama tp4 sp": ("LlamaForCausalLM", "llama", {}, lambda: HybridParallelConfig(
+        tp_size=4, sharding=ShardConfig(enable_sequence_parallelism=True))),
+    "llama tp2 pp2 1f1b": ("LlamaForCausalLM", "llama", {}, lambda: HybridParallelConfig(
+        tp_size=2, pipeline=PipelineConfig(pp_size=2, num_microbatches=2))),
+    "opt pp2 dp2 interleaved zero2": ("OPTForCausalLM", "opt", {"num_hidden_layers": 4}, lambda: HybridParallelConfig(
+        pipeline=PipelineConfig(pp_size=2, pp_style="interleaved", num_model_chunks=2, num_microbatches=4),
+        zero=ZeroConfig(2))),
+    "bert-cls dp4 ddp clip": ("BertForSequenceClassification", "bert", {}, lambda: HybridParallelConfig(
+        precision=PrecisionConfig(max_norm=1.0))),
 }
 
 
-def _losses(class_name, family, overrides, plugin_args) -> list[float]:
-    plugin = HybridParallelPlugin(**plugin_args)
+def _losses(class_name, family, overrides, plugin_config) -> list[float]:
+    plugin = HybridParallelPlugin(plugin_config())
     config = tiny_config(family, **overrides)
     model = build_model(class_name, config, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

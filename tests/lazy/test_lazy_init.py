@@ -14,7 +14,8 @@ import transformers
 
 from meshboost import Booster
 from meshboost.lazy import LazyInitContext, lazy_seed
-from meshboost.plugins import HybridParallelPlugin, TorchDDPPlugin
+from meshboost.booster.plugin import HybridParallelPlugin
+from meshboost.plugins import TorchDDPPlugin
 from meshboost.testing import assert_close, spawn
 from meshboost.testing.compare import booster_step, gathered
 from meshboost.testing.models import build_model, tiny_batch, tiny_config

@@ -7,7 +7,7 @@ import types
 
 import torch
 
-from meshboost.optim import MixedPrecisionOptimizer
+from meshboost.optim import MixedPrecisionOptimizer, PrecisionConfig
 from meshboost.optim.memory import memory_breakdown, memory_theory
 
 ONE_RANK = types.SimpleNamespace(tp_rank=0, dp_rank=0, world_group=None, device=torch.device("cpu"))
@@ -26,9 +26,8 @@ def test_fp16_masters_track_fp32_with_clipping():
     # the comparison is about masters tracking fp32, not about that sign.
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-4)
     half = copy.deepcopy(ref)
-    opt = MixedPrecisionOptimizer(torch.optim.AdamW(half.parameters(), lr=1e-2, eps=1e-4), ONE_RANK, "fp16",
-                                  max_norm=0.1,
-                                  scaler_config=None)
+    opt = MixedPrecisionOptimizer(torch.optim.AdamW(half.parameters(), lr=1e-2, eps=1e-4), ONE_RANK,
+                                  PrecisionConfig("fp16", max_norm=0.1))
     half.half()
     for _ in range(5):
         loss = torch.nn.functional.mse_loss(ref(x), y)
@@ -47,7 +46,7 @@ def test_fp16_masters_track_fp32_with_clipping():
 
 def test_overflow_skips_bitwise_and_backs_off():
     model = _mlp()
-    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), ONE_RANK, "fp16")
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), ONE_RANK, PrecisionConfig("fp16"))
     model.half()
     opt.scaler.config.hysteresis = opt.scaler.hysteresis_tracker = 1
     before = [p.detach().clone() for p in model.parameters()]
@@ -66,7 +65,7 @@ def test_memory_theory_and_breakdown():
     assert memory_theory(1000, 1, 1, 0, "fp32")["fp32_masters"] == 0.0
     model = _mlp()
     psi = sum(p.numel() for p in model.parameters())
-    opt = MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()), ONE_RANK, "bf16")
+    opt = MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()), ONE_RANK, PrecisionConfig("bf16"))
     model.bfloat16()
     for _ in range(2):
         opt.zero_grad()

@@ -28,7 +28,7 @@ import torch.nn as nn
 from meshboost.distributed import ParallelMesh
 from meshboost.distributed.param_info import replace_keeping_object
 from meshboost.distributed.profiling import comm_counter
-from meshboost.optim import MixedPrecisionOptimizer, ZeroOptimizer
+from meshboost.optim import MixedPrecisionOptimizer, PrecisionConfig, ZeroConfig, ZeroOptimizer
 from meshboost.optim.memory import memory_breakdown
 from meshboost.testing import spawn
 
@@ -86,13 +86,15 @@ def _mine(t, mesh):
     return t.chunk(mesh.dp_size)[mesh.dp_rank]
 
 
-def _boost(make, mesh, zero=True, precision="fp32", **kwargs):
+def _boost(make, mesh, zero=True, precision="fp32", max_norm=0.0, track_grad_norm=False, **zero_settings):
     model = make()
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
+    pc = PrecisionConfig(precision, max_norm)
     if zero:
-        opt = ZeroOptimizer(inner, mesh, precision, reduce_bucket_size=BUCKET, **kwargs)
+        opt = ZeroOptimizer(inner, mesh, pc, ZeroConfig(**{"stage": 1, "reduce_bucket_size": BUCKET, **zero_settings}),
+                            track_grad_norm=track_grad_norm)
     else:
-        opt = MixedPrecisionOptimizer(inner, mesh, precision, **kwargs)
+        opt = MixedPrecisionOptimizer(inner, mesh, pc, track_grad_norm=track_grad_norm)
     return model.to({"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]), opt
 
 
@@ -186,8 +188,8 @@ def _check_masters_are_weights(mesh):
     # built on meta, materialised and loaded afterwards (new storage): the views are laid out again
     with torch.device("meta"):
         meta = _mlp()
-    opt = ZeroOptimizer(torch.optim.AdamW(meta.parameters(), lr=1e-2, eps=1e-4), mesh, stage=2,
-                        reduce_bucket_size=BUCKET)
+    opt = ZeroOptimizer(torch.optim.AdamW(meta.parameters(), lr=1e-2, eps=1e-4), mesh, PrecisionConfig(),
+                        ZeroConfig(stage=2, reduce_bucket_size=BUCKET))
     for p, value in zip(meta.parameters(), _mlp().parameters()):
         replace_keeping_object(p, value.detach().clone())       # as load_model materialises a meta model
     opt.sync_masters_from_model()

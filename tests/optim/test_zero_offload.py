@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from meshboost.distributed import ParallelMesh
-from meshboost.optim import ZeroConfig, ZeroOptimizer
+from meshboost.optim import PrecisionConfig, ZeroConfig, ZeroOptimizer
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 BUCKET = 300            # elements: the MLP's 676 parameters make three buckets per kind
@@ -43,10 +43,11 @@ def _data(steps=4):
     return [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(steps)]
 
 
-def _boost(mesh, precision, model=None, **kwargs):
+def _boost(mesh, precision, model=None, max_norm=0.0, verbose=False, **zero_settings):
     model = model if model is not None else _mlp()
-    opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4), mesh, precision,
-                        reduce_bucket_size=BUCKET, **kwargs)
+    opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4), mesh,
+                        PrecisionConfig(precision, max_norm), ZeroConfig(reduce_bucket_size=BUCKET, **zero_settings),
+                        verbose=verbose)
     return model.to(DTYPES[precision]), opt
 
 

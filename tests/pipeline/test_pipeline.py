@@ -33,7 +33,7 @@ from meshboost import Booster
 from meshboost.distributed.profiling import comm_counter
 from meshboost.pipeline import PipelineConfig, schedule_order, split_layers, split_microbatches
 from meshboost.pipeline.layout import get_layout
-from meshboost.plugins import HybridParallelPlugin
+from meshboost.booster.plugin import HybridParallelPlugin
 from meshboost.shardformer import pipeline_layout
 from meshboost.testing import LOSS_ATOL, assert_close, spawn
 from meshboost.testing.compare import gathered

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from meshboost import Booster
 from meshboost.optim import ZeroOptimizer
-from meshboost.plugins import HybridParallelPlugin
+from meshboost.booster.plugin import HybridParallelPlugin
 from meshboost.testing import assert_close, spawn
 from meshboost.testing.compare import booster_step, gathered
 from meshboost.testing.models import build_model, tiny_config

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from meshboost import Booster
 from meshboost.distributed.param_info import gather_tensor, get_tp_info
-from meshboost.plugins import HybridParallelPlugin
+from meshboost.booster.plugin import HybridParallelPlugin
 from meshboost.testing import LOSS_ATOL, assert_close, spawn
 from meshboost.testing.models import build_model, tiny_config
 

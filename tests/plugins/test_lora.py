@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from meshboost import Booster
 from meshboost.optim.memory import memory_breakdown
-from meshboost.plugins import GeminiPlugin, HybridParallelPlugin, LowLevelZeroPlugin, TorchDDPPlugin
+from meshboost.booster.plugin import HybridParallelPlugin
+from meshboost.plugins import GeminiPlugin, LowLevelZeroPlugin, TorchDDPPlugin
 from meshboost.testing import spawn
 from meshboost.testing.models import VOCAB, build_model, tiny_config
 

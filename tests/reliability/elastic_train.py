@@ -22,7 +22,7 @@ from torch.utils.data import TensorDataset
 
 import meshboost
 from meshboost import Booster
-from meshboost.plugins import HybridParallelPlugin
+from meshboost.booster.plugin import HybridParallelPlugin
 from meshboost.testing.models import VOCAB, build_model, tiny_config
 
 CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}   # tied and untied LM heads

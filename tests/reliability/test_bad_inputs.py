@@ -31,7 +31,7 @@ from torch.utils.data import TensorDataset
 
 from meshboost import Booster
 from meshboost.distributed.param_info import gather_tensor, get_tp_info
-from meshboost.plugins import HybridParallelPlugin
+from meshboost.booster.plugin import HybridParallelPlugin
 from meshboost.shardformer import ShardConfig, ShardFormer
 from meshboost.testing import assert_close, spawn
 from meshboost.testing.compare import gathered, model_loss

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.utils.data import TensorDataset
 
 from meshboost import Booster
-from meshboost.plugins import HybridParallelPlugin
+from meshboost.booster.plugin import HybridParallelPlugin
 from meshboost.testing import spawn
 from meshboost.testing.models import VOCAB, build_model, tiny_config
 

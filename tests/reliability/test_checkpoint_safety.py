@@ -28,7 +28,7 @@ from meshboost import Booster
 from meshboost.checkpoint import atomic, load_model, save_model
 from meshboost.checkpoint.atomic import AtomicTarget, SaveInProgress, SaveLock, lock_file_of
 from meshboost.checkpoint.step_io import _prepare
-from meshboost.plugins import HybridParallelPlugin
+from meshboost.booster.plugin import HybridParallelPlugin
 from meshboost.testing import spawn
 from meshboost.testing.models import build_model, tiny_config
 

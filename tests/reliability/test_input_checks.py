@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from meshboost import Booster
 from meshboost.pipeline import split_microbatches
-from meshboost.plugins import HybridParallelPlugin
+from meshboost.booster.plugin import HybridParallelPlugin
 from meshboost.plugins.input_checks import InputCheck
 from meshboost.testing import LOSS_ATOL, assert_close, spawn
 from meshboost.testing.compare import gathered

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from meshboost import Booster
 from meshboost.pipeline.normalization import count_items
-from meshboost.plugins import HybridParallelPlugin
+from meshboost.booster.plugin import HybridParallelPlugin
 from meshboost.testing import assert_close, spawn
 from meshboost.testing.compare import gathered
 from meshboost.testing.models import build_model, tiny_batch, tiny_config

@@ -17,7 +17,7 @@ from torch.utils.data import TensorDataset
 
 from meshboost import Booster
 from meshboost.checkpoint import optimizer_io
-from meshboost.plugins import HybridParallelPlugin
+from meshboost.booster.plugin import HybridParallelPlugin
 from meshboost.testing import spawn
 from meshboost.testing.models import VOCAB, build_model, tiny_config
 

@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from meshboost import Booster
-from meshboost.plugins import HybridParallelPlugin
+from meshboost.booster.plugin import HybridParallelPlugin
 from meshboost.shardformer import ShardConfig, ShardFormer
 from meshboost.shardformer.optimizations import FusedRMSNorm
 from meshboost.testing import spawn

@@ -20,7 +20,7 @@ from meshboost import Booster
 from meshboost.distributed.profiling import comm_counter
 from meshboost.optim.memory import saved_activation_bytes
 from meshboost.pipeline import split_microbatches
-from meshboost.plugins import HybridParallelPlugin
+from meshboost.booster.plugin import HybridParallelPlugin
 from meshboost.shardformer import ShardConfig, ShardFormer
 from meshboost.shardformer.layers.linear import SequenceLayoutError
 from meshboost.testing import LOSS_ATOL, assert_close, spawn

@@ -91,7 +91,8 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
 def build_plugin(args):
     """The Booster for --plugin; the plugin's own error names anything not available yet."""
     from meshboost import Booster
-    from meshboost.plugins import HybridParallelPlugin, TorchDDPPlugin
+    from meshboost.booster.plugin import HybridParallelPlugin
+    from meshboost.plugins import TorchDDPPlugin
     if args.plugin == "torch_ddp":
         plugin, amp = TorchDDPPlugin(), None
     elif args.plugin == "torch_ddp_fp16":

@@ -1,10 +1,12 @@
 """ColossalAI's `booster.plugin` package: the Plugin base and the concrete plugins.
 
 `Plugin` and `DPPluginBase` are the core's base (`meshboost.booster.plugin_base`). The concrete plugins
-(`from colossalai.booster.plugin import HybridParallelPlugin`) are `meshboost.plugins`' classes, looked
+(`from colossalai.booster.plugin import LowLevelZeroPlugin`) are `meshboost.plugins`' classes, looked
 up on first use by this module's own `__getattr__` (PEP 562): importing meshboost does not import the
 plugins (and transformers) until a script asks for one, and a plugin meshboost.plugins does not export
-is an ImportError saying what to use. The submodules `hybrid_parallel_plugin`, `low_level_zero_plugin`,
+is an ImportError saying what to use. `HybridParallelPlugin` is `hybrid_parallel_plugin`'s: ColossalAI's
+flat keywords mapped onto meshboost's `HybridParallelConfig` (a subclass of meshboost.plugins' class,
+adding only that constructor). The submodules `hybrid_parallel_plugin`, `low_level_zero_plugin`,
 `torch_ddp_plugin`, `gemini_plugin`, `torch_fsdp_plugin`, `plugin_base` and `dp_plugin_base` are
 ColossalAI's paths to the same classes. See docs/colossalai.md.
 """
@@ -32,6 +34,10 @@ def __getattr__(name: str):
     read at every access (never bound here), so what meshboost.plugins exports is the one answer."""
     if name not in CONCRETE_PLUGINS:
         raise AttributeError(f"module 'meshboost.booster.plugin' has no attribute {name!r}")
+    if name == "HybridParallelPlugin":        # ColossalAI's flat keywords: this package's own mapping
+        from meshboost.booster.plugin.hybrid_parallel_plugin import HybridParallelPlugin
+
+        return HybridParallelPlugin
     import meshboost.plugins
 
     found = getattr(meshboost.plugins, name, None)

@@ -1,8 +1,130 @@
-"""ColossalAI's path `booster.plugin.hybrid_parallel_plugin`: `HybridParallelPlugin` is meshboost.plugins'
-class (served by this package's `__getattr__`), `HybridParallelModule` the model wrapper it returns from
-`boost` (ColossalAI's tests check `isinstance(model, HybridParallelModule)` and call `model.unwrap()`)."""
+"""ColossalAI's path `booster.plugin.hybrid_parallel_plugin`: `HybridParallelPlugin` with ColossalAI's
+flat keyword signature (its 51 keywords, in its order), a thin mapping onto meshboost's
+`HybridParallelConfig`; `HybridParallelModule` is the model wrapper it returns from `boost`
+(ColossalAI's tests check `isinstance(model, HybridParallelModule)` and call `model.unwrap()`).
 
-from meshboost.booster.plugin import HybridParallelPlugin
+Owns: `colossalai_config` (keywords -> config) and the refusals of ColossalAI keywords meshboost does
+not implement. Every check is pure (the same error on every rank, after one agreement over the
+arguments, before any other collective). Must not hold plugin behaviour: the class adds nothing but
+its constructor to `meshboost.plugins.HybridParallelPlugin`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshboost.distributed.agreement import agree_settings
+from meshboost.optim import GradScalerConfig, PrecisionConfig, ZeroConfig, bucket_elements
+from meshboost.pipeline import PipelineConfig
+from meshboost.plugins import HybridParallelPlugin as CorePlugin
+from meshboost.plugins.config import DDPConfig, HybridParallelConfig
 from meshboost.plugins.hybrid_parallel import HybridParallelModule
+from meshboost.shardformer import PipelineGradientCheckpointConfig, Policy, ShardConfig
 
-__all__ = ["HybridParallelPlugin", "HybridParallelModule"]
+__all__ = ["HybridParallelPlugin", "HybridParallelModule", "colossalai_config"]
+
+
+def _refuse_unsupported(sp_size, scheduler_nodes, dp_outside, overlap_allgather, use_fp8, inner_ring_size) -> None:
+    """ColossalAI keywords meshboost does not implement: refused (pure, the same on every rank) with the
+    meshboost way to get what they are for."""
+    if sp_size not in (None, 1):
+        raise NotImplementedError(f"sp_size={sp_size!r}: meshboost's sequence parallelism ('split_gather') runs "
+                                  "over the tensor-parallel group, so it needs no group of its own; pass "
+                                  "sp_size=None with enable_sequence_parallelism=True and tp_size > 1")
+    if scheduler_nodes is not None:
+        raise NotImplementedError("scheduler_nodes= (the zero-bubble V schedule) is not supported; use "
+                                  "pp_style='1f1b' or 'interleaved' without scheduler_nodes")
+    if not dp_outside:
+        raise NotImplementedError("dp_outside=False (pp as the outermost mesh axis) is not supported: meshboost's mesh "
+                                  "is (dp, pp, tp), dp outermost and tp innermost; drop the argument")
+    if overlap_allgather:
+        raise NotImplementedError("overlap_allgather=True is not supported: ZeRO all-gathers the updated shards "
+                                  "inside optimizer.step(), not during the next forward; drop the argument (training "
+                                  "is the same); overlap_communication=True overlaps the gradient reduce-scatter with "
+                                  "backward")
+    if use_fp8:
+        raise NotImplementedError("use_fp8=True (fp8 matmuls) is not supported; train with precision='bf16' or 'fp16'")
+    if inner_ring_size is not None:
+        raise NotImplementedError(f"inner_ring_size={inner_ring_size}: ring attention is not in meshboost; sequence "
+                                  "parallelism is 'split_gather' over the tensor-parallel group")
+
+
+def colossalai_config(a: dict) -> HybridParallelConfig:
+    """ColossalAI's HybridParallelPlugin keywords (`a`, every one of them) as meshboost's config."""
+    _refuse_unsupported(a["sp_size"], a["scheduler_nodes"], a["dp_outside"], a["overlap_allgather"], a["use_fp8"],
+                        a["inner_ring_size"])
+    sharding = ShardConfig(**{k: a[k] for k in (
+        "enable_tensor_parallelism", "parallel_output", "make_vocab_size_divisible_by", "enable_sequence_parallelism",
+        "sequence_parallelism_mode", "enable_flash_attention", "enable_fused_normalization", "enable_jit_fused",
+        "enable_sequence_overlap", "enable_all_optimization")})
+    scaler = GradScalerConfig(**{k: a[k] for k in (
+        "initial_scale", "min_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis", "max_scale",
+        "max_skips_at_min_scale")})
+    zero = ZeroConfig(a["zero_stage"], a["overlap_communication"],
+                      bucket_elements(a["zero_bucket_size_in_m"], "zero_bucket_size_in_m"),
+                      cpu_offload=a["cpu_offload"], communication_dtype=a["communication_dtype"])
+    return HybridParallelConfig(
+        tp_size=a["tp_size"], sharding=sharding, custom_policy=a["custom_policy"],
+        pipeline=PipelineConfig(a["pp_size"], a["pp_style"], a["num_model_chunks"], a["num_microbatches"],
+                                a["microbatch_size"], a["num_layers_per_stage"]),
+        precision=PrecisionConfig(a["precision"], a["max_norm"], 2.0, scaler), zero=zero,
+        ddp=DDPConfig(a["broadcast_buffers"], a["ddp_bucket_cap_mb"], a["find_unused_parameters"],
+                      a["check_reduction"], a["gradient_as_bucket_view"], a["static_graph"]),
+        gradient_checkpoint=a["gradient_checkpoint_config"], fp8_communication=a["fp8_communication"],
+        check_inputs=a["check_inputs"], loss_normalization=a["loss_normalization"])
+
+
+class HybridParallelPlugin(CorePlugin):
+    """meshboost's HybridParallelPlugin with ColossalAI's keywords, each mapped onto one field of
+    `HybridParallelConfig` (`colossalai_config`):
+
+    tp_size, custom_policy, enable_tensor_parallelism, parallel_output, make_vocab_size_divisible_by,
+        enable_sequence_parallelism, enable_flash_attention, enable_fused_normalization, enable_jit_fused,
+        enable_sequence_overlap, enable_all_optimization, sequence_parallelism_mode: sharding and kernels
+        (`meshboost.shardformer.ShardConfig`, docs/optimizations.md); sp_size: None or 1 (sequence
+        parallelism runs over the tp group).
+    pp_size, num_microbatches / microbatch_size (one required with pp_size > 1), pp_style ("1f1b" |
+        "interleaved"), num_model_chunks, num_layers_per_stage: `meshboost.pipeline.PipelineConfig`.
+    precision ("fp32" | "fp16" | "bf16"), max_norm (global-norm clipping when > 0), initial_scale,
+        min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale,
+        max_skips_at_min_scale (fp16's dynamic loss scale): `meshboost.optim.PrecisionConfig`.
+    zero_stage (0, 1, 2, 3), overlap_communication, zero_bucket_size_in_m (millions of elements),
+        cpu_offload (stages 1 and 2: fp32 masters and optimizer states in CPU memory), communication_dtype
+        (ZeRO's gradient reduce-scatter dtype): `meshboost.optim.ZeroConfig` (stage 3 is torch FSDP2 under
+        tp, docs/fsdp.md; pp_size > 1 and cpu_offload are refused with it).
+    find_unused_parameters, ddp_bucket_cap_mb, broadcast_buffers, check_reduction, gradient_as_bucket_view,
+        static_graph: `DDPConfig` (torch DDP, used when dp > 1 without ZeRO or pipeline).
+    gradient_checkpoint_config: `meshboost.shardformer.PipelineGradientCheckpointConfig`.
+    check_inputs ("always" | "first" | "never"), loss_normalization ("tokens" | "microbatch"),
+        fp8_communication (CUDA, tp=pp=1, zero 0): as `HybridParallelConfig`.
+    enable_metadata_cache, overlap_p2p: accepted, either value: stage traffic always sends its small
+        shape header (shapes may change between steps) and always sends asynchronously.
+    scheduler_nodes, dp_outside=False, overlap_allgather, use_fp8, inner_ring_size: refused, saying what
+        to use (docs/colossalai.md).
+    """
+
+    def __init__(self, tp_size: int, pp_size: int = 1, precision: str = "fp32", zero_stage: int = 0,
+                 parallel_output: bool = True, make_vocab_size_divisible_by: int = 64,
+                 custom_policy: Policy | None = None, enable_tensor_parallelism: bool = True,
+                 enable_sequence_parallelism: bool = False, max_norm: float = 0.0,
+                 num_microbatches: int | None = None, microbatch_size: int | None = None,
+                 pp_style: str = "1f1b", num_model_chunks: int = 1, num_layers_per_stage: list[int] | None = None,
+                 find_unused_parameters: bool = False, ddp_bucket_cap_mb: int = 25, broadcast_buffers: bool = False,
+                 initial_scale: float = 2**16, min_scale: float = 1, growth_factor: float = 2,
+                 backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2,
+                 max_scale: float = 2**32, max_skips_at_min_scale: int = 50, overlap_communication: bool = True,
+                 zero_bucket_size_in_m: int = 12, check_inputs: str = "always", loss_normalization: str = "tokens",
+                 enable_flash_attention: bool = False, enable_fused_normalization: bool = False,
+                 enable_jit_fused: bool = False, enable_sequence_overlap: bool = False,
+                 enable_all_optimization: bool = False, sequence_parallelism_mode: str | None = None,
+                 sp_size: int | None = None,
+                 gradient_checkpoint_config: PipelineGradientCheckpointConfig | None = None,
+                 check_reduction: bool = False, gradient_as_bucket_view: bool = False, static_graph: bool = False,
+                 cpu_offload: bool = False, communication_dtype: torch.dtype | None = None, scheduler_nodes=None,
+                 enable_metadata_cache: bool = True, dp_outside: bool = True, overlap_p2p: bool = True,
+                 overlap_allgather: bool = False, fp8_communication: bool = False, use_fp8: bool = False,
+                 inner_ring_size: int | None = None):
+        keywords = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        # The refusals and the configs' checks below raise per rank: the arguments are agreed first.
+        agree_settings(keywords, "HybridParallelPlugin arguments")
+        super().__init__(colossalai_config(keywords))
