@@ -27,7 +27,6 @@ FLOORS = {
     "distributed": 0,                                               # the ground floor
     "shardformer": 1, "pipeline": 1, "optim": 1, "checkpoint": 1,   # peers: none imports another
     "lazy": 1,                                                      # LazyInitContext: init on meta, per unit
-    "cluster": 1,                                                   # ColossalAI's mesh views the plugins answer with
     "booster": 2, "fsdp": 2,                                        # peers; fsdp: the FSDP2 engine (distributed, optim)
     "plugins": 3,                                                   # composition only
     "testing": 4,                                                   # test support: nothing imports it

@@ -17,7 +17,6 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from meshboost.booster import ModelWrapper, OptimizerWrapper, Plugin
-from meshboost.cluster import PipelineStageManager, ProcessGroupMesh
 from meshboost.distributed import ParallelMesh, comm, get_current_device
 from meshboost.distributed.agreement import agree_settings
 from meshboost.distributed.inputs import cast_floating
@@ -132,12 +131,10 @@ class HybridParallelPlugin(Plugin):
     taken by the class at ColossalAI's path, `meshboost.booster.plugin.HybridParallelPlugin` (the
     compat package), which maps them onto this config.
 
-    ColossalAI's views are attributes: `pg_mesh` (meshboost.cluster.ProcessGroupMesh, axes dp_axis=0,
-    pp_axis=1, tp_axis=2), `stage_manager` (meshboost.cluster.PipelineStageManager; None at pp_size 1),
-    `dp_group`, `pp_group`, `tp_group`, and the sizes `dp_size`, `pp_size`, `tp_size`.
+    The groups and sizes are the mesh's (`plugin.mesh`; `dp_group`, `pp_group`, `tp_group`, `dp_size`,
+    `pp_size`, `tp_size` read it); ColossalAI's `pg_mesh` and `stage_manager` views are the compat
+    class's.
     """
-
-    dp_axis, pp_axis, tp_axis = 0, 1, 2       # ColossalAI's axis numbers of pg_mesh (ParallelMesh's order)
 
     def __init__(self, config: HybridParallelConfig | None = None, *, tp_size: int | None = None,
                  pp_size: int | None = None, zero_stage: int | None = None, precision: str | None = None,
@@ -156,11 +153,6 @@ class HybridParallelPlugin(Plugin):
         self.mesh = ParallelMesh(tp_size=config.tp_size, pp_size=pc.pp_size)       # collective: after the checks
         self.shard_config = dataclasses.replace(config.sharding, tensor_parallel_process_group=self.mesh.tp_group)
         self.dp_reducer = dp_reducer(self.mesh.dp_size, pc.pp_size, config.zero.stage)
-        self.pg_mesh = ProcessGroupMesh(mesh=self.mesh)
-        self.stage_manager = PipelineStageManager(
-            self.pg_mesh, self.pp_axis, enable_interleave=pc.pp_style == "interleaved",
-            num_model_chunks=pc.num_model_chunks, num_layers_per_stage=pc.num_layers_per_stage) \
-            if pc.pp_size > 1 else None
 
     @property
     def fp8_communication(self) -> bool:

@@ -6,13 +6,15 @@ flat keyword signature (its 51 keywords, in its order), a thin mapping onto mesh
 Owns: `colossalai_config` (keywords -> config) and the refusals of ColossalAI keywords meshboost does
 not implement. Every check is pure (the same error on every rank, after one agreement over the
 arguments, before any other collective). Must not hold plugin behaviour: the class adds nothing but
-its constructor to `meshboost.plugins.HybridParallelPlugin`.
+its constructor (and ColossalAI's views of the mesh, `pg_mesh` and `stage_manager`) to
+`meshboost.plugins.HybridParallelPlugin`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from meshboost.cluster import PipelineStageManager, ProcessGroupMesh
 from meshboost.distributed.agreement import agree_settings
 from meshboost.optim import GradScalerConfig, PrecisionConfig, ZeroConfig, bucket_elements
 from meshboost.pipeline import PipelineConfig
@@ -101,6 +103,9 @@ class HybridParallelPlugin(CorePlugin):
         shape header (shapes may change between steps) and always sends asynchronously.
     scheduler_nodes, dp_outside=False, overlap_allgather, use_fp8, inner_ring_size: refused, saying what
         to use (docs/colossalai.md).
+
+    ColossalAI's views are attributes: `pg_mesh` (meshboost.cluster.ProcessGroupMesh, axes dp_axis=0,
+    pp_axis=1, tp_axis=2), `stage_manager` (meshboost.cluster.PipelineStageManager; None at pp_size 1).
     """
 
     def __init__(self, tp_size: int, pp_size: int = 1, precision: str = "fp32", zero_stage: int = 0,
@@ -128,3 +133,11 @@ class HybridParallelPlugin(CorePlugin):
         # The refusals and the configs' checks below raise per rank: the arguments are agreed first.
         agree_settings(keywords, "HybridParallelPlugin arguments")
         super().__init__(colossalai_config(keywords))
+        # ColossalAI's views of the mesh: axis numbers, pg_mesh, and the stage manager (None without pp)
+        self.dp_axis, self.pp_axis, self.tp_axis = 0, 1, 2
+        self.pg_mesh = ProcessGroupMesh(mesh=self.mesh)
+        pc = self.config.pipeline
+        self.stage_manager = PipelineStageManager(
+            self.pg_mesh, self.pp_axis, enable_interleave=pc.pp_style == "interleaved",
+            num_model_chunks=pc.num_model_chunks, num_layers_per_stage=pc.num_layers_per_stage) \
+            if pc.pp_size > 1 else None

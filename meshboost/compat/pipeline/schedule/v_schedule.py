@@ -1,5 +1,6 @@
-"""ColossalAI's `colossalai.pipeline.schedule.v_schedule` path, so scripts that import `PipelineGraph`
-at module level (examples/language/llama/benchmark.py) load.
+"""ColossalAI's `colossalai.pipeline.schedule.v_schedule` path (served as
+`meshboost.pipeline.schedule.v_schedule` by compat/paths.py), so scripts that import `PipelineGraph` at
+module level (examples/language/llama/benchmark.py) load.
 
 Owns: the refusal only. meshboost runs 1F1B and interleaved 1F1B (`meshboost.pipeline.schedule`);
 the zero-bubble V schedule (which splits backward into input- and weight-gradient passes) is not
