@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 
 import meshboost
-from meshboost.distributed.mesh import ParallelMesh, check_mesh_shape
+from meshboost.distributed.mesh import ParallelDims, ParallelMesh, check_mesh_shape
+from meshboost.distributed.param_info import GradReduction, carry_records, set_grad_reduction
 from meshboost.testing import spawn
 
 
@@ -18,6 +19,18 @@ def test_check_mesh_shape_messages():
         check_mesh_shape(4, tp_size=2, pp_size=1, dp_size=3)
     with pytest.raises(ValueError, match="tp_size=0"):
         check_mesh_shape(4, tp_size=0, pp_size=1)
+
+
+def test_parallel_dims_are_the_one_answer_for_sizes():
+    dims = ParallelDims.of_world(8, tp=2, pp=2)
+    assert (dims.dp, dims.pp, dims.tp, dims.shape) == (2, 2, 2, (2, 2, 2))
+    assert dims.size("dp", "tp") == 4 and dims.grad_axes() == ("dp",)
+    with pytest.raises(ValueError, match="axis='cp'"):
+        dims.size("cp")
+    with pytest.raises(ValueError, match="parameter kind 'expert'"):
+        dims.grad_axes("expert")
+    with pytest.raises(ValueError, match="not divisible"):
+        ParallelDims.of_world(6, tp=4)
 
 
 def test_launch_from_torch_needs_torchrun_env(monkeypatch):
@@ -45,6 +58,27 @@ def _mesh_body(rank, world):
     # A bad factorisation raises on every rank before any collective (no rank hangs).
     with pytest.raises(ValueError, match="world_size=4 is not divisible by tp_size \\* pp_size = 3"):
         ParallelMesh(tp_size=3)
+    # named axes: sizes from the dims, several axes flattened into one group
+    assert mesh.dims == ParallelDims(dp=2, pp=1, tp=2) and mesh.size("dp", "tp") == 4
+    assert dist.get_process_group_ranks(mesh.group("dp", "tp")) == [0, 1, 2, 3]
+    # who reduces a gradient: the parameter's record, answered by the mesh (dense: over dp)
+    w, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    axes, group, size, index = mesh.reduction_of([w, b])
+    assert (axes, size, index) == (("dp",), 2, rank // 2) and group is mesh.dp_group
+    assert mesh.reduction_rank(w) == rank // 2
+    set_grad_reduction(b, GradReduction("expert"))          # a kind this mesh has no axis for yet
+    with pytest.raises(ValueError, match="parameter kind 'expert'"):
+        mesh.reduction_of([w, b])
+    ParallelDims.GRAD_AXES["expert"] = ("tp",)               # as an expert axis will add its own kind
+    try:
+        assert mesh.reduction_of([b])[:3] == (("tp",), mesh.tp_group, 2)
+        with pytest.raises(NotImplementedError, match=r"\(2,\) over \('dp',\), \(2,\) over \('tp',\)"):
+            mesh.reduction_of([w, b])                        # one reducer, two groups: refused
+    finally:
+        del ParallelDims.GRAD_AXES["expert"]
+    moved = torch.nn.Parameter(torch.ones(2))
+    carry_records(b, moved)                                  # the record travels with a replacement
+    assert moved.grad_reduction == GradReduction("expert")
     # launch seeded every rank identically
     assert meshboost.get_current_device().type in ("cpu", "cuda")
 

@@ -1,16 +1,26 @@
-"""ParallelMesh: the (dp, pp, tp) process-group mesh, built once and passed down.
+"""ParallelMesh: the process-group mesh over named axes, built once and passed down.
 
-Owns: agreeing that every rank asks for the same mesh (and, for plugins, the same settings:
-`agree_settings`), validating the factorisation of the world, building the groups through torch's
-DeviceMesh with the default group's timeout, answering "which group / size / coordinate" for each
-axis, the device this rank computes on, and the group joining the first and last pipeline stage
-(weights tied across them). Must not hold module-level state: two meshes can coexist in one process.
+Owns: `ParallelDims`, the one answer to "how large is each axis" (and which axes average a
+parameter's gradient over its replicas), agreeing that every rank asks for the same mesh (and, for
+plugins, the same settings: `agree_settings`), validating the factorisation of the world, building the
+groups through torch's DeviceMesh with the default group's timeout (one axis, or several flattened
+into one group), answering "which group / size / coordinate" for each axis, the device this rank
+computes on, and the group joining the first and last pipeline stage (weights tied across them).
+Must not hold module-level state: two meshes can coexist in one process.
 
 Axis order is (dp, pp, tp) with tp innermost, so the ranks of one tensor-parallel group are
 adjacent (on one node when tp <= GPUs per node) and its all-reduces stay on the fastest links.
+
+Adding an axis (torchtitan's `ParallelDims` is the model): a field of `ParallelDims`, its place in
+`ORDER`, and, when parameters' gradients are averaged over it, its entry in `GRAD_AXES`: a context
+axis makes dense gradients reduce over ("dp", "cp"); an expert axis adds the kind "expert", reduced
+over the experts' own data-parallel axis. Parameters carry their kind in their record
+(`param_info.GradReduction`), and the reducers ask the mesh for that group (`reduction_of`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -19,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshboost.distributed.agreement import agree_settings
 from meshboost.distributed.launch import get_current_device, group_timeout
+from meshboost.distributed.param_info import DENSE, grad_reduction
 
 AXES = ("dp", "pp", "tp")
 
@@ -26,7 +37,7 @@ AXES = ("dp", "pp", "tp")
 def check_mesh_shape(world_size: int, tp_size: int, pp_size: int, dp_size: int | None = None) -> int:
     """Validate the factors and return dp_size. Pure: raises the same error on every rank."""
     for name, value in (("tp_size", tp_size), ("pp_size", pp_size)):
-        if not isinstance(value, int) or value < 1:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer")
     if dp_size is None:
         if world_size % (tp_size * pp_size) != 0:
@@ -42,8 +53,45 @@ def check_mesh_shape(world_size: int, tp_size: int, pp_size: int, dp_size: int |
     return dp_size
 
 
+@dataclass(frozen=True)
+class ParallelDims:
+    """The size of every named axis of the mesh: the one answer to "how large is tp" (plugins, the
+    sharder and the records read it from here, through the mesh). Pure: `of_world` validates."""
+
+    dp: int
+    pp: int = 1
+    tp: int = 1
+
+    ORDER = AXES                                  # outermost first; the DeviceMesh's dimension names
+    # kind of parameter -> the axes its gradient is averaged over (its data-parallel replicas)
+    GRAD_AXES = {DENSE: ("dp",)}
+
+    @classmethod
+    def of_world(cls, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None) -> "ParallelDims":
+        return cls(dp=check_mesh_shape(world_size, tp, pp, dp), pp=pp, tp=tp)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.size(axis) for axis in self.ORDER)
+
+    def size(self, *axes: str) -> int:
+        """The number of ranks along `axes` together (one axis, or several flattened)."""
+        out = 1
+        for axis in axes:
+            if axis not in self.ORDER:
+                raise ValueError(f"axis={axis!r}; expected one of {self.ORDER}")
+            out *= getattr(self, axis)
+        return out
+
+    def grad_axes(self, kind: str = DENSE) -> tuple[str, ...]:
+        """The axes a `kind` parameter's gradient is averaged over."""
+        if kind not in self.GRAD_AXES:
+            raise ValueError(f"parameter kind {kind!r}; this mesh reduces {sorted(self.GRAD_AXES)}")
+        return self.GRAD_AXES[kind]
+
+
 class ParallelMesh:
-    """A named (dp, pp, tp) mesh over all ranks of the default process group.
+    """A named (dp, pp, tp) mesh over all ranks of the default process group; `dims` holds the sizes.
 
     >>> mesh = ParallelMesh(tp_size=2, pp_size=1)   # dp inferred from the world size
     >>> mesh.tp_group, mesh.tp_size, mesh.tp_rank, mesh.device
@@ -61,19 +109,44 @@ class ParallelMesh:
         agree_settings({"tp_size": tp_size, "pp_size": pp_size, "dp_size": dp_size, "device_type": device_type},
                        "mesh shape (ParallelMesh arguments)")
         self.world_size = dist.get_world_size()
-        self.dp_size = check_mesh_shape(self.world_size, tp_size, pp_size, dp_size)
-        self.pp_size, self.tp_size = pp_size, tp_size
+        self.dims = ParallelDims.of_world(self.world_size, tp=tp_size, pp=pp_size, dp=dp_size)
         # The device every tensor this mesh's collectives touch lives on (launch bound cuda:LOCAL_RANK).
         self.device: torch.device = current if current.type == device_type else torch.device(device_type)
         # Every group inherits the default group's timeout (launch_from_torch(timeout=...)); torch would
         # give new groups its own default instead.
         self.timeout = group_timeout()
         self.device_mesh: DeviceMesh = init_device_mesh(
-            device_type, (self.dp_size, self.pp_size, self.tp_size), mesh_dim_names=AXES,
-            **self._timeout_override(device_type))
+            device_type, self.dims.shape, mesh_dim_names=ParallelDims.ORDER, **self._timeout_override(device_type))
         self.global_rank = dist.get_rank()
-        self.dp_rank, self.pp_rank, self.tp_rank = self.device_mesh.get_coordinate()
+        self._coordinate = dict(zip(ParallelDims.ORDER, self.device_mesh.get_coordinate()))
         self._stage_groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        self._flattened: dict[tuple[str, ...], DeviceMesh] = {}
+        self._reductions: dict[tuple[str, ...], tuple[dist.ProcessGroup, int, int]] = {}
+
+    # -- sizes and coordinates: read from the dims, never stored twice --------------------------
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp
+
+    @property
+    def pp_size(self) -> int:
+        return self.dims.pp
+
+    @property
+    def tp_size(self) -> int:
+        return self.dims.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self._coordinate["dp"]
+
+    @property
+    def pp_rank(self) -> int:
+        return self._coordinate["pp"]
+
+    @property
+    def tp_rank(self) -> int:
+        return self._coordinate["tp"]
 
     def _timeout_override(self, device_type: str) -> dict:
         """DeviceMesh creates its groups with torch's default timeout unless given backend options
@@ -87,11 +160,54 @@ class ParallelMesh:
         return {"backend_override": {axis: (backend, options) for axis in AXES}}
 
     # -- groups -------------------------------------------------------------------------------
-    def group(self, axis: str) -> dist.ProcessGroup:
-        """The process group along `axis` ("dp", "pp" or "tp") that contains this rank."""
-        if axis not in AXES:
-            raise ValueError(f"axis={axis!r}; expected one of {AXES}")
-        return self.device_mesh.get_group(axis)
+    def group(self, *axes: str) -> dist.ProcessGroup:
+        """The process group along `axes` ("dp", "pp", "tp"; several: flattened into one group, built
+        on the first call, which every rank must make) that contains this rank."""
+        return self.submesh(*axes).get_group()
+
+    def submesh(self, *axes: str) -> DeviceMesh:
+        """The one-dimensional DeviceMesh along `axes` through this rank (several axes: flattened into
+        one dimension, as FSDP2 and DTensor want a data-parallel mesh)."""
+        for axis in axes:
+            self.dims.size(axis)                      # raises on an unknown axis
+        if len(axes) == 1:
+            return self.device_mesh[axes[0]]
+        if axes not in self._flattened:
+            override = self._timeout_override(self.device_mesh.device_type).get("backend_override", {})
+            self._flattened[axes] = self.device_mesh[axes]._flatten("_".join(axes),
+                                                                    backend_override=override.get(axes[0]))
+        return self._flattened[axes]
+
+    # -- who reduces what: the parameter's record, answered here ---------------------------------
+    def reduction_axes(self, param: torch.Tensor) -> tuple[str, ...]:
+        """The axes `param`'s gradient is averaged over: its record's kind (`param_info.GradReduction`),
+        dense when it has none."""
+        record = grad_reduction(param)
+        return self.dims.grad_axes(record.kind if record is not None else DENSE)
+
+    def reduction_of(self, params) -> tuple[tuple[str, ...], dist.ProcessGroup, int, int]:
+        """(axes, group, size, this rank's index in it) that averages the gradients of `params`, which
+        must all be reduced over the same axes (a reducer handles one group; raises naming the two)."""
+        found: dict[tuple[str, ...], torch.Tensor] = {}
+        for p in params:
+            found.setdefault(self.reduction_axes(p), p)
+        if len(found) > 1:
+            described = ", ".join(f"{tuple(p.shape)} over {axes}" for axes, p in found.items())
+            raise NotImplementedError(f"one gradient reducer was handed parameters averaged over different mesh "
+                                      f"axes ({described}); give each group of axes its own reducer")
+        axes = next(iter(found), self.dims.grad_axes(DENSE))
+        return (axes, *self._reduction(axes))
+
+    def reduction_rank(self, param: torch.Tensor) -> int:
+        """This rank's index in the group averaging `param`'s gradient (0: it counts a replicated
+        gradient in the norm)."""
+        return self._reduction(self.reduction_axes(param))[2]
+
+    def _reduction(self, axes: tuple[str, ...]) -> tuple[dist.ProcessGroup, int, int]:
+        if axes not in self._reductions:
+            group = self.group(*axes)
+            self._reductions[axes] = (group, self.dims.size(*axes), dist.get_rank(group))
+        return self._reductions[axes]
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
@@ -133,11 +249,12 @@ class ParallelMesh:
         `lm_head`), or None on a middle stage and with pp_size == 1; collective like `stage_group`."""
         return self.stage_group((0, self.pp_size - 1)) if self.pp_size > 1 else None
 
-    def size(self, axis: str) -> int:
-        return {"dp": self.dp_size, "pp": self.pp_size, "tp": self.tp_size}[axis]
+    def size(self, *axes: str) -> int:
+        return self.dims.size(*axes)
 
     def coordinate(self, axis: str) -> int:
-        return {"dp": self.dp_rank, "pp": self.pp_rank, "tp": self.tp_rank}[axis]
+        self.dims.size(axis)
+        return self._coordinate[axis]
 
     @property
     def is_first_stage(self) -> bool:

@@ -1,7 +1,8 @@
 """The records a parameter carries, and the one routine that maps a full tensor onto tp shards.
 
 Owns: `TensorParallelInfo` (which dim is split, over which group, the full shape, vocab padding,
-fused blocks), `PipelineTie` (a weight held by several pipeline stages) and the gradient hooks
+fused blocks), `PipelineTie` (a weight held by several pipeline stages), `GradReduction` (the kind
+of parameter, which the mesh maps to the axes that average its gradient) and the gradient hooks
 meshboost registers, each attached to the parameter itself; `carry_records` / `carry_grad_hooks`, the
 one way to move them to a parameter that replaces another (FSDP2's DTensors); `local_slices`, the
 only code that knows which slices of a full tensor make up this rank's shard, and the shard/gather
@@ -21,6 +22,9 @@ from meshboost.distributed import comm
 _TP_ATTR = "tp_info"
 _TIE_ATTR = "pipeline_tie"
 _HOOKS_ATTR = "grad_hooks"
+_REDUCE_ATTR = "grad_reduction"
+
+DENSE = "dense"          # the kind of every parameter today: its gradient averaged over the dp replicas
 
 
 @dataclass
@@ -73,6 +77,25 @@ class PipelineTie:
     it is not counted a second time in the gradient norm."""
 
     replica: bool
+
+
+@dataclass(frozen=True)
+class GradReduction:
+    """Which kind of parameter this is for the gradient reduction: the mesh maps the kind to the axes
+    its gradient is averaged over (`ParallelMesh.reduction_axes`: "dense" -> ("dp",); with a context
+    axis ("dp", "cp"); an expert weight -> the experts' own data-parallel axis). The record says what
+    the parameter is; the mesh, not each optimizer, says who reduces it."""
+
+    kind: str = DENSE
+
+
+def grad_reduction(param: torch.Tensor) -> GradReduction | None:
+    """The parameter's reduction record, or None (a dense parameter)."""
+    return getattr(param, _REDUCE_ATTR, None)
+
+
+def set_grad_reduction(param: torch.Tensor, record: GradReduction) -> None:
+    setattr(param, _REDUCE_ATTR, record)
 
 
 def get_tp_info(param: torch.Tensor) -> TensorParallelInfo | None:
@@ -133,16 +156,18 @@ class ParamRecords:
     tp_info: TensorParallelInfo | None
     pipeline_tie: PipelineTie | None
     grad_hooks: tuple[Callable, ...]
+    grad_reduction: GradReduction | None = None
 
 
 def records_of(param: torch.Tensor) -> ParamRecords:
-    return ParamRecords(get_tp_info(param), get_pipeline_tie(param), grad_hooks(param))
+    return ParamRecords(get_tp_info(param), get_pipeline_tie(param), grad_hooks(param), grad_reduction(param))
 
 
 def attach_records(param: torch.Tensor, records: ParamRecords) -> None:
     """Put `records` on `param` (a parameter that replaced the one they were taken from). The gradient
     hooks are recorded, not registered: `carry_grad_hooks` registers them where autograd will see them."""
-    for attr, value in ((_TP_ATTR, records.tp_info), (_TIE_ATTR, records.pipeline_tie)):
+    for attr, value in ((_TP_ATTR, records.tp_info), (_TIE_ATTR, records.pipeline_tie),
+                        (_REDUCE_ATTR, records.grad_reduction)):
         if value is not None:
             setattr(param, attr, value)
     if records.grad_hooks:

@@ -92,7 +92,8 @@ def apply_fsdp(model: nn.Module, config: FSDPConfig, mesh, layers: Layers) -> li
     ignored_params = {p for m in config.ignored_modules for p in m.parameters()}
     units = shard_units(model, config, {id(p) for p in ignored_params}, layers)
     kinds, root_kind = sorted({type(u).__name__ for u in units}), type(model).__name__   # before FSDP renames them
-    common = dict(mesh=mesh.device_mesh["dp"], ignored_params=ignored_params or None)
+    # the dense weights' data-parallel axes (the mesh's answer: dp today, dp x cp with a context axis)
+    common = dict(mesh=mesh.submesh(*mesh.dims.grad_axes()), ignored_params=ignored_params or None)
     offload = config.offload_policy()
     if offload is not None:
         common["offload_policy"] = offload

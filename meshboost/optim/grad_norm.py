@@ -36,7 +36,7 @@ def counted_here(param: torch.Tensor, mesh, dp_partitioned: bool) -> bool:
         return False
     if is_tp_sharded(param) and not get_tp_info(param).counts_here:      # a replicated kv-head shard
         return False
-    if not dp_partitioned and mesh.dp_rank != 0:
+    if not dp_partitioned and mesh.reduction_rank(param) != 0:     # a replica of the gradient its group averaged
         return False
     return True
 

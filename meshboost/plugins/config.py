@@ -110,6 +110,10 @@ class HybridParallelConfig:
                            ("zero", ZeroConfig), ("ddp", DDPConfig)):
             if not isinstance(getattr(self, name), kind):
                 raise TypeError(f"HybridParallelConfig({name}={getattr(self, name)!r}): pass a {kind.__name__}")
+        if self.tp_size > 1 and not self.sharding.enable_tensor_parallelism:
+            raise ValueError(f"tp_size={self.tp_size} with enable_tensor_parallelism=False would leave the model whole "
+                             f"on {self.tp_size} ranks computing the same thing; pass tp_size=1 (those ranks then "
+                             "become data-parallel replicas) or enable tensor parallelism")
         if self.custom_policy is not None and not isinstance(self.custom_policy, Policy):
             raise TypeError(f"custom_policy must be a meshboost.shardformer.Policy, got "
                             f"{type(self.custom_policy).__name__}")

@@ -223,7 +223,7 @@ class HybridParallelPlugin(Plugin):
             model = model.to(self.config.precision.dtype)   # working weights (in place, same objects)
         module: nn.Module = model
         if self.dp_reducer == DDP:
-            device, group = self.mesh.device, self.mesh.dp_group
+            device, group = self.mesh.device, self._gradient_group(model)
             module = DistributedDataParallel(model, process_group=group,
                                              device_ids=[device] if device.type == "cuda" else None,
                                              **self.config.ddp.kwargs())
@@ -239,6 +239,11 @@ class HybridParallelPlugin(Plugin):
         if stages is not None:
             boosted.pipeline = self._build_schedule(stages)
         return boosted, optimizer, criterion, dataloader, lr_scheduler
+
+    def _gradient_group(self, model: nn.Module):
+        """The group averaging the trainable parameters' gradients, as their records say (the mesh
+        answers `reduction_of`: dp for dense weights)."""
+        return self.mesh.reduction_of(p for p in model.parameters() if p.requires_grad)[1]
 
     def _checkpointed_layers(self, model: nn.Module):
         """With gradient_checkpoint_config: check its counts against every stage's layers (all stages,
@@ -288,8 +293,8 @@ class HybridParallelPlugin(Plugin):
         cfg = self.config.pipeline
         stages = build_stages(model, self.mesh.pp_rank, cfg.pp_size, cfg.num_model_chunks, cfg.num_layers_per_stage,
                               layout=pipeline_layout(model, self.config.custom_policy))
-        if self.shard_config.enable_sequence_parallelism and self.shard_config.tensor_parallel_size > 1:
-            stages.seq_split = self.shard_config.tensor_parallel_size     # boundaries carry 1/tp of the sequence
+        # sequence parallelism: boundaries carry 1/sp of the sequence (the shard config's one answer)
+        stages.seq_split = self.shard_config.sequence_parallel_size
         prune_optimizer(optimizer.unwrap() if isinstance(optimizer, OptimizerWrapper) else optimizer, model)
         return stages
 
@@ -297,7 +302,7 @@ class HybridParallelPlugin(Plugin):
         cfg = self.config.pipeline
         # collective: every rank builds the group of each set of pp ranks sharing a weight, in the same order
         tied = [(self.mesh.stage_group(ranks), params) for ranks, params in stages.ties]
-        dp_group = self.mesh.dp_group if self.dp_reducer == PIPELINE else None
+        dp_group = self._gradient_group(stages.model) if self.dp_reducer == PIPELINE else None
         return PipelineSchedule(stages, StageComm(self.mesh.pp_group, self.mesh.device), cfg.num_microbatches,
                                 cfg.microbatch_size, dp_group=dp_group, tied=tied,
                                 loss_normalization=self.config.loss_normalization, count_group=self.mesh.dp_group,

@@ -42,13 +42,14 @@ class TorchDDPPlugin(Plugin):
     def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None, lr_scheduler=None):
         device = self.mesh.device
         model = model.to(device)
-        ddp = DistributedDataParallel(model, process_group=self.mesh.dp_group,
-                                      device_ids=[device] if device.type == "cuda" else None,
+        # the group the parameters' records say averages their gradients (the mesh answers: dp)
+        group = self.mesh.reduction_of(p for p in model.parameters() if p.requires_grad)[1]
+        ddp = DistributedDataParallel(model, process_group=group, device_ids=[device] if device.type == "cuda" else None,
                                       **self.ddp_config.kwargs())
         if self.fp8_communication:
-            register_fp8_allreduce(ddp, self.mesh.dp_group)
+            register_fp8_allreduce(ddp, group)
         else:
-            register_counting_allreduce(ddp, self.mesh.dp_group)
+            register_counting_allreduce(ddp, group)
         if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
             optimizer = OptimizerWrapper(optimizer)
         return TorchDDPModel(ddp), optimizer, criterion, dataloader, lr_scheduler

@@ -10,7 +10,8 @@ import torch
 from meshboost.optim import MixedPrecisionOptimizer, PrecisionConfig
 from meshboost.optim.memory import memory_breakdown, memory_theory
 
-ONE_RANK = types.SimpleNamespace(tp_rank=0, dp_rank=0, world_group=None, device=torch.device("cpu"))
+ONE_RANK = types.SimpleNamespace(tp_rank=0, dp_rank=0, world_group=None, device=torch.device("cpu"),
+                                 reduction_rank=lambda param: 0)
 
 
 def _mlp():

@@ -16,6 +16,7 @@ from meshboost.plugins import (
     PipelineConfig,
     PipelineGradientCheckpointConfig,
     PrecisionConfig,
+    ShardConfig,
     ZeroConfig,
 )
 from meshboost.plugins.hybrid_parallel import plugin_config
@@ -150,6 +151,8 @@ def test_each_setting_is_validated_once_in_its_config():
     HybridParallelConfig(precision=PrecisionConfig("bf16"), zero=ZeroConfig(communication_dtype=torch.bfloat16))
     with pytest.raises(NotImplementedError, match=r"fp8_communication=True with \(tp_size, pp_size, zero_stage\)"):
         HybridParallelConfig(tp_size=2, fp8_communication=True)
+    with pytest.raises(ValueError, match="tp_size=2 with enable_tensor_parallelism=False"):
+        HybridParallelConfig(tp_size=2, sharding=ShardConfig(enable_tensor_parallelism=False))
     with pytest.raises(ValueError, match="zero_bucket_size_in_m=0"):
         colossalai_config({**DEFAULTS, "zero_bucket_size_in_m": 0})
 
