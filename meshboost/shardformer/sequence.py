@@ -5,12 +5,13 @@ Owns: finding the model's layer stack (the policy's single pipeline segment, els
 sequence-parallel: the stack's first layer keeps this rank's chunk of the sequence (gradient
 all-gathered backward), its last layer gathers the sequence again (gradient split backward), and
 every replicated parameter that sees the split activations (norms, row-parallel biases) has its
-gradient summed over tp. Inside, the parallel layers carry `seq_parallel`: a column-parallel input
-(or a block input) is all-gathered along the sequence forward and its gradient reduce-scattered;
-a row-parallel output is reduce-scattered instead of all-reduced. Same bytes per layer as plain
+gradient summed over tp. Inside, the sharder's `RegionPlan` (regions.py, not this file) gives the
+parallel layers their roles and the blocks their regions: a column-parallel input (or a block
+region's input) is all-gathered along the sequence forward and its gradient reduce-scattered; a
+row-parallel output is reduce-scattered instead of all-reduced. Same bytes per layer as plain
 tensor parallelism; norms, dropouts and residuals hold 1/tp of the sequence (docs/sequence_parallel.md).
 
-Must not copy a HuggingFace forward: it runs on hooks and on the parallel layers' flags only.
+Must not copy a HuggingFace forward: it runs on hooks and on the parallel layers' roles only.
 """
 
 from __future__ import annotations

@@ -2,10 +2,14 @@
 vocabulary.
 
 Owns: validation (every check runs before anything is modified or communicated, so every rank
-raises the same error), applying each matched style from the registry (`styles.py`) at every path
-the module is reached by, the per-rank attribute values, and the vocab-parallel embedding / LM
-head with the loss-function swap. Must not copy or fork any HuggingFace forward, and must not
-know a model family (those are tables in `policies/`).
+raises the same error), the plan's block regions (a `regions.RegionPlan` built with the plan: one
+`BlockRegion` per block input and per sequence-parallel block, which decides every parallel
+linear's `LinearRole` once and owns the record of column-parallel outputs the split-input guards
+read), applying each matched style from the registry (`styles.py`) at every path the module is
+reached by, the per-rank attribute values, and the vocab-parallel embedding / LM head with the
+loss-function swap. Must not copy or fork any HuggingFace forward, must not know a model family
+(those are tables in `policies/`), and must not pass state through a module's `__dict__` or
+attributes set on tensors: the regions carry it.
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ from meshboost.distributed.launch import get_current_device
 from meshboost.distributed.param_info import get_tp_info
 from meshboost.shardformer import sequence
 from meshboost.shardformer.layers import (
-    ColumnParallelLinear,
     VocabParallelEmbedding,
     VocabParallelLMHead,
     is_conv1d,
@@ -30,6 +33,7 @@ from meshboost.shardformer.layers.vocab import embedding_extras
 from meshboost.shardformer.optimizations import fuse_norms, jit_fuse, say, use_fast_attention
 from meshboost.shardformer.policies import Policy, get_policy
 from meshboost.shardformer.policies.base import pattern_to_regex
+from meshboost.shardformer.regions import ColumnOutputs, RegionPlan
 from meshboost.shardformer.rng import install_tp_rank_rng
 from meshboost.shardformer.shard_config import ShardConfig
 from meshboost.shardformer.styles import (
@@ -64,7 +68,8 @@ class _Plan:
     guards: list[tuple[str, nn.Module]] = field(default_factory=list)      # see split_input_guard
     seq_stack: str | None = None        # sequence parallelism: the layer list's path (base-relative)
     seq_stack_full: str | None = None   # ... and from the model's root
-    seq_blocks: list[tuple[str, nn.Module]] = field(default_factory=list)   # policy.sequence_blocks matched
+    seq_blocks: list[tuple[str, nn.Module]] = field(default_factory=list)   # see _sequence_blocks
+    regions: RegionPlan = field(default_factory=RegionPlan)    # the block regions; every linear's role
 
 
 def _set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
@@ -151,13 +156,13 @@ class UncoveredParameterError(ValueError):
     """A module with parameters reads split activations the sharding plan does not account for."""
 
 
-def split_input_guard(path: str):
+def split_input_guard(path: str, outputs: ColumnOutputs):
     """A forward pre-hook that raises when the module receives a column-parallel output (or a view
-    of one): its parameters would see only this rank's features. Removes itself after a clean call
-    (the dataflow does not change between steps)."""
+    of one), as recorded in `outputs` by the column layers: its parameters would see only this
+    rank's features. Removes itself after a clean call (the dataflow does not change between steps)."""
     def hook(module, args, kwargs):
         tensors = [t for t in (*args, *kwargs.values()) if torch.is_tensor(t)]
-        if any(getattr(t, "tp_split", False) or getattr(t._base, "tp_split", False) for t in tensors):
+        if any(outputs.holds(t) for t in tensors):
             raise UncoveredParameterError(
                 f"{path} ({type(module).__name__}) has parameters and is fed this rank's slice of a column-parallel "
                 "output, which the tensor-parallel plan does not cover: its gradient (or its shape) would be wrong "
@@ -165,10 +170,12 @@ def split_input_guard(path: str):
                 "[head_dim] weight has its gradient summed over tp, a [heads, head_dim] one is split by heads) or "
                 "keep tp_size=1 for this model")
         handle.remove()
+        outputs.done()
     handle = None
 
     def install(module: nn.Module):
         nonlocal handle
+        outputs.watch()
         handle = module.register_forward_pre_hook(hook, with_kwargs=True)
     return install
 
@@ -299,7 +306,22 @@ class ShardFormer:
                             plan.attributes.append((module, attr, value))
         if policy.vocab_parallel:
             self._validate_vocab(model, plan, by_module)
+        plan.regions = self._regions(plan, policy)
         return plan
+
+    def _regions(self, plan: _Plan, policy: Policy) -> RegionPlan:
+        """One region per block input the plan keeps and per sequence-parallel block: gathering in
+        the sequence-parallel stack, copying elsewhere. Built before anything is modified; the styles
+        then ask it for each linear's role."""
+        cfg = self.shard_config
+        regions = RegionPlan(seq_stack=plan.seq_stack_full)
+        for m in plan.matches:
+            if m.style.name == BLOCK_INPUT:
+                regions.add(m.paths, cfg.tensor_parallel_process_group, cfg.tensor_parallel_size,
+                            policy.block_input_kwargs)
+        for path, _ in plan.seq_blocks:
+            regions.add([path], cfg.tensor_parallel_process_group, cfg.tensor_parallel_size, policy.block_input_kwargs)
+        return regions
 
     @staticmethod
     def _validate_vocab(model: nn.Module, plan: _Plan, matched: dict) -> None:
@@ -331,10 +353,8 @@ class ShardFormer:
     # -- application ---------------------------------------------------------------------------
     def _apply(self, model: nn.Module, policy: Policy, plan: _Plan) -> None:
         cfg = self.shard_config
-        ctx = ShardContext(cfg.tensor_parallel_process_group, cfg.tensor_parallel_size,
-                           tuple(p for m in plan.matches if m.style.name == BLOCK_INPUT for p in m.paths)
-                           + tuple(path for path, _ in plan.seq_blocks),
-                           policy.block_input_kwargs, cfg.make_vocab_size_divisible_by, plan.seq_stack_full)
+        ctx = ShardContext(cfg.tensor_parallel_process_group, cfg.tensor_parallel_size, plan.regions,
+                           cfg.make_vocab_size_divisible_by)
         for path, module in plan.seq_blocks:
             STYLES[BLOCK_INPUT].apply(ctx, path, module)         # the sequence gather at its entry
         for m in plan.matches:
@@ -345,7 +365,7 @@ class ShardFormer:
         for module, attr, value in plan.attributes:
             setattr(module, attr, value)
         for path, module in plan.guards:
-            split_input_guard(path)(module)
+            split_input_guard(path, plan.regions.outputs)(module)
         for paths in plan.embedding_paths:
             embedding = model.get_submodule(paths[0])
             new = VocabParallelEmbedding.from_native(embedding, ctx.group, cfg.make_vocab_size_divisible_by)
@@ -361,9 +381,5 @@ class ShardFormer:
                 _set_submodule(model, path, new)
             if parallel_loss:
                 model.loss_function = make_causal_lm_loss(new)
-        for path, module in model.named_modules():
-            if isinstance(module, ColumnParallelLinear) and module.copy_input and ctx.inside_block(path):
-                owner = max((b for b in ctx.block_inputs if path.startswith(b + ".")), key=len)
-                module.__dict__["enclosing_block"] = model.get_submodule(owner)
         if plan.seq_stack is not None:
             sequence.install(model, plan.seq_stack, ctx.group, ctx.tp_size)

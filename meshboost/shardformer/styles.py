@@ -5,14 +5,16 @@ Owns: the style names a policy's plan may use ("colwise", "rowwise", "block_inpu
 is touched, so every rank raises the same error) and `apply` (returns the module to put at the
 matched path, or None to keep the module, e.g. after adding a hook); the attribute rules
 ("divide") that set per-rank values on modules. `register_style` / `register_attribute_rule` add
-entries. Must not know any model family: families are tables in `policies/`.
+entries. Must not decide where a linear sits: a style asks `ctx.regions` (the sharder's
+`RegionPlan`, regions.py) for its `LinearRole` and hands it to the layer, and the block_input style
+installs the hooks of the `BlockRegion` the plan made for its block. Must not know any model
+family: families are tables in `policies/`.
 """
 
 from __future__ import annotations
 
 import re
-import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
@@ -20,10 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from meshboost.distributed import comm
 from meshboost.shardformer.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, is_conv1d
-from meshboost.shardformer.layers.linear import SequenceLayoutError, shard_parameter_, sum_grad_over_tp
+from meshboost.shardformer.layers.linear import shard_parameter_, sum_grad_over_tp
 from meshboost.shardformer.layers.vocab import embedding_extras
+from meshboost.shardformer.regions import RegionPlan
 
 BLOCK_INPUT = "block_input"     # a module whose input feeds only column-parallel linears: Megatron f once
 SPLITTING_STYLES = ("colwise", "colwise_fused", "colwise_heads")   # outputs stay split: the block works on shards
@@ -32,26 +34,17 @@ DEFAULT_BLOCK_INPUT_KWARGS = ("hidden_states", "encoder_hidden_states")
 
 @dataclass
 class ShardContext:
-    """What every style's `apply` may read: the tp group and where the block inputs are."""
+    """What every style's `apply` may read: the tp group and the plan's block regions, which give
+    each linear its role (`regions.column_role(path)`, `regions.row_role(path)`)."""
 
     group: object
     tp_size: int
-    block_inputs: tuple[str, ...] = ()                         # paths of modules with a block_input hook
-    block_input_kwargs: tuple[str, ...] = DEFAULT_BLOCK_INPUT_KWARGS
+    regions: RegionPlan = field(default_factory=RegionPlan)
     make_vocab_size_divisible_by: int = 64
-    seq_stack: str | None = None          # full path of the layer list sequence parallelism splits, if on
 
     @property
     def tp_rank(self) -> int:
         return dist.get_rank(self.group)
-
-    def inside_block(self, path: str) -> bool:
-        """True when `path` lies inside a block whose input already passed through Megatron f."""
-        return any(path.startswith(b + ".") for b in self.block_inputs)
-
-    def seq_parallel(self, path: str) -> bool:
-        """True when `path` lies in a layer of the sequence-parallel stack (its activations split by sequence)."""
-        return self.seq_stack is not None and path.startswith(self.seq_stack + ".")
 
 
 @dataclass(frozen=True)
@@ -121,83 +114,19 @@ def _check_linear(path: str, module: nn.Module, tp_size: int, column: bool, fuse
 
 
 def _colwise(ctx: ShardContext, path: str, module: nn.Module, fused: int = 1) -> nn.Module:
-    copy = not ctx.inside_block(path)
-    return ColumnParallelLinear.from_native(module, ctx.group, copy_input=copy, num_fused=fused,
-                                            seq_parallel=copy and ctx.seq_parallel(path))
+    return ColumnParallelLinear.from_native(module, ctx.group, num_fused=fused, role=ctx.regions.column_role(path))
 
 
 def _rowwise(ctx: ShardContext, path: str, module: nn.Module) -> nn.Module:
-    return RowParallelLinear.from_native(module, ctx.group, seq_parallel=ctx.seq_parallel(path))
+    return RowParallelLinear.from_native(module, ctx.group, role=ctx.regions.row_role(path))
 
 
 # -- block inputs -------------------------------------------------------------------------------
-def _remember(module: nn.Module, produced: list[torch.Tensor]) -> None:
-    """Keep weak references to the tensors a block hook handed its block: a column-parallel child with
-    an f of its own (colwise_gather) skips it when it reads one of them
-    (`ColumnParallelLinear._reads_block_input`)."""
-    module.__dict__["_meshboost_block_inputs"] = tuple(weakref.ref(t) for t in produced)
-
-
-def _copy_block_input(group, kwarg_names, module, args, kwargs):
-    """Megatron f once at a block's input: identity forward, one all-reduce of its grad backward."""
-    args = tuple(comm.copy_to_tp(a, group) if torch.is_tensor(a) and a.requires_grad else a for a in args)
-    for key in kwarg_names:
-        value = kwargs.get(key)
-        if torch.is_tensor(value) and value.requires_grad:
-            kwargs[key] = comm.copy_to_tp(value, group)
-    _remember(module, [t for t in (*args, *kwargs.values()) if torch.is_tensor(t) and t.requires_grad])
-    return args, kwargs
-
-
-def _gather_block_input(group, kwarg_names, path, module, args, kwargs):
-    """Sequence parallelism: the block's hidden states ([batch, seq/tp, hidden]: its first positional
-    argument, or a keyword in `kwarg_names`) are all-gathered along the sequence (gradient
-    reduce-scattered), whether or not they require grad. Other positional tensors (BLOOM passes its
-    residual) stay split; a block given no hidden states is refused rather than run on a split input."""
-    def gather(t):
-        return comm.gather_from_seq(t, group, dim=1) if torch.is_tensor(t) and t.is_floating_point() \
-            and t.dim() == 3 else None
-    done = []
-    first = gather(args[0]) if args else None
-    if first is not None:
-        args, done = (first, *args[1:]), [args[0]]
-    for key in kwarg_names:
-        g = gather(kwargs.get(key))
-        if g is not None:
-            done.append(kwargs[key])
-            kwargs[key] = g
-    _remember(module, [t for t in (args[0] if args else None, *(kwargs.get(k) for k in kwarg_names))
-                       if torch.is_tensor(t)])
-    if done:       # [batch, local, hidden] of what came in: the block's output is split back to it
-        module.__dict__["_meshboost_seq_in"] = tuple(done[0].shape)
-    else:
-        raise SequenceLayoutError(f"{path}: a block input under sequence parallelism received no [batch, seq, hidden] "
-                                  f"tensor as its first argument or as {list(kwarg_names)}; set the policy's "
-                                  "block_input_kwargs to the argument carrying its hidden states")
-    return args, kwargs
-
-
-def _split_block_output(group, tp_size: int, module, args, output):
-    """Sequence parallelism: a block whose output is a gathered column-parallel output over the whole
-    sequence (equal on every rank: a linear attention ending in a gathered projection rather than a
-    row-parallel one) hands back this rank's chunk (gradient all-gathered). Any other output (a
-    row-parallel one, already this rank's chunk; a column-split one) is left alone."""
-    batch, local, width = module.__dict__.get("_meshboost_seq_in", (None, None, None))
-    out = output if torch.is_tensor(output) else output[0] if isinstance(output, tuple) and output else None
-    if not torch.is_tensor(out) or not getattr(out, "tp_gathered", False) or \
-            out.shape != (batch, local * tp_size, width):
-        return output
-    out = comm.split_to_tp(out, group, dim=1)
-    return out if torch.is_tensor(output) else (out, *output[1:])
-
-
 def _block_input(ctx: ShardContext, path: str, module: nn.Module) -> None:
-    if ctx.seq_parallel(path):
-        hook = partial(_gather_block_input, ctx.group, ctx.block_input_kwargs, path)
-        module.register_forward_hook(partial(_split_block_output, ctx.group, ctx.tp_size))
-    else:
-        hook = partial(_copy_block_input, ctx.group, ctx.block_input_kwargs)
-    module.register_forward_pre_hook(hook, with_kwargs=True)
+    """Megatron's f once at the block's input (under sequence parallelism, the sequence all-gather):
+    the hooks of the `BlockRegion` the sharder's plan made for this block, which the linears inside
+    already hold through their roles."""
+    ctx.regions.at(path).install(module)
     return None
 
 
@@ -225,23 +154,20 @@ def _colwise_heads(ctx: ShardContext, path: str, module: nn.Module, heads: int) 
     """Key/value heads: split like colwise when they divide over tp; with fewer heads than ranks,
     each head is held by the tp / heads ranks whose query heads use it (grouped-query attention)."""
     replicas = head_replicas(heads, ctx.tp_size, path)
-    copy = not ctx.inside_block(path)
-    return ColumnParallelLinear.from_native(module, ctx.group, copy_input=copy, replicas=replicas,
-                                            seq_parallel=copy and ctx.seq_parallel(path))
+    return ColumnParallelLinear.from_native(module, ctx.group, replicas=replicas, role=ctx.regions.column_role(path))
 
 
 def _colwise_gather(ctx: ShardContext, path: str, module: nn.Module) -> nn.Module:
     # Its own Megatron f: a gathered projection (an output projection too, in Qwen3.5's linear
     # attention) need not read the enclosing block's input. When it does read it (OLMo2's q/k/v in a
-    # block under sequence parallelism), the block's collective already covers it: the sharder points
-    # it at its block, and the forward skips f for the block's own input.
-    return ColumnParallelLinear.from_native(module, ctx.group, gather_output=True, copy_input=True,
-                                            seq_parallel=ctx.seq_parallel(path) and not ctx.inside_block(path))
+    # block under sequence parallelism), the block's collective already covers it: its role holds
+    # the block's region, and the forward skips f for the tensors the region's hook produced.
+    return ColumnParallelLinear.from_native(module, ctx.group, gather_output=True,
+                                            role=ctx.regions.column_role(path, own_f=True))
 
 
 def _rowwise_split(ctx: ShardContext, path: str, module: nn.Module) -> nn.Module:
-    return RowParallelLinear.from_native(module, ctx.group, input_is_parallel=False,
-                                         seq_parallel=ctx.seq_parallel(path))
+    return RowParallelLinear.from_native(module, ctx.group, input_is_parallel=False, role=ctx.regions.row_role(path))
 
 
 # -- replicated parameters whose gradient each rank only has part of ------------------------------

@@ -8,6 +8,10 @@ optimizer built before sharding stays valid) and the forward that wires in the c
 Convention (docs/conventions.md): "column parallel" splits the OUTPUT features: `nn.Linear`
 weight dim 0 ([out, in]), GPT-2 `Conv1D` weight dim 1 ([in, out]). "Row parallel" splits the
 INPUT features: `nn.Linear` dim 1, `Conv1D` dim 0.
+
+Must not decide where a layer sits: whether a column applies Megatron's f itself, whether the
+sequence is split around it, and which block region encloses it come in its `LinearRole`, decided
+once by the sharder's plan (`regions.py`); a layer only follows it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch.nn.functional as F
 
 from meshboost.distributed import comm
 from meshboost.distributed.param_info import TensorParallelInfo, get_tp_info, set_tp_info, shard_tensor
+from meshboost.shardformer.regions import LinearRole, SequenceLayoutError
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -143,10 +148,6 @@ class _ColumnLinear(torch.autograd.Function):
         return (pending.wait() if pending is not None else None), grad_weight, grad_bias, None, None, None
 
 
-class SequenceLayoutError(ValueError):
-    """Sequence parallelism met a model it cannot split exactly (found at the first call)."""
-
-
 def _check_sequence_layout(x: torch.Tensor) -> None:
     if x.dim() != 3:
         raise SequenceLayoutError(
@@ -158,53 +159,58 @@ def _check_sequence_layout(x: torch.Tensor) -> None:
 class ColumnParallelLinear(_ParallelLinearBase):
     """y = x A^T + b with A split by output features: each rank computes its slice of y.
 
-    copy_input: apply Megatron's f (identity forward, all-reduce of the input grad backward).
-    Turn it off when the block's input already passed through f once (several column-parallel
-    linears reading the same input: q/k/v, gate/up), so the input grad is all-reduced once.
+    role (`regions.LinearRole`, from the sharder's plan): `applies_f`: apply Megatron's f (identity
+    forward, all-reduce of the input grad backward); off when the block's input already passed
+    through f once (several column-parallel linears reading the same input: q/k/v, gate/up), so the
+    input grad is all-reduced once. `seq_parallel`: the input is this rank's chunk of the sequence
+    (dim 1): with f, it is all-gathered along the sequence forward and its gradient reduce-scattered,
+    in place of f (the same bytes). `region`: the enclosing block region, whose own input is not
+    given f twice. The keywords `copy_input` / `seq_parallel` build a role for a layer used alone.
     gather_output: all-gather the output so every rank holds the full y.
-    seq_parallel: the input is this rank's chunk of the sequence (sequence parallelism, dim 1): with
-    copy_input, it is all-gathered along the sequence forward and its gradient reduce-scattered,
-    in place of Megatron's f (the same bytes).
     """
 
     def __init__(self, weight, bias, group, gather_output: bool = False, copy_input: bool = True,
-                 conv1d: bool = False, seq_parallel: bool = False):
+                 conv1d: bool = False, seq_parallel: bool = False, role: LinearRole | None = None):
         super().__init__(weight, bias, group, conv1d)
         self.gather_output = gather_output
-        self.copy_input = copy_input
-        self.seq_parallel = seq_parallel
+        self.role = role if role is not None else LinearRole(applies_f=copy_input, seq_parallel=seq_parallel)
+
+    @property
+    def copy_input(self) -> bool:
+        return self.role.applies_f
+
+    @property
+    def seq_parallel(self) -> bool:
+        return self.role.seq_parallel
 
     @classmethod
     def from_native(cls, module: nn.Module, group, gather_output: bool = False, copy_input: bool = True,
-                    num_fused: int = 1, replicas: int = 1, seq_parallel: bool = False) -> "ColumnParallelLinear":
+                    num_fused: int = 1, replicas: int = 1, seq_parallel: bool = False,
+                    role: LinearRole | None = None) -> "ColumnParallelLinear":
         """replicas > 1: fewer output pieces than ranks (key/value heads fewer than tp), each held by
-        `replicas` consecutive ranks (see `shard_parameter_`)."""
+        `replicas` consecutive ranks (see `shard_parameter_`). `role` replaces copy_input and seq_parallel."""
         conv1d = is_conv1d(module)
         out_dim = 1 if conv1d else 0
         shard_parameter_(module.weight, out_dim, group, num_fused=num_fused, replicas=replicas)
         if module.bias is not None:
             shard_parameter_(module.bias, 0, group, num_fused=num_fused, replicas=replicas)
-        return cls(module.weight, module.bias, group, gather_output, copy_input, conv1d, seq_parallel)
-
-    def _reads_block_input(self, x: torch.Tensor) -> bool:
-        """True when x is what the enclosing block's hook produced (its f, or its sequence gather, already
-        applied): set by the sharder on a column with an f of its own inside a block."""
-        block = self.__dict__.get("enclosing_block")
-        refs = block.__dict__.get("_meshboost_block_inputs", ()) if block is not None else ()
-        return any(r() is x for r in refs)
+        return cls(module.weight, module.bias, group, gather_output, copy_input, conv1d, seq_parallel, role)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.copy_input and not self._reads_block_input(x) and comm.is_parallel(self.process_group):
-            if self.seq_parallel:
+        role = self.role
+        if role.applies_f and not role.covered(x) and comm.is_parallel(self.process_group):
+            if role.seq_parallel:
                 _check_sequence_layout(x)
-            y = _ColumnLinear.apply(x, self.weight, self.bias, self.process_group, self.seq_parallel, self.conv1d)
+            y = _ColumnLinear.apply(x, self.weight, self.bias, self.process_group, role.seq_parallel, self.conv1d)
         else:
             y = self._matmul(x, self.bias)
         if self.gather_output:
             y = comm.gather_from_tp(y, self.process_group, dim=-1)
-            y.tp_gathered = True   # whole and equal on every rank: see styles._split_block_output
+            if role.region is not None:      # whole and equal on every rank: see BlockRegion._split_output
+                role.region.note_gathered(y)
             return y
-        y.tp_split = True          # this rank's slice of the features: see sharder.split_input_guard
+        if role.outputs is not None:         # this rank's slice of the features: see sharder.split_input_guard
+            role.outputs.note(y)
         return y
 
 
@@ -214,36 +220,40 @@ class RowParallelLinear(_ParallelLinearBase):
 
     input_is_parallel: the input is already split along its last dim (the output of a
     column-parallel linear); otherwise this rank's slice is taken first.
-    seq_parallel: the partial products are reduce-scattered along the sequence (dim 1) instead of
-    all-reduced, so each rank keeps the sum for its chunk of the sequence (sequence parallelism;
-    the bias, replicated, then sees only that chunk: its gradient is summed over tp, see sequence.py).
+    role.seq_parallel (or the `seq_parallel` keyword, for a layer used alone): the partial products
+    are reduce-scattered along the sequence (dim 1) instead of all-reduced, so each rank keeps the
+    sum for its chunk of the sequence (sequence parallelism; the bias, replicated, then sees only
+    that chunk: its gradient is summed over tp, see sequence.py).
     """
 
     def __init__(self, weight, bias, group, input_is_parallel: bool = True, conv1d: bool = False,
-                 seq_parallel: bool = False):
+                 seq_parallel: bool = False, role: LinearRole | None = None):
         super().__init__(weight, bias, group, conv1d)
         self.input_is_parallel = input_is_parallel
-        self.seq_parallel = seq_parallel
+        self.role = role if role is not None else LinearRole(applies_f=False, seq_parallel=seq_parallel)
+
+    @property
+    def seq_parallel(self) -> bool:
+        return self.role.seq_parallel
 
     @classmethod
     def from_native(cls, module: nn.Module, group, input_is_parallel: bool = True,
-                    seq_parallel: bool = False) -> "RowParallelLinear":
+                    seq_parallel: bool = False, role: LinearRole | None = None) -> "RowParallelLinear":
         conv1d = is_conv1d(module)
         in_dim = 0 if conv1d else 1
         shard_parameter_(module.weight, in_dim, group)
-        return cls(module.weight, module.bias, group, input_is_parallel, conv1d, seq_parallel)
+        return cls(module.weight, module.bias, group, input_is_parallel, conv1d, seq_parallel, role)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = comm.split_to_tp(x, self.process_group, dim=-1)
         partial_sums = self._matmul(x, None)
-        if self.seq_parallel:
+        if self.role.seq_parallel:
             _check_sequence_layout(partial_sums)
             y = comm.reduce_scatter_to_seq(partial_sums, self.process_group, dim=1)
         else:
             y = comm.reduce_from_tp(partial_sums, self.process_group)
         return y if self.bias is None else y + self.bias
-
 
 
 class ColumnSubsetLinear(_ParallelLinearBase):
@@ -255,27 +265,35 @@ class ColumnSubsetLinear(_ParallelLinearBase):
     produced, so every rank holds the same, exact gradient of the whole weight. The input gradient
     is summed over tp by Megatron's f, as for any column-parallel linear."""
 
-    def __init__(self, weight, bias, group, rows: torch.Tensor, seq_parallel: bool = False):
+    def __init__(self, weight, bias, group, rows: torch.Tensor, seq_parallel: bool = False,
+                 role: LinearRole | None = None):
         super().__init__(weight, bias, group, conv1d=False)
-        self.seq_parallel = seq_parallel
+        self.role = role if role is not None else LinearRole(seq_parallel=seq_parallel)
         self.register_buffer("rows", rows, persistent=False)
         for p in (weight, bias):
             if p is not None and p.requires_grad:
                 p.register_hook(partial(sum_grad_over_tp, group))
 
+    @property
+    def seq_parallel(self) -> bool:
+        return self.role.seq_parallel
+
     @classmethod
-    def from_native(cls, module: nn.Module, group, rows: list[int], seq_parallel: bool = False) -> "ColumnSubsetLinear":
+    def from_native(cls, module: nn.Module, group, rows: list[int], seq_parallel: bool = False,
+                    role: LinearRole | None = None) -> "ColumnSubsetLinear":
         if not isinstance(module, nn.Linear):
             raise TypeError(f"ColumnSubsetLinear needs nn.Linear, found {type(module).__name__}")
         return cls(module.weight, module.bias, group, torch.tensor(rows, dtype=torch.long,
-                                                                   device=module.weight.device), seq_parallel)
+                                                                   device=module.weight.device), seq_parallel, role)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _enter_parallel_region(x, self.process_group, self.seq_parallel)
+        if self.role.applies_f and not self.role.covered(x):
+            x = _enter_parallel_region(x, self.process_group, self.role.seq_parallel)
         weight = self.weight.index_select(0, self.rows)
         bias = None if self.bias is None else self.bias.index_select(0, self.rows)
         y = F.linear(x, weight, bias)
-        y.tp_split = True
+        if self.role.outputs is not None:      # this rank's slice of the features: see sharder.split_input_guard
+            self.role.outputs.note(y)
         return y
 
     def extra_repr(self) -> str:

@@ -63,11 +63,11 @@ def _validate(path: str, module: nn.Module, tp_size: int) -> None:
 def _apply(ctx: ShardContext, path: str, module: nn.Module) -> None:
     kind, rows = _layout(module.config, ctx.tp_size)
     qkv = module.query_key_value
+    role = ctx.regions.column_role(f"{path}.query_key_value", own_f=True)    # an f of its own
     if kind == "split":
-        module.query_key_value = ColumnParallelLinear.from_native(qkv, ctx.group, seq_parallel=ctx.seq_parallel(path))
+        module.query_key_value = ColumnParallelLinear.from_native(qkv, ctx.group, role=role)
     else:
-        module.query_key_value = ColumnSubsetLinear.from_native(qkv, ctx.group, rows(ctx.tp_rank),
-                                                                seq_parallel=ctx.seq_parallel(path))
+        module.query_key_value = ColumnSubsetLinear.from_native(qkv, ctx.group, rows(ctx.tp_rank), role=role)
     if module.config.alibi:
         STYLES["heads_bias"].apply(ctx, path, module)
     return None
