@@ -204,6 +204,19 @@ def test_no_module_puts_a_getattr_on_another():
     assert not wrong, "modules assigning __getattr__ onto another object: " + ", ".join(wrong)
 
 
+def test_gradient_hooks_go_through_param_info():
+    """Every gradient hook meshboost puts on a parameter is registered by `param_info.register_grad_hook`,
+    which records it, so moving a parameter's records (FSDP2's replacement DTensors) carries its hooks
+    without reading torch's private `_backward_hooks` table."""
+    allowed = ROOT / "distributed" / "param_info.py"
+    wrong = [f"{p.relative_to(ROOT.parent)}:{node.lineno}" for p in sorted(ROOT.rglob("*.py")) if p != allowed
+             for node in ast.walk(ast.parse(p.read_text(), str(p)))
+             if isinstance(node, ast.Attribute) and node.attr == "register_hook"
+             or isinstance(node, ast.Attribute) and node.attr == "_backward_hooks"
+             and not (isinstance(node.value, ast.Name) and node.value.id == "module")]
+    assert not wrong, "gradient hooks registered or read outside param_info: " + ", ".join(wrong)
+
+
 def test_compat_serves_only_names_the_core_lacks():
     """Every compat file is served under its ColossalAI name, never in place of a core module, and its
     parent is a real package (core or compat)."""
@@ -236,7 +249,8 @@ if __name__ == "__main__":
     failures = 0
     for test in (test_every_package_has_a_floor, test_imports_only_go_down, test_module_graph_has_no_cycle,
                  test_modules_are_one_sitting, test_compat_is_the_top_floor_and_nothing_imports_it,
-                 test_no_module_puts_a_getattr_on_another, test_compat_serves_only_names_the_core_lacks):
+                 test_no_module_puts_a_getattr_on_another, test_compat_serves_only_names_the_core_lacks,
+                 test_gradient_hooks_go_through_param_info):
         try:
             test()
         except AssertionError as e:

@@ -137,15 +137,10 @@ def register_grad_hook(param: torch.Tensor, hook: Callable) -> torch.utils.hooks
 
 
 def grad_hooks(param: torch.Tensor) -> tuple[Callable, ...]:
-    """The gradient hooks on `param`, in the order they were registered (the order autograd runs them)."""
-    # Transitional, and the one place that reads torch's table: shardformer's layers, styles and
-    # sequence.py still call `Tensor.register_hook` directly and leave no record. On a live parameter
-    # torch's table holds every hook, recorded ones included, so it is read first; a parameter that
-    # only had records carried onto it (FSDP2's sharded DTensor) has none there and gives its record.
-    # Once every call site uses `register_grad_hook`, this reads the record alone.
-    live = getattr(param, "_backward_hooks", None)
-    if live:
-        return tuple(live.values())
+    """The gradient hooks meshboost registered on `param` (`register_grad_hook`), in the order they were
+    registered (the order autograd runs them). Read from the record only: every meshboost call site
+    registers through `register_grad_hook` (tests/test_architecture.py refuses a bare `register_hook`
+    on a parameter), so torch's private hook table is never read."""
     return getattr(param, _HOOKS_ATTR, ())
 
 

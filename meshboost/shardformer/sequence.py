@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from meshboost.distributed import comm
-from meshboost.distributed.param_info import get_tp_info
+from meshboost.distributed.param_info import get_tp_info, grad_hooks, register_grad_hook
 from meshboost.shardformer.layers import ColumnParallelLinear, RowParallelLinear
 from meshboost.shardformer.layers.linear import ColumnSubsetLinear, SequenceLayoutError, sum_grad_over_tp
 
@@ -140,18 +140,18 @@ def install(model: nn.Module, layers_path: str, group, tp_size: int) -> None:
         layer.register_forward_pre_hook(partial(_record_layer_input, record, tp_size), with_kwargs=True)
         for module in layer.modules():
             if isinstance(module, RowParallelLinear) and module.bias is not None and module.bias.requires_grad:
-                module.bias.register_hook(partial(sum_grad_over_tp, group))      # added after the reduce-scatter
+                register_grad_hook(module.bias, partial(sum_grad_over_tp, group))      # added after the reduce-scatter
         for name, module in layer.named_modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ColumnSubsetLinear)):
                 continue
             params = [p for p in module.parameters(recurse=False) if p.requires_grad and get_tp_info(p) is None
-                      and not p._backward_hooks]           # hooked: already summed over tp (q/k norms)
+                      and not grad_hooks(p)]               # hooked: already summed over tp (q/k norms)
             if not params:
                 continue
             path = f"{prefix}.{i}.{name}" if name else f"{prefix}.{i}"
             module.register_forward_pre_hook(partial(_classify, record, tp_size, path, decided), with_kwargs=True)
             for p in params:
-                p.register_hook(partial(_replicated_grad, group, module, decided))
+                register_grad_hook(p, partial(_replicated_grad, group, module, decided))
     layers[len(layers) - 1].register_forward_hook(partial(_gather_sequence, group))
     model.register_forward_pre_hook(_refuse_hidden_states_output, with_kwargs=True)
 

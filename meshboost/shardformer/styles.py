@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from meshboost.distributed.param_info import register_grad_hook
 from meshboost.shardformer.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, is_conv1d
 from meshboost.shardformer.layers.linear import shard_parameter_, sum_grad_over_tp
 from meshboost.shardformer.layers.vocab import embedding_extras
@@ -180,7 +181,7 @@ def _replicated_grad_allreduce(ctx: ShardContext, path: str, module: nn.Module) 
     """The module stays whole on every rank, but reads only this rank's heads (a q/k norm over
     head_dim): its gradient is summed over tp as it is produced."""
     for p in module.parameters(recurse=False):
-        p.register_hook(partial(sum_grad_over_tp, ctx.group))
+        register_grad_hook(p, partial(sum_grad_over_tp, ctx.group))
     return None
 
 
@@ -205,7 +206,7 @@ def _head_norm(ctx: ShardContext, path: str, module: nn.Module, heads: int) -> N
         if p.dim() == 2:
             shard_parameter_(p, 0, ctx.group, replicas=replicas)
         else:
-            p.register_hook(partial(sum_grad_over_tp, ctx.group))
+            register_grad_hook(p, partial(sum_grad_over_tp, ctx.group))
     return None
 
 

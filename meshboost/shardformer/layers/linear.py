@@ -24,7 +24,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from meshboost.distributed import comm
-from meshboost.distributed.param_info import TensorParallelInfo, get_tp_info, set_tp_info, shard_tensor
+from meshboost.distributed.param_info import (
+    TensorParallelInfo,
+    get_tp_info,
+    register_grad_hook,
+    set_tp_info,
+    shard_tensor,
+)
 from meshboost.shardformer.regions import LinearRole, SequenceLayoutError
 
 
@@ -70,7 +76,7 @@ def shard_parameter_(param: nn.Parameter, dim: int, group, num_fused: int = 1,
         param.data = shard_tensor(param.data, info)
     set_tp_info(param, info)
     if replicas > 1 and param.requires_grad:
-        param.register_hook(partial(_sum_over_replicas, info))
+        register_grad_hook(param, partial(_sum_over_replicas, info))
     return param
 
 
@@ -272,7 +278,7 @@ class ColumnSubsetLinear(_ParallelLinearBase):
         self.register_buffer("rows", rows, persistent=False)
         for p in (weight, bias):
             if p is not None and p.requires_grad:
-                p.register_hook(partial(sum_grad_over_tp, group))
+                register_grad_hook(p, partial(sum_grad_over_tp, group))
 
     @property
     def seq_parallel(self) -> bool:
