@@ -95,8 +95,13 @@ family's table).
 - **transformers' own `base_model_tp_plan`**, read by `policies/tp_plan.py`, which translates
   `colwise`, `rowwise`, `colwise_gather_output`, `rowwise_split_input`,
   `replicated_with_grad_allreduce` (gradients summed over tp) and `embedding_rowwise`, splits an
-  unnamed per-head `q_norm`/`k_norm` ([heads, head_dim]: Cohere's `use_qk_norm`) by heads, and refuses
-  every other style (MoE experts, packed expert projections, MLA, ...) naming it. A plan's
+  unnamed per-head `q_norm`/`k_norm` ([heads, head_dim]: Cohere's `use_qk_norm`) by heads, splits
+  MoE experts (`moe_tp_experts` with its packed `gate_up_proj`/`up_proj` and `down_proj`, either
+  layout) inside every expert on the intermediate dimension, the router replicated with its whole
+  gradient (`shardformer/layers/experts.py`; sequence parallelism with such experts is refused), and
+  refuses every other style (MLA's `mla_kv_a_proj`, identity experts, `all_reduce`, `local_params`,
+  ...) naming it. A plan that leaves more than half of a model's parameters whole on every rank
+  (GPT-OSS's, which splits only the embedding) is said on rank 0 at boost. A plan's
   module that has parameters, is not covered by the plan and is fed split activations (a
   learnable activation between the MLP projections, a per-head norm) is refused at its first
   call rather than trained with a partial gradient. An embedding subclass with a forward of its

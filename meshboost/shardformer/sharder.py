@@ -38,6 +38,7 @@ from meshboost.shardformer.rng import install_tp_rank_rng
 from meshboost.shardformer.shard_config import ShardConfig
 from meshboost.shardformer.styles import (
     BLOCK_INPUT,
+    MOE_EXPERTS,
     SPLITTING_STYLES,
     STYLES,
     ShardContext,
@@ -106,11 +107,13 @@ def uses_causal_lm_loss(model: nn.Module) -> bool:
 
 
 def _closed_block(block: nn.Module, matched: dict) -> bool:
-    """A block input may apply Megatron's f once for its children only when every linear inside the
-    block is sharded by the plan: a linear left whole there (an MoE router) also reads the block's
-    input, and its input gradient must not be summed over tp. Otherwise each column-parallel child
-    applies f itself (more collectives, the same numbers)."""
-    return all(id(m) in matched for m in block.modules() if isinstance(m, nn.Linear) or is_conv1d(m))
+    """A block input may apply Megatron's f once for its children only when every linear, and every
+    other module with parameters of its own, inside the block is covered by the plan: one left whole
+    there (an MoE router, an nn.Linear or a module holding a `weight`) also reads the block's input,
+    and its input gradient must not be summed over tp. Otherwise each column-parallel child (and
+    each experts module) applies f itself (more collectives, the same numbers)."""
+    return all(id(m) in matched for m in block.modules() if m is not block and (
+        isinstance(m, nn.Linear) or is_conv1d(m) or any(True for _ in m.parameters(recurse=False))))
 
 
 def _split_input_guards(model: nn.Module, matches: list[_Match], matched: dict) -> list[tuple[str, nn.Module]]:
@@ -196,6 +199,30 @@ def tied_parameters(model: nn.Module) -> list[dict[str, nn.Parameter]]:
     return [group for group in names.values() if len(group) > 1]
 
 
+def plan_root(model: nn.Module) -> nn.Module:
+    """The module a plan's paths are relative to: `model.base_model`, or, where a head's
+    `base_model_prefix` names no attribute of it (Llama-4's text model under "language_model"), the
+    head's `model` when that is a base model of the same config."""
+    base = model.base_model
+    inner = getattr(model, "model", None)
+    if base is model and isinstance(inner, nn.Module) and getattr(inner, "config", None) is getattr(model, "config", 0):
+        return inner
+    return base
+
+
+def _warn_if_mostly_whole(model: nn.Module, policy: Policy, tp_size: int) -> None:
+    """Say so (rank 0) when the plan left more than half of the model's parameters whole on every rank:
+    tensor parallelism then buys little memory (GPT-OSS's shipped plan splits only its embedding)."""
+    total = whole = 0
+    for p in model.parameters():
+        total += p.numel()
+        whole += p.numel() if get_tp_info(p) is None else 0
+    if total and whole * 2 > total:
+        say("meshboost: policy %r leaves %.0f%% of %s's parameters whole on every rank at tp_size=%d (only what "
+            "it names is split); pass a custom_policy covering the rest for the memory tensor parallelism should "
+            "save", policy.name, 100.0 * whole / total, type(model).__name__, tp_size)
+
+
 class ShardFormer:
     """Shards a HuggingFace model in place with 1D tensor parallelism.
 
@@ -221,6 +248,7 @@ class ShardFormer:
             policy = policy or get_policy(model)
             plan = self._validate(model, policy, tp_size)
             self._apply(model, policy, plan)
+            _warn_if_mostly_whole(model, policy, tp_size)
             # dropout inside the split regions draws from a per-tp-rank stream (rng.py)
             rng = install_tp_rank_rng(model, self.shard_config.tensor_parallel_process_group)
             if plan.seq_stack is not None:        # every activation of a layer is split: hold it per layer,
@@ -249,7 +277,7 @@ class ShardFormer:
                 raise ValueError(
                     f"{type(model).__name__}: config.{field_name}={value} is not divisible by tp_size={tp_size}; "
                     f"choose a tp_size that divides {value}")
-        base = model.base_model
+        base = plan_root(model)
         prefix = (_module_paths(model, base) or [""])[0]
 
         def full(name: str) -> str:
@@ -282,6 +310,10 @@ class ShardFormer:
             raise ValueError(f"policy {policy.name!r} matched no module of {type(model).__name__}; check the "
                              "plan's paths against model.base_model.named_modules()")
         plan = _Plan(matches, guards=_split_input_guards(model, matches, by_module))
+        if self.shard_config.enable_sequence_parallelism and any(m.style.name == MOE_EXPERTS for m in matches):
+            raise ValueError(f"{next(m.paths[0] for m in matches if m.style.name == MOE_EXPERTS)}: sequence parallelism "
+                             "with tensor-parallel MoE experts is not supported (each rank would route other tokens "
+                             "through its slice of the experts); use enable_sequence_parallelism=False")
         if self.shard_config.enable_sequence_parallelism:
             sequence.check_model(model, tp_size)
             plan.seq_stack = sequence.stack_path(model, policy.pipeline_layout)

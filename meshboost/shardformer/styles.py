@@ -24,11 +24,13 @@ import torch.nn as nn
 
 from meshboost.distributed.param_info import register_grad_hook
 from meshboost.shardformer.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, is_conv1d
+from meshboost.shardformer.layers.experts import check_experts, shard_experts_
 from meshboost.shardformer.layers.linear import shard_parameter_, sum_grad_over_tp
 from meshboost.shardformer.layers.vocab import embedding_extras
 from meshboost.shardformer.regions import RegionPlan
 
 BLOCK_INPUT = "block_input"     # a module whose input feeds only column-parallel linears: Megatron f once
+MOE_EXPERTS = "moe_experts"     # a packed experts module: f on its inputs, g on its output (layers/experts.py)
 SPLITTING_STYLES = ("colwise", "colwise_fused", "colwise_heads")   # outputs stay split: the block works on shards
 DEFAULT_BLOCK_INPUT_KWARGS = ("hidden_states", "encoder_hidden_states")
 
@@ -291,6 +293,8 @@ register_style(BLOCK_INPUT, lambda path, module, tp: None, _block_input)
 register_style("head_norm", _check_head_norm, _head_norm, num_args=1)   # Cohere's q/k norm: head_norm(heads)
 register_style("heads_bias", lambda path, module, tp: None, _heads_bias)            # ALiBi: this rank's heads
 register_style("embedding_heads", _check_embedding_heads, _embedding_heads)        # T5's relative position bias
+# transformers' packed MoE experts, every expert split on its intermediate dim (layers/experts.py)
+register_style(MOE_EXPERTS, check_experts, lambda ctx, path, module: shard_experts_(module, ctx.group))
 
 
 # -- attribute rules: (path, attribute, value, tp_size) -> the per-rank value, or raise -----------

@@ -1,7 +1,8 @@
 """A policy read from transformers' own `config.base_model_tp_plan` (Llama, Qwen2, Mistral, ...).
 
-Only transformers styles whose numbers equal one of ours are translated (`TRANSFORMERS_STYLES`);
-anything else (MoE experts, MLA, ...) is refused with an error naming it rather than guessed. A
+Only transformers styles whose numbers equal one of ours are translated (`TRANSFORMERS_STYLES`, and
+`moe_tp_experts` with its packed parameters' entries: `layers/experts.py`); anything else (MLA,
+identity experts, ...) is refused with an error naming it rather than guessed. A
 module with two or more column-parallel children (q/k/v, gate/up) becomes a block input, so its
 input gradient is all-reduced once (the sharder drops it where another linear, such as an MoE
 router, also reads that input). The pipeline layout is left to transformers' `base_model_pp_plan`.
@@ -10,7 +11,7 @@ router, also reads that input). The pipeline layout is left to transformers' `ba
 from __future__ import annotations
 
 from meshboost.shardformer.policies.base import Policy
-from meshboost.shardformer.styles import BLOCK_INPUT, kv_groups
+from meshboost.shardformer.styles import BLOCK_INPUT, MOE_EXPERTS, kv_groups
 
 # transformers plan style -> the meshboost style that computes the same numbers
 TRANSFORMERS_STYLES = {
@@ -21,10 +22,14 @@ TRANSFORMERS_STYLES = {
     "replicated_with_grad_allreduce": "replicated_grad_allreduce",    # Qwen3's per-head q/k norm
     "embedding_rowwise": "vocab_embedding",               # GPT-NeoX's embed_in: the input embedding
 }
-# Styles refused with a reason: meshboost does not shard these yet (MoE experts, MLA, packed experts).
+# The experts module's style: its packed parameters' entries (packed_colwise / packed_rowwise on
+# gate_up_proj, rowwise / colwise on down_proj) are its layout, checked and split by it.
+EXPERTS_STYLE = "moe_tp_experts"
+# Styles refused with a reason: meshboost does not shard these yet.
 NOT_SUPPORTED = {
-    "moe_tp_experts": "tensor-parallel MoE experts", "moe_identity_expert": "MoE identity experts",
-    "packed_colwise": "packed expert gate/up projections", "packed_rowwise": "packed expert projections",
+    "moe_identity_expert": "MoE identity experts",
+    "packed_colwise": "packed projections outside an experts module",
+    "packed_rowwise": "packed projections outside an experts module",
     "mla_kv_a_proj": "multi-head latent attention's kv_a projection", "local_params": "local parameters",
     "replicate": "explicitly replicated modules", "all_reduce": "all-reduced module outputs",
     "embedding_colwise": "embeddings split by hidden dimension",
@@ -40,7 +45,13 @@ def policy_from_tp_plan(config) -> Policy | None:
         return None
     plan: dict[str, str] = {}
     colwise_parents: dict[str, int] = {}
+    experts = {pattern for pattern, style in tp_plan.items() if style == EXPERTS_STYLE}
     for pattern, style in tp_plan.items():
+        if pattern in experts:
+            plan[pattern] = MOE_EXPERTS
+            continue
+        if pattern.rsplit(".", 1)[0] in experts:       # an experts module's packed parameter: its layout
+            continue
         if style not in TRANSFORMERS_STYLES:
             what = f" ({NOT_SUPPORTED[style]})" if style in NOT_SUPPORTED else ""
             raise ValueError(

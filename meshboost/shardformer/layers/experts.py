@@ -1,0 +1,104 @@
+"""Tensor-parallel MoE experts: transformers' packed expert tensors split inside every expert.
+
+Owns: checking and sharding an experts module in transformers' packed layout (`gate_up_proj`
+`[E, 2I, H]` and `down_proj` `[E, H, I]`, or transposed, `[E, H, 2I]` and `[E, I, H]`, as Llama-4
+stores them: `is_transposed`), and the two collectives around its forward. Every rank keeps all E
+experts, each cut on its intermediate dimension I: rank r holds rows r of both halves of `gate_up`
+(`num_fused=2`; an interleaved [g0, u0, g1, u1, ...] layout is cut in contiguous pairs) and the
+matching columns of `down`, so `act(gate) * up` and the down projection run on this rank's slice and
+the experts' output is a partial sum. Megatron's f on the experts' floating inputs (the hidden states
+and the routing weights, whose gradients are partial per rank) and g (one all-reduce) on its output
+make it exact: the router stays replicated and gets its whole gradient on every rank. The HF forward
+(eager or any `_experts_implementation`) runs unchanged on the local shapes. Must not route tokens or
+know a model family; expert parallelism (experts split over ranks) is not this file.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn as nn
+
+from meshboost.distributed import comm
+from meshboost.shardformer.layers.linear import shard_parameter_
+
+UP_PARAMS = ("gate_up_proj", "up_proj")     # [gate; up] packed, or up alone (experts without a gate)
+
+
+def _up_name(module: nn.Module) -> str | None:
+    names = [n for n in UP_PARAMS if isinstance(getattr(module, n, None), nn.Parameter)]
+    return names[0] if len(names) == 1 else None
+
+
+def expert_dims(module: nn.Module) -> tuple[int, int]:
+    """(dim of the up projection that holds 2I (or I), dim of down_proj that holds I): [E, 2I, H] and
+    [E, H, I], or transposed ([E, H, 2I] and [E, I, H], Llama-4's), as the module says
+    (`is_transposed`) or, for a module that does not say, as the shapes say."""
+    up, down = getattr(module, _up_name(module)), module.down_proj
+    transposed = getattr(module, "is_transposed", None)
+    if transposed is None:         # [gate; up] tells: its 2I sits where down_proj has I (an up alone cannot)
+        transposed = _up_name(module) == "gate_up_proj" and up.shape[2] == 2 * down.shape[1]
+    return (2, 1) if transposed else (1, 2)
+
+
+def _fused(module: nn.Module) -> int:
+    """Blocks along the up projection's I dim: 2 for [gate; up] halves, 1 for interleaved pairs
+    [g0, u0, g1, u1, ...] (contiguous pairs) or an up projection alone."""
+    if _up_name(module) == "up_proj":
+        return 1
+    return 2 if getattr(module, "is_concatenated", True) else 1
+
+
+def check_experts(path: str, module: nn.Module, tp_size: int) -> None:
+    """Refuse (before anything is modified) an experts module this style cannot split exactly."""
+    params = dict(module.named_parameters(recurse=False))
+    up_name = _up_name(module)
+    extra = sorted(set(params) - {up_name, "down_proj"})
+    if up_name is None or "down_proj" not in params or extra:
+        raise ValueError(f"{path} ({type(module).__name__}): parameters {sorted(params)} are not the packed experts "
+                         "meshboost splits (gate_up_proj or up_proj, and down_proj, without biases or scales); use "
+                         "tp_size=1 for this model (data and pipeline parallelism need no plan)")
+    up, down = params[up_name], params["down_proj"]
+    if up.dim() != 3 or down.dim() != 3:
+        raise ValueError(f"{path} ({type(module).__name__}): expected packed 3-D expert tensors, found {up_name} "
+                         f"{tuple(up.shape)} and down_proj {tuple(down.shape)}; use tp_size=1")
+    g, d = expert_dims(module)
+    width = 2 if up_name == "gate_up_proj" and getattr(module, "has_gate", True) else 1
+    if up.shape[0] != down.shape[0] or up.shape[g] != width * down.shape[d] or up.shape[3 - g] != down.shape[3 - d]:
+        raise ValueError(f"{path}: {up_name} {tuple(up.shape)} and down_proj {tuple(down.shape)} do not form "
+                         f"[E, {width}I, H] / [E, H, I] (or the transposed layout); meshboost cannot tell which "
+                         "dimension is the experts' intermediate one: use tp_size=1")
+    inter = down.shape[d]
+    if inter % tp_size:
+        raise ValueError(f"{path}: the experts' intermediate size {inter} is not divisible by tp_size={tp_size}; "
+                         f"choose a tp_size that divides {inter}")
+
+
+def shard_experts_(module: nn.Module, group) -> None:
+    """Split every expert of `module` over `group` on its intermediate dimension, in place (the same
+    parameter objects, each with its tensor-parallel record), and install f before and g after its
+    forward."""
+    g, d = expert_dims(module)
+    shard_parameter_(getattr(module, _up_name(module)), g, group, num_fused=_fused(module))
+    shard_parameter_(module.down_proj, d, group)
+    module.register_forward_pre_hook(partial(_copy_inputs, group), with_kwargs=True)
+    module.register_forward_hook(partial(_reduce_output, group))
+
+
+def _copy_inputs(group, module, args, kwargs):
+    """f on the experts' floating inputs that carry gradient (hidden states, routing weights): identity
+    forward, their gradients summed over tp backward (each rank's experts saw a slice of I)."""
+    def f(t):
+        return comm.copy_to_tp(t, group) if torch.is_tensor(t) and t.is_floating_point() and t.requires_grad else t
+    return tuple(f(a) for a in args), {k: f(v) for k, v in kwargs.items()}
+
+
+def _reduce_output(group, module, args, output):
+    """g on the experts' output: the partial sums over this rank's slice of I, all-reduced once."""
+    if torch.is_tensor(output):
+        return comm.reduce_from_tp(output, group)
+    if isinstance(output, tuple) and output and torch.is_tensor(output[0]):
+        return (comm.reduce_from_tp(output[0], group), *output[1:])
+    raise TypeError(f"{type(module).__name__} returned {type(output).__name__}; tensor-parallel experts expect a "
+                    "tensor (the weighted expert output)")
