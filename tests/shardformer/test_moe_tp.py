@@ -3,7 +3,8 @@ on every expert's intermediate dimension, the router replicated, at tp=2 through
 single-process training from the same weights and batches: per-step losses (router load-balancing
 loss included) within 2e-5 relative, every gathered gradient after the first step, every weight after
 the AdamW steps, the saved HF folder reloaded by `from_pretrained`; each rank holds half of every
-expert tensor (the experts are split, not replicated). One process group, the families looped inside."""
+expert tensor (the experts are split, not replicated); sequence parallelism with them and a token
+routed outside the experts are refused on every rank. One process group, the families looped inside."""
 
 import copy
 import os
@@ -97,9 +98,22 @@ def _check_family(name, make_config, rank):
             torch.allclose(p.detach(), ref_params[n].detach(), atol=1e-6), f"{name}: saved {n} differs"
 
 
+def _route_out_of_range(module, args, output):
+    logits, weights, ids = output
+    ids = ids.clone()
+    ids[0, 0] = module.num_experts                 # one token to expert E (there are E: 0 .. E-1)
+    return logits, weights, ids
+
+
 def _body(rank, world):
     for name, make_config in FAMILIES.items():
         _check_family(name, make_config, rank)
+    # a token routed outside the experts is an error on every rank, not a silently dropped route
+    model = _build(FAMILIES["qwen3_moe"]())
+    model, *_ = Booster(plugin=HybridParallelPlugin(tp_size=2)).boost(model)
+    model.unwrap().model.layers[0].mlp.gate.register_forward_hook(_route_out_of_range)
+    with pytest.raises(ValueError, match="routed to expert id 4, outside the 4 experts"):
+        model(input_ids=torch.ones(2, 4, dtype=torch.long))
     # sequence parallelism cannot split experts exactly: refused on every rank before any change
     model = _build(FAMILIES["mixtral"]())
     plugin = HybridParallelPlugin(HybridParallelConfig(tp_size=2, sharding=ShardConfig(enable_sequence_parallelism=True)))

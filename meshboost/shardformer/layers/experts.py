@@ -88,10 +88,31 @@ def shard_experts_(module: nn.Module, group) -> None:
 
 def _copy_inputs(group, module, args, kwargs):
     """f on the experts' floating inputs that carry gradient (hidden states, routing weights): identity
-    forward, their gradients summed over tp backward (each rank's experts saw a slice of I)."""
+    forward, their gradients summed over tp backward (each rank's experts saw a slice of I). The expert
+    ids are checked first: transformers' experts skip an id equal to their count without a word, which
+    would train on a plausible, wrong loss."""
+    for t in (*args, *kwargs.values()):
+        if torch.is_tensor(t) and not t.is_floating_point() and t.dtype != torch.bool:
+            check_expert_ids(t, module.down_proj.shape[0], type(module).__name__)
+
     def f(t):
         return comm.copy_to_tp(t, group) if torch.is_tensor(t) and t.is_floating_point() and t.requires_grad else t
     return tuple(f(a) for a in args), {k: f(v) for k, v in kwargs.items()}
+
+
+def check_expert_ids(ids: torch.Tensor, num_experts: int, what: str) -> None:
+    """Raise when a routed expert id is outside [0, num_experts): on the CPU at once (every tp rank
+    holds the same ids, so every rank raises before the layer's collective); on an accelerator as a
+    device-side assertion, without a host sync."""
+    if ids.numel() == 0:
+        return
+    bad = (ids < 0) | (ids >= num_experts)
+    if ids.device.type == "cpu":
+        if bool(bad.any()):
+            raise ValueError(f"{what}: a token was routed to expert id {int(ids[bad][0])}, outside the "
+                             f"{num_experts} experts [0, {num_experts}); the router (or a custom one) is wrong")
+    else:
+        torch._assert_async(~bad.any(), f"{what}: a token was routed to an expert id outside [0, {num_experts})")
 
 
 def _reduce_output(group, module, args, output):
