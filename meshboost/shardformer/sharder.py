@@ -107,13 +107,15 @@ def uses_causal_lm_loss(model: nn.Module) -> bool:
 
 
 def _closed_block(block: nn.Module, matched: dict) -> bool:
-    """A block input may apply Megatron's f once for its children only when every linear, and every
-    other module with parameters of its own, inside the block is covered by the plan: one left whole
-    there (an MoE router, an nn.Linear or a module holding a `weight`) also reads the block's input,
-    and its input gradient must not be summed over tp. Otherwise each column-parallel child (and
-    each experts module) applies f itself (more collectives, the same numbers)."""
-    return all(id(m) in matched for m in block.modules() if m is not block and (
-        isinstance(m, nn.Linear) or is_conv1d(m) or any(True for _ in m.parameters(recurse=False))))
+    """A block input may apply Megatron's f once for its children only when every linear inside the
+    block is sharded by the plan and it holds no tensor-parallel experts: a linear left whole there,
+    or an MoE block's router (whatever its class) beside its experts, also reads the block's input,
+    and its input gradient must not be summed over tp. Otherwise each column-parallel child (and each
+    experts module) applies f itself (more collectives, the same numbers). A norm with parameters
+    inside an attention (OLMo2's whole-hidden q/k norm) reads a projection's output, not the block's
+    input, and leaves the block closed."""
+    return all(id(m) in matched for m in block.modules() if isinstance(m, nn.Linear) or is_conv1d(m)) and \
+        not any(matched[id(m)].style.name == MOE_EXPERTS for m in block.modules() if id(m) in matched)
 
 
 def _split_input_guards(model: nn.Module, matches: list[_Match], matched: dict) -> list[tuple[str, nn.Module]]:
@@ -310,10 +312,11 @@ class ShardFormer:
             raise ValueError(f"policy {policy.name!r} matched no module of {type(model).__name__}; check the "
                              "plan's paths against model.base_model.named_modules()")
         plan = _Plan(matches, guards=_split_input_guards(model, matches, by_module))
-        if self.shard_config.enable_sequence_parallelism and any(m.style.name == MOE_EXPERTS for m in matches):
-            raise ValueError(f"{next(m.paths[0] for m in matches if m.style.name == MOE_EXPERTS)}: sequence parallelism "
-                             "with tensor-parallel MoE experts is not supported (each rank would route other tokens "
-                             "through its slice of the experts); use enable_sequence_parallelism=False")
+        experts = [m.paths[0] for m in matches if m.style.name == MOE_EXPERTS]
+        if self.shard_config.enable_sequence_parallelism and experts:
+            raise ValueError(f"{experts[0]}: sequence parallelism with tensor-parallel MoE experts is not supported "
+                             "(each rank would route other tokens through its slice of the experts); use "
+                             "enable_sequence_parallelism=False")
         if self.shard_config.enable_sequence_parallelism:
             sequence.check_model(model, tp_size)
             plan.seq_stack = sequence.stack_path(model, policy.pipeline_layout)
