@@ -36,6 +36,13 @@ FAMILIES = {
     "glm4_moe": lambda: transformers.Glm4MoeConfig(**COMMON, head_dim=16, moe_intermediate_size=32, n_routed_experts=4,
                                                    num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
                                                    n_group=1, topk_group=1),
+    # multi-head latent attention split by heads (policies/deepseek.py), shared experts, a dense first layer
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4},
+                                                         moe_intermediate_size=32, n_routed_experts=4,
+                                                         num_experts_per_tok=2, n_shared_experts=1,
+                                                         first_k_dense_replace=1, n_group=1, topk_group=1,
+                                                         q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                                                         qk_nope_head_dim=8, v_head_dim=16, rope_scaling=None),
     # the transposed packed layout ([E, H, 2I] / [E, I, H]) and a shared expert
     "llama4_text": lambda: transformers.Llama4TextConfig(**COMMON, head_dim=16, intermediate_size_mlp=128,
                                                          num_local_experts=4, num_experts_per_tok=1,
@@ -116,7 +123,8 @@ def _body(rank, world):
         model(input_ids=torch.ones(2, 4, dtype=torch.long))
     # sequence parallelism cannot split experts exactly: refused on every rank before any change
     model = _build(FAMILIES["mixtral"]())
-    plugin = HybridParallelPlugin(HybridParallelConfig(tp_size=2, sharding=ShardConfig(enable_sequence_parallelism=True)))
+    plugin = HybridParallelPlugin(HybridParallelConfig(tp_size=2,
+                                                       sharding=ShardConfig(enable_sequence_parallelism=True)))
     with pytest.raises(ValueError, match="sequence parallelism with tensor-parallel MoE experts"):
         Booster(plugin=plugin).boost(model, torch.optim.AdamW(model.parameters()))
     assert all(get_tp_info(p) is None for p in model.parameters()), "refused after changing the model"

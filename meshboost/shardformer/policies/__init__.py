@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch.nn as nn
 
 from meshboost.shardformer.policies.albert import ALBERT_POLICY
@@ -10,6 +12,7 @@ from meshboost.shardformer.policies.base import Policy
 from meshboost.shardformer.policies.bert import BERT_POLICY
 from meshboost.shardformer.policies.blip2 import BLIP2_POLICY
 from meshboost.shardformer.policies.bloom import BLOOM_POLICY
+from meshboost.shardformer.policies.deepseek import deepseek_policy
 from meshboost.shardformer.policies.esmc import ESMC_POLICY
 from meshboost.shardformer.policies.falcon import FALCON_POLICY
 from meshboost.shardformer.policies.gpt2 import GPT2_POLICY
@@ -22,6 +25,9 @@ from meshboost.shardformer.policies.whisper import WHISPER_POLICY
 POLICIES: dict[str, Policy] = {p.name: p for p in (BERT_POLICY, GPT2_POLICY, OPT_POLICY, BLOOM_POLICY, FALCON_POLICY,
                                                    VIT_POLICY, ALBERT_POLICY, T5_POLICY, WHISPER_POLICY,
                                                    BLIP2_POLICY, ESMC_POLICY)}
+# Families whose table depends on the config (model_type -> callable(config) -> Policy): DeepSeek's
+# multi-head latent attention combined with the MLP entries of transformers' own plan.
+POLICY_BUILDERS: dict[str, Callable] = {"deepseek_v2": deepseek_policy, "deepseek_v3": deepseek_policy}
 
 
 def _model_type(model: nn.Module):
@@ -34,6 +40,8 @@ def get_policy(model: nn.Module) -> Policy:
     if model_type in POLICIES:
         return POLICIES[model_type]
     config = getattr(model, "config", None)
+    if model_type in POLICY_BUILDERS and config is not None:
+        return POLICY_BUILDERS[model_type](config)
     policy = policy_from_tp_plan(config) if config is not None else None
     if policy is not None:
         return policy
@@ -55,4 +63,4 @@ def pipeline_layout(model: nn.Module, custom_policy: Policy | None = None) -> di
     return policy.pipeline_layout if policy is not None else None
 
 
-__all__ = ["Policy", "POLICIES", "get_policy", "pipeline_layout", "policy_from_tp_plan"]
+__all__ = ["Policy", "POLICIES", "POLICY_BUILDERS", "get_policy", "pipeline_layout", "policy_from_tp_plan"]
