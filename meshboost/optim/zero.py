@@ -115,8 +115,8 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         if not isinstance(zc, ZeroConfig):
             raise TypeError(f"ZeroOptimizer takes a meshboost.optim.ZeroConfig, got {zc!r}; pass ZeroConfig(stage=...)")
         if not zc.partitioned_by_optimizer:
-            raise ValueError(f"ZeroConfig(stage={zc.stage}): ZeroOptimizer implements stages {ZeroConfig.OPTIMIZER_STAGES}"
-                             " (stage 3 is torch FSDP2's: HybridParallelPlugin(zero_stage=3))")
+            raise ValueError(f"ZeroConfig(stage={zc.stage}): ZeroOptimizer implements stages "
+                             f"{ZeroConfig.OPTIMIZER_STAGES} (stage 3 is torch FSDP2's: HybridParallelPlugin(zero_stage=3))")
         working = _precision_config(precision).dtype
         # the group the parameters' records say averages their gradients (dp for dense weights)
         trainable = [p for g in optim.param_groups for p in g["params"] if p.requires_grad]

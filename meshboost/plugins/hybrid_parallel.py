@@ -1,8 +1,9 @@
 """HybridParallelPlugin: data x pipeline x tensor parallelism, composed from the pieces.
 
 Owns: taking its one `HybridParallelConfig` (`plugins/config.py`, checked before any collective; the
-shortcuts tp_size / pp_size / zero_stage / precision build one), building the mesh, and wiring sharding, pipeline stages, device
-placement, the data-parallel reducer and the optimizer wrapper together. Must not contain
+shortcuts tp_size / pp_size / zero_stage / precision build one), building the mesh, and wiring
+sharding, pipeline stages, device placement, the data-parallel reducer and the optimizer wrapper
+together. Must not contain
 parallel algorithms itself: those live in shardformer/, pipeline/, optim/ and distributed/.
 """
 

@@ -44,8 +44,8 @@ class TorchDDPPlugin(Plugin):
         model = model.to(device)
         # the group the parameters' records say averages their gradients (the mesh answers: dp)
         group = self.mesh.reduction_of(p for p in model.parameters() if p.requires_grad)[1]
-        ddp = DistributedDataParallel(model, process_group=group, device_ids=[device] if device.type == "cuda" else None,
-                                      **self.ddp_config.kwargs())
+        ddp = DistributedDataParallel(model, process_group=group,
+                                      device_ids=[device] if device.type == "cuda" else None, **self.ddp_config.kwargs())
         if self.fp8_communication:
             register_fp8_allreduce(ddp, group)
         else:
