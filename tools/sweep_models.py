@@ -91,6 +91,7 @@ family's table).
   | blip-2 | `Blip2ForConditionalGeneration` (OPT language model) | Q-Former like BERT, OPT table under `language_model`, vision MLP split; vision attention replicated (its forward reshapes by the full width) | yes (vision, Q-Former, OPT stacks) |
   | esmc | `EsmcForMaskedLM`, `EsmcForSequenceClassification` | whole-hidden q/k norms: q/k/v gathered, attention on every rank (OLMo2's treatment), MLP split | yes (pp plan) |
   | cohere (`use_qk_norm`) | `CohereForCausalLM` via its plan | per-head q/k norm weights split by heads (`head_norm`) | yes (pp plan) |
+  | deepseek_v2, deepseek_v3 | `DeepseekV3ForCausalLM`, `DeepseekV2ForCausalLM` (`tests/shardformer/test_mla.py`, `test_moe_tp.py`) | multi-head latent attention split by heads (q_b/q, kv_b colwise, o rowwise; the a-projections and norms whole, gradients summed once), transformers' MLP and expert entries | yes (pp plan) |
 
 - **transformers' own `base_model_tp_plan`**, read by `policies/tp_plan.py`, which translates
   `colwise`, `rowwise`, `colwise_gather_output`, `rowwise_split_input`,
