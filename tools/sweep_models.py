@@ -99,7 +99,10 @@ family's table).
   unnamed per-head `q_norm`/`k_norm` ([heads, head_dim]: Cohere's `use_qk_norm`) by heads, splits
   MoE experts (`moe_tp_experts` with its packed `gate_up_proj`/`up_proj` and `down_proj`, either
   layout) inside every expert on the intermediate dimension, the router replicated with its whole
-  gradient (`shardformer/layers/experts.py`; sequence parallelism with such experts is refused), and
+  gradient (`shardformer/layers/experts.py`; sequence parallelism with such experts is refused; with
+  `output_router_logits=True` over data-parallel replicas the load-balancing loss is each replica's
+  own, averaged with the rest of the loss: DDP's semantics, `tests/shardformer/test_moe_layouts.py`;
+  routing statistics all-reduced over the replicas are not an option yet), and
   refuses every other style (MLA's `mla_kv_a_proj`, identity experts, `all_reduce`, `local_params`,
   ...) naming it. A plan that leaves more than half of a model's parameters whole on every rank
   (GPT-OSS's, which splits only the embedding) is said on rank 0 at boost. A plan's

@@ -1,5 +1,6 @@
-"""Tensor-parallel MoE experts composed with the other axes, on 4 processes (issue 25, item 1): Qwen3-MoE
-at tp=2 x dp=2 with ZeRO-1 (fp32, then bf16), and at tp=2 x pp=2 (1F1B), each against single-process
+"""Tensor-parallel MoE experts composed with the other axes, on 4 processes (issue 25, items 1 and 3):
+Qwen3-MoE at tp=2 x dp=2 with ZeRO-1 (fp32, then bf16), at tp=2 x pp=2 (1F1B), and at tp=2 x dp=2 with
+ZeRO-2 and the router's load-balancing loss (each replica's own, DDP's semantics), each against single-process
 training on the whole batch from the same weights (losses, every weight after the AdamW steps), and a
 tp=2 save loaded into an unsharded model. One process group, the layouts looped inside."""
 
@@ -26,8 +27,8 @@ from meshboost.testing.compare import booster_step
 STEPS, LR, EPS = 3, 1e-3, 1e-4      # eps: see test_moe_tp.py
 
 
-def _config():
-    return transformers.Qwen3MoeConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+def _config(**overrides):
+    return transformers.Qwen3MoeConfig(**overrides,hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                        num_hidden_layers=2, vocab_size=160, max_position_embeddings=64,
                                        intermediate_size=128, moe_intermediate_size=32, num_experts=4,
                                        num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
@@ -52,12 +53,26 @@ def _batches(config, batch=8, seq=8):
     return out
 
 
-def _reference(config, batches):
+def _reference(config, batches, replicas=1):
+    """Single-process training on the whole batches. replicas > 1 (with the router's load-balancing
+    loss): the objective data parallelism trains, DDP's semantics for that loss (meshboost's default,
+    docs/models.md): the cross-entropy of the whole batch plus the mean over the replicas' halves of
+    each half's own load-balancing loss (its routing statistics are those of the tokens it holds)."""
     model = _build(config)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     losses = []
     for b in batches:
-        loss = model(**b).loss
+        if replicas == 1:
+            loss = model(**b).loss
+        else:
+            halves = [{k: v.chunk(replicas)[r] for k, v in b.items()} for r in range(replicas)]
+            items = sum(int((h["labels"][:, 1:] != -100).sum()) for h in halves)
+            loss = 0
+            for h in halves:
+                out = model(**h)
+                ce_mean = out.loss - config.router_aux_loss_coef * out.aux_loss
+                loss = loss + ce_mean * int((h["labels"][:, 1:] != -100).sum()) / items \
+                    + config.router_aux_loss_coef * out.aux_loss / replicas
         loss.backward()
         opt.step(), opt.zero_grad()
         losses.append(loss.item())
@@ -102,6 +117,11 @@ def _body(rank, world):
     booster, model = _run(config, batches, HybridParallelConfig(tp_size=2, zero=ZeroConfig(stage=1),
                                                                 precision=PrecisionConfig("bf16")),
                           ref_losses, ref_params, "tp2 dp2 zero1 bf16", dtype=torch.bfloat16)
+    # the router's load-balancing loss over dp replicas: each replica's own (DDP's semantics), with ZeRO-2
+    routed = _config(output_router_logits=True)
+    routed_losses, routed_params = _reference(routed, batches, replicas=2)
+    _run(routed, batches, HybridParallelConfig(tp_size=2, zero=ZeroConfig(stage=2)), routed_losses, routed_params,
+         "tp2 dp2 zero2 router loss")
     # the tp=2 (bf16 working, fp32 masters) save is the HF layout: an unsharded model loads it
     folder = os.path.join(tempfile.gettempdir(), f"meshboost_moe_layouts_{os.environ.get('MASTER_PORT', '0')}")
     booster.save_model(model, folder, shard=True)
