@@ -110,6 +110,12 @@ def plugin_config(config, shortcuts: dict, unknown: dict) -> HybridParallelConfi
                         "ColossalAI's path, which maps them onto the config (docs/colossalai.md)")
     given = {k: v for k, v in shortcuts.items() if v is not None}
     if config is None:
+        pp = given.get("pp_size", 1)
+        if isinstance(pp, int) and not isinstance(pp, bool) and pp > 1:
+            raise ValueError(f"HybridParallelPlugin(pp_size={pp}) needs a micro-batch setting, which the shortcuts do "
+                             f"not take: pass HybridParallelConfig(pipeline=PipelineConfig(pp_size={pp}, "
+                             "num_microbatches=...)), or ColossalAI's keywords through meshboost.booster.plugin's "
+                             f"HybridParallelPlugin(pp_size={pp}, num_microbatches=...)")
         return HybridParallelConfig.of(**given)
     if not isinstance(config, HybridParallelConfig):
         hint = f"tp_size={config!r}" if isinstance(config, int) else "config=HybridParallelConfig(...)"

@@ -132,6 +132,9 @@ def test_core_plugin_arguments_are_refused_with_the_fix():
         plugin_config(None, {"tp_size": 2}, {"num_microbatches": 4})
     with pytest.raises(TypeError, match="tp_size=2"):
         plugin_config(2, {}, {})
+    with pytest.raises(ValueError, match=r"pp_size=2\) needs a micro-batch setting.*PipelineConfig\(pp_size=2, "
+                                         r"num_microbatches=\.\.\.\)"):
+        plugin_config(None, {"tp_size": 1, "pp_size": 2}, {})
     with pytest.raises(ValueError, match="inside the config"):
         plugin_config(HybridParallelConfig(), {"tp_size": 2}, {})
     with pytest.raises(TypeError, match="pass a PipelineConfig"):
