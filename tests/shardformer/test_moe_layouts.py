@@ -4,7 +4,6 @@ ZeRO-2 and the router's load-balancing loss (each replica's own, DDP's semantics
 training on the whole batch from the same weights (losses, every weight after the AdamW steps), and a
 tp=2 save loaded into an unsharded model. One process group, the layouts looped inside."""
 
-import copy
 import os
 import tempfile
 
@@ -23,34 +22,15 @@ from meshboost.plugins import (
 )
 from meshboost.testing import assert_close, spawn
 from meshboost.testing.compare import booster_step
+from meshboost.testing.moe import build_causal_lm, causal_batches, moe_config
 
 STEPS, LR, EPS = 3, 1e-3, 1e-4      # eps: see test_moe_tp.py
 
 
 def _config(**overrides):
-    return transformers.Qwen3MoeConfig(**overrides,hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                       num_hidden_layers=2, vocab_size=160, max_position_embeddings=64,
-                                       intermediate_size=128, moe_intermediate_size=32, num_experts=4,
-                                       num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
-                                       use_cache=False, tie_word_embeddings=False)
-    # no router load-balancing loss here: over data-parallel replicas it is the mean of the replicas' own
-    # losses, which is not the whole batch's (issue 25, item 3); test_moe_tp.py checks it at tp=2
-
-
-def _build(config):
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config)).float()
-
-
-def _batches(config, batch=8, seq=8):
-    g = torch.Generator().manual_seed(7)
-    out = []
-    for _ in range(STEPS):
-        ids = torch.randint(1, config.vocab_size, (batch, seq), generator=g)
-        labels = ids.clone()
-        labels[1, :3] = -100
-        out.append({"input_ids": ids, "labels": labels})
-    return out
+    # no router load-balancing loss unless asked: over data-parallel replicas it is the mean of the
+    # replicas' own losses, which is not the whole batch's (issue 25, item 3; see _reference)
+    return moe_config("qwen3_moe", **overrides)
 
 
 def _reference(config, batches, replicas=1):
@@ -58,7 +38,7 @@ def _reference(config, batches, replicas=1):
     loss): the objective data parallelism trains, DDP's semantics for that loss (meshboost's default,
     docs/models.md): the cross-entropy of the whole batch plus the mean over the replicas' halves of
     each half's own load-balancing loss (its routing statistics are those of the tokens it holds)."""
-    model = _build(config)
+    model = build_causal_lm(config)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     losses = []
     for b in batches:
@@ -80,7 +60,7 @@ def _reference(config, batches, replicas=1):
 
 
 def _run(config, batches, plugin_config, ref_losses, ref_params, what, dtype=torch.float32):
-    model = _build(config)
+    model = build_causal_lm(config)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     plugin = HybridParallelPlugin(plugin_config)
     booster = Booster(plugin=plugin)
@@ -108,7 +88,7 @@ def _run(config, batches, plugin_config, ref_losses, ref_params, what, dtype=tor
 
 def _body(rank, world):
     config = _config()
-    batches = _batches(config)
+    batches = causal_batches(config, STEPS, batch=8, seed=7)
     ref_losses, ref_params = _reference(config, batches)
     _run(config, batches, HybridParallelConfig(tp_size=2, zero=ZeroConfig(stage=1)), ref_losses, ref_params,
          "tp2 dp2 zero1")

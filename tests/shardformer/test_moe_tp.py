@@ -6,7 +6,6 @@ the AdamW steps, the saved HF folder reloaded by `from_pretrained`; each rank ho
 expert tensor (the experts are split, not replicated); sequence parallelism with them and a token
 routed outside the experts are refused on every rank. One process group, the families looped inside."""
 
-import copy
 import os
 import tempfile
 
@@ -19,59 +18,21 @@ from meshboost import Booster
 from meshboost.distributed.param_info import gather_tensor, get_tp_info
 from meshboost.plugins import HybridParallelConfig, HybridParallelPlugin, ShardConfig
 from meshboost.testing import assert_close, spawn
+from meshboost.testing.moe import MOE_FAMILIES, build_causal_lm, causal_batches, moe_config
 
 # eps=1e-4: Adam turns a near-zero gradient (an embedding row no token used) into a +-lr step whose sign
 # round-off decides; the comparison is about the sharding, not that sign (as the other plugin tests)
 STEPS, LR, EPS = 3, 1e-3, 1e-4
-COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, vocab_size=160,
-              max_position_embeddings=64, intermediate_size=128, use_cache=False, tie_word_embeddings=False)
-FAMILIES = {
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**COMMON, head_dim=16, moe_intermediate_size=32, num_experts=4,
-                                                     num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
-                                                     output_router_logits=True),
-    "mixtral": lambda: transformers.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2,
-                                                  output_router_logits=True),
-    "olmoe": lambda: transformers.OlmoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2),
-    # shared experts and a dense first layer (first_k_dense_replace), sharded as MLPs
-    "glm4_moe": lambda: transformers.Glm4MoeConfig(**COMMON, head_dim=16, moe_intermediate_size=32, n_routed_experts=4,
-                                                   num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
-                                                   n_group=1, topk_group=1),
-    # multi-head latent attention split by heads (policies/deepseek.py), shared experts, a dense first layer
-    "deepseek_v3": lambda: transformers.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4},
-                                                         moe_intermediate_size=32, n_routed_experts=4,
-                                                         num_experts_per_tok=2, n_shared_experts=1,
-                                                         first_k_dense_replace=1, n_group=1, topk_group=1,
-                                                         q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
-                                                         qk_nope_head_dim=8, v_head_dim=16, rope_scaling=None),
-    # the transposed packed layout ([E, H, 2I] / [E, I, H]) and a shared expert
-    "llama4_text": lambda: transformers.Llama4TextConfig(**COMMON, head_dim=16, intermediate_size_mlp=128,
-                                                         num_local_experts=4, num_experts_per_tok=1,
-                                                         interleave_moe_layer_step=1, attention_chunk_size=8),
-}
+# router load-balancing loss on where the family has one
+ROUTED = {"qwen3_moe": dict(output_router_logits=True), "mixtral": dict(output_router_logits=True)}
 
 
-def _build(config, seed=0):
-    torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config)).float()
-
-
-def _batches(config, n=STEPS, batch=4, seq=8):
-    g = torch.Generator().manual_seed(5)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(1, config.vocab_size, (batch, seq), generator=g)
-        labels = ids.clone()
-        labels[1, :3] = -100
-        out.append({"input_ids": ids, "labels": labels})
-    return out
-
-
-def _check_family(name, make_config, rank):
-    config = make_config()
-    batches = _batches(config)
-    ref = _build(config)
+def _check_family(name, rank):
+    config = moe_config(name, **ROUTED.get(name, {}))
+    batches = causal_batches(config, STEPS)
+    ref = build_causal_lm(config)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
-    model = _build(config)
+    model = build_causal_lm(config)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     booster = Booster(plugin=HybridParallelPlugin(tp_size=2))
     model, opt, *_ = booster.boost(model, opt)
@@ -113,16 +74,16 @@ def _route_out_of_range(module, args, output):
 
 
 def _body(rank, world):
-    for name, make_config in FAMILIES.items():
-        _check_family(name, make_config, rank)
+    for name in MOE_FAMILIES:
+        _check_family(name, rank)
     # a token routed outside the experts is an error on every rank, not a silently dropped route
-    model = _build(FAMILIES["qwen3_moe"]())
+    model = build_causal_lm(moe_config("qwen3_moe"))
     model, *_ = Booster(plugin=HybridParallelPlugin(tp_size=2)).boost(model)
     model.unwrap().model.layers[0].mlp.gate.register_forward_hook(_route_out_of_range)
     with pytest.raises(ValueError, match="routed to expert id 4, outside the 4 experts"):
         model(input_ids=torch.ones(2, 4, dtype=torch.long))
     # sequence parallelism cannot split experts exactly: refused on every rank before any change
-    model = _build(FAMILIES["mixtral"]())
+    model = build_causal_lm(moe_config("mixtral"))
     plugin = HybridParallelPlugin(HybridParallelConfig(tp_size=2,
                                                        sharding=ShardConfig(enable_sequence_parallelism=True)))
     with pytest.raises(ValueError, match="sequence parallelism with tensor-parallel MoE experts"):
