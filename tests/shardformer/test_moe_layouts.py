@@ -1,5 +1,5 @@
 """Tensor-parallel MoE experts composed with the other axes, on 4 processes (issue 25, items 1 and 3):
-Qwen3-MoE at tp=2 x dp=2 with ZeRO-1 (fp32, then bf16), at tp=2 x pp=2 (1F1B), and at tp=2 x dp=2 with
+Qwen3-MoE at tp=2 x dp=2 with ZeRO-1 (fp32, bf16, fp16), at tp=2 x pp=2 (1F1B), and at tp=2 x dp=2 with
 ZeRO-2 and the router's load-balancing loss (each replica's own, DDP's semantics), each against single-process
 training on the whole batch from the same weights (losses, every weight after the AdamW steps), and a
 tp=2 save loaded into an unsharded model. One process group, the layouts looped inside."""
@@ -97,6 +97,8 @@ def _body(rank, world):
     booster, model = _run(config, batches, HybridParallelConfig(tp_size=2, zero=ZeroConfig(stage=1),
                                                                 precision=PrecisionConfig("bf16")),
                           ref_losses, ref_params, "tp2 dp2 zero1 bf16", dtype=torch.bfloat16)
+    _run(config, batches, HybridParallelConfig(tp_size=2, zero=ZeroConfig(stage=1), precision=PrecisionConfig("fp16")),
+         ref_losses, ref_params, "tp2 dp2 zero1 fp16", dtype=torch.float16)
     # the router's load-balancing loss over dp replicas: each replica's own (DDP's semantics), with ZeRO-2
     routed = _config(output_router_logits=True)
     routed_losses, routed_params = _reference(routed, batches, replicas=2)

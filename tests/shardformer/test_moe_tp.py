@@ -4,7 +4,9 @@ single-process training from the same weights and batches: per-step losses (rout
 loss included) within 2e-5 relative, every gathered gradient after the first step, every weight after
 the AdamW steps, the saved HF folder reloaded by `from_pretrained`; each rank holds half of every
 expert tensor (the experts are split, not replicated); sequence parallelism with them and a token
-routed outside the experts are refused on every rank. One process group, the families looped inside."""
+routed outside the experts are refused on every rank; the saved folder loads into a fresh tp=2 model
+(`booster.load_model`), and one with another expert count is refused. One process group, the families
+looped inside."""
 
 import os
 import tempfile
@@ -64,6 +66,22 @@ def _check_family(name, rank):
     for n, p in reloaded.named_parameters():
         assert torch.equal(p.detach(), ref_params[n].detach().to(p.dtype)) or \
             torch.allclose(p.detach(), ref_params[n].detach(), atol=1e-6), f"{name}: saved {n} differs"
+    return folder
+
+
+def _load_into_tp(folder, rank):
+    """booster.load_model reads the HF folder into a fresh tp=2 model, each rank its slices of every
+    expert; a model with another expert count is refused on every rank, naming the tensor."""
+    config = moe_config("qwen3_moe")
+    saved = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    booster = Booster(plugin=HybridParallelPlugin(tp_size=2))
+    model, *_ = booster.boost(build_causal_lm(config, seed=1))
+    booster.load_model(model, folder)
+    for n, p in model.unwrap().named_parameters():
+        assert torch.equal(gather_tensor(p.detach(), get_tp_info(p)), dict(saved.named_parameters())[n].detach()), n
+    other, *_ = booster.boost(build_causal_lm(moe_config("qwen3_moe", num_experts=8)))
+    with pytest.raises(ValueError, match=r"experts\.gate_up_proj.*shape \(4, 64, 64\).*\(8, 64, 64\)"):
+        booster.load_model(other, folder)
 
 
 def _route_out_of_range(module, args, output):
@@ -74,8 +92,8 @@ def _route_out_of_range(module, args, output):
 
 
 def _body(rank, world):
-    for name in MOE_FAMILIES:
-        _check_family(name, rank)
+    folders = {name: _check_family(name, rank) for name in MOE_FAMILIES}
+    _load_into_tp(folders["qwen3_moe"], rank)
     # a token routed outside the experts is an error on every rank, not a silently dropped route
     model = build_causal_lm(moe_config("qwen3_moe"))
     model, *_ = Booster(plugin=HybridParallelPlugin(tp_size=2)).boost(model)
