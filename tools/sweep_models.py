@@ -91,6 +91,7 @@ family's table).
   | blip-2 | `Blip2ForConditionalGeneration` (OPT language model) | Q-Former like BERT, OPT table under `language_model`, vision MLP split; vision attention replicated (its forward reshapes by the full width) | yes (vision, Q-Former, OPT stacks) |
   | esmc | `EsmcForMaskedLM`, `EsmcForSequenceClassification` | whole-hidden q/k norms: q/k/v gathered, attention on every rank (OLMo2's treatment), MLP split | yes (pp plan) |
   | cohere (`use_qk_norm`) | `CohereForCausalLM` via its plan | per-head q/k norm weights split by heads (`head_norm`) | yes (pp plan) |
+  | gpt_oss | `GptOssForCausalLM` (`tests/shardformer/test_moe_tp.py`) | transformers' plan splits only the embedding: attention by heads with its per-head `sinks`, experts with interleaved gate/up rows and biases split inside every expert, router replicated | yes (pp plan) |
   | deepseek_v2, deepseek_v3 | `DeepseekV3ForCausalLM`, `DeepseekV2ForCausalLM` (`tests/shardformer/test_mla.py`, `test_moe_tp.py`) | multi-head latent attention split by heads (q_b/q, kv_b colwise, o rowwise; the a-projections and norms whole, gradients summed once), transformers' MLP and expert entries | yes (pp plan) |
 
 - **transformers' own `base_model_tp_plan`**, read by `policies/tp_plan.py`, which translates
@@ -105,7 +106,7 @@ family's table).
   routing statistics all-reduced over the replicas are not an option yet), and
   refuses every other style (MLA's `mla_kv_a_proj`, identity experts, `all_reduce`, `local_params`,
   ...) naming it. A plan that leaves more than half of a model's parameters whole on every rank
-  (GPT-OSS's, which splits only the embedding) is said on rank 0 at boost. A plan's
+  (Flint's, which names no attention) is said on rank 0 at boost. A plan's
   module that has parameters, is not covered by the plan and is fed split activations (a
   learnable activation between the MLP projections, a per-head norm) is refused at its first
   call rather than trained with a partial gradient. An embedding subclass with a forward of its

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -38,7 +39,7 @@ from meshboost.shardformer.rng import install_tp_rank_rng
 from meshboost.shardformer.shard_config import ShardConfig
 from meshboost.shardformer.styles import (
     BLOCK_INPUT,
-    MOE_EXPERTS,
+    EXPERT_STYLES,
     SPLITTING_STYLES,
     STYLES,
     ShardContext,
@@ -71,6 +72,7 @@ class _Plan:
     seq_stack_full: str | None = None   # ... and from the model's root
     seq_blocks: list[tuple[str, nn.Module]] = field(default_factory=list)   # see _sequence_blocks
     regions: RegionPlan = field(default_factory=RegionPlan)    # the block regions; every linear's role
+    params: list[tuple[str, nn.Parameter, ShardStyle, tuple]] = field(default_factory=list)   # parameter styles
 
 
 def _set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
@@ -115,7 +117,7 @@ def _closed_block(block: nn.Module, matched: dict) -> bool:
     inside an attention (OLMo2's whole-hidden q/k norm) reads a projection's output, not the block's
     input, and leaves the block closed."""
     return all(id(m) in matched for m in block.modules() if isinstance(m, nn.Linear) or is_conv1d(m)) and \
-        not any(matched[id(m)].style.name == MOE_EXPERTS for m in block.modules() if id(m) in matched)
+        not any(matched[id(m)].style.name in EXPERT_STYLES for m in block.modules() if id(m) in matched)
 
 
 def _split_input_guards(model: nn.Module, matches: list[_Match], matched: dict) -> list[tuple[str, nn.Module]]:
@@ -199,6 +201,18 @@ def tied_parameters(model: nn.Module) -> list[dict[str, nn.Parameter]]:
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), {})[name] = p
     return [group for group in names.values() if len(group) > 1]
+
+
+def _parameter_matches(base: nn.Module, compiled: list, full: Callable, tp_size: int) -> list:
+    """The parameters the plan names with a parameter style, each validated (pure)."""
+    out = []
+    for name, param in base.named_parameters():
+        hit = next(((style, args) for regex, style, args in compiled if style.on_parameter and regex.match(name)),
+                   None)
+        if hit is not None:
+            hit[0].validate(full(name), param, tp_size, *hit[1])
+            out.append((full(name), param, *hit))
+    return out
 
 
 def plan_root(model: nn.Module) -> nn.Module:
@@ -288,7 +302,8 @@ class ShardFormer:
         compiled = [(pattern_to_regex(p), *parse_style(s)) for p, s in policy.plan.items()]
         by_module: dict[int, _Match] = {}
         for name, module in base.named_modules(remove_duplicate=False):
-            hit = next(((style, args) for regex, style, args in compiled if name and regex.match(name)), None)
+            hit = next(((style, args) for regex, style, args in compiled
+                        if name and not style.on_parameter and regex.match(name)), None)
             if hit is None:
                 continue
             match = by_module.get(id(module))
@@ -311,8 +326,9 @@ class ShardFormer:
         if not any(m.style.name != BLOCK_INPUT for m in matches):
             raise ValueError(f"policy {policy.name!r} matched no module of {type(model).__name__}; check the "
                              "plan's paths against model.base_model.named_modules()")
-        plan = _Plan(matches, guards=_split_input_guards(model, matches, by_module))
-        experts = [m.paths[0] for m in matches if m.style.name == MOE_EXPERTS]
+        plan = _Plan(matches, guards=_split_input_guards(model, matches, by_module),
+                     params=_parameter_matches(base, compiled, full, tp_size))
+        experts = [m.paths[0] for m in matches if m.style.name in EXPERT_STYLES]
         if self.shard_config.enable_sequence_parallelism and experts:
             raise ValueError(f"{experts[0]}: sequence parallelism with tensor-parallel MoE experts is not supported "
                              "(each rank would route other tokens through its slice of the experts); use "
@@ -397,6 +413,8 @@ class ShardFormer:
             if new is not None:
                 for path in m.paths:
                     _set_submodule(model, path, new)
+        for path, param, style, args in plan.params:
+            style.apply(ctx, path, param, *args)
         for module, attr, value in plan.attributes:
             setattr(module, attr, value)
         for path, module in plan.guards:

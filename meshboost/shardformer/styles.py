@@ -31,6 +31,7 @@ from meshboost.shardformer.regions import RegionPlan
 
 BLOCK_INPUT = "block_input"     # a module whose input feeds only column-parallel linears: Megatron f once
 MOE_EXPERTS = "moe_experts"     # a packed experts module: f on its inputs, g on its output (layers/experts.py)
+EXPERT_STYLES = (MOE_EXPERTS, MOE_EXPERTS + "_interleaved")
 SPLITTING_STYLES = ("colwise", "colwise_fused", "colwise_heads")   # outputs stay split: the block works on shards
 DEFAULT_BLOCK_INPUT_KWARGS = ("hidden_states", "encoder_hidden_states")
 
@@ -59,6 +60,9 @@ class ShardStyle:
     validate: Callable[..., None]
     apply: Callable[..., nn.Module | None]
     num_args: int = 0
+    # a style for a parameter path (`layers.*.self_attn.sinks`): validate(path, param, tp_size, *args),
+    # apply(ctx, path, param, *args) shards the parameter in place
+    on_parameter: bool = False
 
 
 STYLES: dict[str, ShardStyle] = {}
@@ -66,11 +70,12 @@ _SPEC = re.compile(r"^([A-Za-z_]\w*)(?:\(([^)]*)\))?$")
 
 
 def register_style(name: str, validate: Callable[..., None], apply: Callable[..., nn.Module | None],
-                   num_args: int = 0) -> None:
-    """Add a style; `num_args` integer arguments are written `name(a, b)` in a plan."""
+                   num_args: int = 0, on_parameter: bool = False) -> None:
+    """Add a style; `num_args` integer arguments are written `name(a, b)` in a plan. on_parameter: the
+    plan names a parameter (a module's own tensor, such as attention sinks), not a module."""
     if name in STYLES:
         raise ValueError(f"sharding style {name!r} is already registered")
-    STYLES[name] = ShardStyle(name, validate, apply, num_args)
+    STYLES[name] = ShardStyle(name, validate, apply, num_args, on_parameter)
 
 
 def parse_style(spec: str) -> tuple[ShardStyle, tuple[int, ...]]:
@@ -293,8 +298,22 @@ register_style(BLOCK_INPUT, lambda path, module, tp: None, _block_input)
 register_style("head_norm", _check_head_norm, _head_norm, num_args=1)   # Cohere's q/k norm: head_norm(heads)
 register_style("heads_bias", lambda path, module, tp: None, _heads_bias)            # ALiBi: this rank's heads
 register_style("embedding_heads", _check_embedding_heads, _embedding_heads)        # T5's relative position bias
-# transformers' packed MoE experts, every expert split on its intermediate dim (layers/experts.py)
+# transformers' packed MoE experts, every expert split on its intermediate dim (layers/experts.py); the
+# interleaved variant for experts whose gate and up rows alternate ([g0, u0, g1, u1, ...]: GPT-OSS)
 register_style(MOE_EXPERTS, check_experts, lambda ctx, path, module: shard_experts_(module, ctx.group))
+register_style(EXPERT_STYLES[1], partial(check_experts, interleaved=True),
+               lambda ctx, path, module: shard_experts_(module, ctx.group, interleaved=True))
+
+
+def _check_split_heads(path: str, param: torch.Tensor, tp_size: int) -> None:
+    if param.dim() < 1 or param.shape[0] % tp_size:
+        raise ValueError(f"{path}: {tuple(param.shape)} holds one entry per head along dim 0, not divisible by "
+                         f"tp_size={tp_size}; choose a tp_size that divides {param.shape[0] if param.dim() else 0}")
+
+
+# a per-head parameter of a module (GPT-OSS's attention sinks): this rank's heads' entries
+register_style("split_heads", _check_split_heads, lambda ctx, path, param: shard_parameter_(param, 0, ctx.group),
+               on_parameter=True)
 
 
 # -- attribute rules: (path, attribute, value, tp_size) -> the per-rank value, or raise -----------

@@ -27,6 +27,9 @@ _FAMILIES = {
                                              n_group=1, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
                                              qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                                              rope_scaling=None)),
+    # interleaved gate/up rows, expert biases, attention sinks and sliding windows (policies/gpt_oss.py)
+    "gpt_oss": ("GptOssConfig", dict(intermediate_size=32, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                     sliding_window=8)),
     # the transposed packed layout ([E, H, 2I] / [E, I, H]) and a shared expert
     "llama4_text": ("Llama4TextConfig", dict(head_dim=16, intermediate_size_mlp=128, num_local_experts=4,
                                              num_experts_per_tok=1, interleave_moe_layer_step=1,

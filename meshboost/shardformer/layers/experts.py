@@ -21,7 +21,8 @@ import torch
 import torch.nn as nn
 
 from meshboost.distributed import comm
-from meshboost.shardformer.layers.linear import shard_parameter_
+from meshboost.distributed.param_info import register_grad_hook
+from meshboost.shardformer.layers.linear import shard_parameter_, sum_grad_over_tp
 
 UP_PARAMS = ("gate_up_proj", "up_proj")     # [gate; up] packed, or up alone (experts without a gate)
 
@@ -42,23 +43,30 @@ def expert_dims(module: nn.Module) -> tuple[int, int]:
     return (2, 1) if transposed else (1, 2)
 
 
-def _fused(module: nn.Module) -> int:
+def _fused(module: nn.Module, interleaved: bool) -> int:
     """Blocks along the up projection's I dim: 2 for [gate; up] halves, 1 for interleaved pairs
-    [g0, u0, g1, u1, ...] (contiguous pairs) or an up projection alone."""
-    if _up_name(module) == "up_proj":
+    [g0, u0, g1, u1, ...] (cut in contiguous pairs) or an up projection alone."""
+    if _up_name(module) == "up_proj" or interleaved:
         return 1
     return 2 if getattr(module, "is_concatenated", True) else 1
 
 
-def check_experts(path: str, module: nn.Module, tp_size: int) -> None:
-    """Refuse (before anything is modified) an experts module this style cannot split exactly."""
+def _biases(module: nn.Module, up_name: str | None) -> tuple[str, str]:
+    return (f"{up_name}_bias", "down_proj_bias")
+
+
+def check_experts(path: str, module: nn.Module, tp_size: int, interleaved: bool = False) -> None:
+    """Refuse (before anything is modified) an experts module this style cannot split exactly.
+    interleaved: the up projection's gate and up rows alternate (GPT-OSS), which the module does not
+    say itself; a policy that knows it uses the interleaved style."""
     params = dict(module.named_parameters(recurse=False))
     up_name = _up_name(module)
-    extra = sorted(set(params) - {up_name, "down_proj"})
-    if up_name is None or "down_proj" not in params or extra:
+    up_bias, down_bias = _biases(module, up_name)
+    extra = sorted(set(params) - {up_name, "down_proj", up_bias, down_bias})
+    if up_name is None or "down_proj" not in params or extra or ((up_bias in params) != (down_bias in params)):
         raise ValueError(f"{path} ({type(module).__name__}): parameters {sorted(params)} are not the packed experts "
-                         "meshboost splits (gate_up_proj or up_proj, and down_proj, without biases or scales); use "
-                         "tp_size=1 for this model (data and pipeline parallelism need no plan)")
+                         "meshboost splits (gate_up_proj or up_proj, and down_proj, both with or both without a "
+                         "bias; no scales); use tp_size=1 for this model (data and pipeline parallelism need no plan)")
     up, down = params[up_name], params["down_proj"]
     if up.dim() != 3 or down.dim() != 3:
         raise ValueError(f"{path} ({type(module).__name__}): expected packed 3-D expert tensors, found {up_name} "
@@ -73,17 +81,31 @@ def check_experts(path: str, module: nn.Module, tp_size: int) -> None:
     if inter % tp_size:
         raise ValueError(f"{path}: the experts' intermediate size {inter} is not divisible by tp_size={tp_size}; "
                          f"choose a tp_size that divides {inter}")
+    if up_bias in params and (tuple(params[up_bias].shape) != (up.shape[0], up.shape[g])
+                              or tuple(params[down_bias].shape) != (down.shape[0], down.shape[3 - d])):
+        raise ValueError(f"{path}: biases {up_bias} {tuple(params[up_bias].shape)} and {down_bias} "
+                         f"{tuple(params[down_bias].shape)} do not match the experts' [E, {width}I] and [E, H]; use "
+                         "tp_size=1")
 
 
-def shard_experts_(module: nn.Module, group) -> None:
+def shard_experts_(module: nn.Module, group, interleaved: bool = False) -> None:
     """Split every expert of `module` over `group` on its intermediate dimension, in place (the same
     parameter objects, each with its tensor-parallel record), and install f before and g after its
-    forward."""
+    forward. With biases, the up projection's bias is split with its rows; the down projection's is
+    whole on every rank, so the output's bias terms, added by each rank's partial sum, are taken back
+    to one before the all-reduce (`_reduce_output`) and its gradient is summed over tp."""
     g, d = expert_dims(module)
-    shard_parameter_(getattr(module, _up_name(module)), g, group, num_fused=_fused(module))
+    up_name = _up_name(module)
+    fused = _fused(module, interleaved)
+    shard_parameter_(getattr(module, up_name), g, group, num_fused=fused)
     shard_parameter_(module.down_proj, d, group)
+    up_bias, down_bias = _biases(module, up_name)
+    has_bias = isinstance(getattr(module, down_bias, None), nn.Parameter)
+    if has_bias:
+        shard_parameter_(getattr(module, up_bias), 1, group, num_fused=fused)
+        register_grad_hook(getattr(module, down_bias), partial(sum_grad_over_tp, group))
     module.register_forward_pre_hook(partial(_copy_inputs, group), with_kwargs=True)
-    module.register_forward_hook(partial(_reduce_output, group))
+    module.register_forward_hook(partial(_reduce_output, group, down_bias if has_bias else None), with_kwargs=True)
 
 
 def _copy_inputs(group, module, args, kwargs):
@@ -115,11 +137,21 @@ def check_expert_ids(ids: torch.Tensor, num_experts: int, what: str) -> None:
         torch._assert_async(~bad.any(), f"{what}: a token was routed to an expert id outside [0, {num_experts})")
 
 
-def _reduce_output(group, module, args, output):
-    """g on the experts' output: the partial sums over this rank's slice of I, all-reduced once."""
-    if torch.is_tensor(output):
-        return comm.reduce_from_tp(output, group)
-    if isinstance(output, tuple) and output and torch.is_tensor(output[0]):
-        return (comm.reduce_from_tp(output[0], group), *output[1:])
-    raise TypeError(f"{type(module).__name__} returned {type(output).__name__}; tensor-parallel experts expect a "
-                    "tensor (the weighted expert output)")
+def _reduce_output(group, bias_name, module, args, kwargs, output):
+    """g on the experts' output: the partial sums over this rank's slice of I, all-reduced once. A
+    down-projection bias was added by every rank's partial sum (weighted by each token's routing
+    weights): (tp - 1) / tp of those terms come off before the sum, so it holds them once, and their
+    gradient reaches the routing weights (through f: summed over tp) exactly once too."""
+    out = output if torch.is_tensor(output) else output[0] if isinstance(output, tuple) and output else None
+    if not torch.is_tensor(out):
+        raise TypeError(f"{type(module).__name__} returned {type(output).__name__}; tensor-parallel experts expect a "
+                        "tensor (the weighted expert output)")
+    if bias_name is not None:
+        tensors = [t for t in (*args, *kwargs.values()) if torch.is_tensor(t)]
+        ids = next(t for t in tensors if not t.is_floating_point() and t.dtype != torch.bool)
+        weights = next(t for t in tensors if t.is_floating_point() and t.shape == ids.shape)
+        size = torch.distributed.get_world_size(group)
+        terms = (weights.unsqueeze(-1) * getattr(module, bias_name)[ids]).sum(dim=-2)
+        out = out - terms.to(out.dtype) * ((size - 1) / size)
+    out = comm.reduce_from_tp(out, group)
+    return out if torch.is_tensor(output) else (out, *output[1:])

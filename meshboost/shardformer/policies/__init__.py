@@ -16,6 +16,7 @@ from meshboost.shardformer.policies.deepseek import deepseek_policy
 from meshboost.shardformer.policies.esmc import ESMC_POLICY
 from meshboost.shardformer.policies.falcon import FALCON_POLICY
 from meshboost.shardformer.policies.gpt2 import GPT2_POLICY
+from meshboost.shardformer.policies.gpt_oss import gpt_oss_policy
 from meshboost.shardformer.policies.opt import OPT_POLICY
 from meshboost.shardformer.policies.t5 import T5_POLICY
 from meshboost.shardformer.policies.tp_plan import policy_from_tp_plan
@@ -26,8 +27,10 @@ POLICIES: dict[str, Policy] = {p.name: p for p in (BERT_POLICY, GPT2_POLICY, OPT
                                                    VIT_POLICY, ALBERT_POLICY, T5_POLICY, WHISPER_POLICY,
                                                    BLIP2_POLICY, ESMC_POLICY)}
 # Families whose table depends on the config (model_type -> callable(config) -> Policy): DeepSeek's
-# multi-head latent attention combined with the MLP entries of transformers' own plan.
-POLICY_BUILDERS: dict[str, Callable] = {"deepseek_v2": deepseek_policy, "deepseek_v3": deepseek_policy}
+# multi-head latent attention combined with the MLP entries of transformers' own plan; GPT-OSS, whose
+# shipped plan splits only the embedding.
+POLICY_BUILDERS: dict[str, Callable] = {"deepseek_v2": deepseek_policy, "deepseek_v3": deepseek_policy,
+                                        "gpt_oss": gpt_oss_policy}
 
 
 def _model_type(model: nn.Module):
