@@ -120,7 +120,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         working = _precision_config(precision).dtype
         # the group the parameters' records say averages their gradients (dp for dense weights)
         trainable = [p for g in optim.param_groups for p in g["params"] if p.requires_grad]
-        self.reduce_axes, self.dp_group, self.dp_size, self.dp_rank = mesh.reduction_of(trainable)
+        _, self.dp_group, self.dp_size, self.dp_rank = mesh.reduction_of(trainable)
         # fp32 masters, or (master_weights=False) slices in the working dtype: the inner step then runs
         # in half precision, as ColossalAI's master_weights=False does.
         self.master_dtype = torch.float32 if zc.master_weights else working

@@ -12,7 +12,7 @@ raises on every rank before any collective. Must not build groups or touch a mod
 from __future__ import annotations
 
 import inspect
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 from torch.nn.parallel import DistributedDataParallel
 
@@ -157,7 +157,3 @@ class HybridParallelConfig:
         precision="fp16")`): every other setting at its default."""
         return cls(tp_size=tp_size, pipeline=PipelineConfig(pp_size), precision=PrecisionConfig(precision),
                    zero=ZeroConfig(stage=zero_stage))
-
-    def settings(self) -> dict:
-        """The fields as every rank must agree on them (`agree_settings`), one level deep."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}

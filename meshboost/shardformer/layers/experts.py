@@ -51,7 +51,8 @@ def _fused(module: nn.Module, interleaved: bool) -> int:
     return 2 if getattr(module, "is_concatenated", True) else 1
 
 
-def _biases(module: nn.Module, up_name: str | None) -> tuple[str, str]:
+def _biases(up_name: str | None) -> tuple[str, str]:
+    """The bias names that go with the up projection `up_name` and with down_proj."""
     return (f"{up_name}_bias", "down_proj_bias")
 
 
@@ -61,7 +62,7 @@ def check_experts(path: str, module: nn.Module, tp_size: int, interleaved: bool 
     say itself; a policy that knows it uses the interleaved style."""
     params = dict(module.named_parameters(recurse=False))
     up_name = _up_name(module)
-    up_bias, down_bias = _biases(module, up_name)
+    up_bias, down_bias = _biases(up_name)
     extra = sorted(set(params) - {up_name, "down_proj", up_bias, down_bias})
     if up_name is None or "down_proj" not in params or extra or ((up_bias in params) != (down_bias in params)):
         raise ValueError(f"{path} ({type(module).__name__}): parameters {sorted(params)} are not the packed experts "
@@ -99,7 +100,7 @@ def shard_experts_(module: nn.Module, group, interleaved: bool = False) -> None:
     fused = _fused(module, interleaved)
     shard_parameter_(getattr(module, up_name), g, group, num_fused=fused)
     shard_parameter_(module.down_proj, d, group)
-    up_bias, down_bias = _biases(module, up_name)
+    up_bias, down_bias = _biases(up_name)
     has_bias = isinstance(getattr(module, down_bias, None), nn.Parameter)
     if has_bias:
         shard_parameter_(getattr(module, up_bias), 1, group, num_fused=fused)
