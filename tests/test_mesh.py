@@ -27,10 +27,16 @@ def test_parallel_dims_are_the_one_answer_for_sizes():
     assert dims.size("dp", "tp") == 4 and dims.grad_axes() == ("dp",)
     with pytest.raises(ValueError, match="axis='cp'"):
         dims.size("cp")
-    with pytest.raises(ValueError, match="parameter kind 'expert'"):
-        dims.grad_axes("expert")
+    with pytest.raises(ValueError, match="parameter kind 'context'"):
+        dims.grad_axes("context")
     with pytest.raises(ValueError, match="not divisible"):
         ParallelDims.of_world(6, tp=4)
+    # expert parallelism factors dp as (edp, ep): experts averaged over their own replicas
+    ep = ParallelDims.of_world(8, tp=2, ep=2)
+    assert (ep.dp, ep.ep, ep.edp, ep.mesh_axes, ep.shape) == (4, 2, 2, ("edp", "ep", "pp", "tp"), (2, 2, 1, 2))
+    assert ep.grad_axes("expert") == ("edp",) and dims.mesh_axes == ("dp", "pp", "tp")
+    with pytest.raises(ValueError, match="ep_size=3 does not divide the data-parallel size 4"):
+        ParallelDims.of_world(8, tp=2, ep=3)
 
 
 def test_launch_from_torch_needs_torchrun_env(monkeypatch):
@@ -66,19 +72,31 @@ def _mesh_body(rank, world):
     axes, group, size, index = mesh.reduction_of([w, b])
     assert (axes, size, index) == (("dp",), 2, rank // 2) and group is mesh.dp_group
     assert mesh.reduction_rank(w) == rank // 2
-    set_grad_reduction(b, GradReduction("expert"))          # a kind this mesh has no axis for yet
-    with pytest.raises(ValueError, match="parameter kind 'expert'"):
+    set_grad_reduction(b, GradReduction("context"))         # a kind this mesh has no axis for yet
+    with pytest.raises(ValueError, match="parameter kind 'context'"):
         mesh.reduction_of([w, b])
-    ParallelDims.GRAD_AXES["expert"] = ("tp",)               # as an expert axis will add its own kind
+    ParallelDims.GRAD_AXES["context"] = ("tp",)              # as a context axis will add its own kind
     try:
         assert mesh.reduction_of([b])[:3] == (("tp",), mesh.tp_group, 2)
         with pytest.raises(NotImplementedError, match=r"\(2,\) over \('dp',\), \(2,\) over \('tp',\)"):
             mesh.reduction_of([w, b])                        # one reducer, two groups: refused
     finally:
-        del ParallelDims.GRAD_AXES["expert"]
+        del ParallelDims.GRAD_AXES["context"]
     moved = torch.nn.Parameter(torch.ones(2))
     carry_records(b, moved)                                  # the record travels with a replacement
-    assert moved.grad_reduction == GradReduction("expert")
+    assert moved.grad_reduction == GradReduction("context")
+    # expert parallelism: ep = 2 of the 4 dp ranks (ep inner), edp their replicas; dp stays every replica
+    ep = ParallelMesh(tp_size=1, ep_size=2)
+    assert (ep.dp_size, ep.ep_size, ep.dp_rank, ep.ep_rank, ep.edp_rank) == (4, 2, rank, rank % 2, rank // 2)
+    assert dist.get_process_group_ranks(ep.group("ep")) == [rank // 2 * 2, rank // 2 * 2 + 1]
+    assert dist.get_process_group_ranks(ep.group("edp")) == [rank % 2, rank % 2 + 2]
+    assert dist.get_process_group_ranks(ep.dp_group) == [0, 1, 2, 3]
+    set_grad_reduction(b, GradReduction("expert"))
+    assert ep.reduction_of([b])[0] == ("edp",) and ep.reduction_rank(b) == rank // 2
+    # with tp inside: the ep group joins the dp replicas at this tp coordinate, one replica of each expert
+    both = ParallelMesh(tp_size=2, ep_size=2)
+    assert dist.get_process_group_ranks(both.group("ep")) == [rank % 2, rank % 2 + 2] and both.dims.edp == 1
+    assert mesh.reduction_of([b])[1] is mesh.dp_group        # without ep, edp is dp: the expert kind is dp's
     # launch seeded every rank identically
     assert meshboost.get_current_device().type in ("cpu", "cuda")
 

@@ -118,8 +118,9 @@ class CheckpointReader:
 
 
 def read_shard(reader: CheckpointReader, key: str, info: TensorParallelInfo | None) -> torch.Tensor:
-    """This rank's shard of checkpoint tensor `key` (the full tensor for a replicated parameter)."""
-    if info is None or info.tp_size == 1 and not info.padding:
+    """This rank's shard of checkpoint tensor `key` (its tp shard and, for an expert-parallel weight, its
+    run of experts; the full tensor for a replicated parameter)."""
+    if info is None or info.tp_size == 1 and not info.padding and info.expert_size == 1:
         return reader.read(key)
     return shard_from(lambda index: reader.read(key, index), reader.shape(key), info, f"checkpoint tensor {key!r}")
 

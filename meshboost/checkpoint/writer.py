@@ -8,7 +8,8 @@ rank of a stage (joining their own gathers) and say how a file and the finishing
 config) are written. Must not gather tensors (the callers do).
 
 Who does what (mesh order dp x pp x tp, tp innermost):
-  * the tp ranks of data-parallel replica 0 join the tp gathers (`gathers`); other replicas hold
+  * the tp ranks of data-parallel replica 0 join the tp gathers (`gathers`; with expert
+    parallelism the ep ranks of replica 0 too, each holding other experts); other replicas hold
     the same values and skip them (under ZeRO they still send their partitions to dp rank 0,
     inside the callers);
   * global rank 0 first takes the target's save lock (`atomic.SaveLock`: a second live save of the
@@ -56,7 +57,9 @@ def save_roles(mesh=None, main_only: bool = False) -> SaveRoles:
         roles = SaveRoles(True, rank == 0, rank == 0, 0, 1, dist.group.WORLD if initialized else None,
                           get_current_device())
     else:
-        roles = SaveRoles(mesh.dp_rank == 0, mesh.dp_rank == 0 and mesh.tp_rank == 0, mesh.global_rank == 0,
+        # replica 0 of the experts (edp 0: the ep ranks of dp replica 0, which hold the other experts) joins
+        # the gathers; without expert parallelism that is dp replica 0
+        roles = SaveRoles(mesh.edp_rank == 0, mesh.dp_rank == 0 and mesh.tp_rank == 0, mesh.global_rank == 0,
                           mesh.pp_rank, mesh.pp_size, mesh.world_group, mesh.device)
     if main_only:
         roles.stage_writer, roles.stage, roles.num_stages = roles.main_writer, 0, 1

@@ -9,6 +9,7 @@ region transition, named forward->backward as in Megatron's mappings:
     gather_from_tp      all-gather  -> split        (last dim)
     gather_from_seq     all-gather  -> reduce-scatter (sequence parallelism, `dim`)
     reduce_scatter_to_seq reduce-scatter -> all-gather (sequence parallelism, `dim`)
+    all_to_all          all-to-all  -> all-to-all back (expert parallelism's dispatch and combine, uneven)
 
 Every function takes its `group` explicitly; None means torch's default group (the world), as
 in torch.distributed. Layers, optimizers and checkpoints call these and contain no `dist.*`
@@ -16,6 +17,8 @@ collectives. A group of size 1 (or no process group) makes every function the id
 """
 
 from __future__ import annotations
+
+from collections import defaultdict
 
 import torch
 import torch.distributed as dist
@@ -165,6 +168,44 @@ def gather_spans(piece: torch.Tensor, spans: list[tuple[int, int]], group, dst: 
     return out
 
 
+def all_to_all_single(tensor: torch.Tensor, group, output_sizes: list[int] | None = None,
+                      input_sizes: list[int] | None = None) -> torch.Tensor:
+    """Rows [sum(input_sizes[:r]), ...) of `tensor` to rank r of `group`; returns the rows every rank
+    sent here, in rank order (`output_sizes[r]` from rank r). None: equal splits. Uneven and empty
+    splits are fine (gloo and NCCL)."""
+    if dist.get_world_size(group) == 1:
+        return tensor
+    tensor = tensor.contiguous()
+    rows = sum(output_sizes) if output_sizes is not None else tensor.shape[0]
+    out = tensor.new_empty((rows, *tensor.shape[1:]))
+    record_collective("all_to_all", group, tensor)
+    run_collective("all_to_all", group, lambda: dist.all_to_all_single(
+        out, tensor, output_split_sizes=output_sizes, input_split_sizes=input_sizes, group=group))
+    return out
+
+
+def all_reduce_grads(params: list, group, average: bool) -> None:
+    """All-reduce (average=True: average) the gradients of `params` over `group` in place, one flat
+    buffer per dtype. Every rank of `group` must hold gradients for the same parameters."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+    seen: set[int] = set()
+    for p in params:
+        if p.grad is not None and id(p) not in seen:
+            seen.add(id(p))
+            by_dtype[p.grad.dtype].append(p.grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        all_reduce(flat, group)
+        if average:
+            flat.div_(dist.get_world_size(group))
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
 def split(tensor: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     """This rank's contiguous chunk of `tensor` along `dim` (no communication)."""
     size = dist.get_world_size(group)
@@ -196,6 +237,18 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, output_sizes, input_sizes):
+        ctx.group, ctx.sizes = group, (output_sizes, input_sizes)
+        return all_to_all_single(x, group, output_sizes, input_sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_sizes, input_sizes = ctx.sizes          # the rows go back where they came from
+        return all_to_all_single(grad, ctx.group, input_sizes, output_sizes), None, None, None
 
 
 def _dim_mapping(name: str, forward_op, backward_op) -> type[torch.autograd.Function]:
@@ -257,3 +310,9 @@ def gather_from_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
 def reduce_scatter_to_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
     """Reduce-scatter partial sums over the sequence forward, all-gather backward (sequence parallel)."""
     return x if _trivial(group) else _ReduceScatterToSeq.apply(x, group, dim)
+
+
+def all_to_all(x: torch.Tensor, group, output_sizes: list[int], input_sizes: list[int]) -> torch.Tensor:
+    """`all_to_all_single` forward, the reverse exchange of the gradient backward: every rank that
+    sent rows gets their gradients back, so a rank that received none still joins the backward."""
+    return x if _trivial(group) else _AllToAll.apply(x, group, output_sizes, input_sizes)

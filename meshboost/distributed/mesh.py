@@ -9,7 +9,11 @@ computes on, and the group joining the first and last pipeline stage (weights ti
 Must not hold module-level state: two meshes can coexist in one process.
 
 Axis order is (dp, pp, tp) with tp innermost, so the ranks of one tensor-parallel group are
-adjacent (on one node when tp <= GPUs per node) and its all-reduces stay on the fastest links.
+adjacent (on one node when tp <= GPUs per node) and its all-reduces stay on the fastest links. With
+expert parallelism (ep > 1) the data-parallel axis is factored as (edp, ep), ep inner: dp rank
+d = edp_rank * ep + ep_rank. The ep ranks of one (pp, tp) coordinate split the experts and exchange
+tokens; the edp ranks hold the same experts (the experts' own data-parallel replicas); "dp" is the
+two flattened, over which dense weights are averaged as before.
 
 Adding an axis (torchtitan's `ParallelDims` is the model): a field of `ParallelDims`, its place in
 `ORDER`, and, when parameters' gradients are averaged over it, its entry in `GRAD_AXES`: a context
@@ -29,14 +33,16 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshboost.distributed.agreement import agree_settings
 from meshboost.distributed.launch import get_current_device, group_timeout
-from meshboost.distributed.param_info import DENSE, grad_reduction
+from meshboost.distributed.param_info import DENSE, EXPERT, grad_reduction
 
 AXES = ("dp", "pp", "tp")
+EXPERT_AXES = ("edp", "ep", "pp", "tp")     # the DeviceMesh's dimensions when ep > 1 ("dp" = edp x ep)
 
 
-def check_mesh_shape(world_size: int, tp_size: int, pp_size: int, dp_size: int | None = None) -> int:
+def check_mesh_shape(world_size: int, tp_size: int, pp_size: int, dp_size: int | None = None,
+                     ep_size: int = 1) -> int:
     """Validate the factors and return dp_size. Pure: raises the same error on every rank."""
-    for name, value in (("tp_size", tp_size), ("pp_size", pp_size)):
+    for name, value in (("tp_size", tp_size), ("pp_size", pp_size), ("ep_size", ep_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer")
     if dp_size is None:
@@ -50,6 +56,12 @@ def check_mesh_shape(world_size: int, tp_size: int, pp_size: int, dp_size: int |
         raise ValueError(
             f"dp_size * pp_size * tp_size = {dp_size} * {pp_size} * {tp_size} = "
             f"{dp_size * pp_size * tp_size} must equal world_size={world_size}")
+    if dp_size % ep_size:
+        raise ValueError(
+            f"ep_size={ep_size} does not divide the data-parallel size {dp_size} (world_size={world_size} / "
+            f"(tp_size={tp_size} * pp_size={pp_size})): expert parallelism splits the experts over data-parallel "
+            f"ranks; choose an ep_size dividing {dp_size}, or launch a multiple of {tp_size * pp_size * ep_size} "
+            "processes")
     return dp_size
 
 
@@ -61,25 +73,37 @@ class ParallelDims:
     dp: int
     pp: int = 1
     tp: int = 1
+    ep: int = 1          # experts split over this many of the dp ranks (ep divides dp)
 
-    ORDER = AXES                                  # outermost first; the DeviceMesh's dimension names
+    ORDER = AXES                                  # outermost first; the DeviceMesh's names at ep == 1
     # kind of parameter -> the axes its gradient is averaged over (its data-parallel replicas)
-    GRAD_AXES = {DENSE: ("dp",)}
+    GRAD_AXES = {DENSE: ("dp",), EXPERT: ("edp",)}
 
     @classmethod
-    def of_world(cls, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None) -> "ParallelDims":
-        return cls(dp=check_mesh_shape(world_size, tp, pp, dp), pp=pp, tp=tp)
+    def of_world(cls, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None,
+                 ep: int = 1) -> "ParallelDims":
+        return cls(dp=check_mesh_shape(world_size, tp, pp, dp, ep), pp=pp, tp=tp, ep=ep)
+
+    @property
+    def edp(self) -> int:
+        """The replicas of one expert: dp / ep (dp itself without expert parallelism)."""
+        return self.dp // self.ep
+
+    @property
+    def mesh_axes(self) -> tuple[str, ...]:
+        """The DeviceMesh's dimension names, outermost first: (dp, pp, tp), or (edp, ep, pp, tp) at ep > 1."""
+        return EXPERT_AXES if self.ep > 1 else AXES
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.size(axis) for axis in self.ORDER)
+        return tuple(self.size(axis) for axis in self.mesh_axes)
 
     def size(self, *axes: str) -> int:
         """The number of ranks along `axes` together (one axis, or several flattened)."""
         out = 1
         for axis in axes:
-            if axis not in self.ORDER:
-                raise ValueError(f"axis={axis!r}; expected one of {self.ORDER}")
+            if axis not in (*AXES, *EXPERT_AXES):
+                raise ValueError(f"axis={axis!r}; expected one of {(*AXES, 'edp', 'ep')}")
             out *= getattr(self, axis)
         return out
 
@@ -98,7 +122,7 @@ class ParallelMesh:
     """
 
     def __init__(self, tp_size: int = 1, pp_size: int = 1, dp_size: int | None = None,
-                 device_type: str | None = None):
+                 device_type: str | None = None, ep_size: int = 1):
         if not dist.is_initialized():
             raise RuntimeError("ParallelMesh needs an initialised process group: call "
                                "meshboost.launch_from_torch() first")
@@ -106,19 +130,23 @@ class ParallelMesh:
         device_type = device_type or current.type
         # Before anything that could differ by rank: ranks with different shapes would build different
         # groups and hang in torch's group creation.
-        agree_settings({"tp_size": tp_size, "pp_size": pp_size, "dp_size": dp_size, "device_type": device_type},
-                       "mesh shape (ParallelMesh arguments)")
+        agree_settings({"tp_size": tp_size, "pp_size": pp_size, "dp_size": dp_size, "device_type": device_type,
+                        "ep_size": ep_size}, "mesh shape (ParallelMesh arguments)")
         self.world_size = dist.get_world_size()
-        self.dims = ParallelDims.of_world(self.world_size, tp=tp_size, pp=pp_size, dp=dp_size)
+        self.dims = ParallelDims.of_world(self.world_size, tp=tp_size, pp=pp_size, dp=dp_size, ep=ep_size)
         # The device every tensor this mesh's collectives touch lives on (launch bound cuda:LOCAL_RANK).
         self.device: torch.device = current if current.type == device_type else torch.device(device_type)
         # Every group inherits the default group's timeout (launch_from_torch(timeout=...)); torch would
         # give new groups its own default instead.
         self.timeout = group_timeout()
         self.device_mesh: DeviceMesh = init_device_mesh(
-            device_type, self.dims.shape, mesh_dim_names=ParallelDims.ORDER, **self._timeout_override(device_type))
+            device_type, self.dims.shape, mesh_dim_names=self.dims.mesh_axes, **self._timeout_override(device_type))
         self.global_rank = dist.get_rank()
-        self._coordinate = dict(zip(ParallelDims.ORDER, self.device_mesh.get_coordinate()))
+        self._coordinate = dict(zip(self.dims.mesh_axes, self.device_mesh.get_coordinate()))
+        if self.dims.ep > 1:          # dp rank = edp rank * ep + ep rank
+            self._coordinate["dp"] = self._coordinate["edp"] * self.dims.ep + self._coordinate["ep"]
+        else:
+            self._coordinate.update(edp=self._coordinate["dp"], ep=0)
         self._stage_groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         self._flattened: dict[tuple[str, ...], DeviceMesh] = {}
         self._reductions: dict[tuple[str, ...], tuple[dist.ProcessGroup, int, int]] = {}
@@ -135,6 +163,19 @@ class ParallelMesh:
     @property
     def tp_size(self) -> int:
         return self.dims.tp
+
+    @property
+    def ep_size(self) -> int:
+        return self.dims.ep
+
+    @property
+    def ep_rank(self) -> int:
+        return self._coordinate["ep"]
+
+    @property
+    def edp_rank(self) -> int:
+        """This rank's index among the replicas of its experts (its dp rank at ep == 1)."""
+        return self._coordinate["edp"]
 
     @property
     def dp_rank(self) -> int:
@@ -157,12 +198,13 @@ class ParallelMesh:
             return {}
         options = dist.ProcessGroupGloo._Options() if backend == "gloo" else dist.ProcessGroupNCCL.Options()
         options._timeout = self.timeout
-        return {"backend_override": {axis: (backend, options) for axis in AXES}}
+        return {"backend_override": {axis: (backend, options) for axis in self.dims.mesh_axes}}
 
     # -- groups -------------------------------------------------------------------------------
     def group(self, *axes: str) -> dist.ProcessGroup:
-        """The process group along `axes` ("dp", "pp", "tp"; several: flattened into one group, built
-        on the first call, which every rank must make) that contains this rank."""
+        """The process group along `axes` ("dp", "pp", "tp"; "edp" and "ep" with expert parallelism, edp
+        being dp without it); several: flattened into one group, built on the first call, which every rank must
+        make) that contains this rank."""
         return self.submesh(*axes).get_group()
 
     def submesh(self, *axes: str) -> DeviceMesh:
@@ -170,8 +212,17 @@ class ParallelMesh:
         one dimension, as FSDP2 and DTensor want a data-parallel mesh)."""
         for axis in axes:
             self.dims.size(axis)                      # raises on an unknown axis
+        names = self.dims.mesh_axes
+        if self.dims.ep > 1:                          # dp is (edp, ep) flattened
+            axes = tuple(a for axis in axes for a in (("edp", "ep") if axis == "dp" else (axis,)))
+        else:
+            if "ep" in axes:
+                raise ValueError("the ep axis has one rank at ep_size=1 (no expert parallelism): ask for the "
+                                 "axes without it")
+            axes = tuple(dict.fromkeys("dp" if axis == "edp" else axis for axis in axes))
         if len(axes) == 1:
             return self.device_mesh[axes[0]]
+        axes = tuple(a for a in names if a in axes)   # the mesh's order
         if axes not in self._flattened:
             override = self._timeout_override(self.device_mesh.device_type).get("backend_override", {})
             self._flattened[axes] = self.device_mesh[axes]._flatten("_".join(axes),
@@ -234,7 +285,7 @@ class ParallelMesh:
         pp_ranks = tuple(sorted(pp_ranks))
         if pp_ranks not in self._stage_groups:
             mine = None
-            grid = self.device_mesh.mesh
+            grid = self.device_mesh.mesh.reshape(self.dp_size, self.pp_size, self.tp_size)   # (edp, ep) -> dp
             for d in range(self.dp_size):
                 for t in range(self.tp_size):
                     ranks = [int(grid[d, p, t]) for p in pp_ranks]
@@ -265,5 +316,6 @@ class ParallelMesh:
         return self.pp_rank == self.pp_size - 1
 
     def __repr__(self) -> str:
-        return (f"ParallelMesh(dp={self.dp_size}, pp={self.pp_size}, tp={self.tp_size}; rank "
+        ep = f", ep={self.ep_size}" if self.ep_size > 1 else ""
+        return (f"ParallelMesh(dp={self.dp_size}{ep}, pp={self.pp_size}, tp={self.tp_size}; rank "
                 f"{self.global_rank} at dp={self.dp_rank}, pp={self.pp_rank}, tp={self.tp_rank}; {self.device})")

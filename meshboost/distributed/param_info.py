@@ -24,7 +24,8 @@ _TIE_ATTR = "pipeline_tie"
 _HOOKS_ATTR = "grad_hooks"
 _REDUCE_ATTR = "grad_reduction"
 
-DENSE = "dense"          # the kind of every parameter today: its gradient averaged over the dp replicas
+DENSE = "dense"          # a parameter whose gradient is averaged over the dp replicas
+EXPERT = "expert"        # an expert-parallel weight: averaged over its experts' own replicas (the edp axis)
 
 
 @dataclass
@@ -37,6 +38,10 @@ class TensorParallelInfo:
     contiguous chunks; rank r holds chunk r // replicas of every block, concatenated. `replicas` > 1
     when there are fewer pieces than ranks (key/value heads fewer than tp): consecutive ranks then
     hold the same chunk, and its gradient is summed over them.
+
+    An expert-parallel weight (packed experts `[E, ...]`) is also split on dim 0 into `expert_size`
+    contiguous runs of experts over `expert_group`, this rank holding run `expert_rank`; the tp split
+    (when tp_size > 1) is then inside each expert, on another dim.
     """
 
     dim: int
@@ -47,6 +52,9 @@ class TensorParallelInfo:
     num_fused: int = 1
     group: object = field(default=None, repr=False, compare=False)
     replicas: int = 1
+    expert_size: int = 1
+    expert_rank: int = 0
+    expert_group: object = field(default=None, repr=False, compare=False)
 
     @property
     def padding(self) -> int:
@@ -63,6 +71,11 @@ class TensorParallelInfo:
     @property
     def local_size(self) -> int:
         return self.padded_size // self.num_shards
+
+    @property
+    def local_experts(self) -> int:
+        """Experts (rows of dim 0) this rank holds of an expert-parallel weight."""
+        return self.full_shape[0] // self.expert_size
 
     @property
     def counts_here(self) -> bool:
@@ -198,7 +211,11 @@ def local_slices(info: TensorParallelInfo) -> list[tuple[tuple, int]]:
         stop = min(start + local, size)
         ranges = [(min(start, size), stop, local - max(stop - start, 0))]
     rank = len(info.full_shape)
-    return [(tuple(slice(a, b) if d == dim else slice(None) for d in range(rank)), pad) for a, b, pad in ranges]
+    experts = slice(None)
+    if info.expert_size > 1:                  # this rank's run of experts on dim 0 (the tp dim is another)
+        experts = slice(info.expert_rank * info.local_experts, (info.expert_rank + 1) * info.local_experts)
+    return [(tuple(slice(a, b) if d == dim else experts if d == 0 else slice(None) for d in range(rank)), pad)
+            for a, b, pad in ranges]
 
 
 def shard_from(read_slice: Callable[[tuple], torch.Tensor], full_shape: tuple[int, ...], info: TensorParallelInfo,
@@ -245,12 +262,19 @@ def unshard_gathered(gathered: torch.Tensor, info: TensorParallelInfo) -> torch.
 def gather_tensor(local: torch.Tensor, info: TensorParallelInfo | None, group=None) -> torch.Tensor:
     """The full, unpadded tensor from every rank's shard (a collective over the tp group).
 
-    `local` may be the parameter or any tensor laid out like it (its gradient, an Adam moment).
+    `local` may be the parameter or any tensor laid out like it (its gradient, an Adam moment). An
+    expert-parallel weight is then gathered over its expert group too (every rank of it calls this).
     """
-    if info is None or info.tp_size == 1:
-        return local if info is None or not info.padding else local.narrow(info.dim, 0, info.full_shape[info.dim])
-    gathered = comm.all_gather(local.detach(), group if group is not None else info.group, dim=info.dim)
-    return unshard_gathered(gathered, info)
+    if info is None:
+        return local
+    if info.tp_size == 1:
+        full = local if not info.padding else local.narrow(info.dim, 0, info.full_shape[info.dim])
+    else:
+        gathered = comm.all_gather(local.detach(), group if group is not None else info.group, dim=info.dim)
+        full = unshard_gathered(gathered, info)
+    if info.expert_size > 1:
+        full = comm.all_gather(full.detach().contiguous(), info.expert_group, dim=0)
+    return full
 
 
 def full_on_cpu(local: torch.Tensor, info: TensorParallelInfo | None, reuse: bool = False) -> torch.Tensor:

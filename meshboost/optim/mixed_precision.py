@@ -131,6 +131,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     dp_partitioned = False      # gradients are replicated over dp (DDP): dp rank 0 counts them
     _warned_untracked = False   # get_grad_norm() has said once that the norm is not computed
     _update_checks: tuple = ()  # check_before_update's callables, run first in every step()
+    _step_reductions: tuple = ()  # average_at_step's (params, group) pairs
 
     def __init__(self, optim: Optimizer, mesh, config: PrecisionConfig | None = None, *, verbose: bool = False,
                  track_grad_norm: bool = False):
@@ -290,7 +291,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         return None if m is None or m is param else m.detach()
 
     def _dp_rank(self) -> int:
-        return self.mesh.dp_rank
+        # replica 0 of the experts: the ep ranks of dp replica 0 hold the other experts, and join the gathers
+        return self.mesh.edp_rank
 
     def _local_state(self, param: torch.Tensor, replica0_only: bool = False) -> tuple[dict, torch.Tensor | None]:
         m = self.master_of[param]
@@ -365,6 +367,13 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         global batch"); when it raises, the gradients are dropped and the weights stay unchanged."""
         self._update_checks = (*self._update_checks, check)
 
+    def average_at_step(self, reductions) -> None:
+        """Average the gradients of each (params, group) pair over its group first in every `step()`:
+        weights that nothing reduces during backward (expert-parallel experts beside torch DDP, which
+        averages the dense weights over dp). Every rank of a group holds gradients for the same
+        parameters (expert parallelism gives unrouted experts zero gradients)."""
+        self._step_reductions = tuple((list(params), group) for params, group in reductions)
+
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("closures are not supported by the mixed-precision/ZeRO optimizer")
@@ -374,6 +383,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             except Exception:
                 self._release_grads()
                 raise
+        for params, group in self._step_reductions:
+            comm.all_reduce_grads(params, group, average=True)
         grads = self._master_grads()
         if self.scaler is not None and self._found_inf(grads):
             # Every rank saw the same verdict: skip together, keep weights bitwise unchanged.

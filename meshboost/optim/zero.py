@@ -98,7 +98,9 @@ class ZeroConfig:
 
 
 class ZeroOptimizer(MixedPrecisionOptimizer):
-    """ZeRO-`stage` (1 or 2) around the user's `optim`, over `mesh.dp_group`.
+    """ZeRO-`stage` (1 or 2) around the user's `optim`, each bucket partitioned over the group that
+    averages its parameters' gradients (the mesh's answer from their records: dp for dense weights,
+    the experts' own replicas, edp, for expert-parallel ones; a bucket holds one kind).
 
     precision: the `PrecisionConfig`, as MixedPrecisionOptimizer's (fp32 works too: the point is then
     the 1/dp optimizer state); zero: the `ZeroConfig` (stage 1 or 2, bucket size, overlap, offload,
@@ -118,9 +120,6 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
             raise ValueError(f"ZeroConfig(stage={zc.stage}): ZeroOptimizer implements stages "
                              f"{ZeroConfig.OPTIMIZER_STAGES} (stage 3 is torch FSDP2's: HybridParallelPlugin(zero_stage=3))")
         working = _precision_config(precision).dtype
-        # the group the parameters' records say averages their gradients (dp for dense weights)
-        trainable = [p for g in optim.param_groups for p in g["params"] if p.requires_grad]
-        _, self.dp_group, self.dp_size, self.dp_rank = mesh.reduction_of(trainable)
         # fp32 masters, or (master_weights=False) slices in the working dtype: the inner step then runs
         # in half precision, as ColossalAI's master_weights=False does.
         self.master_dtype = torch.float32 if zc.master_weights else working
@@ -188,9 +187,11 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         for p in params:
             offsets.append(numel)
             numel += p.numel()
-        shard_size = -(-numel // self.dp_size)
-        bucket = ZeroBucket(params, offsets, numel, shard_size, self.dp_rank, self.dp_size, None,
-                            counted_here(params[0], self.mesh, dp_partitioned=True))
+        # the group the parameters' records say averages their gradients (one kind per bucket)
+        _, group, size, rank = self.mesh.reduction_of(params)
+        shard_size = -(-numel // size)
+        bucket = ZeroBucket(params, offsets, numel, shard_size, rank, size, None,
+                            counted_here(params[0], self.mesh, dp_partitioned=True), group=group)
         if self._masters_are_weights and bucket.can_bind(self.master_dtype):
             bucket.master = nn.Parameter(torch.empty(0, dtype=self.master_dtype, device=params[0].device))
             bucket.bind_views()                      # the master is the weights' owned slice: no copy
@@ -227,13 +228,13 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         dtype = self.communication_dtype
         parts = [p.grad.detach().reshape(-1).to(dtype) if p.grad is not None
                  else torch.zeros(p.numel(), dtype=dtype, device=p.device) for p in b.params]
-        padding = b.shard_size * self.dp_size - b.numel
+        padding = b.shard_size * b.dp_size - b.numel
         if padding:
             parts.append(torch.zeros(padding, dtype=dtype, device=parts[0].device))
         flat = torch.cat(parts)
-        flat.div_(self.dp_size)               # average before summing: keeps scaled fp16 sums in range
+        flat.div_(b.dp_size)               # average before summing: keeps scaled fp16 sums in range
         self._finish(b)                       # one reduction in flight per bucket (a hook that fired twice)
-        b.pending = comm.reduce_scatter_async(flat, self.dp_group, dim=0)
+        b.pending = comm.reduce_scatter_async(flat, b.group, dim=0)
         for p in b.params:
             p.grad = None
         b.ready.clear()
@@ -333,9 +334,9 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         with torch.no_grad():
             for i, b in enumerate(self.buckets):
                 if b.views_bound():           # the master is the owned slice: gather the others in place
-                    comm.all_gather_into(b.flat, b.master.detach(), self.dp_group)
+                    comm.all_gather_into(b.flat, b.master.detach(), b.group)
                     continue
-                full = comm.all_gather(self._working_shard(i, b), self.dp_group, dim=0)
+                full = comm.all_gather(self._working_shard(i, b), b.group, dim=0)
                 for p, off in zip(b.params, b.offsets):
                     p.copy_(full[off:off + p.numel()].view_as(p))
 
@@ -392,7 +393,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         if param not in self._bucket_of or self.master_dtype == self.working_dtype:
             return None                          # write-back made the weights the masters, bit for bit
         b, i = self._bucket_of[param]
-        full = b.gather_param(i, [b.master], self.dp_group, dst=0, device=self.mesh.device)
+        full = b.gather_param(i, [b.master], b.group, dst=0, device=self.mesh.device)
         return None if full is None else full[0]
 
     def _local_state(self, param: torch.Tensor, replica0_only: bool = False) -> tuple[dict, torch.Tensor | None]:
@@ -402,7 +403,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         # Only fp32 masters are exported: working-dtype master slices equal the weights bit for bit.
         masters = [b.master] if self.master_dtype == torch.float32 else []
         shards = masters + [state[k] for k in keys]
-        full = b.gather_param(i, shards, self.dp_group, 0 if replica0_only else None, self.mesh.device) \
+        full = b.gather_param(i, shards, b.group, 0 if replica0_only else None, self.mesh.device) \
             if shards else []
         if full is None:
             return {}, None                      # another dp rank assembles this parameter's state

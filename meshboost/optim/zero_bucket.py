@@ -18,15 +18,25 @@ import torch
 import torch.nn as nn
 
 from meshboost.distributed import comm
-from meshboost.distributed.param_info import get_tp_info, is_pipeline_replica, is_tp_sharded
+from meshboost.distributed.param_info import (
+    DENSE,
+    EXPERT,
+    get_tp_info,
+    grad_reduction,
+    is_pipeline_replica,
+    is_tp_sharded,
+)
 
-_KINDS = [(sharded, tied, first) for sharded in (True, False) for tied in (False, True) for first in (True, False)]
+_KINDS = [(sharded, tied, first, reduced) for reduced in (DENSE, EXPERT) for sharded in (True, False)
+          for tied in (False, True) for first in (True, False)]
 
 
-def bucket_kind(p: torch.Tensor) -> tuple[bool, bool, bool]:
-    """What decides who counts a gradient in the norm: a bucket holds one kind only."""
-    info = get_tp_info(p)
-    return is_tp_sharded(p), is_pipeline_replica(p), info is None or info.counts_here
+def bucket_kind(p: torch.Tensor) -> tuple[bool, bool, bool, str]:
+    """What decides who counts a gradient in the norm and which group reduces it: a bucket holds one
+    kind only."""
+    info, record = get_tp_info(p), grad_reduction(p)
+    return (is_tp_sharded(p), is_pipeline_replica(p), info is None or info.counts_here,
+            record.kind if record is not None else DENSE)
 
 
 def plan_buckets(params: list, max_elements: int) -> list[list]:
@@ -65,6 +75,7 @@ class ZeroBucket:
     ready: set = field(default_factory=set)      # params whose grad arrived (overlap hooks)
     pending: object = None                       # a reduce-scatter in flight (comm.Pending), overlap only
     flat: torch.Tensor | None = None             # the weights' flat buffer, once `bind_views` laid them out
+    group: object = None                         # the group partitioning it (dp, or edp for expert weights)
 
     def piece(self, index: int, rank: int | None = None) -> tuple[int, int, int]:
         """(start, end, shard_start): elements [start, end) of params[index].view(-1) are rank

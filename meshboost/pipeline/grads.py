@@ -8,45 +8,25 @@ Collectives go through `meshboost.distributed.comm`. Must not know about schedul
 
 Why not DDP around a stage: DDP reduces during every backward (one per micro-batch unless told
 otherwise) and expects each forward to reach its end, which a stage's forward does not; one
-flat all-reduce after the schedule is simpler and moves the same bytes once.
+flat all-reduce after the schedule (`comm.all_reduce_grads`, one per group) is simpler and moves the
+same bytes once.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
-import torch.distributed as dist
 
 from meshboost.distributed import comm
 
 
-def _flat_all_reduce(params: list[torch.nn.Parameter], group, average: bool) -> None:
-    """All-reduce the gradients of `params` over `group`, one flat buffer per dtype."""
-    if group is None or dist.get_world_size(group) == 1:
-        return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
-    seen: set[int] = set()
-    for p in params:
-        if p.grad is not None and id(p) not in seen:
-            seen.add(id(p))
-            by_dtype[p.grad.dtype].append(p.grad)
-    for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        comm.all_reduce(flat, group)
-        if average:
-            flat.div_(dist.get_world_size(group))
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-
 def sum_tied_grads(params: list[torch.nn.Parameter], group) -> None:
     """Tied weights get the sum of both stages' gradients, as the single tied weight would."""
-    _flat_all_reduce(params, group, average=False)
+    comm.all_reduce_grads(params, group, average=False)
 
 
-def average_grads(params, dp_group) -> None:
-    """Average gradients over the data-parallel replicas (what DDP does without a pipeline)."""
-    _flat_all_reduce(list(params), dp_group, average=True)
+def average_grads(reductions) -> None:
+    """Average gradients over their data-parallel replicas (what DDP does without a pipeline):
+    `reductions` is [(params, group)], one entry per group (dense weights over dp, expert weights over
+    their own replicas)."""
+    for params, group in reductions:
+        comm.all_reduce_grads(list(params), group, average=True)

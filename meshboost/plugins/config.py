@@ -20,6 +20,8 @@ from meshboost.optim import PrecisionConfig, ZeroConfig
 from meshboost.pipeline import PipelineConfig
 from meshboost.pipeline.normalization import MODES as NORMALIZATIONS
 from meshboost.pipeline.normalization import TOKENS
+from meshboost.plugins.router_statistics import GLOBAL, REPLICA
+from meshboost.plugins.router_statistics import check_mode as check_router_statistics
 from meshboost.shardformer import PipelineGradientCheckpointConfig, Policy, ShardConfig
 
 # Who averages gradients over the data-parallel group; exactly one of them does, decided by `dp_reducer`.
@@ -80,6 +82,9 @@ class HybridParallelConfig:
     precision=PrecisionConfig("bf16"), pipeline=PipelineConfig(pp_size=2, num_microbatches=4))`."""
 
     tp_size: int = 1
+    # expert parallelism: the experts of every MoE layer split over ep_size of the data-parallel ranks
+    # (ep divides dp; tensor parallelism, when tp_size > 1, cuts inside each expert: docs/moe.md)
+    ep_size: int = 1
     sharding: ShardConfig = field(default_factory=ShardConfig)      # its process group is set from the mesh
     custom_policy: Policy | None = None                             # instead of the family's table
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
@@ -98,14 +103,20 @@ class HybridParallelConfig:
     # "tokens": the single-process objective over micro-batches and dp ranks; "microbatch": ColossalAI's
     # mean of micro-batch means (meshboost.pipeline.normalization).
     loss_normalization: str = TOKENS
+    # The router's load-balancing loss over dp replicas: "replica" (each replica's own, DDP's semantics) or
+    # "global" (routing statistics all-gathered over dp: the whole batch's; plugins/router_statistics.py)
+    router_statistics: str = REPLICA
 
     def __post_init__(self):
         if self.check_inputs not in CHECK_INPUTS:
             raise ValueError(f"check_inputs={self.check_inputs!r}; expected one of {CHECK_INPUTS}")
+        check_router_statistics(self.router_statistics)
         if self.loss_normalization not in NORMALIZATIONS:
             raise ValueError(f"loss_normalization={self.loss_normalization!r}; expected one of {NORMALIZATIONS}")
-        if not isinstance(self.tp_size, int) or isinstance(self.tp_size, bool) or self.tp_size < 1:
-            raise ValueError(f"tp_size={self.tp_size!r} must be a positive integer")
+        for name in ("tp_size", "ep_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
         for name, kind in (("sharding", ShardConfig), ("pipeline", PipelineConfig), ("precision", PrecisionConfig),
                            ("zero", ZeroConfig), ("ddp", DDPConfig)):
             if not isinstance(getattr(self, name), kind):
@@ -136,6 +147,17 @@ class HybridParallelConfig:
                              f"reduce-scatter, but zero_stage={stage!r} (DDP and the pipeline reduce in the working "
                              f"precision, {self.precision.precision!r}); set zero_stage=1 or 2, or pass "
                              "communication_dtype=None")
+        if self.router_statistics == GLOBAL and self.pipeline.pp_size > 1:
+            raise NotImplementedError(f"router_statistics='global' with pp_size={self.pipeline.pp_size}: each stage "
+                                      "holds only its layers' router logits; use router_statistics='replica' with "
+                                      "pipeline parallelism")
+        if self.ep_size > 1 and stage == 3:
+            raise NotImplementedError(f"ep_size={self.ep_size} with zero_stage=3: FSDP2 would shard the expert-parallel "
+                                      "experts over every dp rank, across their ep split; use zero_stage 0, 1 or 2 with "
+                                      "expert parallelism")
+        if self.ep_size > 1 and self.fp8_communication:
+            raise NotImplementedError(f"fp8_communication=True with ep_size={self.ep_size}: meshboost compresses only "
+                                      "DDP's dense all-reduce without expert parallelism; drop one of them")
         layout = (self.tp_size, self.pipeline.pp_size, stage)
         if self.fp8_communication and layout != (1, 1, 0):
             raise NotImplementedError(f"fp8_communication=True with (tp_size, pp_size, zero_stage)={layout}: meshboost "
@@ -152,8 +174,8 @@ class HybridParallelConfig:
         return self.zero.stage
 
     @classmethod
-    def of(cls, tp_size: int = 1, pp_size: int = 1, zero_stage: int = 0, precision: str = "fp32"):
-        """The config of the plugin's shortcuts (`HybridParallelPlugin(tp_size=2, zero_stage=1,
+    def of(cls, tp_size: int = 1, pp_size: int = 1, zero_stage: int = 0, precision: str = "fp32", ep_size: int = 1):
+        """The config of the plugin's shortcuts (`HybridParallelPlugin(tp_size=2, ep_size=2, zero_stage=1,
         precision="fp16")`): every other setting at its default."""
-        return cls(tp_size=tp_size, pipeline=PipelineConfig(pp_size), precision=PrecisionConfig(precision),
-                   zero=ZeroConfig(stage=zero_stage))
+        return cls(tp_size=tp_size, ep_size=ep_size, pipeline=PipelineConfig(pp_size),
+                   precision=PrecisionConfig(precision), zero=ZeroConfig(stage=zero_stage))

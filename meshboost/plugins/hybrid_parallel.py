@@ -39,6 +39,9 @@ from meshboost.shardformer import (
     pipeline_layout,
     uses_causal_lm_loss,
 )
+from meshboost.plugins.router_statistics import GLOBAL, loss_function, with_global_router_loss
+from meshboost.shardformer.layers.expert_parallel import check_expert_parallel, shard_expert_parallel_
+
 
 class HybridParallelModule(ModelWrapper):
     """The boosted model: the sharded HF model, inside torch DDP over the dp group when the plugin
@@ -49,7 +52,7 @@ class HybridParallelModule(ModelWrapper):
     and `items_guard` tells the optimizer when a global batch had none."""
 
     def __init__(self, module: nn.Module, mesh: ParallelMesh, shard_config: ShardConfig, check_inputs: str = ALWAYS,
-                 count_items: bool = False, input_dtype: torch.dtype = torch.float32):
+                 count_items: bool = False, input_dtype: torch.dtype = torch.float32, router_group=None):
         super().__init__(module)
         # Floating-point inputs (pixel_values, input_features, inputs_embeds) are cast to the working
         # precision, as the weights are (ColossalAI's HybridParallelModule does the same).
@@ -60,6 +63,8 @@ class HybridParallelModule(ModelWrapper):
         self.input_check = InputCheck(mesh, check_inputs)
         self.items_guard = LabelledItemsGuard() if count_items else None
         self.fully_sharded = is_sharded(module)       # zero_stage=3: torch FSDP2 over dp
+        # router_statistics="global": the load-balancing loss on every replica's routing (router_statistics.py)
+        self.router_group = router_group
 
     def check_same_inputs(self, *inputs, immediate: bool = False) -> None:
         """Raise on every rank of the group when the ranks that must share a batch (tp, and pp with
@@ -74,7 +79,10 @@ class HybridParallelModule(ModelWrapper):
             self.items_guard.record(items)
             if self.mesh.dp_size > 1:          # the gradient reduction averages over the replicas
                 kwargs["num_items_in_batch"] = items / self.mesh.dp_size
-        return self.module(*args, **kwargs)
+        output = self.module(*args, **kwargs)
+        if self.router_group is not None:
+            output = with_global_router_loss(super().unwrap(), output, kwargs.get("attention_mask"), self.router_group)
+        return output
 
     def _global_items(self, labels: torch.Tensor, given) -> torch.Tensor:
         """The labelled tokens of every replica (this replica's own count, or the `num_items_in_batch`
@@ -96,7 +104,7 @@ class HybridParallelModule(ModelWrapper):
         return contextlib.nullcontext()
 
 
-SHORTCUTS = ("tp_size", "pp_size", "zero_stage", "precision")
+SHORTCUTS = ("tp_size", "pp_size", "zero_stage", "precision", "ep_size")
 
 
 def plugin_config(config, shortcuts: dict, unknown: dict) -> HybridParallelConfig:
@@ -145,8 +153,9 @@ class HybridParallelPlugin(Plugin):
 
     def __init__(self, config: HybridParallelConfig | None = None, *, tp_size: int | None = None,
                  pp_size: int | None = None, zero_stage: int | None = None, precision: str | None = None,
-                 **unknown):
-        shortcuts = dict(tp_size=tp_size, pp_size=pp_size, zero_stage=zero_stage, precision=precision)
+                 ep_size: int | None = None, **unknown):
+        shortcuts = dict(tp_size=tp_size, pp_size=pp_size, zero_stage=zero_stage, precision=precision,
+                         ep_size=ep_size)
         # Every rank must pass the same arguments; one all-gather of a digest says so (or names the
         # difference) before anything that could differ by rank, so no rank is left hanging.
         agree_settings({"config": config, **shortcuts, **unknown}, "HybridParallelPlugin arguments")
@@ -157,7 +166,8 @@ class HybridParallelPlugin(Plugin):
             if refusal:
                 raise NotImplementedError(refusal)
         pc = config.pipeline
-        self.mesh = ParallelMesh(tp_size=config.tp_size, pp_size=pc.pp_size)       # collective: after the checks
+        # collective: after the checks
+        self.mesh = ParallelMesh(tp_size=config.tp_size, pp_size=pc.pp_size, ep_size=config.ep_size)
         self.shard_config = dataclasses.replace(config.sharding, tensor_parallel_process_group=self.mesh.tp_group)
         self.dp_reducer = dp_reducer(self.mesh.dp_size, pc.pp_size, config.zero.stage)
 
@@ -190,6 +200,20 @@ class HybridParallelPlugin(Plugin):
         return self.mesh.tp_size
 
     @property
+    def ep_size(self) -> int:
+        return self.mesh.ep_size
+
+    @property
+    def ep_group(self):
+        """The ranks splitting the experts (None without expert parallelism)."""
+        return self.mesh.group("ep") if self.mesh.ep_size > 1 else None
+
+    @property
+    def moe_dp_group(self):
+        """The replicas of this rank's experts, over which their gradients are averaged (ColossalAI's name)."""
+        return self.mesh.group("edp")
+
+    @property
     def pp_size(self) -> int:
         return self.mesh.pp_size
 
@@ -214,7 +238,11 @@ class HybridParallelPlugin(Plugin):
         if self.dp_reducer == FSDP:
             check_zero3_model(model, optimizer, on_meta)
         checkpointed = self._checkpointed_layers(model)          # pure: raises on every rank alike
+        if self.ep_size > 1:
+            check_expert_parallel(model, self.ep_size)           # pure: raises on every rank alike
         ShardFormer(self.shard_config).optimize(model, self.config.custom_policy)
+        if self.ep_size > 1:        # after tp, which cut inside the experts: now split the experts over ep
+            shard_expert_parallel_(model, self.mesh.group("ep"), self.ep_size, self.mesh.ep_rank)
         stages = self._build_stages(model, optimizer) if self.pp_size > 1 else None
         if checkpointed is not None:
             install_checkpoint_plan(model, checkpointed(stages))
@@ -230,7 +258,14 @@ class HybridParallelPlugin(Plugin):
             model = model.to(self.config.precision.dtype)   # working weights (in place, same objects)
         module: nn.Module = model
         if self.dp_reducer == DDP:
-            device, group = self.mesh.device, self._gradient_group(model)
+            device, reductions = self.mesh.device, self._reductions(model)
+            group = reductions[0][1]
+            if len(reductions) > 1:    # DDP averages the dense weights; the optimizer the experts, at step
+                experts = {id(p) for params, _ in reductions[1:] for p in params}
+                DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                    model, [n for n, p in model.named_parameters() if id(p) in experts])
+                if isinstance(optimizer, MixedPrecisionOptimizer):
+                    optimizer.average_at_step(reductions[1:])
             module = DistributedDataParallel(model, process_group=group,
                                              device_ids=[device] if device.type == "cuda" else None,
                                              **self.config.ddp.kwargs())
@@ -239,18 +274,26 @@ class HybridParallelPlugin(Plugin):
             else:
                 register_counting_allreduce(module, group)
         count = self.config.loss_normalization == TOKENS and stages is None and uses_causal_lm_loss(model)
+        router_group = self.mesh.dp_group if self.config.router_statistics == GLOBAL and self.mesh.dp_size > 1 else None
+        if router_group is not None:
+            loss_function(model)                      # pure: a model without a router loss is refused here
         boosted = HybridParallelModule(module, self.mesh, self.shard_config, self.config.check_inputs, count,
-                                       input_dtype=self.config.precision.dtype)
+                                       input_dtype=self.config.precision.dtype, router_group=router_group)
         if boosted.items_guard is not None and isinstance(optimizer, MixedPrecisionOptimizer):
             optimizer.check_before_update(boosted.items_guard)     # no labelled token: refuse the update
         if stages is not None:
             boosted.pipeline = self._build_schedule(stages)
         return boosted, optimizer, criterion, dataloader, lr_scheduler
 
-    def _gradient_group(self, model: nn.Module):
-        """The group averaging the trainable parameters' gradients, as their records say (the mesh
-        answers `reduction_of`: dp for dense weights)."""
-        return self.mesh.reduction_of(p for p in model.parameters() if p.requires_grad)[1]
+    def _reductions(self, model: nn.Module) -> list[tuple[list, object]]:
+        """[(trainable parameters, the group averaging their gradients)], grouped as their records say
+        (the mesh answers `reduction_axes`: dp for dense weights, edp for expert-parallel ones), dense
+        first; always one entry for the dense weights, even when there are none."""
+        by_axes: dict[tuple[str, ...], list] = {self.mesh.dims.grad_axes(): []}
+        for p in model.parameters():
+            if p.requires_grad:
+                by_axes.setdefault(self.mesh.reduction_axes(p), []).append(p)
+        return [(params, self.mesh.group(*axes)) for axes, params in by_axes.items()]
 
     def _checkpointed_layers(self, model: nn.Module):
         """With gradient_checkpoint_config: check its counts against every stage's layers (all stages,
@@ -309,9 +352,9 @@ class HybridParallelPlugin(Plugin):
         cfg = self.config.pipeline
         # collective: every rank builds the group of each set of pp ranks sharing a weight, in the same order
         tied = [(self.mesh.stage_group(ranks), params) for ranks, params in stages.ties]
-        dp_group = self._gradient_group(stages.model) if self.dp_reducer == PIPELINE else None
+        reductions = self._reductions(stages.model) if self.dp_reducer == PIPELINE else ()
         return PipelineSchedule(stages, StageComm(self.mesh.pp_group, self.mesh.device), cfg.num_microbatches,
-                                cfg.microbatch_size, dp_group=dp_group, tied=tied,
+                                cfg.microbatch_size, reductions=reductions, tied=tied,
                                 loss_normalization=self.config.loss_normalization, count_group=self.mesh.dp_group,
                                 count_size=self.mesh.dp_size, shifted_labels=uses_causal_lm_loss(stages.model),
                                 input_dtype=self.config.precision.dtype)

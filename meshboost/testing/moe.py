@@ -1,13 +1,23 @@
 """Tiny mixture-of-experts models for tests: one config per family (the sizes HF_MODELS.md lists as
 fair on CPU: 2 layers, hidden 64, 4 heads, 4 experts, top-2), the causal LM built from it with seeded
-weights, and batches of causal-LM inputs identical on every rank. No downloads."""
+weights, batches of causal-LM inputs identical on every rank, and the two halves of every layout
+comparison: single-process AdamW training on the whole batches (`train_whole`) and the same training
+boosted, checked step by step and weight by weight against it (`train_boosted`). No downloads."""
 
 from __future__ import annotations
 
 import copy
 
 import torch
+import torch.distributed as dist
 import transformers as tfm
+
+from meshboost.distributed.param_info import gather_tensor, get_tp_info
+from meshboost.testing.compare import assert_close, booster_step
+
+# eps=1e-4: Adam turns a near-zero gradient (an embedding row no token used) into a +-lr step whose sign
+# round-off decides; the comparisons are about the layout, not that sign (as the other plugin tests)
+LR, EPS = 1e-3, 1e-4
 
 COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, vocab_size=160,
               max_position_embeddings=64, intermediate_size=128, use_cache=False, tie_word_embeddings=False)
@@ -60,3 +70,67 @@ def causal_batches(config, steps: int, batch: int = 4, seq: int = 8, seed: int =
         labels[1, :3] = -100
         out.append({"input_ids": ids, "labels": labels})
     return out
+
+
+def train_whole(config, batches, replicas: int = 1, model=None):
+    """Single-process AdamW training on the whole batches: (per-step losses, named parameters).
+    replicas > 1 (with the router's load-balancing loss): the objective data parallelism trains, DDP's
+    semantics for that loss (meshboost's default, docs/moe.md): the cross-entropy of the whole batch plus
+    the mean over the replicas' shares of each share's own load-balancing loss (its routing statistics
+    are those of the tokens it holds)."""
+    model = build_causal_lm(config) if model is None else model
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    losses = []
+    for b in batches:
+        if replicas == 1:
+            loss = model(**b).loss
+        else:
+            shares = [{k: v.chunk(replicas)[r] for k, v in b.items()} for r in range(replicas)]
+            items = sum(int((h["labels"][:, 1:] != -100).sum()) for h in shares)
+            loss = 0
+            for h in shares:
+                out = model(**h)
+                ce_mean = out.loss - config.router_aux_loss_coef * out.aux_loss
+                loss = loss + ce_mean * int((h["labels"][:, 1:] != -100).sum()) / items \
+                    + config.router_aux_loss_coef * out.aux_loss / replicas
+        loss.backward()
+        opt.step(), opt.zero_grad()
+        losses.append(loss.item())
+    return losses, dict(model.named_parameters())
+
+
+def train_boosted(config, batches, plugin_config, ref_losses, ref_params, what, dtype=torch.float32,
+                  model=None, setup=None):
+    """Boost `model` (default: `build_causal_lm(config)`) with AdamW under `plugin_config`, train on
+    each rank's share of `batches` (its data-parallel slice), and check every step's loss (the mean
+    over the replicas; without stages) and, after the last step, every weight gathered from its shards
+    (the fp32 masters in half precision) against the single-process run. setup(booster, model,
+    optimizer) runs after boost (loading a checkpoint). Returns (booster, model, optimizer)."""
+    from meshboost.booster import Booster
+    from meshboost.plugins import HybridParallelPlugin
+
+    model = build_causal_lm(config) if model is None else model
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    plugin = HybridParallelPlugin(plugin_config)
+    booster = Booster(plugin=plugin)
+    model, opt, *_ = booster.boost(model, opt)
+    if setup is not None:
+        setup(booster, model, opt)
+    mesh = plugin.mesh
+    for step, batch in enumerate(batches):
+        mine = {k: v.chunk(mesh.dp_size)[mesh.dp_rank] for k, v in batch.items()}
+        loss = booster_step(booster, model, opt, mine).detach().float().reshape(1)
+        opt.zero_grad()
+        if plugin.pp_size == 1:               # the replicas' losses: their mean is the whole batch's
+            dist.all_reduce(loss, group=mesh.dp_group)
+            got = loss.item() / mesh.dp_size
+            tol = 2e-5 if dtype == torch.float32 else 2e-2
+            assert abs(got - ref_losses[step]) <= tol * abs(ref_losses[step]), \
+                f"{what} step {step}: {got} vs {ref_losses[step]}"
+    for n, p in model.unwrap().named_parameters():   # half precision: the fp32 masters (ZeRO: a collective)
+        local = p.detach() if dtype == torch.float32 else opt.master_weight(p)
+        if local is None:                       # not replica 0 (its whole tp and ep group skips alike)
+            continue
+        assert_close(gather_tensor(local, get_tp_info(p)).float(), ref_params[n].detach(), dtype=dtype,
+                     msg=f"{what} weight {n}")
+    return booster, model, opt

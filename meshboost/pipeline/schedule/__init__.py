@@ -78,19 +78,20 @@ def schedule_order(num_ranks: int, rank: int, num_microbatches: int, num_chunks:
 class PipelineSchedule:
     """Runs one pipeline step over the stages of this rank.
 
-    dp_group: average gradients over it after the schedule (None when something else reduces them:
-    the plugin decides, see `meshboost.plugins.config.dp_reducer`). tied: (group of the pipeline
+    reductions: [(params, group)] whose gradients are averaged over `group` after the schedule (dense
+    weights over dp, expert weights over their own replicas); empty when something else reduces them
+    (the plugin decides, see `meshboost.plugins.config.dp_reducer`). tied: (group of the pipeline
     ranks holding a tied weight, the tied weights this rank holds) pairs, e.g. GPT-2's embedding and
     LM head on the first and last stage.
     """
 
     def __init__(self, stages: PipelineStages, comm: StageComm, num_microbatches: int | None = None,
-                 microbatch_size: int | None = None, dp_group=None, tied=(),
+                 microbatch_size: int | None = None, reductions=(), tied=(),
                  loss_normalization: str = TOKENS, count_group=None, count_size: int = 1, shifted_labels: bool = False,
                  input_dtype: torch.dtype | None = None):
         self.stages, self.comm = stages, comm
         self.num_microbatches, self.microbatch_size = num_microbatches, microbatch_size
-        self.dp_group, self.tied = dp_group, list(tied)
+        self.reductions, self.tied = list(reductions), list(tied)
         # normalization.py: the mode, the data-parallel group its item count is agreed over, and
         # whether the model shifts its labels (causal LM).
         self.loss_normalization, self.count_group, self.count_size = loss_normalization, count_group, count_size
@@ -131,8 +132,7 @@ class PipelineSchedule:
         if training:
             for group, params in self.tied:
                 sum_tied_grads(params, group)
-            if self.dp_group is not None:
-                average_grads(stages.model.parameters(), self.dp_group)
+            average_grads(self.reductions)
         loss = None
         if return_loss:
             loss = torch.zeros((), dtype=torch.float32, device=self.comm.device)

@@ -10,11 +10,14 @@ the experts' output is a partial sum. Megatron's f on the experts' floating inpu
 and the routing weights, whose gradients are partial per rank) and g (one all-reduce) on its output
 make it exact: the router stays replicated and gets its whole gradient on every rank. The HF forward
 (eager or any `_experts_implementation`) runs unchanged on the local shapes. Must not route tokens or
-know a model family; expert parallelism (experts split over ranks) is not this file.
+know a model family; expert parallelism (experts split over ranks, `expert_parallel.py`) is not this
+file: it takes the two collectives off the module (`take_tp_hooks`) and runs them around the local
+experts itself, inside its dispatch.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -25,6 +28,45 @@ from meshboost.distributed.param_info import register_grad_hook
 from meshboost.shardformer.layers.linear import shard_parameter_, sum_grad_over_tp
 
 UP_PARAMS = ("gate_up_proj", "up_proj")     # [gate; up] packed, or up alone (experts without a gate)
+_TP_ATTR = "_meshboost_tp_experts"
+
+
+@dataclass
+class TensorParallelExperts:
+    """What `shard_experts_` installed on an experts module: its tp group, the down-projection bias
+    whose repeated terms the output hook takes off (None without biases), and the two hooks."""
+
+    group: object
+    bias_name: str | None
+    handles: tuple
+
+    def copy_inputs(self, module, args, kwargs):
+        """f on the floating inputs (and the expert-id check): `_copy_inputs`."""
+        return _copy_inputs(self.group, module, args, kwargs)
+
+    def reduce_output(self, module, args, kwargs, output):
+        """g on the output (with the bias correction): `_reduce_output`."""
+        return _reduce_output(self.group, self.bias_name, module, args, kwargs, output)
+
+
+def take_tp_hooks(module: nn.Module) -> TensorParallelExperts | None:
+    """Remove the tensor-parallel hooks `shard_experts_` put on `module` and return them, for a caller
+    that runs them itself (expert parallelism: around the local experts, after the dispatch); None
+    when the module's experts are not tensor-parallel."""
+    state = getattr(module, _TP_ATTR, None)
+    if state is not None:
+        for handle in state.handles:
+            handle.remove()
+        delattr(module, _TP_ATTR)
+    return state
+
+
+def is_packed_experts(module: nn.Module) -> bool:
+    """A module holding transformers' packed experts directly: 3-D `gate_up_proj` (or `up_proj`) and
+    `down_proj` parameters."""
+    up = _up_name(module)
+    down = getattr(module, "down_proj", None)
+    return up is not None and isinstance(down, nn.Parameter) and down.dim() == 3 and getattr(module, up).dim() == 3
 
 
 def _up_name(module: nn.Module) -> str | None:
@@ -105,8 +147,10 @@ def shard_experts_(module: nn.Module, group, interleaved: bool = False) -> None:
     if has_bias:
         shard_parameter_(getattr(module, up_bias), 1, group, num_fused=fused)
         register_grad_hook(getattr(module, down_bias), partial(sum_grad_over_tp, group))
-    module.register_forward_pre_hook(partial(_copy_inputs, group), with_kwargs=True)
-    module.register_forward_hook(partial(_reduce_output, group, down_bias if has_bias else None), with_kwargs=True)
+    handles = (module.register_forward_pre_hook(partial(_copy_inputs, group), with_kwargs=True),
+               module.register_forward_hook(partial(_reduce_output, group, down_bias if has_bias else None),
+                                            with_kwargs=True))
+    setattr(module, _TP_ATTR, TensorParallelExperts(group, down_bias if has_bias else None, handles))
 
 
 def _copy_inputs(group, module, args, kwargs):
