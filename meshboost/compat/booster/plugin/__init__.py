@@ -6,7 +6,9 @@ up on first use by this module's own `__getattr__` (PEP 562): importing meshboos
 plugins (and transformers) until a script asks for one, and a plugin meshboost.plugins does not export
 is an ImportError saying what to use. `HybridParallelPlugin` is `hybrid_parallel_plugin`'s: ColossalAI's
 flat keywords mapped onto meshboost's `HybridParallelConfig` (a subclass of meshboost.plugins' class,
-adding only that constructor). The submodules `hybrid_parallel_plugin`, `low_level_zero_plugin`,
+adding only that constructor); `MoeHybridParallelPlugin` is `moe_hybrid_parallel_plugin`'s (ColossalAI's
+MoE keywords, ep_size included, onto the same config). The submodules `hybrid_parallel_plugin`,
+`moe_hybrid_parallel_plugin`, `low_level_zero_plugin`,
 `torch_ddp_plugin`, `gemini_plugin`, `torch_fsdp_plugin`, `plugin_base` and `dp_plugin_base` are
 ColossalAI's paths to the same classes. See docs/colossalai.md.
 """
@@ -19,6 +21,7 @@ DPPluginBase = Plugin
 # plugins not export it (the ImportError says so).
 CONCRETE_PLUGINS = {
     "HybridParallelPlugin": "",
+    "MoeHybridParallelPlugin": "",
     "LowLevelZeroPlugin": "",
     "TorchDDPPlugin": "",
     "GeminiPlugin": "use LowLevelZeroPlugin(stage=1 or 2) or HybridParallelPlugin(zero_stage=...) for ZeRO",
@@ -38,6 +41,10 @@ def __getattr__(name: str):
         from meshboost.booster.plugin.hybrid_parallel_plugin import HybridParallelPlugin
 
         return HybridParallelPlugin
+    if name == "MoeHybridParallelPlugin":     # ColossalAI's MoE keywords, mapped by its own module
+        from meshboost.booster.plugin.moe_hybrid_parallel_plugin import MoeHybridParallelPlugin
+
+        return MoeHybridParallelPlugin
     import meshboost.plugins
 
     found = getattr(meshboost.plugins, name, None)

@@ -133,7 +133,10 @@ class HybridParallelPlugin(CorePlugin):
         # The refusals and the configs' checks below raise per rank: the arguments are agreed first.
         agree_settings(keywords, "HybridParallelPlugin arguments")
         super().__init__(colossalai_config(keywords))
-        # ColossalAI's views of the mesh: axis numbers, pg_mesh, and the stage manager (None without pp)
+        self._colossalai_views()
+
+    def _colossalai_views(self) -> None:
+        """ColossalAI's views of the mesh: axis numbers, pg_mesh, and the stage manager (None without pp)."""
         self.dp_axis, self.pp_axis, self.tp_axis = 0, 1, 2
         self.pg_mesh = ProcessGroupMesh(mesh=self.mesh)
         pc = self.config.pipeline
