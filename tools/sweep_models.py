@@ -1,5 +1,6 @@
 """Run the model sweep (meshboost/testing/sweep.py) at tp=2 on 2 processes and write docs/models.md:
-one row per transformers model type that ships `base_model_tp_plan`, with its verdict.
+one row per transformers model type that ships `base_model_tp_plan`, with its verdict at tp=2 and,
+for the types with packed MoE experts, at ep=2 (the experts split over the two ranks).
 
     python tools/sweep_models.py            # writes docs/models.md
     python tools/sweep_models.py --print    # only prints the table
@@ -25,10 +26,13 @@ def _body(rank: int, world: int, out: str) -> None:
     import torch.distributed as dist
     import transformers
 
-    from meshboost.testing.sweep import check, plan_model_types
+    from meshboost.testing.sweep import check_variants, plan_model_types
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore")
-    verdicts = [check(mt, dist.group.WORLD).__dict__ for mt in plan_model_types()]
+    verdicts = []
+    for mt in plan_model_types():
+        tp, ep = check_variants(mt, dist.group.WORLD, [{}, {"expert_parallel": True}])
+        verdicts.append({**tp.__dict__, "ep_status": ep.status, "ep_detail": ep.detail})
     if rank == 0:
         Path(out).write_text(json.dumps({"transformers": transformers.__version__, "verdicts": verdicts}))
 
@@ -43,13 +47,20 @@ def run() -> dict:
 
 def table(result: dict) -> str:
     counts = collections.Counter(v["status"] for v in result["verdicts"])
+    ep = collections.Counter(v["ep_status"] for v in result["verdicts"] if v["ep_status"] not in ("no experts",
+                                                                                                   "not run"))
     lines = [f"{len(result['verdicts'])} model types of transformers {result['transformers']} ship "
              f"`base_model_tp_plan`; at tp=2: " + ", ".join(f"{counts[s]} {s}" for s in ("ok", "refused", "not run",
-                                                                                         "FAIL")) + ".", "",
-             "| model type | class | verdict | detail |", "|---|---|---|---|"]
+                                                                                         "FAIL")) + ". "
+             f"Of the {sum(ep.values())} that run with packed MoE experts, at ep=2: "
+             + ", ".join(f"{ep[s]} {s}" for s in ("ok", "refused", "FAIL")) + ".", "",
+             "| model type | class | tp=2 | detail | ep=2 |", "|---|---|---|---|---|"]
     for v in result["verdicts"]:
         detail = v["detail"].replace("|", "/")
-        lines.append(f"| {v['model_type']} | {v['cls']} | {v['status']} | {detail} |")
+        ep_cell = "" if v["ep_status"] in ("no experts", "not run") else v["ep_status"]
+        if v["ep_detail"]:
+            ep_cell += ": " + v["ep_detail"].replace("|", "/")
+        lines.append(f"| {v['model_type']} | {v['cls']} | {v['status']} | {detail} | {ep_cell} |")
     return "\n".join(lines)
 
 
@@ -102,8 +113,9 @@ family's table).
   layout) inside every expert on the intermediate dimension, the router replicated with its whole
   gradient (`shardformer/layers/experts.py`; sequence parallelism with such experts is refused; with
   `output_router_logits=True` over data-parallel replicas the load-balancing loss is each replica's
-  own, averaged with the rest of the loss: DDP's semantics, `tests/shardformer/test_moe_layouts.py`;
-  routing statistics all-reduced over the replicas are not an option yet), and
+  own, averaged with the rest of the loss: DDP's semantics, the default, `tests/shardformer/test_moe_layouts.py`;
+  `router_statistics="global"` gathers the routing statistics for the whole batch's loss; expert
+  parallelism, `ep_size`, splits the experts over data-parallel ranks: docs/moe.md), and
   refuses every other style (MLA's `mla_kv_a_proj`, identity experts, `all_reduce`, `local_params`,
   ...) naming it. A plan that leaves more than half of a model's parameters whole on every rank
   (Flint's, which names no attention) is said on rank 0 at boost. A plan's
@@ -121,6 +133,11 @@ batch. **ok**: loss and eval outputs within 1e-5 and every gathered gradient wit
 tolerance. **refused**: a clear error, before anything changed (or at the first call, see above).
 **not run**: the tiny config could not be built or run unsharded on `input_ids` alone (multimodal
 inputs, constraints the generic shrink misses): nothing was compared, nothing is claimed.
+The **ep=2** column (types with packed MoE experts; empty for the others and the ones not run):
+the same tiny model with its experts split over the 2 ranks by expert parallelism instead of tensor
+parallelism (`shardformer/layers/expert_parallel.py`), both ranks fed the same batch, compared the
+same way (every expert's gradient gathered over the ep ranks); training layouts with ep (dp, tp
+inside the experts, pp, ZeRO) are tested in `tests/shardformer/test_moe_ep.py`.
 
 """  # noqa: E501 (a markdown table)
 

@@ -1,5 +1,6 @@
 """The model sweep: every model type of the installed transformers whose config ships
-`base_model_tp_plan`, built tiny, sharded over a tp group and compared with the unsharded model.
+`base_model_tp_plan`, built tiny, sharded over a tp group and compared with the unsharded model
+(or, the variant {"expert_parallel": True}, its packed MoE experts split over the group as ep ranks).
 
 Owns: building a tiny config for any model type (sizes that divide by 2 and 4, small vocab, two
 layers, small MoE), choosing the class (causal LM when there is one, else the base model), the
@@ -10,6 +11,9 @@ inputs (a padded batch), and the verdict per type:
     not run       the tiny model could not be built or run unsharded on input_ids alone
                   (multimodal inputs, unusual config constraints): nothing to compare
     FAIL          anything else: a crash after sharding, or numbers that differ
+    no experts    (expert-parallel variant) the model has no packed experts to split
+The expert-parallel variant feeds every ep rank the same batch: each expert then sees its tokens once
+per rank, and its gradient (summed over the ranks, divided by ep) is the unsharded one.
 Used by tests/shardformer/test_model_sweep.py (no FAIL allowed) and tools/sweep_models.py (writes
 docs/models.md). Must run identically on every rank of the group (the comparison communicates).
 """
@@ -24,6 +28,7 @@ import torch
 
 from meshboost.distributed.param_info import gather_tensor, get_tp_info
 from meshboost.shardformer import ShardConfig, ShardFormer
+from meshboost.shardformer.layers.expert_parallel import experts_modules, shard_expert_parallel_
 from meshboost.shardformer.layers.linear import SequenceLayoutError
 from meshboost.shardformer.sharder import UncoveredParameterError
 
@@ -42,7 +47,7 @@ DROPOUTS = ("hidden_dropout", "attention_dropout", "hidden_dropout_prob", "atten
 class Verdict:
     model_type: str
     cls: str
-    status: str          # ok | refused | not run | FAIL
+    status: str          # ok | refused | not run | FAIL | no experts
     detail: str = ""
 
 
@@ -175,9 +180,16 @@ def check_variants(model_type: str, group, variants: list[dict], atol: float = 1
 def _check_sharded(model_type: str, cls: str, shrink_head_dim: bool, reference: tuple, group, shard_options: dict,
                    atol: float) -> Verdict:
     ref, batch, ref_eval, ref_loss = reference
+    shard_options = dict(shard_options)
+    expert_parallel = shard_options.pop("expert_parallel", False)
+    if expert_parallel and not experts_modules(ref):
+        return Verdict(model_type, cls, "no experts")
     _, par = build(model_type, shrink_head_dim=shrink_head_dim)
     try:
-        ShardFormer(ShardConfig(tensor_parallel_process_group=group, **shard_options)).optimize(par)
+        if expert_parallel:
+            shard_expert_parallel_(par, group, torch.distributed.get_world_size(group), torch.distributed.get_rank(group))
+        else:
+            ShardFormer(ShardConfig(tensor_parallel_process_group=group, **shard_options)).optimize(par)
     except (ValueError, TypeError, NotImplementedError) as e:
         return Verdict(model_type, cls, "refused", str(e).splitlines()[0][:240])
     try:

@@ -4,8 +4,9 @@ transformers 5.24), built tiny and sharded at tp=2 against the unsharded model
 1e-5), a clear refusal at sharding time, or `not run` (the tiny model cannot run on input_ids alone
 unsharded). None may end FAIL: a crash after sharding or a number that differs. Each model is also
 sharded with sequence parallelism on, against the same reference (same verdicts; a layer it cannot
-split is refused at the first call). docs/models.md is this table, written by
-`python tools/sweep_models.py`."""
+split is refused at the first call). Each model with packed MoE experts is also run with its experts
+split over the 2 ranks (expert parallelism, the same batch on both: the unsharded numbers), ok or a
+clear refusal. docs/models.md is this table, written by `python tools/sweep_models.py`."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ MUST_BE_OK = ("llama", "mistral", "qwen2", "gemma", "gemma2", "vaultgemma", "coh
               # packed MoE experts split inside every expert (layers/experts.py), shared experts as MLPs
               "qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "glm4_moe", "llama4_text", "nemotron_h")
 # With sequence parallelism: the same, with whole-hidden q/k norms (olmo2) and per-head ones (qwen3)
+# With the experts split over the ranks (expert parallelism)
+EP_MUST_BE_OK = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "glm4_moe", "llama4_text")
 SP_MUST_BE_OK = ("llama", "mistral", "qwen2", "gemma", "gemma2", "cohere", "qwen3", "olmo2", "phi3", "glm",
                  "glm4", "gpt_neox", "starcoder2", "granite")
 
@@ -33,9 +36,10 @@ def _body(rank, world):
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore")
     # each model type against one unsharded reference: plain tp, then with sequence parallelism
-    both = [check_variants(model_type, dist.group.WORLD, [{}, {"enable_sequence_parallelism": True}])
+    both = [check_variants(model_type, dist.group.WORLD, [{}, {"enable_sequence_parallelism": True},
+                                                          {"expert_parallel": True}])
             for model_type in plan_model_types()]
-    verdicts, sp = [b[0] for b in both], [b[1] for b in both]
+    verdicts, sp, ep = [b[0] for b in both], [b[1] for b in both], [b[2] for b in both]
     failed = [f"{v.model_type} ({v.cls}): {v.detail}" for v in verdicts if v.status == "FAIL"]
     assert not failed, "sharded models that crash or compute other numbers:\n" + "\n".join(failed)
     status = {v.model_type: v.status for v in verdicts}
@@ -49,6 +53,12 @@ def _body(rank, world):
     not_ok = {m: sp_status.get(m) for m in SP_MUST_BE_OK if sp_status.get(m) != "ok"}
     assert not not_ok, f"sequence parallelism: families that must match the unsharded model: {not_ok}"
     assert sum(v.status == "ok" for v in sp) >= 35, [(v.model_type, v.status) for v in sp]
+    # expert parallelism: every model with packed experts ok or refused, never a crash or another number
+    failed = [f"{v.model_type} ({v.cls}): {v.detail}" for v in ep if v.status == "FAIL"]
+    assert not failed, "expert parallelism: crashes or other numbers:\n" + "\n".join(failed)
+    ep_status = {v.model_type: v.status for v in ep}
+    not_ok = {m: ep_status.get(m) for m in EP_MUST_BE_OK if ep_status.get(m) != "ok"}
+    assert not not_ok, f"expert parallelism: families that must match the unsharded model: {not_ok}"
 
 
 def test_every_transformers_plan_is_ok_or_refused():
