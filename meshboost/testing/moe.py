@@ -72,12 +72,13 @@ def causal_batches(config, steps: int, batch: int = 4, seq: int = 8, seed: int =
     return out
 
 
-def train_whole(config, batches, replicas: int = 1, model=None):
+def train_whole(config, batches, replicas: int = 1, model=None, max_norm: float = 0.0, norms: list | None = None):
     """Single-process AdamW training on the whole batches: (per-step losses, named parameters).
     replicas > 1 (with the router's load-balancing loss): the objective data parallelism trains, DDP's
     semantics for that loss (meshboost's default, docs/moe.md): the cross-entropy of the whole batch plus
     the mean over the replicas' shares of each share's own load-balancing loss (its routing statistics
-    are those of the tokens it holds)."""
+    are those of the tokens it holds). max_norm > 0: gradients clipped to it, each step's global norm
+    appended to `norms`."""
     model = build_causal_lm(config) if model is None else model
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     losses = []
@@ -94,18 +95,24 @@ def train_whole(config, batches, replicas: int = 1, model=None):
                 loss = loss + ce_mean * int((h["labels"][:, 1:] != -100).sum()) / items \
                     + config.router_aux_loss_coef * out.aux_loss / replicas
         loss.backward()
+        if max_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            if norms is not None:
+                norms.append(norm.item())
         opt.step(), opt.zero_grad()
         losses.append(loss.item())
     return losses, dict(model.named_parameters())
 
 
 def train_boosted(config, batches, plugin_config, ref_losses, ref_params, what, dtype=torch.float32,
-                  model=None, setup=None):
+                  model=None, setup=None, ref_norms=None):
     """Boost `model` (default: `build_causal_lm(config)`) with AdamW under `plugin_config`, train on
     each rank's share of `batches` (its data-parallel slice), and check every step's loss (the mean
     over the replicas; without stages) and, after the last step, every weight gathered from its shards
     (the fp32 masters in half precision) against the single-process run. setup(booster, model,
-    optimizer) runs after boost (loading a checkpoint). Returns (booster, model, optimizer)."""
+    optimizer) runs after boost (loading a checkpoint). ref_norms: each step's global gradient norm of
+    the clipped single-process run, which the boosted optimizer's must equal (fp32: 1e-5 relative).
+    Returns (booster, model, optimizer)."""
     from meshboost.booster import Booster
     from meshboost.plugins import HybridParallelPlugin
 
@@ -120,6 +127,10 @@ def train_boosted(config, batches, plugin_config, ref_losses, ref_params, what, 
     for step, batch in enumerate(batches):
         mine = {k: v.chunk(mesh.dp_size)[mesh.dp_rank] for k, v in batch.items()}
         loss = booster_step(booster, model, opt, mine).detach().float().reshape(1)
+        if ref_norms is not None:
+            norm = opt.get_grad_norm()
+            assert abs(norm - ref_norms[step]) <= 1e-5 * ref_norms[step], f"{what} step {step}: grad norm {norm} " \
+                                                                          f"vs {ref_norms[step]}"
         opt.zero_grad()
         if plugin.pp_size == 1:               # the replicas' losses: their mean is the whole batch's
             dist.all_reduce(loss, group=mesh.dp_group)

@@ -6,7 +6,8 @@ every weight gathered from its shards after the last step):
   at ep=2 over dp=4 (two replicas of each expert: expert gradients averaged over them) and at tp=2 x ep=2
   (tensor parallelism inside each expert), each rank holding 1/(ep x tp) of every expert tensor;
 - Qwen3-MoE at ep=2 x pp=2 (1F1B), ep=2 with ZeRO-1 in bf16 (its save reloaded by `from_pretrained`),
-  ZeRO-2 in fp16, the router's load-balancing loss at ep=2 (DDP's semantics, the default), and with its
+  ZeRO-2 in fp16, clipped by the global gradient norm (DDP, and tp=2 x ep=2 with ZeRO-1: the norm
+  one process computes), the router's load-balancing loss at ep=2 (DDP's semantics, the default), and with its
   routing statistics all-reduced over dp (`router_statistics="global"`: one process on the whole batch);
 - a router forced to starve the second ep rank (no token reaches its experts) at ep=2 with DDP and with
   ZeRO-2, the hang ColossalAI avoids by turning ZeRO-2 off: no hang and the same numbers;
@@ -90,6 +91,17 @@ def _qwen_layouts(rank):
     train_boosted(config, batches, HybridParallelConfig(ep_size=2, zero=ZeroConfig(stage=2),
                                                         precision=PrecisionConfig("fp16")),
                   ref_losses, ref_params, "ep2 zero2 fp16", dtype=torch.float16)
+    # clipped by the global gradient norm: every expert shard counted once (disjoint over ep, replicated
+    # over edp), the norm itself equal to one process's
+    norms = []
+    clipped_losses, clipped_params = train_whole(config, batches, max_norm=0.05, norms=norms)
+    assert all(n > 0.05 for n in norms), norms                 # the clip is active
+    for what, plugin_config in (("ep2 clipped", HybridParallelConfig(ep_size=2, precision=PrecisionConfig(
+                                    max_norm=0.05))),
+                                ("tp2 ep2 zero1 clipped", HybridParallelConfig(
+                                    tp_size=2, ep_size=2, zero=ZeroConfig(stage=1),
+                                    precision=PrecisionConfig(max_norm=0.05)))):
+        train_boosted(config, batches, plugin_config, clipped_losses, clipped_params, what, ref_norms=norms)
     # the router's load-balancing loss: each replica's own by default (DDP's semantics) ...
     routed = moe_config("qwen3_moe", output_router_logits=True)
     replica_losses, replica_params = train_whole(routed, batches, replicas=4)
