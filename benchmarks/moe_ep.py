@@ -56,8 +56,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")      # before transform
 import torch
 import torch.distributed as dist
 
-from benchmarks.moe_tp import LR, make_config, moe_layers
-from benchmarks.timing import timed
+from benchmarks.moe_tp import LR, make_config, moe_layers, timed_steps, training_step
 
 FP32, COUNT = 4, 8                # bytes of a token-row element, of one int64 per-expert count
 
@@ -134,13 +133,7 @@ def _worker(rank: int, world: int, args, tp: int, ep: int, out_file: str) -> Non
                         generator=torch.Generator().manual_seed(1 + mesh.dp_rank))
     batch = {"input_ids": ids, "labels": ids}
 
-    def step():
-        loss = model(**batch).loss
-        booster.backward(loss, optimizer)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
-
+    step = training_step(booster, model, optimizer, batch)
     for _ in range(args.warmup):
         step()
     dist.barrier()
@@ -149,10 +142,7 @@ def _worker(rank: int, world: int, args, tp: int, ep: int, out_file: str) -> Non
         router.recording = True
         loss = step()
         router.recording = False
-    times = []
-    for _ in range(args.steps):
-        dist.barrier()
-        times.append(timed(step))
+    times = timed_steps(step, args.steps)
     ep_ranks = dist.get_process_group_ranks(plugin.ep_group) if ep > 1 else [rank]
     result = {"rank": rank, "ep_rank": mesh.ep_rank, "ep_ranks": ep_ranks, "dp_rank": mesh.dp_rank,
               "expert_params": sum(p.numel() for n, p in inner.named_parameters() if ".experts." in n),

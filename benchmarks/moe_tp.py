@@ -54,6 +54,27 @@ CONFIG = {"hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 4
 LR = 1e-4
 
 
+
+def training_step(booster, model, optimizer, batch: dict):
+    """One forward, backward and optimizer step of the boosted model on `batch`, as a closure returning
+    the loss (the step both MoE benchmarks time)."""
+    def step():
+        loss = model(**batch).loss
+        booster.backward(loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+    return step
+
+
+def timed_steps(step, steps: int) -> list[float]:
+    """Seconds of `steps` calls of `step`, each after a barrier (`benchmarks.timing.timed`)."""
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        times.append(timed(step))
+    return times
+
 def make_config():
     import transformers
     return transformers.Qwen3MoeConfig(**CONFIG)
@@ -145,13 +166,7 @@ def _worker(rank: int, world: int, args, out_file: str) -> None:
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "labels": ids}
 
-    def step():
-        loss = model(**batch).loss
-        booster.backward(loss, optimizer)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
-
+    step = training_step(booster, model, optimizer, batch)
     for _ in range(args.warmup):
         step()
     dist.barrier()
@@ -160,10 +175,7 @@ def _worker(rank: int, world: int, args, out_file: str) -> None:
         window.recording = True
         loss = step()
         window.recording = False
-    times = []
-    for _ in range(args.steps):
-        dist.barrier()
-        times.append(timed(step))
+    times = timed_steps(step, args.steps)
     result = {"rank": rank, "expert_params": sum(p.numel() for n, p in inner.named_parameters() if ".experts." in n),
               "params": sum(p.numel() for p in inner.parameters()), "experts_total": experts_total,
               "params_total": params_total, "moe_layers": window.layers, "comm": total.summary(),
