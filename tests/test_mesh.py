@@ -25,8 +25,9 @@ def test_parallel_dims_are_the_one_answer_for_sizes():
     dims = ParallelDims.of_world(8, tp=2, pp=2)
     assert (dims.dp, dims.pp, dims.tp, dims.shape) == (2, 2, 2, (2, 2, 2))
     assert dims.size("dp", "tp") == 4 and dims.grad_axes() == ("dp",)
-    with pytest.raises(ValueError, match="axis='cp'"):
-        dims.size("cp")
+    with pytest.raises(ValueError, match="axis='fsdp'"):
+        dims.size("fsdp")
+    assert dims.size("cp") == 1                              # no context parallelism: one rank along cp
     with pytest.raises(ValueError, match="parameter kind 'context'"):
         dims.grad_axes("context")
     with pytest.raises(ValueError, match="not divisible"):
@@ -35,6 +36,9 @@ def test_parallel_dims_are_the_one_answer_for_sizes():
     ep = ParallelDims.of_world(8, tp=2, ep=2)
     assert (ep.dp, ep.ep, ep.edp, ep.mesh_axes, ep.shape) == (4, 2, 2, ("edp", "ep", "pp", "tp"), (2, 2, 1, 2))
     assert ep.grad_axes("expert") == ("edp",) and dims.mesh_axes == ("dp", "pp", "tp")
+    # context parallelism: a cp axis beside tp; every weight is averaged over dp x cp
+    cp = ParallelDims.of_world(8, tp=2, cp=2)
+    assert (cp.dp, cp.mesh_axes, cp.shape, cp.grad_axes()) == (2, ("dp", "pp", "cp", "tp"), (2, 1, 2, 2), ("dp", "cp"))
     with pytest.raises(ValueError, match="ep_size=3 does not divide the data-parallel size 4"):
         ParallelDims.of_world(8, tp=2, ep=3)
 
@@ -97,6 +101,12 @@ def _mesh_body(rank, world):
     both = ParallelMesh(tp_size=2, ep_size=2)
     assert dist.get_process_group_ranks(both.group("ep")) == [rank % 2, rank % 2 + 2] and both.dims.edp == 1
     assert mesh.reduction_of([b])[1] is mesh.dp_group        # without ep, edp is dp: the expert kind is dp's
+    # context parallelism: cp beside tp, dense gradients over dp x cp
+    cp = ParallelMesh(tp_size=2, cp_size=2)
+    assert (cp.dp_size, cp.cp_size, cp.cp_rank, cp.tp_rank) == (1, 2, rank // 2, rank % 2)
+    assert dist.get_process_group_ranks(cp.group("cp")) == [rank % 2, rank % 2 + 2]
+    assert cp.reduction_of([w])[0] == ("dp", "cp") and dist.get_process_group_ranks(cp.reduction_of([w])[1]) == \
+        [rank % 2, rank % 2 + 2]
     # launch seeded every rank identically
     assert meshboost.get_current_device().type in ("cpu", "cuda")
 

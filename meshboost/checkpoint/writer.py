@@ -59,7 +59,10 @@ def save_roles(mesh=None, main_only: bool = False) -> SaveRoles:
     else:
         # replica 0 of the experts (edp 0: the ep ranks of dp replica 0, which hold the other experts) joins
         # the gathers; without expert parallelism that is dp replica 0
-        roles = SaveRoles(mesh.edp_rank == 0, mesh.dp_rank == 0 and mesh.tp_rank == 0, mesh.global_rank == 0,
+        # context parallelism: the cp ranks hold the same weights; only cp rank 0 gathers and writes
+        first = getattr(mesh, "cp_rank", 0) == 0
+        roles = SaveRoles(mesh.edp_rank == 0 and first, mesh.dp_rank == 0 and mesh.tp_rank == 0 and first,
+                          mesh.global_rank == 0,
                           mesh.pp_rank, mesh.pp_size, mesh.world_group, mesh.device)
     if main_only:
         roles.stage_writer, roles.stage, roles.num_stages = roles.main_writer, 0, 1

@@ -40,11 +40,21 @@ EXPERT_AXES = ("edp", "ep", "pp", "tp")     # the DeviceMesh's dimensions when e
 
 
 def check_mesh_shape(world_size: int, tp_size: int, pp_size: int, dp_size: int | None = None,
-                     ep_size: int = 1) -> int:
+                     ep_size: int = 1, cp_size: int = 1) -> int:
     """Validate the factors and return dp_size. Pure: raises the same error on every rank."""
-    for name, value in (("tp_size", tp_size), ("pp_size", pp_size), ("ep_size", ep_size)):
+    for name, value in (("tp_size", tp_size), ("pp_size", pp_size), ("ep_size", ep_size), ("sp_size", cp_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer")
+    if cp_size > 1:                 # the context ranks sit beside tp: check them first, naming sp_size
+        model = tp_size * pp_size * cp_size
+        if world_size % model or (dp_size is not None and dp_size * model != world_size):
+            raise ValueError(f"world_size={world_size} is not divisible into dp x (pp_size={pp_size} x sp_size="
+                             f"{cp_size} x tp_size={tp_size} = {model}); launch a multiple of {model} processes or "
+                             "change the sizes")
+        dp_size = world_size // model
+        if dp_size % ep_size:
+            raise ValueError(f"ep_size={ep_size} does not divide the data-parallel size {dp_size}")
+        return dp_size
     if dp_size is None:
         if world_size % (tp_size * pp_size) != 0:
             raise ValueError(
@@ -74,6 +84,7 @@ class ParallelDims:
     pp: int = 1
     tp: int = 1
     ep: int = 1          # experts split over this many of the dp ranks (ep divides dp)
+    cp: int = 1          # context parallelism: the sequence split over this many ranks (ColossalAI's sp_size)
 
     ORDER = AXES                                  # outermost first; the DeviceMesh's names at ep == 1
     # kind of parameter -> the axes its gradient is averaged over (its data-parallel replicas)
@@ -81,8 +92,8 @@ class ParallelDims:
 
     @classmethod
     def of_world(cls, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None,
-                 ep: int = 1) -> "ParallelDims":
-        return cls(dp=check_mesh_shape(world_size, tp, pp, dp, ep), pp=pp, tp=tp, ep=ep)
+                 ep: int = 1, cp: int = 1) -> "ParallelDims":
+        return cls(dp=check_mesh_shape(world_size, tp, pp, dp, ep, cp), pp=pp, tp=tp, ep=ep, cp=cp)
 
     @property
     def edp(self) -> int:
@@ -91,8 +102,10 @@ class ParallelDims:
 
     @property
     def mesh_axes(self) -> tuple[str, ...]:
-        """The DeviceMesh's dimension names, outermost first: (dp, pp, tp), or (edp, ep, pp, tp) at ep > 1."""
-        return EXPERT_AXES if self.ep > 1 else AXES
+        """The DeviceMesh's dimension names, outermost first: (dp, pp, tp); dp as (edp, ep) at ep > 1;
+        a context axis cp between pp and tp at cp > 1 (its all-to-alls stay near tp's links)."""
+        dp = ("edp", "ep") if self.ep > 1 else ("dp",)
+        return (*dp, "pp", *(("cp",) if self.cp > 1 else ()), "tp")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -102,16 +115,17 @@ class ParallelDims:
         """The number of ranks along `axes` together (one axis, or several flattened)."""
         out = 1
         for axis in axes:
-            if axis not in (*AXES, *EXPERT_AXES):
-                raise ValueError(f"axis={axis!r}; expected one of {(*AXES, 'edp', 'ep')}")
+            if axis not in (*AXES, *EXPERT_AXES, "cp"):
+                raise ValueError(f"axis={axis!r}; expected one of {(*AXES, 'edp', 'ep', 'cp')}")
             out *= getattr(self, axis)
         return out
 
     def grad_axes(self, kind: str = DENSE) -> tuple[str, ...]:
-        """The axes a `kind` parameter's gradient is averaged over."""
+        """The axes a `kind` parameter's gradient is averaged over (with context parallelism every weight
+        is replicated over the cp ranks too, each of which saw another part of the sequences)."""
         if kind not in self.GRAD_AXES:
             raise ValueError(f"parameter kind {kind!r}; this mesh reduces {sorted(self.GRAD_AXES)}")
-        return self.GRAD_AXES[kind]
+        return (*self.GRAD_AXES[kind], "cp") if self.cp > 1 else self.GRAD_AXES[kind]
 
 
 class ParallelMesh:
@@ -122,7 +136,7 @@ class ParallelMesh:
     """
 
     def __init__(self, tp_size: int = 1, pp_size: int = 1, dp_size: int | None = None,
-                 device_type: str | None = None, ep_size: int = 1):
+                 device_type: str | None = None, ep_size: int = 1, cp_size: int = 1):
         if not dist.is_initialized():
             raise RuntimeError("ParallelMesh needs an initialised process group: call "
                                "meshboost.launch_from_torch() first")
@@ -131,9 +145,10 @@ class ParallelMesh:
         # Before anything that could differ by rank: ranks with different shapes would build different
         # groups and hang in torch's group creation.
         agree_settings({"tp_size": tp_size, "pp_size": pp_size, "dp_size": dp_size, "device_type": device_type,
-                        "ep_size": ep_size}, "mesh shape (ParallelMesh arguments)")
+                        "ep_size": ep_size, "cp_size": cp_size}, "mesh shape (ParallelMesh arguments)")
         self.world_size = dist.get_world_size()
-        self.dims = ParallelDims.of_world(self.world_size, tp=tp_size, pp=pp_size, dp=dp_size, ep=ep_size)
+        self.dims = ParallelDims.of_world(self.world_size, tp=tp_size, pp=pp_size, dp=dp_size, ep=ep_size,
+                                          cp=cp_size)
         # The device every tensor this mesh's collectives touch lives on (launch bound cuda:LOCAL_RANK).
         self.device: torch.device = current if current.type == device_type else torch.device(device_type)
         # Every group inherits the default group's timeout (launch_from_torch(timeout=...)); torch would
@@ -147,6 +162,7 @@ class ParallelMesh:
             self._coordinate["dp"] = self._coordinate["edp"] * self.dims.ep + self._coordinate["ep"]
         else:
             self._coordinate.update(edp=self._coordinate["dp"], ep=0)
+        self._coordinate.setdefault("cp", 0)
         self._stage_groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         self._flattened: dict[tuple[str, ...], DeviceMesh] = {}
         self._reductions: dict[tuple[str, ...], tuple[dist.ProcessGroup, int, int]] = {}
@@ -171,6 +187,14 @@ class ParallelMesh:
     @property
     def ep_rank(self) -> int:
         return self._coordinate["ep"]
+
+    @property
+    def cp_size(self) -> int:
+        return self.dims.cp
+
+    @property
+    def cp_rank(self) -> int:
+        return self._coordinate["cp"]
 
     @property
     def edp_rank(self) -> int:
@@ -220,6 +244,11 @@ class ParallelMesh:
                 raise ValueError("the ep axis has one rank at ep_size=1 (no expert parallelism): ask for the "
                                  "axes without it")
             axes = tuple(dict.fromkeys("dp" if axis == "edp" else axis for axis in axes))
+        if self.dims.cp == 1:
+            if axes == ("cp",):
+                raise ValueError("the cp axis has one rank at sp_size=1 (no context parallelism): ask for the "
+                                 "axes without it")
+            axes = tuple(axis for axis in axes if axis != "cp")
         if len(axes) == 1:
             return self.device_mesh[axes[0]]
         axes = tuple(a for a in names if a in axes)   # the mesh's order
@@ -285,9 +314,10 @@ class ParallelMesh:
         pp_ranks = tuple(sorted(pp_ranks))
         if pp_ranks not in self._stage_groups:
             mine = None
-            grid = self.device_mesh.mesh.reshape(self.dp_size, self.pp_size, self.tp_size)   # (edp, ep) -> dp
+            # (edp, ep) -> dp, (cp, tp) -> one index: a group per (dp, cp, tp) coordinate
+            grid = self.device_mesh.mesh.reshape(self.dp_size, self.pp_size, self.dims.cp * self.tp_size)
             for d in range(self.dp_size):
-                for t in range(self.tp_size):
+                for t in range(self.dims.cp * self.tp_size):
                     ranks = [int(grid[d, p, t]) for p in pp_ranks]
                     group = dist.new_group(ranks, timeout=self.timeout)
                     if self.global_rank in ranks:

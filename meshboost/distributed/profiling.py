@@ -81,7 +81,8 @@ def _mesh_labels(mesh, names: dict | None) -> dict:
         # Later axes win when groups coincide (size-1 axes share no real traffic anyway). An axis that
         # spans the whole world is torch's default group itself, so world-group collectives (grad
         # norm, overflow flag) are labelled with that axis: count phases separately to tell them apart.
-        for axis in ("dp", "pp", "tp") + (("edp", "ep") if getattr(mesh, "ep_size", 1) > 1 else ()):
+        for axis in ("dp", "pp", "tp") + (("edp", "ep") if getattr(mesh, "ep_size", 1) > 1 else ()) \
+                + (("cp",) if getattr(mesh, "cp_size", 1) > 1 else ()):
             labels[mesh.group(axis)] = axis
     return labels
 

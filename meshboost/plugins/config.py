@@ -23,6 +23,8 @@ from meshboost.pipeline.normalization import TOKENS
 from meshboost.plugins.router_statistics import GLOBAL, REPLICA
 from meshboost.plugins.router_statistics import check_mode as check_router_statistics
 from meshboost.shardformer import PipelineGradientCheckpointConfig, Policy, ShardConfig
+from meshboost.shardformer.context import ALL_TO_ALL
+from meshboost.shardformer.context import check_mode as check_context_mode
 
 # Who averages gradients over the data-parallel group; exactly one of them does, decided by `dp_reducer`.
 NO_REDUCTION = "none"        # dp_size == 1
@@ -85,6 +87,10 @@ class HybridParallelConfig:
     # expert parallelism: the experts of every MoE layer split over ep_size of the data-parallel ranks
     # (ep divides dp; tensor parallelism, when tp_size > 1, cuts inside each expert: docs/moe.md)
     ep_size: int = 1
+    # context parallelism (ColossalAI's sp_size): every sequence split over sp_size ranks; sp_mode
+    # "all_to_all" (Ulysses, shardformer/context.py; the default with sp_size > 1)
+    sp_size: int = 1
+    sp_mode: str | None = None
     sharding: ShardConfig = field(default_factory=ShardConfig)      # its process group is set from the mesh
     custom_policy: Policy | None = None                             # instead of the family's table
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
@@ -113,7 +119,7 @@ class HybridParallelConfig:
         check_router_statistics(self.router_statistics)
         if self.loss_normalization not in NORMALIZATIONS:
             raise ValueError(f"loss_normalization={self.loss_normalization!r}; expected one of {NORMALIZATIONS}")
-        for name in ("tp_size", "ep_size"):
+        for name in ("tp_size", "ep_size", "sp_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -147,6 +153,7 @@ class HybridParallelConfig:
                              f"reduce-scatter, but zero_stage={stage!r} (DDP and the pipeline reduce in the working "
                              f"precision, {self.precision.precision!r}); set zero_stage=1 or 2, or pass "
                              "communication_dtype=None")
+        self._check_context(stage)
         if self.router_statistics == GLOBAL and self.pipeline.pp_size > 1:
             raise NotImplementedError(f"router_statistics='global' with pp_size={self.pipeline.pp_size}: each stage "
                                       "holds only its layers' router logits; use router_statistics='replica' with "
@@ -164,6 +171,29 @@ class HybridParallelConfig:
                                       "compresses only DDP's data-parallel gradient all-reduce (tp_size=1, pp_size=1, "
                                       "zero_stage=0); tensor-parallel, pipeline and ZeRO traffic runs in the working "
                                       "precision. Drop the argument, or use that layout")
+
+    def _check_context(self, stage: int) -> None:
+        if self.sp_size == 1:
+            if self.sp_mode is not None:
+                raise ValueError(f"sequence_parallelism_mode={self.sp_mode!r} with sp_size=1 splits nothing; pass "
+                                 "sp_size > 1 (the ranks the sequence is split over), or no mode")
+            return
+        self.sp_mode = check_context_mode(self.sp_mode or ALL_TO_ALL)
+        others = {k: v for k, v in (("pp_size", self.pipeline.pp_size), ("ep_size", self.ep_size)) if v > 1}
+        if stage == 3:
+            others["zero_stage"] = 3
+        if others:
+            raise NotImplementedError(f"sp_size={self.sp_size} with {others}: context parallelism composes with tp, "
+                                      "dp and ZeRO-1/2 so far; drop these or use sp_size=1")
+        if self.sharding.enable_sequence_parallelism:
+            raise ValueError(f"sp_size={self.sp_size} with enable_sequence_parallelism=True (split_gather over the tp "
+                             "group): the all_to_all mode splits the sequence over its own ranks; turn one off")
+        if self.router_statistics == GLOBAL or self.fp8_communication:
+            raise NotImplementedError(f"sp_size={self.sp_size} with router_statistics='global' or fp8_communication "
+                                      "is not supported; drop them")
+        if self.loss_normalization != TOKENS:
+            raise NotImplementedError(f"sp_size={self.sp_size} with loss_normalization={self.loss_normalization!r}: "
+                                      "the loss of a split sequence is normalised by its labelled tokens; use 'tokens'")
 
     @property
     def pp_size(self) -> int:

@@ -40,6 +40,7 @@ from meshboost.shardformer import (
     uses_causal_lm_loss,
 )
 from meshboost.plugins.router_statistics import GLOBAL, loss_function, with_global_router_loss
+from meshboost.shardformer.context import ContextInputs, check_context, install
 from meshboost.shardformer.layers.expert_parallel import check_expert_parallel, shard_expert_parallel_
 
 
@@ -52,7 +53,8 @@ class HybridParallelModule(ModelWrapper):
     and `items_guard` tells the optimizer when a global batch had none."""
 
     def __init__(self, module: nn.Module, mesh: ParallelMesh, shard_config: ShardConfig, check_inputs: str = ALWAYS,
-                 count_items: bool = False, input_dtype: torch.dtype = torch.float32, router_group=None):
+                 count_items: bool = False, input_dtype: torch.dtype = torch.float32, router_group=None,
+                 context: ContextInputs | None = None):
         super().__init__(module)
         # Floating-point inputs (pixel_values, input_features, inputs_embeds) are cast to the working
         # precision, as the weights are (ColossalAI's HybridParallelModule does the same).
@@ -65,6 +67,8 @@ class HybridParallelModule(ModelWrapper):
         self.fully_sharded = is_sharded(module)       # zero_stage=3: torch FSDP2 over dp
         # router_statistics="global": the load-balancing loss on every replica's routing (router_statistics.py)
         self.router_group = router_group
+        # sp_size > 1: this cp rank's piece of every sequence in, the whole sequences' loss out (context.py)
+        self.context = context
 
     def check_same_inputs(self, *inputs, immediate: bool = False) -> None:
         """Raise on every rank of the group when the ranks that must share a batch (tp, and pp with
@@ -77,9 +81,18 @@ class HybridParallelModule(ModelWrapper):
         if self.items_guard is not None and self.training and torch.is_tensor(kwargs.get("labels")):
             items = self._global_items(kwargs["labels"], kwargs.get("num_items_in_batch"))
             self.items_guard.record(items)
-            if self.mesh.dp_size > 1:          # the gradient reduction averages over the replicas
+            if self.context is not None:       # every rank holds a piece: normalise by the whole count
+                kwargs["num_items_in_batch"] = items / (self.mesh.dp_size * self.mesh.cp_size)
+            elif self.mesh.dp_size > 1:        # the gradient reduction averages over the replicas
                 kwargs["num_items_in_batch"] = items / self.mesh.dp_size
+        if self.context is not None:
+            labels = kwargs.get("labels")
+            if torch.is_tensor(labels) and kwargs.get("num_items_in_batch") is None:     # eval: the replica's own
+                kwargs["num_items_in_batch"] = count_items(labels, shifted=True) / self.mesh.cp_size
+            kwargs = self.context.shard(kwargs)
         output = self.module(*args, **kwargs)
+        if self.context is not None:
+            output = self.context.combine(output, self.training)
         if self.router_group is not None:
             output = with_global_router_loss(super().unwrap(), output, kwargs.get("attention_mask"), self.router_group)
         return output
@@ -167,9 +180,11 @@ class HybridParallelPlugin(Plugin):
                 raise NotImplementedError(refusal)
         pc = config.pipeline
         # collective: after the checks
-        self.mesh = ParallelMesh(tp_size=config.tp_size, pp_size=pc.pp_size, ep_size=config.ep_size)
+        self.mesh = ParallelMesh(tp_size=config.tp_size, pp_size=pc.pp_size, ep_size=config.ep_size,
+                                 cp_size=config.sp_size)
         self.shard_config = dataclasses.replace(config.sharding, tensor_parallel_process_group=self.mesh.tp_group)
-        self.dp_reducer = dp_reducer(self.mesh.dp_size, pc.pp_size, config.zero.stage)
+        # the replicas of a dense weight: dp, times the cp ranks (each saw other pieces of the sequences)
+        self.dp_reducer = dp_reducer(self.mesh.size(*self.mesh.dims.grad_axes()), pc.pp_size, config.zero.stage)
 
     @property
     def fp8_communication(self) -> bool:
@@ -240,6 +255,12 @@ class HybridParallelPlugin(Plugin):
         checkpointed = self._checkpointed_layers(model)          # pure: raises on every rank alike
         if self.ep_size > 1:
             check_expert_parallel(model, self.ep_size)           # pure: raises on every rank alike
+        attention = None
+        if self.config.sp_size > 1:                              # pure: raises on every rank alike
+            attention = check_context(model, self.config.sp_size, self.tp_size)
+            if not uses_causal_lm_loss(model):
+                raise NotImplementedError(f"sp_size={self.config.sp_size}: {type(model).__name__} does not compute its "
+                                          "causal-LM loss through transformers' loss_function; use sp_size=1")
         ShardFormer(self.shard_config).optimize(model, self.config.custom_policy)
         if self.ep_size > 1:        # after tp, which cut inside the experts: now split the experts over ep
             shard_expert_parallel_(model, self.mesh.group("ep"), self.ep_size, self.mesh.ep_rank)
@@ -274,11 +295,16 @@ class HybridParallelPlugin(Plugin):
             else:
                 register_counting_allreduce(module, group)
         count = self.config.loss_normalization == TOKENS and stages is None and uses_causal_lm_loss(model)
+        context = None
+        if attention is not None:
+            context = ContextInputs(install(model, self.mesh.group("cp"), self.config.sp_size, attention),
+                                    self.mesh.cp_rank)
         router_group = self.mesh.dp_group if self.config.router_statistics == GLOBAL and self.mesh.dp_size > 1 else None
         if router_group is not None:
             loss_function(model)                      # pure: a model without a router loss is refused here
         boosted = HybridParallelModule(module, self.mesh, self.shard_config, self.config.check_inputs, count,
-                                       input_dtype=self.config.precision.dtype, router_group=router_group)
+                                       input_dtype=self.config.precision.dtype, router_group=router_group,
+                                       context=context)
         if boosted.items_guard is not None and isinstance(optimizer, MixedPrecisionOptimizer):
             optimizer.check_before_update(boosted.items_guard)     # no labelled token: refuse the update
         if stages is not None:

@@ -46,8 +46,9 @@ class InputCheck:
         if mode not in CHECK_INPUTS:
             raise ValueError(f"check_inputs={mode!r}; expected one of {CHECK_INPUTS}")
         self.mode, self.fix = mode, fix
+        context = ((mesh.group("cp"), "context-parallel"),) if getattr(mesh, "cp_size", 1) > 1 else ()
         self.groups = [(group, what) for group, what in ((mesh.tp_group, "tensor-parallel"),
-                                                          (mesh.pp_group, "pipeline-parallel"))
+                                                          (mesh.pp_group, "pipeline-parallel"), *context)
                        if dist.get_world_size(group) > 1]
         self.deferred = mesh.device.type == "cuda" if deferred is None else deferred
         self.calls = 0

@@ -26,13 +26,31 @@ from meshboost.shardformer import PipelineGradientCheckpointConfig, Policy, Shar
 __all__ = ["HybridParallelPlugin", "HybridParallelModule", "colossalai_config"]
 
 
-def _refuse_unsupported(sp_size, scheduler_nodes, dp_outside, overlap_allgather, use_fp8, inner_ring_size) -> None:
+CONTEXT_MODES = ("all_to_all", "ring", "ring_attn")     # ColossalAI's modes over a sequence axis of their own
+
+
+def _context(a: dict) -> tuple[int, str | None, dict]:
+    """ColossalAI's sequence-parallel keywords as (sp_size, sp_mode, the ShardConfig fields): the modes
+    with an sp group of their own (all_to_all; ring and ring_attn are refused by the core) become the
+    context axis; split_gather stays the tp group's sequence parallelism, which takes no sp_size."""
+    sp_size, mode, enabled = a["sp_size"], a["sequence_parallelism_mode"], a["enable_sequence_parallelism"]
+    shard = {"enable_sequence_parallelism": enabled, "sequence_parallelism_mode": mode}
+    if enabled and mode in CONTEXT_MODES:
+        if sp_size in (None, 1):
+            raise ValueError(f"sequence_parallelism_mode={mode!r} with sp_size={sp_size!r} splits nothing: pass "
+                             "sp_size > 1 (the ranks every sequence is split over)")
+        return sp_size, mode, {"enable_sequence_parallelism": False, "sequence_parallelism_mode": None}
+    if sp_size not in (None, 1):
+        raise NotImplementedError(f"sp_size={sp_size!r} with sequence_parallelism_mode={mode!r}: meshboost's "
+                                  "split_gather sequence parallelism runs over the tensor-parallel group, so it takes "
+                                  "no sp_size; for a sequence axis of its own pass enable_sequence_parallelism=True, "
+                                  f"sequence_parallelism_mode='all_to_all', sp_size={sp_size}")
+    return 1, None, shard
+
+
+def _refuse_unsupported(scheduler_nodes, dp_outside, overlap_allgather, use_fp8, inner_ring_size) -> None:
     """ColossalAI keywords meshboost does not implement: refused (pure, the same on every rank) with the
     meshboost way to get what they are for."""
-    if sp_size not in (None, 1):
-        raise NotImplementedError(f"sp_size={sp_size!r}: meshboost's sequence parallelism ('split_gather') runs "
-                                  "over the tensor-parallel group, so it needs no group of its own; pass "
-                                  "sp_size=None with enable_sequence_parallelism=True and tp_size > 1")
     if scheduler_nodes is not None:
         raise NotImplementedError("scheduler_nodes= (the zero-bubble V schedule) is not supported; use "
                                   "pp_style='1f1b' or 'interleaved' without scheduler_nodes")
@@ -47,18 +65,18 @@ def _refuse_unsupported(sp_size, scheduler_nodes, dp_outside, overlap_allgather,
     if use_fp8:
         raise NotImplementedError("use_fp8=True (fp8 matmuls) is not supported; train with precision='bf16' or 'fp16'")
     if inner_ring_size is not None:
-        raise NotImplementedError(f"inner_ring_size={inner_ring_size}: ring attention is not in meshboost; sequence "
-                                  "parallelism is 'split_gather' over the tensor-parallel group")
+        raise NotImplementedError(f"inner_ring_size={inner_ring_size}: ring attention is not in meshboost yet; "
+                                  "sequence_parallelism_mode='all_to_all' with sp_size splits long sequences")
 
 
 def colossalai_config(a: dict) -> HybridParallelConfig:
     """ColossalAI's HybridParallelPlugin keywords (`a`, every one of them) as meshboost's config."""
-    _refuse_unsupported(a["sp_size"], a["scheduler_nodes"], a["dp_outside"], a["overlap_allgather"], a["use_fp8"],
+    _refuse_unsupported(a["scheduler_nodes"], a["dp_outside"], a["overlap_allgather"], a["use_fp8"],
                         a["inner_ring_size"])
-    sharding = ShardConfig(**{k: a[k] for k in (
-        "enable_tensor_parallelism", "parallel_output", "make_vocab_size_divisible_by", "enable_sequence_parallelism",
-        "sequence_parallelism_mode", "enable_flash_attention", "enable_fused_normalization", "enable_jit_fused",
-        "enable_sequence_overlap", "enable_all_optimization")})
+    sp_size, sp_mode, sequence = _context(a)
+    sharding = ShardConfig(**sequence, **{k: a[k] for k in (
+        "enable_tensor_parallelism", "parallel_output", "make_vocab_size_divisible_by", "enable_flash_attention",
+        "enable_fused_normalization", "enable_jit_fused", "enable_sequence_overlap", "enable_all_optimization")})
     scaler = GradScalerConfig(**{k: a[k] for k in (
         "initial_scale", "min_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis", "max_scale",
         "max_skips_at_min_scale")})
@@ -66,7 +84,7 @@ def colossalai_config(a: dict) -> HybridParallelConfig:
                       bucket_elements(a["zero_bucket_size_in_m"], "zero_bucket_size_in_m"),
                       cpu_offload=a["cpu_offload"], communication_dtype=a["communication_dtype"])
     return HybridParallelConfig(
-        tp_size=a["tp_size"], sharding=sharding, custom_policy=a["custom_policy"],
+        tp_size=a["tp_size"], sp_size=sp_size, sp_mode=sp_mode, sharding=sharding, custom_policy=a["custom_policy"],
         pipeline=PipelineConfig(a["pp_size"], a["pp_style"], a["num_model_chunks"], a["num_microbatches"],
                                 a["microbatch_size"], a["num_layers_per_stage"]),
         precision=PrecisionConfig(a["precision"], a["max_norm"], 2.0, scaler), zero=zero,
@@ -83,8 +101,10 @@ class HybridParallelPlugin(CorePlugin):
     tp_size, custom_policy, enable_tensor_parallelism, parallel_output, make_vocab_size_divisible_by,
         enable_sequence_parallelism, enable_flash_attention, enable_fused_normalization, enable_jit_fused,
         enable_sequence_overlap, enable_all_optimization, sequence_parallelism_mode: sharding and kernels
-        (`meshboost.shardformer.ShardConfig`, docs/optimizations.md); sp_size: None or 1 (sequence
-        parallelism runs over the tp group).
+        (`meshboost.shardformer.ShardConfig`, docs/optimizations.md); sp_size with
+        enable_sequence_parallelism=True and sequence_parallelism_mode='all_to_all': the context axis
+        (`HybridParallelConfig.sp_size`, docs/sequence_parallel.md); with split_gather, None or 1
+        (that sequence parallelism runs over the tp group).
     pp_size, num_microbatches / microbatch_size (one required with pp_size > 1), pp_style ("1f1b" |
         "interleaved"), num_model_chunks, num_layers_per_stage: `meshboost.pipeline.PipelineConfig`.
     precision ("fp32" | "fp16" | "bf16"), max_norm (global-norm clipping when > 0), initial_scale,

@@ -1,0 +1,235 @@
+"""Context parallelism, Ulysses style (`sequence_parallelism_mode="all_to_all"`): every sequence split
+over the cp ranks everywhere, attention run on whole sequences for a slice of the heads.
+
+Owns: which models and settings the mode can run exactly (`check_context`, pure), the attention
+function registered in transformers' attention interface (`UlyssesAttention`: no copied forward; it
+wraps the model's own SDPA or eager implementation), the split of one replica's batch into this cp
+rank's contiguous piece of every sequence (`ContextInputs.shard`), and what the model returns: the
+loss of the whole sequences on every cp rank, whole-sequence logits in eval.
+
+Around attention: one all-to-all turns this rank's sequence piece of all heads ([B, H, S/cp, D]) into
+the whole sequence of H/cp heads ([B, H/cp, S, D]), the wrapped implementation runs with the whole
+sequence's causal and padding mask, and one all-to-all turns the output back. Key/value heads fewer
+than cp (or not dividing into cp groups) are repeated to the query heads first, exactly as the GQA
+kernels would. Both exchanges are differentiable (`comm.all_to_all`). Rotary positions are the
+global ones: every rank passes its piece of `position_ids`.
+
+The loss: labels are shifted on the whole sequence before the split (`shift_labels`: the last token of
+a piece predicts the first of the next), the loss is normalised by the labelled tokens of every
+replica's whole sequences (training; in eval the replica's own), and each rank's backward reaches its
+own tokens only; its value is then averaged over the cp ranks (identity backward), so every rank
+reports its replica's loss and the gradients, averaged over dp x cp, are the single-process ones.
+
+Refused with the reason (every rank, before any collective): a mode other than all_to_all ("ring",
+"ring_attn": not built yet), packed sequences (position_ids restarting), sliding-window attention,
+attention implementations other than sdpa and eager, heads not divisible by cp, a sequence length
+not divisible by cp, models that are not causal LMs. Must not know a model family.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+import torch.nn as nn
+
+from meshboost.distributed import comm
+
+ALL_TO_ALL = "all_to_all"
+MODES = (ALL_TO_ALL,)
+NOT_BUILT = ("ring", "ring_attn")
+WRAPPED = ("sdpa", "eager")
+ATTENTION_NAME = "meshboost_ulysses"
+
+
+def check_mode(mode: str | None) -> str:
+    if mode in NOT_BUILT:
+        raise NotImplementedError(f"sequence_parallelism_mode={mode!r} (ring attention) is not built yet; use "
+                                  "'all_to_all' (Ulysses: the sequence split over sp_size ranks, heads over them "
+                                  "around attention)")
+    if mode not in MODES:
+        raise ValueError(f"sequence_parallelism_mode={mode!r} with sp_size > 1; expected one of {MODES + NOT_BUILT}")
+    return mode
+
+
+def check_context(model: nn.Module, cp_size: int, tp_size: int) -> str:
+    """The attention implementation the mode wraps, or an error naming the value and the fix. Pure."""
+    name = type(model).__name__
+    config = getattr(model, "config", None)
+    if config is None or not name.endswith("ForCausalLM"):
+        raise NotImplementedError(f"sp_size={cp_size}: context parallelism runs causal LMs (a *ForCausalLM with its "
+                                  f"labels); {name} is not one. Use sp_size=1")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in WRAPPED:
+        raise NotImplementedError(f"sp_size={cp_size}: {name} runs attn_implementation={implementation!r}; the "
+                                  f"all_to_all mode wraps {WRAPPED}: build the model with attn_implementation='sdpa'")
+    windows = [getattr(text, k, None) for k in ("sliding_window", "attention_chunk_size")]
+    layer_types = set(getattr(text, "layer_types", None) or ())
+    if (any(windows) and getattr(text, "use_sliding_window", True)) or layer_types - {"full_attention"}:
+        raise NotImplementedError(f"sp_size={cp_size}: {name} has sliding-window or chunked attention "
+                                  f"(sliding_window={windows[0]}, layer_types={sorted(layer_types)}), which the "
+                                  "all_to_all mode does not mask yet; use sp_size=1")
+    heads = getattr(text, "num_attention_heads", None)
+    if not isinstance(heads, int) or (heads // tp_size) % cp_size:
+        raise ValueError(f"sp_size={cp_size}: {name}'s {heads} attention heads over tp_size={tp_size} leave "
+                         f"{None if not isinstance(heads, int) else heads // tp_size} per rank, not divisible by "
+                         f"sp_size={cp_size} (each cp rank attends for heads / (tp x sp) of them); choose sizes "
+                         "that divide the heads")
+    return implementation
+
+
+class UlyssesAttention:
+    """The attention function registered for a model under context parallelism (see the module
+    docstring); `padding` is the whole sequences' key padding mask of the current call (None: none)."""
+
+    def __init__(self, group, size: int, inner: str):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        self.group, self.size, self.inner_name = group, size, inner
+        # sdpa from transformers' registry; eager is each modeling file's own `eager_attention_forward`
+        self.inner = ALL_ATTENTION_FUNCTIONS[inner] if inner != "eager" else None
+        self.padding: torch.Tensor | None = None
+
+    def _implementation(self, module: nn.Module):
+        if self.inner is not None:
+            return self.inner
+        found = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if found is None:
+            raise NotImplementedError(f"{type(module).__name__}: its modeling file has no eager_attention_forward for "
+                                      "the all_to_all mode to wrap; build the model with attn_implementation='sdpa'")
+        return found
+
+    def _heads_to_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, h, S/cp, D] (all heads, this rank's piece) -> [B, h/cp, S, D] (its heads, every piece)."""
+        b, h, s, d = x.shape
+        send = x.reshape(b, self.size, h // self.size, s, d).transpose(0, 1).contiguous()
+        got = comm.all_to_all(send.reshape(self.size * b, -1), self.group, [b] * self.size, [b] * self.size)
+        return got.view(self.size, b, h // self.size, s, d).permute(1, 2, 0, 3, 4).reshape(b, h // self.size,
+                                                                                           self.size * s, d)
+
+    def _sequence_to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, S, h/cp, D] (the implementation's output layout) -> [B, S/cp, h, D]."""
+        b, s, h, d = x.shape
+        piece = s // self.size
+        send = x.reshape(b, self.size, piece, h, d).transpose(0, 1).contiguous()
+        got = comm.all_to_all(send.reshape(self.size * b, -1), self.group, [b] * self.size, [b] * self.size)
+        return got.view(self.size, b, piece, h, d).permute(1, 2, 0, 3, 4).reshape(b, piece, self.size * h, d)
+
+    def _mask(self, batch: int, length: int, like: torch.Tensor) -> torch.Tensor | None:
+        """The whole sequences' mask: None for SDPA without padding (its causal kernel), else causal and
+        key padding, boolean for SDPA, additive for eager (as transformers builds them unsharded)."""
+        if self.padding is None and self.inner_name == "sdpa":
+            return None
+        keep = torch.ones(length, length, dtype=torch.bool, device=like.device).tril()[None, None]
+        if self.padding is not None:
+            keep = keep & self.padding[:, None, None, :].to(device=like.device, dtype=torch.bool)
+        keep = keep.expand(batch, 1, length, length)
+        if self.inner_name == "sdpa":
+            return keep
+        return torch.zeros(keep.shape, dtype=like.dtype, device=like.device).masked_fill(
+            ~keep, torch.finfo(like.dtype).min)
+
+    def __call__(self, module: nn.Module, query, key, value, attention_mask, **kwargs):
+        heads, kv_heads = query.shape[1], key.shape[1]
+        groups = getattr(module, "num_key_value_groups", heads // kv_heads)
+        if kv_heads % self.size:                      # fewer kv heads than cp: repeat them to the query heads
+            key, value = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (key, value))
+            groups = 1
+        query, key, value = (self._heads_to_sequence(t) for t in (query, key, value))
+        mask = self._mask(query.shape[0], query.shape[2], query)
+        with _key_value_groups(module, groups):
+            out, _ = self._implementation(module)(module, query, key, value, mask, **kwargs)
+        return self._sequence_to_heads(out), None
+
+
+@contextlib.contextmanager
+def _key_value_groups(module: nn.Module, groups: int):
+    """The wrapped implementation repeats kv heads by `module.num_key_value_groups`: the repeat already
+    done here (kv heads fewer than cp) is not done twice."""
+    previous = getattr(module, "num_key_value_groups", None)
+    if previous is not None:
+        module.num_key_value_groups = groups
+    try:
+        yield
+    finally:
+        if previous is not None:
+            module.num_key_value_groups = previous
+
+
+def install(model: nn.Module, group, size: int, inner: str) -> UlyssesAttention:
+    """Register this model's Ulysses attention in transformers' attention interface and switch the model
+    to it (every attention module then calls it; no forward is replaced)."""
+    from transformers import AttentionInterface
+
+    attention = UlyssesAttention(group, size, inner)
+    name = f"{ATTENTION_NAME}_{id(model)}"
+    AttentionInterface.register(name, attention)
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "_attn_implementation", None) == inner:
+            config._attn_implementation = name
+    return attention
+
+
+class _MeanOverContext(torch.autograd.Function):
+    """The loss value averaged over the cp ranks (each holds its tokens' share, normalised by the
+    whole count / cp); backward identity: each rank's gradient reaches its own tokens only, and the
+    dp x cp averaging makes it the whole one."""
+
+    @staticmethod
+    def forward(ctx, loss, group, size):
+        total = comm.all_reduce(loss.detach().clone(), group)
+        return total / size
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class ContextInputs:
+    """This cp rank's piece of a replica's batch, and the whole-sequence view of what the model returns."""
+
+    def __init__(self, attention: UlyssesAttention, rank: int):
+        self.attention, self.rank, self.size, self.group = attention, rank, attention.size, attention.group
+
+    def shard(self, kwargs: dict) -> dict:
+        ids = kwargs.get("input_ids")
+        if not torch.is_tensor(ids) or ids.dim() != 2:
+            raise ValueError("context parallelism needs input_ids [batch, sequence] (inputs_embeds is not split)")
+        batch, length = ids.shape
+        if length % self.size:
+            raise ValueError(f"sequence length {length} is not divisible by sp_size={self.size}: pad the batch to a "
+                             f"multiple of {self.size} (e.g. the collator's pad_to_multiple_of={self.size}, labels "
+                             "-100 there)")
+        piece = length // self.size
+        positions = torch.arange(length, device=ids.device).expand(batch, length)
+        given = kwargs.get("position_ids")
+        if given is not None and not torch.equal(given.to(positions.device).expand(batch, length), positions):
+            raise NotImplementedError("context parallelism with position_ids that restart inside a row (packed "
+                                      "sequences) or do not count from 0 is not built yet; pass whole, right-padded "
+                                      "sequences")
+        mask = kwargs.get("attention_mask")
+        if mask is not None and (mask.dim() != 2 or tuple(mask.shape) != (batch, length)):
+            raise NotImplementedError(f"context parallelism takes a [batch, sequence] padding mask; got "
+                                      f"{tuple(mask.shape)}")
+        self.attention.padding = None if mask is None or bool(mask.bool().all()) else mask.bool()
+        out = {k: v for k, v in kwargs.items() if k not in ("attention_mask", "position_ids")}
+        cut = slice(self.rank * piece, (self.rank + 1) * piece)
+        out["input_ids"] = ids[:, cut].contiguous()
+        out["position_ids"] = positions[:, cut].contiguous()
+        labels = kwargs.get("labels")
+        if torch.is_tensor(labels):
+            shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+            out["labels"], out["shift_labels"] = labels[:, cut].contiguous(), shifted[:, cut].contiguous()
+        return out
+
+    def combine(self, output, training: bool):
+        """The loss of the whole sequences on every rank; whole-sequence logits outside training."""
+        if getattr(output, "loss", None) is not None:
+            output.loss = _MeanOverContext.apply(output.loss, self.group, self.size)
+        logits = getattr(output, "logits", None)
+        if not training and torch.is_tensor(logits):
+            output.logits = comm.all_gather(logits.contiguous(), self.group, dim=1)
+        return output
