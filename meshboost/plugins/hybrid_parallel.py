@@ -257,7 +257,7 @@ class HybridParallelPlugin(Plugin):
             check_expert_parallel(model, self.ep_size)           # pure: raises on every rank alike
         attention = None
         if self.config.sp_size > 1:                              # pure: raises on every rank alike
-            attention = check_context(model, self.config.sp_size, self.tp_size)
+            attention = check_context(model, self.config.sp_size, self.tp_size, self.config.sp_mode)
             if not uses_causal_lm_loss(model):
                 raise NotImplementedError(f"sp_size={self.config.sp_size}: {type(model).__name__} does not compute its "
                                           "causal-LM loss through transformers' loss_function; use sp_size=1")
@@ -297,8 +297,8 @@ class HybridParallelPlugin(Plugin):
         count = self.config.loss_normalization == TOKENS and stages is None and uses_causal_lm_loss(model)
         context = None
         if attention is not None:
-            context = ContextInputs(install(model, self.mesh.group("cp"), self.config.sp_size, attention),
-                                    self.mesh.cp_rank)
+            context = ContextInputs(install(model, self.mesh.group("cp"), self.config.sp_size, attention,
+                                            self.config.sp_mode), self.mesh.cp_rank, model.config)
         router_group = self.mesh.dp_group if self.config.router_statistics == GLOBAL and self.mesh.dp_size > 1 else None
         if router_group is not None:
             loss_function(model)                      # pure: a model without a router loss is refused here

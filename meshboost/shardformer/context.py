@@ -1,5 +1,7 @@
-"""Context parallelism, Ulysses style (`sequence_parallelism_mode="all_to_all"`): every sequence split
-over the cp ranks everywhere, attention run on whole sequences for a slice of the heads.
+"""Context parallelism: every sequence split over the cp ranks everywhere. Two modes:
+`"all_to_all"` (Ulysses): attention runs on whole sequences for a slice of the heads;
+`"ring_attn"` (keys and values all-gathered): every rank attends for its own queries over all keys,
+so the attention scores ([S/cp, S] per rank) are never whole on any rank.
 
 Owns: which models and settings the mode can run exactly (`check_context`, pure), the attention
 function registered in transformers' attention interface (`UlyssesAttention`: no copied forward; it
@@ -20,10 +22,17 @@ replica's whole sequences (training; in eval the replica's own), and each rank's
 own tokens only; its value is then averaged over the cp ranks (identity backward), so every rank
 reports its replica's loss and the gradients, averaged over dp x cp, are the single-process ones.
 
-Refused with the reason (every rank, before any collective): a mode other than all_to_all ("ring",
-"ring_attn": not built yet), packed sequences (position_ids restarting), sliding-window attention,
-attention implementations other than sdpa and eager, heads not divisible by cp, a sequence length
-not divisible by cp, models that are not causal LMs. Must not know a model family.
+ring_attn: the sequence is cut into 2 cp chunks and rank r holds chunks r and 2cp-1-r (zig-zag), so
+under the causal mask every rank has the same work; keys and values are all-gathered over cp
+(their gradients reduce-scattered back, `comm.gather_from_seq`), and the wrapped implementation runs
+this rank's queries against every key with the mask of their global positions: the same softmax as
+one process, no approximation. Costs the whole sequence's keys and values per rank (not its scores).
+
+Refused with the reason (every rank, before any collective): ColossalAI's "ring" (split_gather with a
+ring exchange over tp), packed sequences (position_ids restarting), sliding-window attention,
+attention implementations other than sdpa and eager, heads not divisible by cp (all_to_all), a
+sequence length not divisible by cp (2 cp for ring_attn), models that are not causal LMs. Must not
+know a model family.
 """
 
 from __future__ import annotations
@@ -37,23 +46,24 @@ import torch.nn as nn
 from meshboost.distributed import comm
 
 ALL_TO_ALL = "all_to_all"
-MODES = (ALL_TO_ALL,)
-NOT_BUILT = ("ring", "ring_attn")
+RING_ATTN = "ring_attn"
+MODES = (ALL_TO_ALL, RING_ATTN)
+NOT_BUILT = ("ring",)
 WRAPPED = ("sdpa", "eager")
 ATTENTION_NAME = "meshboost_ulysses"
 
 
 def check_mode(mode: str | None) -> str:
     if mode in NOT_BUILT:
-        raise NotImplementedError(f"sequence_parallelism_mode={mode!r} (ring attention) is not built yet; use "
-                                  "'all_to_all' (Ulysses: the sequence split over sp_size ranks, heads over them "
-                                  "around attention)")
+        raise NotImplementedError(f"sequence_parallelism_mode={mode!r} (ColossalAI's split_gather with a ring "
+                                  "exchange over the tp group) is not built; use 'split_gather' over tp, or a sequence "
+                                  "axis of its own: 'all_to_all' (Ulysses) or 'ring_attn' (keys and values gathered)")
     if mode not in MODES:
         raise ValueError(f"sequence_parallelism_mode={mode!r} with sp_size > 1; expected one of {MODES + NOT_BUILT}")
     return mode
 
 
-def check_context(model: nn.Module, cp_size: int, tp_size: int) -> str:
+def check_context(model: nn.Module, cp_size: int, tp_size: int, mode: str = ALL_TO_ALL) -> str:
     """The attention implementation the mode wraps, or an error naming the value and the fix. Pure."""
     name = type(model).__name__
     config = getattr(model, "config", None)
@@ -65,14 +75,13 @@ def check_context(model: nn.Module, cp_size: int, tp_size: int) -> str:
     if implementation not in WRAPPED:
         raise NotImplementedError(f"sp_size={cp_size}: {name} runs attn_implementation={implementation!r}; the "
                                   f"all_to_all mode wraps {WRAPPED}: build the model with attn_implementation='sdpa'")
-    windows = [getattr(text, k, None) for k in ("sliding_window", "attention_chunk_size")]
     layer_types = set(getattr(text, "layer_types", None) or ())
-    if (any(windows) and getattr(text, "use_sliding_window", True)) or layer_types - {"full_attention"}:
-        raise NotImplementedError(f"sp_size={cp_size}: {name} has sliding-window or chunked attention "
-                                  f"(sliding_window={windows[0]}, layer_types={sorted(layer_types)}), which the "
-                                  "all_to_all mode does not mask yet; use sp_size=1")
+    if getattr(text, "attention_chunk_size", None) or layer_types - {"full_attention", "sliding_attention"}:
+        raise NotImplementedError(f"sp_size={cp_size}: {name} has chunked or other attention layers "
+                                  f"(attention_chunk_size={getattr(text, 'attention_chunk_size', None)}, layer_types="
+                                  f"{sorted(layer_types)}), which context parallelism does not mask yet; use sp_size=1")
     heads = getattr(text, "num_attention_heads", None)
-    if not isinstance(heads, int) or (heads // tp_size) % cp_size:
+    if mode == ALL_TO_ALL and (not isinstance(heads, int) or (heads // tp_size) % cp_size):
         raise ValueError(f"sp_size={cp_size}: {name}'s {heads} attention heads over tp_size={tp_size} leave "
                          f"{None if not isinstance(heads, int) else heads // tp_size} per rank, not divisible by "
                          f"sp_size={cp_size} (each cp rank attends for heads / (tp x sp) of them); choose sizes "
@@ -81,8 +90,11 @@ def check_context(model: nn.Module, cp_size: int, tp_size: int) -> str:
 
 
 class UlyssesAttention:
-    """The attention function registered for a model under context parallelism (see the module
-    docstring); `padding` is the whole sequences' key padding mask of the current call (None: none)."""
+    """The attention function registered for a model under context parallelism, all_to_all mode (see
+    the module docstring); `padding` is the whole sequences' key padding mask of the current call
+    (None: none), in the order the ranks hold the tokens."""
+
+    mode = ALL_TO_ALL
 
     def __init__(self, group, size: int, inner: str):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -90,7 +102,10 @@ class UlyssesAttention:
         self.group, self.size, self.inner_name = group, size, inner
         # sdpa from transformers' registry; eager is each modeling file's own `eager_attention_forward`
         self.inner = ALL_ATTENTION_FUNCTIONS[inner] if inner != "eager" else None
-        self.padding: torch.Tensor | None = None
+        self.padding: torch.Tensor | None = None            # [B, S] key padding, natural order
+        self.documents: torch.Tensor | None = None          # [B, S] document of each token of packed rows
+        self.query_positions: torch.Tensor | None = None    # ring_attn: this rank's tokens' indices
+        self.key_positions: torch.Tensor | None = None      # ring_attn: every rank's, in rank order
 
     def _implementation(self, module: nn.Module):
         if self.inner is not None:
@@ -117,19 +132,32 @@ class UlyssesAttention:
         got = comm.all_to_all(send.reshape(self.size * b, -1), self.group, [b] * self.size, [b] * self.size)
         return got.view(self.size, b, piece, h, d).permute(1, 2, 0, 3, 4).reshape(b, piece, self.size * h, d)
 
-    def _mask(self, batch: int, length: int, like: torch.Tensor) -> torch.Tensor | None:
-        """The whole sequences' mask: None for SDPA without padding (its causal kernel), else causal and
-        key padding, boolean for SDPA, additive for eager (as transformers builds them unsharded)."""
-        if self.padding is None and self.inner_name == "sdpa":
-            return None
-        keep = torch.ones(length, length, dtype=torch.bool, device=like.device).tril()[None, None]
+    def _keep(self, queries: torch.Tensor, keys: torch.Tensor, batch: int, window, like: torch.Tensor):
+        """Which (query, key) pairs attend, by token index in the row, as transformers' mask functions
+        decide unsharded: causal, the sliding window (kv > q - window) when the layer has one, the
+        documents of packed rows (`documents`, when transformers isolates them), key padding. Boolean
+        for SDPA, additive for eager."""
+        queries, keys = queries.to(like.device), keys.to(like.device)
+        keep = (keys[None, :] <= queries[:, None])[None, None]
+        if window is not None:
+            keep = keep & (keys[None, :] > queries[:, None] - window)[None, None]
+        if self.documents is not None:
+            docs = self.documents.to(like.device)
+            keep = keep & (docs[:, queries][:, None, :, None] == docs[:, keys][:, None, None, :])
         if self.padding is not None:
-            keep = keep & self.padding[:, None, None, :].to(device=like.device, dtype=torch.bool)
-        keep = keep.expand(batch, 1, length, length)
+            keep = keep & self.padding.to(like.device)[:, keys][:, None, None, :]
+        keep = keep.expand(batch, 1, len(queries), len(keys))
         if self.inner_name == "sdpa":
             return keep
         return torch.zeros(keep.shape, dtype=like.dtype, device=like.device).masked_fill(
             ~keep, torch.finfo(like.dtype).min)
+
+    def _mask(self, batch: int, length: int, like: torch.Tensor, window=None) -> torch.Tensor | None:
+        """The whole sequences' mask: None for SDPA with nothing but causality (its causal kernel)."""
+        if self.padding is None and self.documents is None and window is None and self.inner_name == "sdpa":
+            return None
+        positions = torch.arange(length, device=like.device)
+        return self._keep(positions, positions, batch, window, like)
 
     def __call__(self, module: nn.Module, query, key, value, attention_mask, **kwargs):
         heads, kv_heads = query.shape[1], key.shape[1]
@@ -138,10 +166,24 @@ class UlyssesAttention:
             key, value = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (key, value))
             groups = 1
         query, key, value = (self._heads_to_sequence(t) for t in (query, key, value))
-        mask = self._mask(query.shape[0], query.shape[2], query)
+        mask = self._mask(query.shape[0], query.shape[2], query, kwargs.get("sliding_window"))
         with _key_value_groups(module, groups):
             out, _ = self._implementation(module)(module, query, key, value, mask, **kwargs)
         return self._sequence_to_heads(out), None
+
+
+class GatheredKeysAttention(UlyssesAttention):
+    """The ring_attn mode: this rank's queries against every rank's keys and values (all-gathered over
+    cp, gradients reduce-scattered back), masked by global positions (causal) and key padding."""
+
+    mode = RING_ATTN
+
+    def __call__(self, module: nn.Module, query, key, value, attention_mask, **kwargs):
+        key, value = (comm.gather_from_seq(t.contiguous(), self.group, dim=2) for t in (key, value))
+        mask = self._keep(self.query_positions, self.key_positions, query.shape[0], kwargs.get("sliding_window"),
+                          query)
+        out, _ = self._implementation(module)(module, query, key, value, mask, **kwargs)
+        return out, None
 
 
 @contextlib.contextmanager
@@ -158,12 +200,12 @@ def _key_value_groups(module: nn.Module, groups: int):
             module.num_key_value_groups = previous
 
 
-def install(model: nn.Module, group, size: int, inner: str) -> UlyssesAttention:
-    """Register this model's Ulysses attention in transformers' attention interface and switch the model
-    to it (every attention module then calls it; no forward is replaced)."""
+def install(model: nn.Module, group, size: int, inner: str, mode: str = ALL_TO_ALL) -> UlyssesAttention:
+    """Register this model's context-parallel attention in transformers' attention interface and switch
+    the model to it (every attention module then calls it; no forward is replaced)."""
     from transformers import AttentionInterface
 
-    attention = UlyssesAttention(group, size, inner)
+    attention = (UlyssesAttention if mode == ALL_TO_ALL else GatheredKeysAttention)(group, size, inner)
     name = f"{ATTENTION_NAME}_{id(model)}"
     AttentionInterface.register(name, attention)
     for module in model.modules():
@@ -191,32 +233,45 @@ class _MeanOverContext(torch.autograd.Function):
 class ContextInputs:
     """This cp rank's piece of a replica's batch, and the whole-sequence view of what the model returns."""
 
-    def __init__(self, attention: UlyssesAttention, rank: int):
+    def __init__(self, attention: UlyssesAttention, rank: int, config=None):
         self.attention, self.rank, self.size, self.group = attention, rank, attention.size, attention.group
+        self.order: torch.Tensor | None = None      # the token indices every rank holds, rank by rank
+        self.config = config                        # the model's: whether it builds a cache (packed rows)
+
+    def _pieces(self, length: int, device) -> list[torch.Tensor]:
+        """The positions each rank holds: contiguous pieces (all_to_all), or chunks r and 2cp-1-r of 2cp
+        (ring_attn: the causal work balanced over the ranks)."""
+        if self.attention.mode == ALL_TO_ALL:
+            return list(torch.arange(length, device=device).chunk(self.size))
+        chunks = torch.arange(length, device=device).chunk(2 * self.size)
+        return [torch.cat([chunks[r], chunks[2 * self.size - 1 - r]]) for r in range(self.size)]
 
     def shard(self, kwargs: dict) -> dict:
         ids = kwargs.get("input_ids")
         if not torch.is_tensor(ids) or ids.dim() != 2:
             raise ValueError("context parallelism needs input_ids [batch, sequence] (inputs_embeds is not split)")
         batch, length = ids.shape
-        if length % self.size:
-            raise ValueError(f"sequence length {length} is not divisible by sp_size={self.size}: pad the batch to a "
-                             f"multiple of {self.size} (e.g. the collator's pad_to_multiple_of={self.size}, labels "
-                             "-100 there)")
-        piece = length // self.size
-        positions = torch.arange(length, device=ids.device).expand(batch, length)
+        multiple = self.size if self.attention.mode == ALL_TO_ALL else 2 * self.size
+        if length % multiple:
+            raise ValueError(f"sequence length {length} is not divisible by {multiple} (sp_size={self.size}, "
+                             f"{self.attention.mode}): pad the batch to a multiple of {multiple} (e.g. the "
+                             f"collator's pad_to_multiple_of={multiple}, labels -100 there)")
         given = kwargs.get("position_ids")
-        if given is not None and not torch.equal(given.to(positions.device).expand(batch, length), positions):
-            raise NotImplementedError("context parallelism with position_ids that restart inside a row (packed "
-                                      "sequences) or do not count from 0 is not built yet; pass whole, right-padded "
-                                      "sequences")
+        positions = torch.arange(length, device=ids.device).expand(batch, length) if given is None \
+            else given.to(ids.device).expand(batch, length)
         mask = kwargs.get("attention_mask")
         if mask is not None and (mask.dim() != 2 or tuple(mask.shape) != (batch, length)):
             raise NotImplementedError(f"context parallelism takes a [batch, sequence] padding mask; got "
                                       f"{tuple(mask.shape)}")
-        self.attention.padding = None if mask is None or bool(mask.bool().all()) else mask.bool()
-        out = {k: v for k, v in kwargs.items() if k not in ("attention_mask", "position_ids")}
-        cut = slice(self.rank * piece, (self.rank + 1) * piece)
+        pieces = self._pieces(length, ids.device)
+        self.order = torch.cat(pieces)
+        cut = pieces[self.rank]
+        self.attention.query_positions, self.attention.key_positions = cut, self.order
+        padding = None if mask is None or bool(mask.bool().all()) else mask.bool()
+        self.attention.padding = padding
+        self.attention.documents = self._documents(given, mask, kwargs)
+        out = {k: v for k, v in kwargs.items() if k not in ("attention_mask", "position_ids", "use_cache")}
+        out["use_cache"] = False                  # a cache of a sequence piece would serve nothing
         out["input_ids"] = ids[:, cut].contiguous()
         out["position_ids"] = positions[:, cut].contiguous()
         labels = kwargs.get("labels")
@@ -225,11 +280,29 @@ class ContextInputs:
             out["labels"], out["shift_labels"] = labels[:, cut].contiguous(), shifted[:, cut].contiguous()
         return out
 
+    def _documents(self, position_ids, attention_mask, kwargs) -> torch.Tensor | None:
+        """The document of every token of packed rows (position_ids restarting inside a row), isolated as
+        transformers isolates them unsharded: when no attention mask is passed and no cache is built
+        (its own `find_packed_sequence_indices`, on the whole rows); None when rows attend whole."""
+        if position_ids is None or attention_mask is not None:
+            return None                       # transformers: causal and padding only
+        from transformers.masking_utils import find_packed_sequence_indices
+
+        documents = find_packed_sequence_indices(position_ids.expand(kwargs["input_ids"].shape[0], -1))
+        use_cache = kwargs.get("use_cache")
+        if documents is not None and (use_cache if use_cache is not None else getattr(self.config, "use_cache",
+                                                                                        False)):
+            raise NotImplementedError("packed rows (position_ids restarting) with use_cache on: transformers then "
+                                      "decides from its cache whether documents attend across; pass use_cache=False "
+                                      "(training) so they are isolated, or an attention_mask")
+        return documents
+
     def combine(self, output, training: bool):
         """The loss of the whole sequences on every rank; whole-sequence logits outside training."""
         if getattr(output, "loss", None) is not None:
             output.loss = _MeanOverContext.apply(output.loss, self.group, self.size)
         logits = getattr(output, "logits", None)
         if not training and torch.is_tensor(logits):
-            output.logits = comm.all_gather(logits.contiguous(), self.group, dim=1)
+            gathered = comm.all_gather(logits.contiguous(), self.group, dim=1)     # rank by rank: `order`
+            output.logits = gathered[:, torch.argsort(self.order.to(gathered.device))]
         return output

@@ -1,14 +1,19 @@
-"""Context parallelism, the all_to_all (Ulysses) mode (issue 26, item 1 and part of 3, 4), on 4
+"""Context parallelism, the all_to_all (Ulysses) and ring_attn modes (issue 26, items 1, 2 and part of
+3, 4), on 4
 processes, each layout against single-process AdamW training on the whole batches from the same
 weights (per-step loss within 2e-5 relative in fp32, every weight gathered after the last step):
 
 - Llama with grouped-query attention (2 kv heads) at sp=2 (x dp=2), sp=4 (kv heads fewer than sp:
   repeated), tp=2 x sp=2 (its save reloaded by `from_pretrained`), sp=2 with ZeRO-1 and ZeRO-2; Qwen2 and Qwen3-MoE at sp=2; ColossalAI's
   keywords (enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all", sp_size=2);
-- a right-padded batch with SDPA and eager attention: whole-sequence eval logits and loss, the
-  training loss and every gradient equal to the unsharded model's;
-- refusals: a sequence length not divisible by sp_size and packed position_ids on every rank before
-  any collective; ring modes, sliding windows, heads not dividing over sp, non-causal models and
+- the ring_attn mode (keys and values all-gathered, the zig-zag split) at sp=2, sp=4, tp=2 x sp=2 and
+  with ZeRO-1;
+- what users send, in both modes with SDPA and eager: a right-padded batch, packed rows (position_ids
+  restarting: documents isolated where transformers isolates them), a sliding-window model (Mistral):
+  whole-sequence eval logits and loss, the training loss and every gradient equal to the unsharded
+  model's;
+- refusals: a sequence length not divisible by the split on every rank before any collective;
+  ColossalAI's "ring", chunked attention, heads not dividing over sp, non-causal models and
   implementations the mode cannot wrap (pure checks).
 One process group, the layouts looped inside."""
 
@@ -33,6 +38,19 @@ def _config(family="llama", **overrides):
     config = moe_config(family) if family == "qwen3_moe" else tiny_config(family, **overrides)
     config.use_cache = False
     return config
+
+
+def _ring(rank):
+    """ring_attn: keys and values gathered, the zig-zag split; the same layouts, the same numbers."""
+    config = _config(num_key_value_heads=2)
+    batches = causal_batches(config, 2, batch=4, seq=16, seed=7)
+    ref_losses, ref_params = train_whole(config, batches)
+    for what, plugin_config in (("sp2 dp2", HybridParallelConfig(sp_size=2, sp_mode="ring_attn")),
+                                ("sp4", HybridParallelConfig(sp_size=4, sp_mode="ring_attn")),
+                                ("tp2 sp2", HybridParallelConfig(tp_size=2, sp_size=2, sp_mode="ring_attn")),
+                                ("sp2 dp2 zero1", HybridParallelConfig(sp_size=2, sp_mode="ring_attn",
+                                                                       zero=ZeroConfig(stage=1)))):
+        train_boosted(config, batches, plugin_config, ref_losses, ref_params, f"llama ring_attn {what}")
 
 
 def _layouts(rank):
@@ -65,50 +83,61 @@ def _layouts(rank):
     assert not plugin.config.sharding.enable_sequence_parallelism
 
 
-def _padded(rank):
-    """A right-padded batch (every rank the same): eval logits of the real tokens and the loss, then the
-    training loss and every gradient (averaged over dp x cp), as the unsharded model computes them."""
-    for implementation in ("sdpa", "eager"):
-        config = _config(num_key_value_heads=2)
-        config._attn_implementation = implementation
-        ids = torch.randint(1, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(3))
-        mask = torch.ones_like(ids)
-        mask[1, 5:] = 0
-        labels = ids.masked_fill(mask == 0, -100)
-        batch = dict(input_ids=ids, attention_mask=mask, labels=labels)
-        ref = build_causal_lm(config)
-        model = copy.deepcopy(ref)
-        ref.eval()
-        with torch.no_grad():
-            expected = ref(**batch)
-        ref.train()
-        ref(**batch).loss.backward()
-        booster = Booster(plugin=HybridParallelPlugin(HybridParallelConfig(sp_size=2)))
-        model, *_ = booster.boost(model)
-        model.eval()
-        with torch.no_grad():
-            got = model(**batch)
-        real = mask.bool()
-        assert got.logits.shape == expected.logits.shape, implementation
-        assert torch.allclose(got.logits[real], expected.logits[real], atol=1e-5), implementation
-        assert abs(got.loss.item() - expected.loss.item()) < 1e-5, implementation
-        model.train()
-        loss = model(**batch).loss
-        loss.backward()
-        reference = dict(ref.named_parameters())
-        for n, p in model.unwrap().named_parameters():
-            assert torch.allclose(p.grad, reference[n].grad, atol=1e-5), f"{implementation} grad {n}"
-        # a length not divisible by sp_size, and packed sequences: refused on every rank, before any collective
-        with pytest.raises(ValueError, match="sequence length 7 is not divisible by sp_size=2"):
-            model(input_ids=ids[:, :7], labels=labels[:, :7])
-        packed = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]] * 2)
-        with pytest.raises(NotImplementedError, match="packed sequences"):
-            model(input_ids=ids, position_ids=packed, labels=labels)
+def _compare(config, batch, mode, what, real=None):
+    """Every rank fed `batch`: eval logits (of the `real` tokens) and loss, then the training loss and
+    every gradient (averaged over dp x cp), as the unsharded model computes them. Returns the model."""
+    ref = build_causal_lm(config)
+    model = copy.deepcopy(ref)
+    ref.eval()
+    with torch.no_grad():
+        expected = ref(**batch)
+    ref.train()
+    ref(**batch).loss.backward()
+    booster = Booster(plugin=HybridParallelPlugin(HybridParallelConfig(sp_size=2, sp_mode=mode)))
+    model, *_ = booster.boost(model)
+    model.eval()
+    with torch.no_grad():
+        got = model(**batch)
+    real = torch.ones(batch["input_ids"].shape, dtype=torch.bool) if real is None else real
+    assert got.logits.shape == expected.logits.shape, what
+    assert torch.allclose(got.logits[real], expected.logits[real], atol=1e-5), what
+    assert abs(got.loss.item() - expected.loss.item()) < 1e-5, what
+    model.train()
+    model(**batch).loss.backward()
+    reference = dict(ref.named_parameters())
+    for n, p in model.unwrap().named_parameters():
+        assert torch.allclose(p.grad, reference[n].grad, atol=1e-5), f"{what} grad {n}"
+    return model
+
+
+def _inputs(rank):
+    """What users send, in both modes and with SDPA and eager: a right-padded batch, packed rows
+    (position_ids restarting, no mask: transformers isolates the documents, and so must the split), a
+    sliding-window model (Mistral, window 4 of 16 tokens)."""
+    ids = torch.randint(1, 100, (2, 16), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, 11:] = 0
+    padded = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    packed = dict(input_ids=ids, labels=ids, position_ids=torch.tensor([list(range(6)) + list(range(10))] * 2))
+    for mode in ("all_to_all", "ring_attn"):
+        for implementation in ("sdpa", "eager"):
+            config = _config(num_key_value_heads=2)
+            config._attn_implementation = implementation
+            model = _compare(config, padded, mode, f"padded {implementation} {mode}", real=mask.bool())
+            _compare(config, packed, mode, f"packed {implementation} {mode}")
+        window = transformers.MistralConfig(**{**tiny_config("mistral").to_dict(), "sliding_window": 4,
+                                                "use_cache": False})
+        _compare(window, dict(input_ids=ids, labels=ids), mode, f"sliding window {mode}")
+        # a length the split cannot cut: refused on every rank, before any collective
+        multiple = 2 if mode == "all_to_all" else 4
+        with pytest.raises(ValueError, match=f"sequence length 7 is not divisible by {multiple}"):
+            model(input_ids=ids[:, :7], labels=ids[:, :7])
 
 
 def _body(rank, world):
     _layouts(rank)
-    _padded(rank)
+    _ring(rank)
+    _inputs(rank)
 
 
 def test_context_parallel_all_to_all():
@@ -116,8 +145,8 @@ def test_context_parallel_all_to_all():
 
 
 def test_context_parallel_refusals():
-    with pytest.raises(NotImplementedError, match="'ring_attn' \\(ring attention\\) is not built yet"):
-        HybridParallelConfig(sp_size=2, sp_mode="ring_attn")
+    with pytest.raises(NotImplementedError, match="'ring' \\(ColossalAI's split_gather with a ring exchange"):
+        HybridParallelConfig(sp_size=2, sp_mode="ring")
     with pytest.raises(ValueError, match="sequence_parallelism_mode='all_to_all' with sp_size=1 splits nothing"):
         HybridParallelConfig(sp_mode="all_to_all")
     with pytest.raises(NotImplementedError, match="sp_size=2 with \\{'pp_size': 2\\}"):
@@ -132,9 +161,9 @@ def test_context_parallel_refusals():
     llama = build_causal_lm(_config(num_key_value_heads=2))
     with pytest.raises(ValueError, match="4 attention heads over tp_size=1 leave 4 per rank, not divisible by sp_size=8"):
         check_context(llama, 8, 1)
-    mistral = build_causal_lm(transformers.MistralConfig(**{**tiny_config("mistral").to_dict(), "sliding_window": 4}))
-    with pytest.raises(NotImplementedError, match="sliding-window"):
-        check_context(mistral, 2, 1)
+    chunked = build_causal_lm(moe_config("llama4_text"))
+    with pytest.raises(NotImplementedError, match="chunked or other attention layers"):
+        check_context(chunked, 2, 1)
     with pytest.raises(NotImplementedError, match="causal LMs"):
         check_context(build_model("BertModel", tiny_config("bert")), 2, 1)
     llama.config._attn_implementation = "flex_attention"
