@@ -39,13 +39,11 @@ Prints a table and one JSON line per configuration (prefix "JSON "), like the ot
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
 import sys
 import tempfile
-from collections import defaultdict
 from pathlib import Path
 
 if __package__ in (None, ""):                    # run as a script: make `benchmarks` importable
@@ -57,39 +55,16 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.moe_tp import LR, make_config, moe_layers, timed_steps, training_step
+from benchmarks.tally import CollectiveTally
 
 FP32, COUNT = 4, 8                # bytes of a token-row element, of one int64 per-expert count
 
 
-class AllToAllTally:
+def all_to_all_tally() -> CollectiveTally:
     """The all_to_all bytes this rank sends, by payload ("tokens": floating rows, "counts": the int64
-    per-expert counts) and phase ("forward", "backward": inside an autograd node), while `listen()` is
-    active. It wraps `comm.record_collective` (what `comm.all_to_all_single` reports to), so it sees
-    exactly what `comm_counter` counts, and passes every call on."""
-
-    def __init__(self):
-        self.bytes: dict[str, int] = defaultdict(int)
-        self.calls: dict[str, int] = defaultdict(int)
-
-    @contextlib.contextmanager
-    def listen(self):
-        from meshboost.distributed import comm
-        original = comm.record_collective
-
-        def record(op, group, tensor):
-            if op == "all_to_all" and torch.is_tensor(tensor):
-                payload = "tokens" if tensor.is_floating_point() else "counts"
-                phase = "backward" if torch._C._current_autograd_node() is not None else "forward"
-                self.bytes[f"{payload}_{phase}"] += tensor.numel() * tensor.element_size()
-                self.calls[f"{payload}_{phase}"] += 1
-            original(op, group, tensor)
-
-        comm.record_collective = record
-        try:
-            yield self
-        finally:
-            comm.record_collective = original
-
+    per-expert counts) and phase."""
+    return CollectiveTally(lambda op, group, t: ("tokens" if t.is_floating_point() else "counts")
+                           if op == "all_to_all" else None)
 
 class RouterCounts:
     """Per experts module, the (token, slot) pairs this rank's router sent to each (global) expert,
@@ -137,7 +112,7 @@ def _worker(rank: int, world: int, args, tp: int, ep: int, out_file: str) -> Non
     for _ in range(args.warmup):
         step()
     dist.barrier()
-    tally = AllToAllTally()
+    tally = all_to_all_tally()
     with comm_counter(mesh) as total, tally.listen():
         router.recording = True
         loss = step()
