@@ -16,6 +16,9 @@ wrong number or a hang: one process group of 4 ranks runs the whole matrix (issu
   save tells the ranks that did not write what failed; a dataset smaller than dp warns.
 - untied input/output embeddings (Llama, `tie_word_embeddings=False`) save and resume bitwise
   (fp32) at the same layout, the two weights keeping their own Adam state.
+- expert parallelism: ep_size not dividing dp or the experts, ep on a dense model, an expert id out of
+  range on one ep rank; context parallelism: sp_size not dividing the world, a sequence length the
+  split cannot cut, cp ranks fed different batches.
 """
 
 from __future__ import annotations
@@ -216,6 +219,44 @@ def _untied_embeddings_resume(rank, world, root):
                 f"untied {precision}: {name} differs after resuming"
 
 
+def _expert_and_context_layouts(rank, world):
+    """Expert and context parallelism's bad inputs, each a clear error on every rank before any
+    collective (or, for a bad expert id on one ep rank, on every rank of its ep group before tokens are
+    exchanged: the flag rides with the per-expert counts)."""
+    from meshboost.plugins import HybridParallelConfig
+    from meshboost.plugins import HybridParallelPlugin as CorePlugin
+    from meshboost.testing.moe import build_causal_lm, moe_config
+
+    with pytest.raises(ValueError, match="ep_size=3 does not divide the data-parallel size 4"):
+        CorePlugin(HybridParallelConfig(ep_size=3))
+    with pytest.raises(ValueError, match="ep_size=4 does not divide the 6 experts"):
+        Booster(plugin=CorePlugin(HybridParallelConfig(ep_size=4))).boost(
+            build_causal_lm(moe_config("qwen3_moe", num_experts=6)))
+    with pytest.raises(ValueError, match="has no mixture-of-experts layer"):
+        Booster(plugin=CorePlugin(HybridParallelConfig(ep_size=2))).boost(
+            build_model("LlamaForCausalLM", tiny_config("llama")))
+    model, *_ = Booster(plugin=CorePlugin(HybridParallelConfig(ep_size=2))).boost(
+        build_causal_lm(moe_config("qwen3_moe")))
+    experts = next(m for m in model.unwrap().modules() if type(m).__name__.endswith("Experts"))
+    bad = 4 if model.mesh.ep_rank == 1 else 2                        # only ep rank 1 routes outside
+    with pytest.raises(ValueError, match=r"ep rank\(s\) \[1\] routed a token to an expert id outside the 4 experts"):
+        experts(torch.randn(3, 64), torch.tensor([[0, bad], [1, 2], [3, 0]]), torch.full((3, 2), 0.5))
+    # context parallelism: a world the sp ranks cannot divide, a length the split cannot cut, cp ranks
+    # fed different batches
+    with pytest.raises(ValueError, match=r"sp_size=3 x tp_size=1 = 3\); launch a multiple of 3"):
+        CorePlugin(HybridParallelConfig(sp_size=3))
+    config = tiny_config("llama")
+    config.use_cache = False
+    model, *_ = Booster(plugin=CorePlugin(HybridParallelConfig(sp_size=2, sp_mode="ring_attn"))).boost(
+        build_causal_lm(config))
+    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="sequence length 6 is not divisible by 4 \\(sp_size=2, ring_attn\\)"):
+        model(input_ids=ids, labels=ids)
+    ids = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(model.mesh.cp_rank))
+    with pytest.raises(ValueError, match="context-parallel"):
+        model(input_ids=ids, labels=ids)
+
+
 def _body(rank, world, root):
     _ids_and_labels_out_of_range(rank, world)
     _optimizer_from_another_model(rank, world, root)
@@ -225,6 +266,7 @@ def _body(rank, world, root):
     _fp16_traps(rank, world)
     _messages(rank, world, root)
     _untied_embeddings_resume(rank, world, root)
+    _expert_and_context_layouts(rank, world)
 
 
 def test_bad_inputs_end_in_clear_errors(tmp_path):
