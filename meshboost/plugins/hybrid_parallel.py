@@ -32,6 +32,7 @@ from meshboost.plugins.config import DDP, FSDP, PIPELINE, ZERO, HybridParallelCo
 from meshboost.plugins.ddp_hooks import fp8_refusal, register_counting_allreduce, register_fp8_allreduce
 from meshboost.plugins.hybrid_zero3 import check_zero3_model, shard_zero3
 from meshboost.plugins.input_checks import ALWAYS, InputCheck, LabelledItemsGuard, next_pipeline_batch
+from meshboost.plugins.router_statistics import GLOBAL, loss_function, with_global_router_loss
 from meshboost.shardformer import (
     PipelineGradientCheckpointConfig,
     ShardConfig,
@@ -39,7 +40,6 @@ from meshboost.shardformer import (
     pipeline_layout,
     uses_causal_lm_loss,
 )
-from meshboost.plugins.router_statistics import GLOBAL, loss_function, with_global_router_loss
 from meshboost.shardformer.context import ContextInputs, check_context, install
 from meshboost.shardformer.layers.expert_parallel import check_expert_parallel, shard_expert_parallel_
 
@@ -287,6 +287,10 @@ class HybridParallelPlugin(Plugin):
                     model, [n for n, p in model.named_parameters() if id(p) in experts])
                 if isinstance(optimizer, MixedPrecisionOptimizer):
                     optimizer.average_at_step(reductions[1:])
+                elif optimizer is not None:          # nothing would average the experts: refuse (every rank)
+                    raise TypeError(f"expert parallelism with torch DDP averages the experts' gradients in "
+                                    f"meshboost's optimizer step; {type(optimizer).__name__} is not one: pass the "
+                                    "torch optimizer itself to boost")
             module = DistributedDataParallel(model, process_group=group,
                                              device_ids=[device] if device.type == "cuda" else None,
                                              **self.config.ddp.kwargs())
