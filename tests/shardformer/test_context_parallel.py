@@ -1,10 +1,10 @@
 """Context parallelism, the all_to_all (Ulysses) and ring_attn modes (issue 26, items 1, 2 and part of
-3, 4), on 4
-processes, each layout against single-process AdamW training on the whole batches from the same
-weights (per-step loss within 2e-5 relative in fp32, every weight gathered after the last step):
+3, 4), on 4 processes, each layout against single-process AdamW training on the whole batches from the
+same weights (per-step loss within 2e-5 relative in fp32, every weight gathered after the last step):
 
 - Llama with grouped-query attention (2 kv heads) at sp=2 (x dp=2), sp=4 (kv heads fewer than sp:
-  repeated), tp=2 x sp=2 (its save reloaded by `from_pretrained`), sp=2 with ZeRO-1 and ZeRO-2; Qwen2 and Qwen3-MoE at sp=2; ColossalAI's
+  repeated), tp=2 x sp=2 (its save reloaded by `from_pretrained`), sp=2 with ZeRO-1 and ZeRO-2; Qwen2 at
+  sp=2; Qwen3-MoE at tp=2 x sp=2, sp=2 x ep=2 and (ring_attn, ZeRO-1) sp=2 x ep=2; ColossalAI's
   keywords (enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all", sp_size=2);
 - the ring_attn mode (keys and values all-gathered, the zig-zag split) at sp=2, sp=4, tp=2 x sp=2 and
   with ZeRO-1;
@@ -70,11 +70,20 @@ def _layouts(rank):
             reloaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
             for n, p in reloaded.named_parameters():
                 assert_close(p.detach(), ref_params[n].detach(), dtype=torch.float32, msg=f"reloaded {n}")
-    for family in ("qwen2", "qwen3_moe"):
-        config = _config(family)
-        batches = causal_batches(config, 2, batch=4, seq=8, seed=7)
-        ref_losses, ref_params = train_whole(config, batches)
-        train_boosted(config, batches, HybridParallelConfig(sp_size=2), ref_losses, ref_params, f"{family} sp2")
+    config = _config("qwen2")
+    batches = causal_batches(config, 2, batch=4, seq=8, seed=7)
+    ref_losses, ref_params = train_whole(config, batches)
+    train_boosted(config, batches, HybridParallelConfig(sp_size=2), ref_losses, ref_params, "qwen2 sp2")
+    # a mixture of experts: tp inside the experts with the sequence split, and experts split over ep while
+    # the sequence is split over cp (expert gradients averaged over their replicas and the cp ranks)
+    config = _config("qwen3_moe")
+    batches = causal_batches(config, 2, batch=4, seq=8, seed=7)
+    ref_losses, ref_params = train_whole(config, batches)
+    for what, plugin_config in (("tp2 sp2", HybridParallelConfig(tp_size=2, sp_size=2)),
+                                ("sp2 ep2", HybridParallelConfig(sp_size=2, ep_size=2)),
+                                ("ring_attn sp2 ep2 zero1", HybridParallelConfig(sp_size=2, ep_size=2, sp_mode="ring_attn",
+                                                                                 zero=ZeroConfig(stage=1)))):
+        train_boosted(config, batches, plugin_config, ref_losses, ref_params, f"qwen3_moe {what}")
     # ColossalAI's keywords reach the same layout
     from meshboost.booster.plugin import HybridParallelPlugin as ColossalAIPlugin
     plugin = ColossalAIPlugin(tp_size=1, enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all",

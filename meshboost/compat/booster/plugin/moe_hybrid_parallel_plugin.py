@@ -55,10 +55,10 @@ def _refuse_moe(tp_size, moe_tp_size, moe_dp_outside, enable_sequence_parallelis
         # ColossalAI's MoE plugin picks "all_to_all" here, where HybridParallelPlugin picks "split_gather"
         raise NotImplementedError(
             "enable_sequence_parallelism=True with sequence_parallelism_mode=None: ColossalAI's "
-            "MoeHybridParallelPlugin then uses 'all_to_all' (context parallelism), which meshboost does not "
-            "compose with expert parallelism yet; pass "
-            "sequence_parallelism_mode='split_gather' (over the tensor-parallel group, tp_size > 1) or turn "
-            "sequence parallelism off")
+            "MoeHybridParallelPlugin then uses 'all_to_all' (context parallelism), HybridParallelPlugin "
+            "'split_gather'; say which: sequence_parallelism_mode='all_to_all' with sp_size > 1 (a sequence axis "
+            "of its own, composes with ep), or sequence_parallelism_mode='split_gather' (over the tensor-parallel "
+            "group, tp_size > 1), or turn sequence parallelism off")
 
 
 def moe_colossalai_config(a: dict) -> HybridParallelConfig:
@@ -86,7 +86,7 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         ColossalAI does: meshboost's expert-parallel forward gives an expert that received no token a zero
         gradient (never none), so every rank's reducer sees the same buckets and ZeRO-2 cannot hang.
     enable_sequence_parallelism=True needs sequence_parallelism_mode="split_gather" spelled out
-        (ColossalAI's MoE default, "all_to_all", does not compose with ep yet).
+        or "all_to_all" with sp_size spelled out (ColossalAI's MoE and hybrid plugins default differently).
 
     ColossalAI's views: `pg_mesh` and `stage_manager` as HybridParallelPlugin's; `ep_size`, `ep_group`
     (None at ep_size 1), `moe_dp_group` (the replicas of this rank's experts) and `moe_dp_size` read the
