@@ -312,7 +312,7 @@ class HybridParallelPlugin(Plugin):
         if boosted.items_guard is not None and isinstance(optimizer, MixedPrecisionOptimizer):
             optimizer.check_before_update(boosted.items_guard)     # no labelled token: refuse the update
         if stages is not None:
-            boosted.pipeline = self._build_schedule(stages)
+            boosted.pipeline = self._build_schedule(stages, context)
         return boosted, optimizer, criterion, dataloader, lr_scheduler
 
     def _reductions(self, model: nn.Module) -> list[tuple[list, object]]:
@@ -378,7 +378,7 @@ class HybridParallelPlugin(Plugin):
         prune_optimizer(optimizer.unwrap() if isinstance(optimizer, OptimizerWrapper) else optimizer, model)
         return stages
 
-    def _build_schedule(self, stages) -> PipelineSchedule:
+    def _build_schedule(self, stages, context: ContextInputs | None = None) -> PipelineSchedule:
         cfg = self.config.pipeline
         # collective: every rank builds the group of each set of pp ranks sharing a weight, in the same order
         tied = [(self.mesh.stage_group(ranks), params) for ranks, params in stages.ties]
@@ -387,7 +387,7 @@ class HybridParallelPlugin(Plugin):
                                 cfg.microbatch_size, reductions=reductions, tied=tied,
                                 loss_normalization=self.config.loss_normalization, count_group=self.mesh.dp_group,
                                 count_size=self.mesh.dp_size, shifted_labels=uses_causal_lm_loss(stages.model),
-                                input_dtype=self.config.precision.dtype)
+                                input_dtype=self.config.precision.dtype, context=context)
 
     def execute_pipeline(self, data_iter, model, criterion, optimizer=None, return_loss: bool = True,
                          return_outputs: bool = False) -> dict:

@@ -147,5 +147,5 @@ def next_pipeline_batch(data_iter, mesh: ParallelMesh, count_items, training: bo
     if total == 0 and training:
         raise ValueError(f"execute_pipeline: the global batch of this step holds no labelled token on any "
                          f"data-parallel replica. {NO_LABEL_FIX}. Nothing was run; the weights are unchanged")
-    # every rank of a replica counted the same batch (the input check holds them to it)
-    return batch, total / (mesh.pp_size * mesh.tp_size)
+    # every rank of a replica (its tp, pp and cp ranks) counted the same batch (the input check holds them to it)
+    return batch, total / (mesh.world_size // mesh.dp_size)

@@ -28,11 +28,15 @@ under the causal mask every rank has the same work; keys and values are all-gath
 this rank's queries against every key with the mask of their global positions: the same softmax as
 one process, no approximation. Costs the whole sequence's keys and values per rank (not its scores).
 
+Under pipeline stages each micro-batch is cut the same way (`shard_microbatch`), and its masks' state
+is put back before each of its units (`restore`): a layer recomputed in backward masks as its forward
+did while other micro-batches run.
+
 Refused with the reason (every rank, before any collective): ColossalAI's "ring" (split_gather with a
-ring exchange over tp), packed sequences (position_ids restarting), sliding-window attention,
-attention implementations other than sdpa and eager, heads not divisible by cp (all_to_all), a
-sequence length not divisible by cp (2 cp for ring_attn), models that are not causal LMs. Must not
-know a model family.
+ring exchange over tp), packed rows with the cache on, chunked attention, attention implementations
+other than sdpa and eager, heads not divisible by cp (all_to_all), a sequence length not divisible by
+cp (2 cp for ring_attn), models that are not causal LMs, a pipeline criterion other than the model's
+loss (`check_criterion`). Must not know a model family.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import torch
 import torch.nn as nn
 
 from meshboost.distributed import comm
+from meshboost.pipeline.normalization import count_items
 
 ALL_TO_ALL = "all_to_all"
 RING_ATTN = "ring_attn"
@@ -297,6 +302,27 @@ class ContextInputs:
                                       "(training) so they are isolated, or an attention_mask")
         return documents
 
+    def state(self) -> tuple:
+        """What `shard` set for the current call (the attention masks' inputs, the token order)."""
+        a = self.attention
+        return a.padding, a.documents, a.query_positions, a.key_positions, self.order
+
+    def restore(self, state: tuple) -> None:
+        """Put back a call's `state`: under a pipeline, micro-batches interleave, and a forward or a
+        recomputation (activation checkpointing, in backward) must mask with its own micro-batch's."""
+        a = self.attention
+        a.padding, a.documents, a.query_positions, a.key_positions, self.order = state
+
+    def shard_microbatch(self, inputs: dict) -> tuple[dict, tuple]:
+        """A pipeline micro-batch (every cp rank holds it whole): this rank's piece, its loss normalised
+        by the micro-batch's labelled tokens (the model then returns the micro-batch mean, which the
+        schedule weighs as without cp), and the attention state to `restore` before each of its units."""
+        kwargs = dict(inputs)
+        labels = kwargs.get("labels")
+        if torch.is_tensor(labels) and kwargs.get("num_items_in_batch") is None:
+            kwargs["num_items_in_batch"] = count_items(labels, shifted=True) / self.size
+        return self.shard(kwargs), self.state()
+
     def combine(self, output, training: bool):
         """The loss of the whole sequences on every rank; whole-sequence logits outside training."""
         if getattr(output, "loss", None) is not None:
@@ -306,3 +332,24 @@ class ContextInputs:
             gathered = comm.all_gather(logits.contiguous(), self.group, dim=1)     # rank by rank: `order`
             output.logits = gathered[:, torch.argsort(self.order.to(gathered.device))]
         return output
+
+
+def check_criterion(criterion, inputs: dict) -> None:
+    """Under a pipeline, the last stage's output holds this rank's piece of every sequence (its logits
+    too); only the model's own loss (`outputs.loss`, the whole sequences' after `combine`) is exact. The
+    criterion is called once on a probe output on every rank: anything but that loss is refused there,
+    before the schedule runs, instead of a silently wrong loss of a piece."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    probe = CausalLMOutputWithPast(loss=torch.zeros(()))
+    why = None
+    try:
+        got = criterion(probe, inputs)
+    except Exception as error:          # it read something else than the loss (logits are None here)
+        got, why = None, f"{type(error).__name__}: {error}"
+    if got is not probe.loss:
+        raise NotImplementedError(
+            "execute_pipeline with sp_size > 1: the criterion must return the model's own loss "
+            "(`lambda outputs, inputs: outputs.loss`); under context parallelism each rank's outputs hold a piece "
+            "of every sequence, so a loss computed from the logits and the whole labels would be wrong"
+            + (f" (calling it on the model output without logits raised {why})" if why else ""))

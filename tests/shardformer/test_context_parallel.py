@@ -8,6 +8,9 @@ same weights (per-step loss within 2e-5 relative in fp32, every weight gathered 
   keywords (enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all", sp_size=2);
 - the ring_attn mode (keys and values all-gathered, the zig-zag split) at sp=2, sp=4, tp=2 x sp=2 and
   with ZeRO-1;
+- with pipeline stages: sp=2 x pp=2 (1F1B), ring_attn sp=2 x pp=2 with ZeRO-1, interleaved chunks with
+  every layer recomputed, on micro-batches that mask differently; eval through the schedule; a criterion
+  other than the model's loss refused;
 - what users send, in both modes with SDPA and eager: a right-padded batch, packed rows (position_ids
   restarting: documents isolated where transformers isolates them), a sliding-window model (Mistral):
   whole-sequence eval logits and loss, the training loss and every gradient equal to the unsharded
@@ -92,6 +95,56 @@ def _layouts(rank):
     assert not plugin.config.sharding.enable_sequence_parallelism
 
 
+def _pipeline(rank):
+    """sp with pp: every stage holds this cp rank's piece of each micro-batch, the boundaries carry
+    [B, S/sp, H], and the last stage reports the whole sequences' loss. 1F1B at sp=2 x pp=2 in both
+    modes (ring_attn with ZeRO-1), and interleaved chunks with every layer recomputed in backward (the
+    recomputation must mask with its own micro-batch's state while other micro-batches run); eval
+    through the schedule returns whole-sequence logits; a criterion computing its own loss from the
+    pieces is refused on every rank."""
+    from meshboost.pipeline import PipelineConfig
+    from meshboost.shardformer import PipelineGradientCheckpointConfig
+
+    config = _config(num_key_value_heads=2, num_hidden_layers=4)
+    batches = causal_batches(config, 2, batch=4, seq=8, seed=7)
+    # micro-batches that mask differently: right padding (unequal tokens) in the first step, a packed row
+    # (position_ids restarting, documents isolated) in the second
+    batches[0]["attention_mask"] = torch.ones_like(batches[0]["input_ids"])
+    batches[0]["attention_mask"][2, 5:] = 0
+    batches[0]["labels"][2, 5:] = -100
+    batches[1]["position_ids"] = torch.arange(8).repeat(4, 1)
+    batches[1]["position_ids"][2] = torch.tensor([0, 1, 2, 0, 1, 2, 3, 4])
+    ref_losses, ref_params = train_whole(config, batches)
+    recompute = PipelineGradientCheckpointConfig(gradient_checkpointing_ratio=1.0)
+    for what, plugin_config in (
+            ("sp2 pp2", HybridParallelConfig(sp_size=2, pipeline=PipelineConfig(pp_size=2, num_microbatches=2))),
+            ("ring_attn sp2 pp2 zero1", HybridParallelConfig(sp_size=2, sp_mode="ring_attn", zero=ZeroConfig(stage=1),
+                                                             pipeline=PipelineConfig(pp_size=2, num_microbatches=4))),
+            ("sp2 pp2 interleaved, recomputed", HybridParallelConfig(
+                sp_size=2, gradient_checkpoint=recompute,
+                pipeline=PipelineConfig(pp_size=2, num_microbatches=4, num_model_chunks=2, pp_style="interleaved")))):
+        model = build_causal_lm(config)
+        if plugin_config.gradient_checkpoint is not None:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        booster, model, _ = train_boosted(config, batches, plugin_config, ref_losses, ref_params, f"llama {what}",
+                                          model=model)
+    ref = build_causal_lm(config)                      # the trained single-process weights
+    ref.load_state_dict({n: p.detach() for n, p in ref_params.items()}, strict=False)
+    ref.eval()
+    with torch.no_grad():
+        expected = ref(**batches[0])
+    model.eval()
+    got = booster.execute_pipeline(iter([batches[0]]), model, lambda out, inputs: out.loss, return_outputs=True)
+    assert abs(got["loss"].item() - expected.loss.item()) < 1e-5, "pipeline eval loss"
+    if booster.plugin.mesh.pp_rank == booster.plugin.pp_size - 1:
+        real = batches[0]["attention_mask"].bool()
+        assert torch.allclose(got["outputs"].logits[real], expected.logits[real], atol=1e-5), "pipeline eval logits"
+    from torch.nn.functional import cross_entropy
+    with pytest.raises(NotImplementedError, match="the criterion must return the model's own loss"):
+        booster.execute_pipeline(iter([batches[0]]), model,
+                                 lambda out, inputs: cross_entropy(out.logits.flatten(0, 1), inputs["labels"].flatten()))
+
+
 def _compare(config, batch, mode, what, real=None):
     """Every rank fed `batch`: eval logits (of the `real` tokens) and loss, then the training loss and
     every gradient (averaged over dp x cp), as the unsharded model computes them. Returns the model."""
@@ -144,6 +197,7 @@ def _inputs(rank):
 
 
 def _body(rank, world):
+    _pipeline(rank)
     _layouts(rank)
     _ring(rank)
     _inputs(rank)
@@ -158,9 +212,8 @@ def test_context_parallel_refusals():
         HybridParallelConfig(sp_size=2, sp_mode="ring")
     with pytest.raises(ValueError, match="sequence_parallelism_mode='all_to_all' with sp_size=1 splits nothing"):
         HybridParallelConfig(sp_mode="all_to_all")
-    with pytest.raises(NotImplementedError, match="sp_size=2 with \\{'pp_size': 2\\}"):
-        from meshboost.pipeline import PipelineConfig
-        HybridParallelConfig(sp_size=2, pipeline=PipelineConfig(pp_size=2, num_microbatches=2))
+    with pytest.raises(NotImplementedError, match="sp_size=2 with zero_stage=3"):
+        HybridParallelConfig(sp_size=2, zero=ZeroConfig(stage=3))
     from meshboost.shardformer import ShardConfig
     with pytest.raises(ValueError, match="enable_sequence_parallelism=True \\(split_gather"):
         HybridParallelConfig(sp_size=2, sharding=ShardConfig(enable_sequence_parallelism=True))

@@ -88,7 +88,7 @@ class PipelineSchedule:
     def __init__(self, stages: PipelineStages, comm: StageComm, num_microbatches: int | None = None,
                  microbatch_size: int | None = None, reductions=(), tied=(),
                  loss_normalization: str = TOKENS, count_group=None, count_size: int = 1, shifted_labels: bool = False,
-                 input_dtype: torch.dtype | None = None):
+                 input_dtype: torch.dtype | None = None, context=None):
         self.stages, self.comm = stages, comm
         self.num_microbatches, self.microbatch_size = num_microbatches, microbatch_size
         self.reductions, self.tied = list(reductions), list(tied)
@@ -97,6 +97,9 @@ class PipelineSchedule:
         self.loss_normalization, self.count_group, self.count_size = loss_normalization, count_group, count_size
         self.shifted_labels = shifted_labels
         self.input_dtype = input_dtype            # floating inputs take the weights' precision (inputs.py)
+        # sp_size > 1: a `ContextInputs` (shardformer/context.py) cuts each micro-batch into this cp rank's
+        # piece of every sequence and turns the last stage's output into the whole sequences' loss
+        self.context = context
 
     def count_items(self, batch) -> torch.Tensor | None:
         """The labelled items of this rank's `batch` that mode "tokens" normalises by (None without
@@ -120,6 +123,9 @@ class PipelineSchedule:
         training = optimizer is not None
         if (training or return_loss) and criterion is None:
             raise ValueError("execute_pipeline needs a criterion(outputs, inputs) to compute the loss")
+        if self.context is not None and (training or return_loss):
+            from meshboost.shardformer.context import check_criterion
+            check_criterion(criterion, microbatches[0])         # on every rank, before the schedule runs
         weights = None
         if self.loss_normalization == TOKENS and stages.pp_rank == P - 1 and (training or return_loss):
             weights = microbatch_weights(microbatches, self.shifted_labels, self.count_group, self.count_size,
@@ -152,6 +158,8 @@ class _Step:
         self.microbatches, self.criterion, self.optimizer = microbatches, criterion, optimizer
         self.return_loss, self.return_outputs = return_loss, return_outputs
         self.weights = weights                    # per micro-batch weight (normalization.py), or None
+        self.context = schedule.context
+        self.pieces: dict[int, tuple[dict, tuple]] = {}     # context: mb -> (this rank's piece, its state)
         self.saved: dict[tuple[int, int], tuple] = {}
         self.losses: list[torch.Tensor] = []
         self.outputs: list = []
@@ -175,6 +183,18 @@ class _Step:
         losses = torch.where(weights > 0, losses, 0.0)
         return ((losses * weights).sum() / weights.sum()).float()
 
+    def _inputs(self, mb: int) -> dict:
+        """Micro-batch `mb`'s inputs to the model: whole, or under context parallelism this rank's
+        piece, cut once (interleaved, a rank runs several chunks of it) with its attention state put
+        back before each unit."""
+        if self.context is None:
+            return self.microbatches[mb]
+        if mb not in self.pieces:
+            self.pieces[mb] = self.context.shard_microbatch(self.microbatches[mb])
+        inputs, state = self.pieces[mb]
+        self.context.restore(state)
+        return inputs
+
     def forward(self, chunk: int, mb: int) -> None:
         stages, virtual = self.stages, self.stages.virtual(chunk)
         training = self.optimizer is not None
@@ -183,17 +203,19 @@ class _Step:
             received = self.comm.recv_activation(virtual)
             for t in received:
                 t.requires_grad_(training)
-        inputs = self.microbatches[mb]
+        inputs = self._inputs(mb)
         out = stages.forward_chunk(chunk, inputs, received)
         if not stages.is_last(chunk):
             self.comm.send_activation(out, virtual + 1)
             if training:
                 self.saved[(chunk, mb)] = (received, out)
             return
+        if self.context is not None:
+            out = self.context.combine(out, training)
         if self.return_outputs:
             self.outputs.append(_detach(out))
         if training or self.return_loss:
-            loss = self.criterion(out, inputs)
+            loss = self.criterion(out, self.microbatches[mb])
             self.losses.append(loss.detach())
             if training:
                 self.saved[(chunk, mb)] = (received, self.share(mb, loss))
@@ -201,6 +223,8 @@ class _Step:
     def backward(self, chunk: int, mb: int) -> None:
         stages, virtual = self.stages, self.stages.virtual(chunk)
         received, out = self.saved.pop((chunk, mb))
+        if self.context is not None:           # a recomputation (checkpointing) masks with its own micro-batch's
+            self.context.restore(self.pieces[mb][1])
         if stages.is_last(chunk):
             self.optimizer.backward(out)          # the optimizer wrapper scales the loss (fp16)
         else:
