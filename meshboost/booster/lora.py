@@ -15,6 +15,7 @@ import os
 import re
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from meshboost.booster.wrappers import ModelWrapper, unwrap_model
@@ -81,7 +82,35 @@ def enable_lora(plugin, model: nn.Module, pretrained_dir: str | None, lora_confi
     if not os.path.isfile(os.path.join(pretrained_dir, "adapter_config.json")):
         raise FileNotFoundError(f"pretrained_dir={pretrained_dir!r} holds no adapter_config.json; pass a folder "
                                 "written by booster.save_lora_as_pretrained or PeftModel.save_pretrained")
-    return peft.PeftModel.from_pretrained(model, pretrained_dir, is_trainable=True)
+    return _load_adapters(peft, model, pretrained_dir)
+
+
+def _load_adapters(peft, model: nn.Module, pretrained_dir: str) -> nn.Module:
+    """The adapters of `pretrained_dir` on `model`, trainable; refused (on every rank alike: the same
+    files) when the folder's tensors are not exactly the adapters its config builds: peft itself only
+    warns of missing keys and would train freshly initialised adapters in their place."""
+    from peft.utils import get_peft_model_state_dict, load_peft_weights
+
+    def refuse(what: str):
+        return ValueError(f"pretrained_dir={pretrained_dir!r}: {what}; the folder's adapter_config.json (r, "
+                          "target_modules, ...) must describe its adapter weights: pass the folder "
+                          "save_lora_as_pretrained wrote, unedited")
+    try:
+        peft_model = peft.PeftModel.from_pretrained(model, pretrained_dir, is_trainable=True)
+    except RuntimeError as e:                  # a size mismatch: the rank differs from the config's
+        raise refuse(f"its weights do not fit the adapters its config builds ({str(e).splitlines()[-1].strip()})") \
+            from e
+    saved = load_peft_weights(pretrained_dir, device="cpu")
+    built = get_peft_model_state_dict(peft_model)
+    missing, unexpected = sorted(set(built) - set(saved)), sorted(set(saved) - set(built))
+    if missing or unexpected:
+        detail = (f"its config builds {missing[0]!r}, which its weights lack" if missing
+                  else f"it holds {unexpected[0]!r}, which no adapter its config builds reads")
+        raise refuse(detail + f" ({len(missing)} missing, {len(unexpected)} unexpected)")
+    for name, tensor in built.items():
+        if tuple(saved[name].shape) != tuple(tensor.shape):
+            raise refuse(f"{name} has shape {tuple(saved[name].shape)}, its config builds {tuple(tensor.shape)}")
+    return peft_model
 
 
 def save_lora(model: nn.Module, checkpoint: str, use_safetensors: bool, mesh=None) -> None:
@@ -94,8 +123,6 @@ def save_lora(model: nn.Module, checkpoint: str, use_safetensors: bool, mesh=Non
         raise TypeError(f"save_lora_as_pretrained needs the model returned by booster.enable_lora (then boosted), "
                         f"got {type(peft_model).__name__}; booster.save_model saves a whole model")
     roles = save_roles(mesh)
-    if roles.num_stages > 1:
-        raise NotImplementedError("save_lora_as_pretrained with pipeline stages is not supported")
     optimizer = model.boosted_optimizer if isinstance(model, ModelWrapper) else None
     masters = optimizer.master_weight if optimizer is not None and optimizer.keeps_masters else None
     state = {}
@@ -106,11 +133,25 @@ def save_lora(model: nn.Module, checkpoint: str, use_safetensors: bool, mesh=Non
         source = tensor if source is None else source
         if roles.gathers:
             state[name] = full_on_cpu(source, get_tp_info(tensor), reuse=source is not tensor)
+    stages = None
+    if roles.num_stages > 1:
+        # peft picks the adapter tensors by visiting the model's own LoRA layers, and each stage holds only its
+        # layers': every stage writer picks its own, and rank 0 writes them all into the one weights file
+        if len(peft_model.peft_config) > 1:
+            raise NotImplementedError("save_lora_as_pretrained with pipeline stages saves one adapter; this model "
+                                      f"has {sorted(peft_model.peft_config)}: delete_adapter the others first")
+        from peft.utils import get_peft_model_state_dict
+        mine = get_peft_model_state_dict(peft_model, state_dict=state) if roles.stage_writer else {}
+        parts = [None] * dist.get_world_size(roles.group) if roles.main_writer else None
+        dist.gather_object(mine, parts, dst=0, group=roles.group)
+        stages = {name: t for part in parts for name, t in part.items()} if roles.main_writer else None
     if roles.main_writer:
         target = None
         try:
             target = AtomicTarget(checkpoint, is_file=False)     # e.g. refuses a path that is a file
             peft_model.save_pretrained(target.path, state_dict=state, safe_serialization=use_safetensors)
+            if stages is not None:
+                _write_adapter_weights(target.path, stages, use_safetensors)
             target.commit()
         except BaseException:
             if target is not None:
@@ -119,3 +160,16 @@ def save_lora(model: nn.Module, checkpoint: str, use_safetensors: bool, mesh=Non
             raise
     if agree([0.0], roles)[0]:
         raise RuntimeError(f"save_lora_as_pretrained: rank 0 failed to write {checkpoint!r} (its error is above)")
+
+
+def _write_adapter_weights(folder: str, state: dict, use_safetensors: bool) -> None:
+    """Replace the adapter weights peft wrote in `folder` by `state` (keys as peft writes them), in the
+    file and format peft's own save_pretrained uses."""
+    from peft.utils import SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME
+
+    state = {name: t.contiguous() for name, t in state.items()}
+    if use_safetensors:
+        from safetensors.torch import save_file
+        save_file(state, os.path.join(folder, SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
+    else:
+        torch.save(state, os.path.join(folder, WEIGHTS_NAME))

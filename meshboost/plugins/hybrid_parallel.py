@@ -42,6 +42,7 @@ from meshboost.shardformer import (
 )
 from meshboost.shardformer.context import ContextInputs, check_context, install
 from meshboost.shardformer.layers.expert_parallel import check_expert_parallel, shard_expert_parallel_
+from meshboost.shardformer.lora import transformers_model
 
 
 class HybridParallelModule(ModelWrapper):
@@ -252,21 +253,24 @@ class HybridParallelPlugin(Plugin):
                              "model with real weights")
         if self.dp_reducer == FSDP:
             check_zero3_model(model, optimizer, on_meta)
-        checkpointed = self._checkpointed_layers(model)          # pure: raises on every rank alike
+        # plans, stages and checks read the transformers model (inside a peft model: its adapters are sharded
+        # and staged with the linears they adapt); the wrappers below hold `model` itself
+        hf = transformers_model(model)
+        checkpointed = self._checkpointed_layers(hf)          # pure: raises on every rank alike
         if self.ep_size > 1:
-            check_expert_parallel(model, self.ep_size)           # pure: raises on every rank alike
+            check_expert_parallel(hf, self.ep_size)           # pure: raises on every rank alike
         attention = None
         if self.config.sp_size > 1:                              # pure: raises on every rank alike
-            attention = check_context(model, self.config.sp_size, self.tp_size, self.config.sp_mode)
-            if not uses_causal_lm_loss(model):
-                raise NotImplementedError(f"sp_size={self.config.sp_size}: {type(model).__name__} does not compute its "
+            attention = check_context(hf, self.config.sp_size, self.tp_size, self.config.sp_mode)
+            if not uses_causal_lm_loss(hf):
+                raise NotImplementedError(f"sp_size={self.config.sp_size}: {type(hf).__name__} does not compute its "
                                           "causal-LM loss through transformers' loss_function; use sp_size=1")
-        ShardFormer(self.shard_config).optimize(model, self.config.custom_policy)
+        ShardFormer(self.shard_config).optimize(hf, self.config.custom_policy)
         if self.ep_size > 1:        # after tp, which cut inside the experts: now split the experts over ep
-            shard_expert_parallel_(model, self.mesh.group("ep"), self.ep_size, self.mesh.ep_rank)
-        stages = self._build_stages(model, optimizer) if self.pp_size > 1 else None
+            shard_expert_parallel_(hf, self.mesh.group("ep"), self.ep_size, self.mesh.ep_rank)
+        stages = self._build_stages(hf, optimizer) if self.pp_size > 1 else None
         if checkpointed is not None:
-            install_checkpoint_plan(model, checkpointed(stages))
+            install_checkpoint_plan(hf, checkpointed(stages))
         if lazy is not None:
             materialize(model, original, self.mesh.device, lazy)
         if not on_meta:
@@ -298,14 +302,14 @@ class HybridParallelPlugin(Plugin):
                 register_fp8_allreduce(module, group)
             else:
                 register_counting_allreduce(module, group)
-        count = self.config.loss_normalization == TOKENS and stages is None and uses_causal_lm_loss(model)
+        count = self.config.loss_normalization == TOKENS and stages is None and uses_causal_lm_loss(hf)
         context = None
         if attention is not None:
-            context = ContextInputs(install(model, self.mesh.group("cp"), self.config.sp_size, attention,
-                                            self.config.sp_mode), self.mesh.cp_rank, model.config)
+            context = ContextInputs(install(hf, self.mesh.group("cp"), self.config.sp_size, attention,
+                                            self.config.sp_mode), self.mesh.cp_rank, hf.config)
         router_group = self.mesh.dp_group if self.config.router_statistics == GLOBAL and self.mesh.dp_size > 1 else None
         if router_group is not None:
-            loss_function(model)                      # pure: a model without a router loss is refused here
+            loss_function(hf)                         # pure: a model without a router loss is refused here
         boosted = HybridParallelModule(module, self.mesh, self.shard_config, self.config.check_inputs, count,
                                        input_dtype=self.config.precision.dtype, router_group=router_group,
                                        context=context)
@@ -356,10 +360,11 @@ class HybridParallelPlugin(Plugin):
         return ZeroOptimizer(optimizer, self.mesh, self.config.precision, self.config.zero)
 
     def lora_refusal(self) -> str | None:
-        if self.tp_size > 1 or self.pp_size > 1:          # ColossalAI: tp_size == 1 only
-            return (f"LoRA with tp_size={self.tp_size}, pp_size={self.pp_size}: peft's adapter layers are not "
-                    "sharded or staged by meshboost's policies; use HybridParallelPlugin(tp_size=1, pp_size=1) "
-                    "(ZeRO and precision as you like), LowLevelZeroPlugin or TorchDDPPlugin")
+        # tp and pp shard and stage the adapters with their linears (shardformer/lora.py)
+        if self.config.sp_size > 1 or self.ep_size > 1:
+            return (f"LoRA with sp_size={self.config.sp_size}, ep_size={self.ep_size}: adapters are sharded with "
+                    "tensor parallelism and staged with pipeline parallelism, and not yet placed over context- or "
+                    "expert-parallel ranks; use sp_size=1 and ep_size=1 (tp, pp, ZeRO and precision as you like)")
         return None
 
     # -- pipeline parallelism (meshboost/pipeline) ---------------------------------------------------

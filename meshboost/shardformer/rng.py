@@ -216,6 +216,8 @@ def install_tp_rank_rng(model: nn.Module, group) -> TPRankRNG:
             rng._handles.append(module.register_forward_hook(rng._enter_hook))
         elif isinstance(module, RowParallelLinear):
             rng._handles.append(module.register_forward_pre_hook(rng._leave_hook))
+            if module.adapter is not None:       # a LoRA adapter masks this rank's slice of the features
+                module.adapter.stream = rng
     rng._handles += [model.register_forward_pre_hook(rng._reset_hook),
                      model.register_forward_hook(rng._model_done_hook)]
     model._tp_rank_rng = rng
@@ -230,6 +232,9 @@ def remove_tp_rank_rng(model: nn.Module) -> None:
         rng.reset()
         for handle in rng._handles:
             handle.remove()
+        for module in model.modules():
+            if isinstance(module, RowParallelLinear) and module.adapter is not None:
+                module.adapter.stream = None
         rng._handles.clear()
 
 

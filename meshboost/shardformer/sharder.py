@@ -31,6 +31,7 @@ from meshboost.shardformer.layers import (
     make_causal_lm_loss,
 )
 from meshboost.shardformer.layers.vocab import embedding_extras
+from meshboost.shardformer.lora import adapter_linears, check_adapter, is_peft_module, shard_adapter_
 from meshboost.shardformer.optimizations import fuse_norms, jit_fuse, say, use_fast_attention
 from meshboost.shardformer.policies import Policy, get_policy
 from meshboost.shardformer.policies.base import pattern_to_regex
@@ -73,6 +74,7 @@ class _Plan:
     seq_blocks: list[tuple[str, nn.Module]] = field(default_factory=list)   # see _sequence_blocks
     regions: RegionPlan = field(default_factory=RegionPlan)    # the block regions; every linear's role
     params: list[tuple[str, nn.Parameter, ShardStyle, tuple]] = field(default_factory=list)   # parameter styles
+    adapters: list[nn.Module] = field(default_factory=list)   # peft LoRA layers whose base the plan shards
 
 
 def _set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
@@ -264,6 +266,10 @@ class ShardFormer:
             policy = policy or get_policy(model)
             plan = self._validate(model, policy, tp_size)
             self._apply(model, policy, plan)
+            for what in policy.replicated:
+                say("meshboost: %s of %s has no tensor-parallel plan: it stays whole on every tp rank (exact: every "
+                    "rank feeds it the same inputs and its gradients are the same on every rank)", what,
+                    type(model).__name__)
             _warn_if_mostly_whole(model, policy, tp_size)
             # dropout inside the split regions draws from a per-tp-rank stream (rng.py)
             rng = install_tp_rank_rng(model, self.shard_config.tensor_parallel_process_group)
@@ -301,11 +307,16 @@ class ShardFormer:
 
         compiled = [(pattern_to_regex(p), *parse_style(s)) for p, s in policy.plan.items()]
         by_module: dict[int, _Match] = {}
+        adapters: dict[int, nn.Module] = {}
         for name, module in base.named_modules(remove_duplicate=False):
             hit = next(((style, args) for regex, style, args in compiled
                         if name and not style.on_parameter and regex.match(name)), None)
             if hit is None:
                 continue
+            if is_peft_module(module):      # peft wrapped the named linear: shard its base, the adapter with it
+                check_adapter(full(name), module, hit[0].name, self.shard_config.enable_sequence_parallelism)
+                adapters.setdefault(id(module), module)
+                name, module = f"{name}.base_layer", module.base_layer
             match = by_module.get(id(module))
             if match is None:
                 hit[0].validate(full(name), module, tp_size, *hit[1])
@@ -322,12 +333,16 @@ class ShardFormer:
         matches = list(by_module.values())
         for m in matches:
             m.paths = [m.paths[0]] + [p for p in paths[id(m.module)] if p != m.paths[0]]
-        matches = [m for m in matches if m.style.name != BLOCK_INPUT or _closed_block(m.module, by_module)]
+        # the adapters' own linears are covered by their base's match (sharded with it)
+        covered = dict(by_module)
+        for layer in adapters.values():
+            covered.update({id(linear): by_module[id(layer.base_layer)] for linear in adapter_linears(layer)})
+        matches = [m for m in matches if m.style.name != BLOCK_INPUT or _closed_block(m.module, covered)]
         if not any(m.style.name != BLOCK_INPUT for m in matches):
             raise ValueError(f"policy {policy.name!r} matched no module of {type(model).__name__}; check the "
                              "plan's paths against model.base_model.named_modules()")
-        plan = _Plan(matches, guards=_split_input_guards(model, matches, by_module),
-                     params=_parameter_matches(base, compiled, full, tp_size))
+        plan = _Plan(matches, guards=_split_input_guards(model, matches, covered),
+                     params=_parameter_matches(base, compiled, full, tp_size), adapters=list(adapters.values()))
         experts = [m.paths[0] for m in matches if m.style.name in EXPERT_STYLES]
         if self.shard_config.enable_sequence_parallelism and experts:
             raise ValueError(f"{experts[0]}: sequence parallelism with tensor-parallel MoE experts is not supported "
@@ -341,12 +356,12 @@ class ShardFormer:
                                  "(nn.ModuleList), which sequence parallelism splits")
             plan.seq_stack_full = full(plan.seq_stack)
             unclosed = [m.paths[0] for m in by_module.values() if m.style.name == BLOCK_INPUT
-                        and not _closed_block(m.module, by_module) and m.paths[0].startswith(plan.seq_stack_full + ".")]
+                        and not _closed_block(m.module, covered) and m.paths[0].startswith(plan.seq_stack_full + ".")]
             if unclosed:
                 raise ValueError(f"{unclosed[0]}: a block whose linears are not all sharded (an MoE router reads its "
                                  "input) cannot gather its input once under sequence parallelism; use "
                                  "enable_sequence_parallelism=False for this model")
-            plan.seq_blocks = _sequence_blocks(model, plan, by_module)
+            plan.seq_blocks = _sequence_blocks(model, plan, covered)
         for pattern, rules in policy.attributes.items():
             regex = pattern_to_regex(pattern)
             for name, module in base.named_modules():
@@ -382,6 +397,13 @@ class ShardFormer:
         a weight sliced under it."""
         embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        for module in (embedding, head):
+            if module is not None and is_peft_module(module):
+                raise NotImplementedError(
+                    f"{type(model).__name__}'s {'input embedding' if module is embedding else 'LM head'} is wrapped by "
+                    f"peft ({type(module).__name__}: a LoRA adapter, modules_to_save or trainable_token_indices on "
+                    "it), and tensor parallelism splits it over the vocabulary, which meshboost does not do for "
+                    "adapters; leave it out of target_modules / modules_to_save, or use tp_size=1")
         weights = [m.weight for m in (embedding, head) if isinstance(m, (nn.Embedding, nn.Linear))
                    and id(m) not in matched]             # a module the plan names is its style's business
         if not weights:
@@ -413,6 +435,8 @@ class ShardFormer:
             if new is not None:
                 for path in m.paths:
                     _set_submodule(model, path, new)
+        for layer in plan.adapters:
+            shard_adapter_(layer, ctx.group)
         for path, param, style, args in plan.params:
             style.apply(ctx, path, param, *args)
         for module, attr, value in plan.attributes:

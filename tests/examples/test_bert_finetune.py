@@ -86,6 +86,42 @@ def test_finetune_tp2_end_to_end(tmp_path):
         f"reloaded model accuracy {accuracy} vs the run's own {final['accuracy']}"
 
 
+def test_finetune_lora_tp2_adapter_folder_loads_in_peft(tmp_path):
+    """--lora at tp=2: the adapters are sharded with their linears, the base stays frozen, and the
+    saved peft folder, loaded by PeftModel.from_pretrained on the original weights in a plain process,
+    reproduces the run's validation accuracy."""
+    peft = pytest.importorskip("peft")
+    out = tmp_path / "lora"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(EXAMPLE / "finetune.py"), "--plugin", "hybrid_parallel", "--tp", "2", "--lora", "--max_steps",
+           str(STEPS), "--max_length", str(MAX_LEN), "--max_train_samples", "256", "--max_eval_samples", str(EVAL),
+           "--batch_size", "8", "--eval_batch_size", "32", "--seed", str(SEED), "--output_dir", str(out)]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, \
+        f"finetune.py --lora failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert "(LoRA adapters and the classifier)" in proc.stdout
+    metrics = json.loads((out / "metrics.json").read_text())
+    final = metrics["final"]
+    assert metrics["config"]["lora"] and metrics["config"]["tp"] == 2 and metrics["config"]["lr"] == 1e-3
+    assert np.isfinite(final["train_loss"])
+
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    folder = out / "adapter"
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(folder))
+    base = AutoModelForSequenceClassification.from_pretrained(data.default_model_path(), num_labels=2)
+    model = peft.PeftModel.from_pretrained(base, folder).eval()
+    trained = {n: p for n, p in model.named_parameters() if "lora_B" in n}
+    assert trained and all(p.abs().sum() > 0 for p in trained.values()), "lora_B was not trained (or not saved)"
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    _, valid, info = data.load_task("tweets", seed=SEED, max_train_samples=256, max_eval_samples=EVAL)
+    enc = data.tokenize_dataset(valid, tokenizer, info.text_keys, MAX_LEN)[:]
+    with torch.no_grad():
+        logits = model(**{k: v for k, v in enc.items() if k != "labels"}).logits
+    accuracy = (logits.argmax(-1) == enc["labels"]).float().mean().item()
+    assert abs(accuracy - final["accuracy"]) <= 1.0 / EVAL, \
+        f"reloaded adapters' accuracy {accuracy} vs the run's own {final['accuracy']}"
+
+
 def test_glue_offline_fails_fast(tmp_path):
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, str(EXAMPLE / "finetune.py"), "--task", "sst2", "--output_dir",

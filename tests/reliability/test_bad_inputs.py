@@ -19,6 +19,9 @@ wrong number or a hang: one process group of 4 ranks runs the whole matrix (issu
 - expert parallelism: ep_size not dividing dp or the experts, ep on a dense model, an expert id out of
   range on one ep rank; context parallelism: sp_size not dividing the world, a sequence length the
   split cannot cut, cp ranks fed different batches.
+- LoRA: enable_lora twice, an adapter folder whose rank or target modules differ from its weights, and
+  at tp=2 adapters the layout cannot shard exactly (on the vocab-parallel embedding, modules_to_save on
+  the LM head, DoRA, lora_dropout on a column under sequence parallelism).
 """
 
 from __future__ import annotations
@@ -257,7 +260,55 @@ def _expert_and_context_layouts(rank, world):
         model(input_ids=ids, labels=ids)
 
 
+def _lora_inputs(rank, world, root):
+    """LoRA's bad inputs, each a clear error on every rank before any collective: enable_lora twice, an
+    adapter folder whose rank or target modules differ from its weights (peft alone warns and trains
+    fresh adapters in their place), and at tp=2 the adapters the layout cannot shard exactly (an
+    adapter on the vocab-parallel embedding or in modules_to_save on the LM head, DoRA, lora_dropout on
+    a column under sequence parallelism)."""
+    import json
+
+    peft = pytest.importorskip("peft")
+
+    def llama():
+        return build_model("LlamaForCausalLM", tiny_config("llama"), seed=0)
+
+    def config(**kwargs):
+        return peft.LoraConfig(**{"r": 4, "target_modules": ["q_proj", "v_proj"], **kwargs})
+
+    booster = Booster(plugin=HybridParallelPlugin(tp_size=2))
+    wrapped = booster.enable_lora(llama(), lora_config=config())
+    with pytest.raises(ValueError, match="already has peft adapters; call booster.enable_lora once"):
+        booster.enable_lora(wrapped, lora_config=config())
+    folders = {what: os.path.join(root, f"adapter_{what}") for what in ("rank", "targets")}
+    if rank == 0:
+        for what, folder in folders.items():
+            peft.get_peft_model(llama(), config()).save_pretrained(folder)
+            with open(os.path.join(folder, "adapter_config.json")) as fh:
+                saved = json.load(fh)
+            saved.update({"r": 8} if what == "rank" else {"target_modules": ["q_proj", "k_proj", "v_proj"]})
+            with open(os.path.join(folder, "adapter_config.json"), "w") as fh:
+                json.dump(saved, fh)
+    dist.barrier()
+    with pytest.raises(ValueError, match="its weights do not fit the adapters its config builds"):
+        Booster(plugin=HybridParallelPlugin(tp_size=2)).enable_lora(llama(), pretrained_dir=folders["rank"])
+    with pytest.raises(ValueError, match=r"its config builds '.*k_proj.lora_A.weight', which its weights lack"):
+        Booster(plugin=HybridParallelPlugin(tp_size=2)).enable_lora(llama(), pretrained_dir=folders["targets"])
+    cases = [
+        (dict(target_modules=["embed_tokens", "q_proj"]), {}, "input embedding is wrapped by peft"),
+        (dict(modules_to_save=["lm_head"]), {}, "LM head is wrapped by peft"),
+        (dict(use_dora=True), {}, "uses the DoraLinearVariant variant"),
+        (dict(lora_dropout=0.1), dict(enable_sequence_parallelism=True), "lora_dropout=0.1 on a column-parallel"),
+    ]
+    for lora_kwargs, plugin_kwargs, match in cases:
+        booster = Booster(plugin=HybridParallelPlugin(tp_size=2, **plugin_kwargs))
+        model = booster.enable_lora(llama(), lora_config=config(**lora_kwargs))
+        with pytest.raises(NotImplementedError, match=match):
+            booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
 def _body(rank, world, root):
+    _lora_inputs(rank, world, root)
     _ids_and_labels_out_of_range(rank, world)
     _optimizer_from_another_model(rank, world, root)
     _disagreeing_configuration(rank, world)

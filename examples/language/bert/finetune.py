@@ -55,7 +55,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch_size", type=int, default=32, help="training batch per data-parallel replica")
     p.add_argument("--eval_batch_size", type=int, default=64, help="evaluation batch per data-parallel replica")
-    p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (AdamW, linear warm-up and decay)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (AdamW, linear warm-up and decay); default 1e-4, with --lora 1e-3")
+    p.add_argument("--lora", action="store_true",
+                   help="train LoRA adapters (HuggingFace peft) instead of every weight; saves the adapter folder")
+    p.add_argument("--lora_r", type=int, default=16, help="LoRA rank (--lora)")
+    p.add_argument("--lora_alpha", type=int, default=32, help="LoRA scaling numerator (--lora)")
+    p.add_argument("--lora_dropout", type=float, default=0.1, help="dropout on the adapters' input (--lora)")
+    p.add_argument("--lora_targets", default="query,key,value,dense",
+                   help="comma-separated module names the adapters wrap (--lora); the classifier is trained whole")
     p.add_argument("--weight_decay", type=float, default=0.01)
     p.add_argument("--warmup_ratio", type=float, default=0.1)
     p.add_argument("--max_length", type=int, default=64, help="tokens per example (padded/truncated)")
@@ -72,7 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace, world_size: int) -> None:
     """Pure checks, identical on every rank, before any collective."""
-    for name in ("tp", "pp", "epochs", "batch_size", "eval_batch_size", "max_length"):
+    for name in ("tp", "pp", "epochs", "batch_size", "eval_batch_size", "max_length", "lora_r"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name}={getattr(args, name)} must be >= 1")
     if args.plugin != "hybrid_parallel" and (args.tp > 1 or args.pp > 1):
@@ -287,10 +295,19 @@ def main(argv=None) -> int:
     model = AutoModelForSequenceClassification.from_pretrained(
         model_path, num_labels=info.num_labels, problem_type="regression" if info.is_regression else None,
         **label_kwargs)
+    if args.lora:       # peft adapters (sharded with their linears under --tp, staged under --pp)
+        import peft
+        model = booster.enable_lora(model, lora_config=peft.LoraConfig(
+            task_type="SEQ_CLS", r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+            target_modules=[t for t in args.lora_targets.split(",") if t]))
+    args.lr = args.lr if args.lr is not None else (1e-3 if args.lora else 1e-4)
     optimizer, lr_scheduler = build_optimizer(model, args, total_steps)
     model, optimizer, criterion, _, lr_scheduler = booster.boost(model, optimizer, loss_of, lr_scheduler=lr_scheduler)
     setup_s = time.perf_counter() - t_start
     global_batch = args.batch_size * layout["dp"]
+    trainable = sum(p.numel() for p in model.unwrap().parameters() if p.requires_grad)
+    log(f"trainable parameters on this rank: {trainable}" + (" (LoRA adapters and the classifier)" if args.lora
+                                                              else ""), flush=True)
     log(f"task={info.name} train={len(train_ds)} validation={len(valid_ds)} labels={info.num_labels} "
         f"majority={baseline:.4f} | plugin={args.plugin} dp={layout['dp']} tp={layout['tp']} pp={layout['pp']} "
         f"| global batch {global_batch}, {total_steps} steps | set-up {setup_s:.1f}s", flush=True)
@@ -341,12 +358,18 @@ def main(argv=None) -> int:
     # -- save, report, check targets ----------------------------------------------------------------
     out_dir = Path(args.output_dir)
     model_dir = out_dir / "model"
+    if args.lora:
+        model_dir = out_dir / "adapter"          # a peft folder: PeftModel.from_pretrained(base, model_dir)
     if not args.no_save:
         t_save = time.perf_counter()
-        booster.save_model(model, str(model_dir), shard=True, use_safetensors=True)
+        if args.lora:
+            booster.save_lora_as_pretrained(model, str(model_dir), use_safetensors=True)
+        else:
+            booster.save_model(model, str(model_dir), shard=True, use_safetensors=True)
         if reporter:
             tokenizer.save_pretrained(model_dir)
-        log(f"saved the fine-tuned model to {model_dir} in {time.perf_counter() - t_save:.1f}s", flush=True)
+        log(f"saved the fine-tuned {'adapters' if args.lora else 'model'} to {model_dir} in "
+            f"{time.perf_counter() - t_save:.1f}s", flush=True)
     final = history[-1]
     missed = []
     if reporter:

@@ -16,7 +16,9 @@ once by the sharder's plan (`regions.py`); a layer only follows it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -89,6 +91,20 @@ def _sum_over_replicas(info: TensorParallelInfo, grad: torch.Tensor) -> torch.Te
     return slots[info.shard_index]
 
 
+@dataclass
+class Adapter:
+    """A low-rank adapter (peft LoRA, see shardformer/lora.py) computed inside a parallel linear on
+    this rank's slice, so that it shares the linear's collectives. active(): whether it adds anything
+    now (not disabled, not merged into the weight). compute(x): its product. draws_dropout(): whether
+    it masks its input now. stream: the model's TPRankRNG once installed (a row adapter masks this
+    rank's slice of the features from it)."""
+
+    active: Callable[[], bool]
+    compute: Callable[[torch.Tensor], torch.Tensor]
+    draws_dropout: Callable[[], bool]
+    stream: object = None
+
+
 class _ParallelLinearBase(nn.Module):
     """Holds the native module's parameters and knows the weight layout."""
 
@@ -98,6 +114,7 @@ class _ParallelLinearBase(nn.Module):
         self.bias = bias
         self.process_group = group
         self.conv1d = conv1d
+        self.adapter: Adapter | None = None
         out_dim = 1 if conv1d else 0
         self.out_features = weight.shape[out_dim]
         self.in_features = weight.shape[1 - out_dim]
@@ -204,9 +221,15 @@ class ColumnParallelLinear(_ParallelLinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         role = self.role
-        if role.applies_f and not role.covered(x) and comm.is_parallel(self.process_group):
-            if role.seq_parallel:
-                _check_sequence_layout(x)
+        enters = role.applies_f and not role.covered(x) and comm.is_parallel(self.process_group)
+        if enters and role.seq_parallel:
+            _check_sequence_layout(x)
+        if self.adapter is not None and self.adapter.active():
+            # one f (or sequence all-gather) for the base and the adapter: their input gradients are summed
+            # by the same all-reduce; the base's product then runs without the fused backward's overlap
+            x = _enter_parallel_region(x, self.process_group, role.seq_parallel) if enters else x
+            y = self._matmul(x, self.bias) + self.adapter.compute(x).to(x.dtype)
+        elif enters:
             y = _ColumnLinear.apply(x, self.weight, self.bias, self.process_group, role.seq_parallel, self.conv1d)
         else:
             y = self._matmul(x, self.bias)
@@ -254,12 +277,26 @@ class RowParallelLinear(_ParallelLinearBase):
         if not self.input_is_parallel:
             x = comm.split_to_tp(x, self.process_group, dim=-1)
         partial_sums = self._matmul(x, None)
+        if self.adapter is not None and self.adapter.active():      # joins the base's one reduction
+            partial_sums = partial_sums + self._adapter_partial(x).to(partial_sums.dtype)
         if self.role.seq_parallel:
             _check_sequence_layout(partial_sums)
             y = comm.reduce_scatter_to_seq(partial_sums, self.process_group, dim=1)
         else:
             y = comm.reduce_from_tp(partial_sums, self.process_group)
         return y if self.bias is None else y + self.bias
+
+    def _adapter_partial(self, x: torch.Tensor) -> torch.Tensor:
+        """The adapter's product on this rank's input features (a partial sum), its dropout drawn
+        from this rank's stream: the slices' masks are independent, as one process's mask is."""
+        stream = self.adapter.stream if self.adapter.draws_dropout() else None
+        if stream is None:
+            return self.adapter.compute(x)
+        stream.enter(x.device)
+        try:
+            return self.adapter.compute(x)
+        finally:
+            stream.leave()
 
 
 class ColumnSubsetLinear(_ParallelLinearBase):

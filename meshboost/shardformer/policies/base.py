@@ -40,6 +40,8 @@ class Policy:
         None reads transformers' `base_model_pp_plan`.
     check: callable(config, tp_size) raising ValueError for a configuration of the family the
         table cannot shard exactly (run before anything is modified).
+    replicated: sub-models the policy leaves whole on every tp rank on purpose (a vision tower with no
+        plan of its own), named once on rank 0 when the model is sharded.
     """
 
     name: str
@@ -50,6 +52,7 @@ class Policy:
     block_input_kwargs: tuple[str, ...] = DEFAULT_BLOCK_INPUT_KWARGS
     pipeline_layout: dict | None = None
     check: Callable | None = None
+    replicated: tuple[str, ...] = ()
 
     def __post_init__(self):
         for style in self.plan.values():
