@@ -68,10 +68,19 @@ def _place_segments(model: nn.Module, base: nn.Module, layout: StageLayout, orig
     for segment, group, size in zip(layout.segments, groups, sizes):
         stack = base.get_submodule(segment.stack)
         counted = base.get_submodule(segment.counted_by).config if segment.counted_by else None
+        # the per-layer lists a chunk reads live in the config of the module iterating the layers (a
+        # vision-language model's text_config, not the top-level config its stack holds)
+        owner = base.get_submodule(segment.layers.rpartition(".")[0])
+        config = getattr(owner, "config", None) or getattr(stack, "config", getattr(model, "config", None))
         spans.append(SegmentSpan(segment, offset, size, group, first_stage=stage_of[offset],
-                                 last_stage=stage_of[offset + size - 1],
-                                 config=getattr(stack, "config", getattr(model, "config", None)),
-                                 counted_config=counted))
+                                 last_stage=stage_of[offset + size - 1], config=config, counted_config=counted))
+        first = layer_ranges[stage_of[offset]]
+        if segment.leading_layers and offset + segment.leading_layers not in first:
+            raise ValueError(
+                f"{type(model).__name__}: layers {offset}..{offset + segment.leading_layers - 1} of {segment.layers} are "
+                "each followed by a step reading the first stage's embeddings (deepstack visual features), so the "
+                f"first pipeline stage must hold at least {segment.leading_layers + 1} of its layers; it holds "
+                f"{len(first)}: pass num_layers_per_stage (e.g. [{segment.leading_layers + 1}, ...]) or use fewer stages")
         offset += size
     return spans, layer_ranges
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-SEGMENT_KEYS = ("stack", "embeddings", "layers", "tail", "carry", "counted_by", "shared_groups")
+SEGMENT_KEYS = ("stack", "embeddings", "layers", "tail", "carry", "counted_by", "shared_groups", "embedding_inputs",
+                "leading_layers")
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,13 @@ class Segment:
         when the stack runs `num_hidden_layers` iterations over fewer shared groups, iteration i using
         group int(i / (num_hidden_layers / groups)) (ALBERT). The stages then split the iterations;
         a group's weights are held by every stage running one of its iterations (tied over them).
+    embedding_inputs: model inputs only the segment's embeddings read (a vision tower's pixel values),
+        withheld from a chunk that starts inside the segment, whose embeddings are stand-ins: the model
+        then skips the tower, whose output the received hidden states already hold.
+    leading_layers: the first this many layers are each followed, inside the stack's loop, by a step
+        reading the embeddings' outputs (Qwen3-VL adds its deepstack visual features after them): they
+        must run on the chunk holding the embeddings, none of them as its last layer (a chunk hands on
+        its last layer's output, before that step).
     """
 
     embeddings: tuple[str, ...]
@@ -63,6 +71,8 @@ class Segment:
     carry: tuple[Carry, ...] = ()
     counted_by: str = ""
     shared_groups: str = ""
+    embedding_inputs: tuple[str, ...] = ()
+    leading_layers: int = 0
 
 
 @dataclass(frozen=True)
@@ -90,6 +100,49 @@ def layout_from_pp_plan(base: nn.Module) -> StageLayout | None:
     return StageLayout(f"pp_plan:{config.model_type}", (Segment(tuple(names[:i]), lists[0], tuple(names[i + 1:])),))
 
 
+# inputs a vision-language model's forward reads only to run its vision tower
+PIXEL_INPUTS = ("pixel_values", "pixel_values_videos", "pixel_attention_mask")
+
+
+def layout_from_sub_model(base: nn.Module) -> StageLayout | None:
+    """A composite model (vision-language) whose top-level config has no `base_model_pp_plan`: one
+    segment through its language model, the module built from a sub-config (`text_config`) holding
+    the token embedding. Its layer list and the modules around it come from that sub-config's
+    `base_model_pp_plan`, else from the language model's children in order (those with parameters
+    before the layer list are embeddings, after it the tail); every other child of the base model
+    with parameters (the vision tower, the projector) is an embedding, run by the first stage, and
+    the pixel inputs are withheld from the other stages."""
+    from transformers import PretrainedConfig
+
+    config = getattr(base, "config", None)
+    subs = [v for v in vars(config).values() if isinstance(v, PretrainedConfig)] if config is not None else []
+    embedding = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+    found = [(name, module) for name, module in base.named_children()
+             if any(getattr(module, "config", None) is sub for sub in subs)
+             and any(m is embedding for m in module.modules())]       # the language model holds the token embedding
+    if len(found) != 1 or embedding is None:
+        return None
+    path, language = found[0]
+    plan = getattr(language.config, "base_model_pp_plan", None)
+    if plan:
+        names = list(plan)
+    else:
+        names = [n for n, c in language.named_children() if isinstance(c, nn.ModuleList)
+                 or any(True for _ in c.parameters())]
+    lists = [n for n in names if isinstance(_get(language, n), nn.ModuleList)]
+    if len(lists) != 1:
+        return None
+    i = names.index(lists[0])
+    towers = tuple(name for name, module in base.named_children()
+                   if name != path and any(True for _ in module.parameters()))
+    embeddings = towers + tuple(f"{path}.{n}" for n in names[:i])
+    # visual features a sub-config says are added after the first text layers (Qwen3-VL's deepstack)
+    leading = max((len(getattr(sub, "deepstack_visual_indexes", None) or ()) for sub in subs), default=0)
+    return StageLayout(f"sub_model:{config.model_type}", (Segment(
+        embeddings, f"{path}.{lists[0]}", tuple(f"{path}.{n}" for n in names[i + 1:]),
+        embedding_inputs=PIXEL_INPUTS, leading_layers=leading),))
+
+
 def segment_from_dict(entry: dict, where: str) -> Segment:
     unknown = set(entry) - set(SEGMENT_KEYS)
     if unknown or "layers" not in entry:
@@ -97,7 +150,8 @@ def segment_from_dict(entry: dict, where: str) -> Segment:
                          f"got {sorted(entry)}")
     carry = tuple(c if isinstance(c, Carry) else Carry(*c) for c in entry.get("carry", ()))
     return Segment(tuple(entry.get("embeddings", ())), entry["layers"], tuple(entry.get("tail", ())),
-                   entry.get("stack", ""), carry, entry.get("counted_by", ""), entry.get("shared_groups", ""))
+                   entry.get("stack", ""), carry, entry.get("counted_by", ""), entry.get("shared_groups", ""),
+                   tuple(entry.get("embedding_inputs", ())), int(entry.get("leading_layers", 0)))
 
 
 def get_layout(model: nn.Module, declared: dict | None = None) -> StageLayout:
@@ -115,7 +169,7 @@ def get_layout(model: nn.Module, declared: dict | None = None) -> StageLayout:
         missing = tuple(s.layers for s in declared_segments if _get(base, s.layers) is None)
         layout = StageLayout(f"policy:{model_type}", segments, missing) if segments else None
     else:
-        layout = layout_from_pp_plan(base)
+        layout = layout_from_pp_plan(base) or layout_from_sub_model(base)
     if layout is None:
         raise ValueError(
             f"no pipeline stage layout for {type(model).__name__} (model_type={model_type!r}). Supported: families "

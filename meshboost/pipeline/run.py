@@ -83,9 +83,17 @@ def run_chunk(stages, chunk: int, inputs: dict, received: list[torch.Tensor] | N
             _iterate_only(stages, bounds.layers)              # before _config_entries, which counts them
             scope.enter_context(_swapped(stages.model.base_model, swaps))
             scope.enter_context(_config_views(stages.config_holders, _config_entries(stages, bounds)))
-            return stages.model(**inputs)
+            return stages.model(**_withheld(stages, bounds, inputs))
     except _StageOutput as done:
         return earlier + [captured[j] for j in bounds.segments if j in captured] + done.tensors
+
+
+def _withheld(stages, bounds: _ChunkBounds, inputs: dict) -> dict:
+    """`inputs` without those only the stand-in embeddings would read (see `Segment.embedding_inputs`):
+    of every segment before the chunk's first, and of that one when the chunk starts inside it."""
+    segments = [stages.spans[j].segment for j in range(bounds.first + (0 if bounds.starts else 1))]
+    drop = {name for segment in segments for name in segment.embedding_inputs}
+    return {k: v for k, v in inputs.items() if k not in drop} if drop else inputs
 
 
 def _bounds(stages, chunk: int) -> _ChunkBounds:

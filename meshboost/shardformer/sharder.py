@@ -101,8 +101,13 @@ def _holders(root: nn.Module, params: list[torch.Tensor]) -> dict[int, tuple[nn.
 def uses_causal_lm_loss(model: nn.Module) -> bool:
     """True when the model's forward computes a causal-LM loss through `self.loss_function` (so
     the loss can be swapped for the vocab-parallel one without touching the forward, and it honours
-    `num_items_in_batch`, shifting its labels by one)."""
-    if getattr(model, "loss_type", None) not in (None, "ForCausalLM"):
+    `num_items_in_batch`, shifting its labels by one). transformers maps a vision-language model's
+    "ForConditionalGeneration" loss type to the same causal-LM loss."""
+    if getattr(model, "loss_type", None) not in (None, "ForCausalLM", "ForConditionalGeneration"):
+        return False
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    if LOSS_MAPPING.get(getattr(model, "loss_type", None) or "ForCausalLM") is not LOSS_MAPPING["ForCausalLM"]:
         return False
     try:
         return "self.loss_function(" in inspect.getsource(type(model).forward)

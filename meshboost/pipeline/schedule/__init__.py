@@ -30,16 +30,32 @@ from meshboost.pipeline.normalization import TOKENS, batch_items, microbatch_wei
 from meshboost.pipeline.stage import PipelineStages
 
 
+# Qwen-VL's flattened vision inputs: patch rows of every image in one tensor, each image's patch count
+# the product of its row of the grid ([temporal, height, width])
+FLATTENED_BY_GRID = {"pixel_values": "image_grid_thw", "pixel_values_videos": "video_grid_thw"}
+
+
 def split_microbatches(batch, num_microbatches: int | None = None, microbatch_size: int | None = None) -> list[dict]:
-    """Split a dict batch along dim 0 into equal micro-batches (non-tensors are shared by all)."""
+    """Split a dict batch along dim 0 into equal micro-batches (non-tensors are shared by all).
+    Flattened vision inputs (`FLATTENED_BY_GRID`) split with their images, one image per sample."""
     if not isinstance(batch, Mapping):
         raise TypeError(f"execute_pipeline needs batches that are dicts of tensors, got {type(batch).__name__}")
-    sizes = {k: v.shape[0] for k, v in batch.items() if torch.is_tensor(v) and v.dim() > 0}
+    flattened = {k: g for k, g in FLATTENED_BY_GRID.items() if torch.is_tensor(batch.get(k))
+                 and torch.is_tensor(batch.get(g))}
+    sizes = {k: v.shape[0] for k, v in batch.items() if torch.is_tensor(v) and v.dim() > 0 and k not in flattened}
     if not sizes:
         raise ValueError("execute_pipeline: the batch holds no tensor with a batch dimension")
     batch_size = next(iter(sizes.values()))
     if any(s != batch_size for s in sizes.values()):
         raise ValueError(f"execute_pipeline: batch tensors disagree on the batch size: {sizes}")
+    for key, grid in flattened.items():
+        patches = int(batch[grid].prod(-1).sum())
+        if batch[key].shape[0] != patches:
+            raise ValueError(f"execute_pipeline: {key} holds {batch[key].shape[0]} patch rows but {grid} describes "
+                             f"{patches}")
+        if batch[grid].shape[0] != batch_size:
+            raise ValueError(f"execute_pipeline: {grid} holds {batch[grid].shape[0]} images for {batch_size} samples; "
+                             f"micro-batches split {key} with its images only at one image per sample")
     if num_microbatches is None:
         num_microbatches = batch_size // microbatch_size if batch_size % microbatch_size == 0 else -1
     if num_microbatches < 1 or batch_size % num_microbatches:
@@ -48,8 +64,13 @@ def split_microbatches(batch, num_microbatches: int | None = None, microbatch_si
         raise ValueError(f"a batch of {batch_size} samples does not split into equal micro-batches with {how}; "
                          "use a batch size that is a multiple of the micro-batch size (e.g. drop_last=True)")
     size = batch_size // num_microbatches
-    return [{k: v[i * size:(i + 1) * size] if k in sizes else v for k, v in batch.items()}
-            for i in range(num_microbatches)]
+    out = [{k: v[i * size:(i + 1) * size] if k in sizes else v for k, v in batch.items()}
+           for i in range(num_microbatches)]
+    for key, grid in flattened.items():
+        ends = [0] + batch[grid].prod(-1).cumsum(0).tolist()        # patch rows of image i: ends[i]:ends[i+1]
+        for i, mb in enumerate(out):
+            mb[key] = batch[key][ends[i * size]:ends[(i + 1) * size]]
+    return out
 
 
 def schedule_order(num_ranks: int, rank: int, num_microbatches: int, num_chunks: int = 1,

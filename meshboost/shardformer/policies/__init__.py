@@ -17,6 +17,7 @@ from meshboost.shardformer.policies.esmc import ESMC_POLICY
 from meshboost.shardformer.policies.falcon import FALCON_POLICY
 from meshboost.shardformer.policies.gpt2 import GPT2_POLICY
 from meshboost.shardformer.policies.gpt_oss import gpt_oss_policy
+from meshboost.shardformer.policies.multimodal import multimodal_policy
 from meshboost.shardformer.policies.opt import OPT_POLICY
 from meshboost.shardformer.policies.t5 import T5_POLICY
 from meshboost.shardformer.policies.tp_plan import policy_from_tp_plan
@@ -31,6 +32,9 @@ POLICIES: dict[str, Policy] = {p.name: p for p in (BERT_POLICY, GPT2_POLICY, OPT
 # shipped plan splits only the embedding.
 POLICY_BUILDERS: dict[str, Callable] = {"deepseek_v2": deepseek_policy, "deepseek_v3": deepseek_policy,
                                         "gpt_oss": gpt_oss_policy}
+# A vision-language model's text sub-config whose shipped plan splits only its embedding, and the text
+# family whose decoder layers (and plan) it shares: Qwen3-VL's text model is Qwen3's (per-head q/k norms).
+LAYER_PLANS: dict[str, str] = {"qwen3_vl_text": "qwen3"}
 
 
 def _model_type(model: nn.Module):
@@ -46,12 +50,15 @@ def get_policy(model: nn.Module) -> Policy:
     if model_type in POLICY_BUILDERS and config is not None:
         return POLICY_BUILDERS[model_type](config)
     policy = policy_from_tp_plan(config) if config is not None else None
+    if policy is None:          # a composite (vision-language) model: its sub-configs' plans, placed
+        policy = multimodal_policy(model, LAYER_PLANS)
     if policy is not None:
         return policy
     raise ValueError(
         f"no tensor-parallel policy for {type(model).__name__} (model_type={model_type!r}). Supported: "
-        f"{sorted(POLICIES)} and models whose config ships a `base_model_tp_plan` meshboost can read (Llama, Qwen2, "
-        "Mistral, Gemma, ...: docs/models.md). Pass custom_policy=meshboost.shardformer.Policy(name=..., "
+        f"{sorted(POLICIES)} and models whose config (or a sub-config: the language model of a vision-language "
+        "model) ships a `base_model_tp_plan` meshboost can read (Llama, Qwen2, Mistral, Gemma, Qwen2.5-VL, LLaVA, "
+        "...: docs/models.md). Pass custom_policy=meshboost.shardformer.Policy(name=..., "
         "plan={'layers.*.q_proj': 'colwise', ...}) to HybridParallelPlugin or ShardFormer.optimize(), or use "
         "tp_size=1 (pipeline and data parallelism need no policy).")
 

@@ -18,7 +18,8 @@ from typing import Callable
 from meshboost.shardformer.styles import DEFAULT_BLOCK_INPUT_KWARGS, attribute_rule, parse_style
 
 # the keys of one pipeline segment (meshboost/pipeline/layout.py)
-PIPELINE_LAYOUT_KEYS = ("embeddings", "layers", "tail", "stack", "carry", "counted_by", "shared_groups")
+PIPELINE_LAYOUT_KEYS = ("embeddings", "layers", "tail", "stack", "carry", "counted_by", "shared_groups",
+                        "embedding_inputs", "leading_layers")
 
 
 @dataclass(frozen=True)

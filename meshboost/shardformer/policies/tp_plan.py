@@ -38,9 +38,10 @@ _DIVISIBLE = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
 _KV_PROJECTIONS = ("k_proj", "v_proj")
 
 
-def policy_from_tp_plan(config) -> Policy | None:
-    """Build a Policy from `config.base_model_tp_plan`, or None when the config has no plan."""
-    tp_plan = getattr(config, "base_model_tp_plan", None)
+def policy_from_tp_plan(config, tp_plan: dict | None = None) -> Policy | None:
+    """Build a Policy from `config.base_model_tp_plan` (or `tp_plan`, another family's plan for the
+    same layers), or None when there is no plan."""
+    tp_plan = tp_plan if tp_plan is not None else getattr(config, "base_model_tp_plan", None)
     if not tp_plan:
         return None
     plan: dict[str, str] = {}
