@@ -42,7 +42,7 @@ from meshboost.shardformer import (
 )
 from meshboost.shardformer.context import ContextInputs, check_context, install
 from meshboost.shardformer.layers.expert_parallel import check_expert_parallel, shard_expert_parallel_
-from meshboost.shardformer.lora import transformers_model
+from meshboost.shardformer.lora import lora_dropout, transformers_model
 
 
 class HybridParallelModule(ModelWrapper):
@@ -262,6 +262,11 @@ class HybridParallelPlugin(Plugin):
         attention = None
         if self.config.sp_size > 1:                              # pure: raises on every rank alike
             attention = check_context(hf, self.config.sp_size, self.tp_size, self.config.sp_mode)
+            p = lora_dropout(model)
+            if p > 0:
+                raise NotImplementedError(f"lora_dropout={p} with sp_size={self.config.sp_size}: every context-parallel "
+                                          "rank would draw the same mask on its own piece of the sequence, not one "
+                                          "mask over the whole; use lora_dropout=0.0 with context parallelism")
             if not uses_causal_lm_loss(hf):
                 raise NotImplementedError(f"sp_size={self.config.sp_size}: {type(hf).__name__} does not compute its "
                                           "causal-LM loss through transformers' loss_function; use sp_size=1")
@@ -361,10 +366,11 @@ class HybridParallelPlugin(Plugin):
 
     def lora_refusal(self) -> str | None:
         # tp and pp shard and stage the adapters with their linears (shardformer/lora.py)
-        if self.config.sp_size > 1 or self.ep_size > 1:
-            return (f"LoRA with sp_size={self.config.sp_size}, ep_size={self.ep_size}: adapters are sharded with "
-                    "tensor parallelism and staged with pipeline parallelism, and not yet placed over context- or "
-                    "expert-parallel ranks; use sp_size=1 and ep_size=1 (tp, pp, ZeRO and precision as you like)")
+        # sp: the adapters are replicated weights like the rest, averaged over dp x cp (lora_dropout checked at boost)
+        if self.ep_size > 1:
+            return (f"LoRA with ep_size={self.ep_size}: adapters are sharded with tensor parallelism and staged with "
+                    "pipeline parallelism, and not yet placed over expert-parallel ranks; use ep_size=1 (tp, pp, sp, "
+                    "ZeRO and precision as you like)")
         return None
 
     # -- pipeline parallelism (meshboost/pipeline) ---------------------------------------------------

@@ -57,6 +57,12 @@ def transformers_model(model: nn.Module) -> nn.Module:
     return model
 
 
+def lora_dropout(model: nn.Module) -> float:
+    """The largest lora_dropout probability of the peft LoRA layers in `model` (0.0 without any)."""
+    return max((d.p for m in model.modules() if is_lora_linear(m) for d in m.lora_dropout.values()
+                if isinstance(d, nn.Dropout)), default=0.0)
+
+
 def is_lora_linear(module: nn.Module) -> bool:
     """peft's LoRA layer around a linear (`peft.tuners.lora.Linear`), not one of its variants' classes."""
     return any(c.__module__.startswith("peft.tuners.lora") and c.__name__ == "Linear" for c in type(module).__mro__)

@@ -7,9 +7,8 @@ save_lora_as_pretrained load with PeftModel.from_pretrained and through enable_l
 to the trained values; bf16 saves the fp32 masters;
 booster.load_model after boost reads the base weights from the base model's HF checkpoint (Llama, and
 GPT-2 with its tied head), keeps the adapters, and then trains like peft on that base.
-What is not supported is refused on every rank with the fix named: sp_size > 1 (context parallelism),
-GeminiPlugin, QLoRA, enable_lora after boost, a missing or wrong config. (tp and pp:
-tests/plugins/test_lora_parallel.py.)"""
+What is not supported is refused on every rank with the fix named: GeminiPlugin, QLoRA, enable_lora after boost, a missing or wrong config. (tp, pp, sp and their refusals:
+tests/plugins/test_lora_parallel.py, tests/reliability/test_bad_inputs.py.)"""
 
 from __future__ import annotations
 
@@ -162,9 +161,6 @@ def _body(rank, world, root):
         return lambda: Booster(plugin=plugin).enable_lora(copy.deepcopy(base), **kwargs)
 
     cases = [
-        (lora(HybridParallelPlugin(tp_size=1, sp_size=2, enable_sequence_parallelism=True,
-                                   sequence_parallelism_mode="all_to_all"), lora_config=_lora_config()),
-         NotImplementedError, "sp_size=2"),
         (lora(GeminiPlugin(), lora_config=_lora_config()), NotImplementedError, "GeminiPlugin does not support LoRA"),
         (lora(TorchDDPPlugin()), ValueError, "lora_config"),
         (lora(TorchDDPPlugin(), lora_config={"r": 4}), TypeError, "peft.LoraConfig"),

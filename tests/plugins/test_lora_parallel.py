@@ -4,7 +4,8 @@ adapter and frozen base weight after 3 AdamW steps, gathered from its shards):
 
 - Llama (grouped-query attention) with adapters on every linear (q, k, v, o, gate, up, down), random
   lora_B so lora_A learns from step one: tp=2 x dp=2 with ZeRO-1 through `booster.enable_lora`, tp=2
-  with sequence parallelism and ZeRO-2, pp=2 x dp=2, tp=2 x pp=2; GPT-2 (Conv1D, fused c_attn,
+  with sequence parallelism and ZeRO-2, pp=2 x dp=2, tp=2 x pp=2, context parallelism (sp=2 all_to_all,
+  ring_attn with ZeRO-1, tp=2 x sp=2); GPT-2 (Conv1D, fused c_attn,
   fan_in_fan_out) at tp=2. lora_B of column-parallel linears and lora_A of row-parallel ones are
   sharded (checked), and adding no collective to the base's: the same all-reduce count per step.
 - The frozen base keeps no gradient, no fp32 master and no optimizer state.
@@ -161,6 +162,12 @@ def _layouts(rank, world, root):
                                             model=_lora_model(config))
         _check_layout(model, opt, name, cfg.tp_size)
         _check_saved(booster, model, os.path.join(root, name), config, ref_adapters, name, rank)
+
+    # context parallelism: the adapters replicated over cp like every weight, averaged over dp x cp
+    for name, cfg in (("sp2 all_to_all", HybridParallelConfig(sp_size=2, sp_mode="all_to_all")),
+                      ("sp2 ring_attn", HybridParallelConfig(sp_size=2, sp_mode="ring_attn", zero=ZeroConfig(stage=1))),
+                      ("tp2 sp2", HybridParallelConfig(tp_size=2, sp_size=2, sp_mode="all_to_all"))):
+        train_boosted(config, batches, cfg, ref_losses, ref_params, f"lora {name}", model=_lora_model(config))
 
     # GPT-2: Conv1D weights, the fused q/k/v column (c_attn), fan_in_fan_out
     gpt2 = tiny_config("gpt2")

@@ -21,7 +21,8 @@ wrong number or a hang: one process group of 4 ranks runs the whole matrix (issu
   split cannot cut, cp ranks fed different batches.
 - LoRA: enable_lora twice, an adapter folder whose rank or target modules differ from its weights, and
   at tp=2 adapters the layout cannot shard exactly (on the vocab-parallel embedding, modules_to_save on
-  the LM head, DoRA, lora_dropout on a column under sequence parallelism).
+  the LM head, DoRA, lora_dropout on a column under sequence parallelism), lora_dropout with context
+  parallelism.
 """
 
 from __future__ import annotations
@@ -300,8 +301,11 @@ def _lora_inputs(rank, world, root):
         (dict(use_dora=True), {}, "uses the DoraLinearVariant variant"),
         (dict(lora_dropout=0.1), dict(enable_sequence_parallelism=True), "lora_dropout=0.1 on a column-parallel"),
     ]
+    cases.append((dict(lora_dropout=0.1), dict(sp_size=2, enable_sequence_parallelism=True,
+                                               sequence_parallelism_mode="all_to_all"),
+                  "lora_dropout=0.1 with sp_size=2: every context-parallel rank would draw the same mask"))
     for lora_kwargs, plugin_kwargs, match in cases:
-        booster = Booster(plugin=HybridParallelPlugin(tp_size=2, **plugin_kwargs))
+        booster = Booster(plugin=HybridParallelPlugin(**{"tp_size": 2, **plugin_kwargs}))
         model = booster.enable_lora(llama(), lora_config=config(**lora_kwargs))
         with pytest.raises(NotImplementedError, match=match):
             booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
