@@ -41,6 +41,16 @@ def _env():
     return env
 
 
+def _check_reproduces(model, tokenizer, accuracy: float, what: str) -> None:
+    """`model`, reloaded in this plain process, scores the run's own validation accuracy."""
+    _, valid, info = data.load_task("tweets", seed=SEED, max_train_samples=256, max_eval_samples=EVAL)
+    enc = data.tokenize_dataset(valid, tokenizer, info.text_keys, MAX_LEN)[:]
+    with torch.no_grad():
+        logits = model(**{k: v for k, v in enc.items() if k != "labels"}).logits
+    got = (logits.argmax(-1) == enc["labels"]).float().mean().item()
+    assert abs(got - accuracy) <= 1.0 / EVAL, f"{what}: accuracy {got} vs the run's own {accuracy}"
+
+
 def test_finetune_tp2_end_to_end(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -77,13 +87,7 @@ def test_finetune_tp2_end_to_end(tmp_path):
     assert not torch.equal(loaded_sd["bert.encoder.layer.0.attention.self.query.weight"],
                            base_sd["bert.encoder.layer.0.attention.self.query.weight"]), "weights were not trained"
 
-    _, valid, info = data.load_task("tweets", seed=SEED, max_train_samples=256, max_eval_samples=EVAL)
-    enc = data.tokenize_dataset(valid, tokenizer, info.text_keys, MAX_LEN)[:]
-    with torch.no_grad():
-        logits = model(**{k: v for k, v in enc.items() if k != "labels"}).logits
-    accuracy = (logits.argmax(-1) == enc["labels"]).float().mean().item()
-    assert abs(accuracy - final["accuracy"]) <= 1.0 / EVAL, \
-        f"reloaded model accuracy {accuracy} vs the run's own {final['accuracy']}"
+    _check_reproduces(model, tokenizer, final["accuracy"], "reloaded model")
 
 
 def test_finetune_lora_tp2_adapter_folder_loads_in_peft(tmp_path):
@@ -113,13 +117,7 @@ def test_finetune_lora_tp2_adapter_folder_loads_in_peft(tmp_path):
     trained = {n: p for n, p in model.named_parameters() if "lora_B" in n}
     assert trained and all(p.abs().sum() > 0 for p in trained.values()), "lora_B was not trained (or not saved)"
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    _, valid, info = data.load_task("tweets", seed=SEED, max_train_samples=256, max_eval_samples=EVAL)
-    enc = data.tokenize_dataset(valid, tokenizer, info.text_keys, MAX_LEN)[:]
-    with torch.no_grad():
-        logits = model(**{k: v for k, v in enc.items() if k != "labels"}).logits
-    accuracy = (logits.argmax(-1) == enc["labels"]).float().mean().item()
-    assert abs(accuracy - final["accuracy"]) <= 1.0 / EVAL, \
-        f"reloaded adapters' accuracy {accuracy} vs the run's own {final['accuracy']}"
+    _check_reproduces(model, tokenizer, final["accuracy"], "reloaded adapters")
 
 
 def test_glue_offline_fails_fast(tmp_path):
