@@ -10,7 +10,7 @@ LLaVA, Gemma-3, Idefics3, SmolVLM, PaliGemma):
   withheld from the others; micro-batches split Qwen-VL's flattened patches with their images.
   Qwen3-VL adds deepstack visual features after its first text layers, so its first stage must hold
   one more layer: refused at an even split, trained at num_layers_per_stage=[2, 1].
-- tp=2 x pp=2 for Qwen2.5-VL and LLaVA.
+- tp=2 x pp=2 for Qwen2.5-VL and LLaVA; LoRA on Qwen2.5-VL (text and vision adapters) at tp=2 and pp=2.
 - Refused clearly on every rank: Mllama at tp=2 (no plan anywhere), image tokens that do not match the
   images given.
 """
@@ -18,6 +18,7 @@ LLaVA, Gemma-3, Idefics3, SmolVLM, PaliGemma):
 from __future__ import annotations
 
 import pytest
+import torch
 
 from meshboost import Booster
 from meshboost.distributed.param_info import get_tp_info
@@ -73,6 +74,30 @@ def _layouts(rank, world):
                           ref_params, f"{family} tp2 pp2", model=build_vlm(config))
 
 
+def _lora(rank, world):
+    """LoRA (peft) on Qwen2.5-VL's language model and vision MLPs: the text adapters sharded with their
+    linears at tp=2 (ZeRO-1 over dp), the vision ones whole; at pp=2 every adapter with its stage."""
+    peft = pytest.importorskip("peft")
+    config = vlm_config("qwen2_5_vl")
+    batches = vlm_batches(config, 3)
+
+    def model():
+        m = build_vlm(config)
+        torch.manual_seed(7)
+        return peft.get_peft_model(m, peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                      target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"]))
+    reference = model()
+    ref_losses, _ = train_whole(config, batches, model=reference)
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    for name, cfg in (("tp2 zero1", HybridParallelConfig(tp_size=2, zero=ZeroConfig(stage=1))),
+                      ("pp2", HybridParallelConfig(pipeline=_pipeline("qwen2_5_vl")))):
+        _, boosted, _ = train_boosted(config, batches, cfg, ref_losses, ref_params, f"qwen2_5_vl lora {name}",
+                                      model=model())
+        if cfg.tp_size > 1:
+            split = [n for n, p in boosted.unwrap().named_parameters() if "lora_B" in n and get_tp_info(p) is not None]
+            assert any("language_model" in n for n in split) and not any("visual" in n for n in split), split
+
+
 def _refusals(rank, world):
     config = vlm_config("qwen3_vl", text_config={"num_hidden_layers": 3})
     with pytest.raises(ValueError, match="the first pipeline stage must hold at least 2 of its layers"):
@@ -102,6 +127,7 @@ def _refusals(rank, world):
 def _body(rank, world):
     _refusals(rank, world)
     _layouts(rank, world)
+    _lora(rank, world)
 
 
 def test_vision_language_models_under_tp_and_pp():
