@@ -123,16 +123,25 @@ family's table).
   learnable activation between the MLP projections, a per-head norm) is refused at its first
   call rather than trained with a partial gradient. An embedding subclass with a forward of its
   own is refused unless it only scales the lookup (Gemma's `embed_scale`, kept exactly).
+- **Vision-language models** whose top-level config ships no plan while its text sub-config does
+  (`policies/multimodal.py`): the text plan placed under the language model's path (Qwen3-VL's, which
+  splits only the embedding, completed with Qwen3's), the vision tower and projector whole on every tp
+  rank (said once; exact), and at pp the tower on the first stage. Tested with real image inputs at
+  tp=2 x dp=2 and pp=2 x dp=2 against one process, LoRA included (`tests/shardformer/test_vlm.py`):
+  Qwen2.5-VL, Qwen3-VL, LLaVA, Gemma-3, Idefics3, SmolVLM, PaliGemma. Mllama ships no plan at all and is
+  refused at tp > 1.
 - Anything else: `custom_policy=meshboost.shardformer.Policy(...)` (docs/adding_a_model.md).
 
 The table below is written by `python tools/sweep_models.py` (tests/shardformer/test_model_sweep.py
-runs the same sweep and fails on any FAIL): every model type of the installed transformers whose
-config ships `base_model_tp_plan`, built tiny (hidden 64, 4 heads, 2 kv heads, 2 layers, vocab
-160, small MoE), sharded at tp=2 on 2 processes and compared with the unsharded model on a padded
-batch. **ok**: loss and eval outputs within 1e-5 and every gathered gradient within the fp32
+runs the same sweep and fails on any FAIL or not run it does not list, with the reason): every model
+type of the installed transformers whose config ships `base_model_tp_plan`, built tiny (hidden 64, 4
+heads, 2 kv heads, 2 layers, vocab 160, small MoE; every sub-config shrunk; MLA ranks, mrope sections and
+per-layer lists kept consistent) with the inputs it needs (images, patch grids, image tokens), sharded
+at tp=2 on 2 processes and compared with the unsharded model on a padded batch. **ok**: loss and eval outputs within 1e-5 and every gathered gradient within the fp32
 tolerance. **refused**: a clear error, before anything changed (or at the first call, see above).
-**not run**: the tiny config could not be built or run unsharded on `input_ids` alone (multimodal
-inputs, constraints the generic shrink misses): nothing was compared, nothing is claimed.
+**not run**: the model itself cannot be built or run unsharded (its reason is given): nothing was
+compared, nothing is claimed. **FAIL**: a number differs; such a type is listed with what differs in
+the test (`KNOWN_FAIL`), a defect to fix.
 The **ep=2** column (types with packed MoE experts; empty for the others and the ones not run):
 the same tiny model with its experts split over the 2 ranks by expert parallelism instead of tensor
 parallelism (`shardformer/layers/expert_parallel.py`), both ranks fed the same batch, compared the
