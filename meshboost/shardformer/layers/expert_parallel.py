@@ -67,6 +67,18 @@ def check_expert_parallel(model: nn.Module, ep_size: int) -> list[tuple[str, nn.
         if experts % ep_size:
             raise ValueError(f"ep_size={ep_size} does not divide the {experts} experts of {path}; choose an ep_size "
                              f"dividing {experts}")
+        counts = {n: p.shape[0] for n, p in module.named_parameters(recurse=False)}
+        if any(c != experts for c in counts.values()):
+            raise NotImplementedError(
+                f"ep_size={ep_size}: the parameters of {path} disagree on the number of experts ({counts}: identity "
+                "or zero experts the router may pick beyond the packed ones), so its experts cannot be dealt out over "
+                "ep ranks; use ep_size=1 (tensor parallelism splits inside every expert)")
+        shared = sorted({n.rpartition(".")[0] for n, _ in module.named_parameters() if "." in n})
+        if shared:
+            raise NotImplementedError(
+                f"ep_size={ep_size}: {path} holds {', '.join(shared)}, weights every expert shares inside the experts "
+                "module; an ep rank sees only the tokens routed to its experts, so their gradient would be partial; "
+                "use ep_size=1 (tensor parallelism splits inside every expert)")
         params = _forward_params(module)
         if len(params) not in (1, 3):
             raise NotImplementedError(
