@@ -17,7 +17,7 @@ from meshboost.shardformer.policies.esmc import ESMC_POLICY
 from meshboost.shardformer.policies.falcon import FALCON_POLICY
 from meshboost.shardformer.policies.gpt2 import GPT2_POLICY
 from meshboost.shardformer.policies.gpt_oss import gpt_oss_policy
-from meshboost.shardformer.policies.multimodal import multimodal_policy
+from meshboost.shardformer.policies.multimodal import layer_plan, multimodal_policy
 from meshboost.shardformer.policies.opt import OPT_POLICY
 from meshboost.shardformer.policies.t5 import T5_POLICY
 from meshboost.shardformer.policies.tp_plan import policy_from_tp_plan
@@ -49,7 +49,7 @@ def get_policy(model: nn.Module) -> Policy:
     config = getattr(model, "config", None)
     if model_type in POLICY_BUILDERS and config is not None:
         return POLICY_BUILDERS[model_type](config)
-    policy = policy_from_tp_plan(config) if config is not None else None
+    policy = policy_from_tp_plan(config, layer_plan(config, LAYER_PLANS)) if config is not None else None
     if policy is None:          # a composite (vision-language) model: its sub-configs' plans, placed
         policy = multimodal_policy(model, LAYER_PLANS)
     if policy is not None:

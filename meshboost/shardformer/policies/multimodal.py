@@ -31,8 +31,9 @@ def _path_of(base: nn.Module, sub_config) -> str | None:
     return min(paths, key=lambda p: p.count(".")) if paths else None
 
 
-def _layer_plan(sub, layer_plans: dict) -> dict | None:
-    """The sub-config's plan completed with the layers of the family it names in `layer_plans`."""
+def layer_plan(sub, layer_plans: dict) -> dict | None:
+    """The config's plan completed with the layers of the family it names in `layer_plans` (None: its
+    own plan stands)."""
     donor = layer_plans.get(getattr(sub, "model_type", None))
     if donor is None:
         return None
@@ -65,7 +66,7 @@ def multimodal_policy(model: nn.Module, layer_plans: dict | None = None) -> Poli
     fields: list[tuple[str, object, str]] = []
     replicated: list[str] = []
     for name, sub in subs.items():
-        sub_policy = policy_from_tp_plan(sub, _layer_plan(sub, layer_plans or {}))
+        sub_policy = policy_from_tp_plan(sub, layer_plan(sub, layer_plans or {}))
         path = _path_of(base, sub)
         if sub_policy is None:
             if path is not None:
