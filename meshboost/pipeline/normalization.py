@@ -18,17 +18,10 @@ from collections.abc import Mapping
 import torch
 
 from meshboost.distributed import comm
+from meshboost.distributed.inputs import count_items
 
 TOKENS, MICROBATCH = "tokens", "microbatch"
 MODES = (TOKENS, MICROBATCH)
-
-
-def count_items(labels: torch.Tensor, shifted: bool, ignore_index: int = -100) -> torch.Tensor:
-    """Labelled items the loss averages over: labels other than `ignore_index`, from position 1
-    on when the model shifts them (a causal LM predicts token t + 1 from tokens <= t)."""
-    if shifted and labels.dim() > 1:
-        labels = labels[..., 1:]
-    return (labels != ignore_index).sum()
 
 
 def batch_items(batch, shifted: bool) -> torch.Tensor | None:

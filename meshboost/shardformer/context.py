@@ -48,7 +48,7 @@ import torch
 import torch.nn as nn
 
 from meshboost.distributed import comm
-from meshboost.pipeline.normalization import count_items
+from meshboost.distributed.inputs import count_items
 
 ALL_TO_ALL = "all_to_all"
 RING_ATTN = "ring_attn"
@@ -312,6 +312,10 @@ class ContextInputs:
         recomputation (activation checkpointing, in backward) must mask with its own micro-batch's."""
         a = self.attention
         a.padding, a.documents, a.query_positions, a.key_positions, self.order = state
+
+    def check_criterion(self, criterion, inputs: dict) -> None:
+        """A pipeline's criterion must return the model's own loss (see `check_criterion`)."""
+        check_criterion(criterion, inputs)
 
     def shard_microbatch(self, inputs: dict) -> tuple[dict, tuple]:
         """A pipeline micro-batch (every cp rank holds it whole): this rank's piece, its loss normalised

@@ -14,7 +14,6 @@ attributes set on tensors: the regions carry it.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -30,7 +29,7 @@ from meshboost.shardformer.layers import (
     is_conv1d,
     make_causal_lm_loss,
 )
-from meshboost.shardformer.layers.vocab import embedding_extras
+from meshboost.shardformer.layers.vocab import embedding_extras, uses_causal_lm_loss
 from meshboost.shardformer.lora import adapter_linears, check_adapter, is_peft_module, shard_adapter_
 from meshboost.shardformer.optimizations import fuse_norms, jit_fuse, say, use_fast_attention
 from meshboost.shardformer.policies import Policy, get_policy
@@ -96,23 +95,6 @@ def _holders(root: nn.Module, params: list[torch.Tensor]) -> dict[int, tuple[nn.
         if any(id(p) in wanted for p in module._parameters.values() if p is not None):
             out.setdefault(id(module), (module, []))[1].append(name)
     return out
-
-
-def uses_causal_lm_loss(model: nn.Module) -> bool:
-    """True when the model's forward computes a causal-LM loss through `self.loss_function` (so
-    the loss can be swapped for the vocab-parallel one without touching the forward, and it honours
-    `num_items_in_batch`, shifting its labels by one). transformers maps a vision-language model's
-    "ForConditionalGeneration" loss type to the same causal-LM loss."""
-    if getattr(model, "loss_type", None) not in (None, "ForCausalLM", "ForConditionalGeneration"):
-        return False
-    from transformers.loss.loss_utils import LOSS_MAPPING
-
-    if LOSS_MAPPING.get(getattr(model, "loss_type", None) or "ForCausalLM") is not LOSS_MAPPING["ForCausalLM"]:
-        return False
-    try:
-        return "self.loss_function(" in inspect.getsource(type(model).forward)
-    except (OSError, TypeError):
-        return False
 
 
 def _closed_block(block: nn.Module, matched: dict) -> bool:

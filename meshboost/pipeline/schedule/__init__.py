@@ -145,8 +145,7 @@ class PipelineSchedule:
         if (training or return_loss) and criterion is None:
             raise ValueError("execute_pipeline needs a criterion(outputs, inputs) to compute the loss")
         if self.context is not None and (training or return_loss):
-            from meshboost.shardformer.context import check_criterion
-            check_criterion(criterion, microbatches[0])         # on every rank, before the schedule runs
+            self.context.check_criterion(criterion, microbatches[0])      # on every rank, before the schedule
         weights = None
         if self.loss_normalization == TOKENS and stages.pp_rank == P - 1 and (training or return_loss):
             weights = microbatch_weights(microbatches, self.shifted_labels, self.count_group, self.count_size,

@@ -3,7 +3,8 @@
 Owns: splitting the vocabulary over the tp group, padding it to a multiple of
 `make_vocab_size_divisible_by * tp_size` (padded rows are zero and never win: the loss masks
 them, gathered logits are trimmed back to the real vocabulary), and the cross-entropy that works
-on vocab-split logits without ever gathering them.
+on vocab-split logits without ever gathering them; telling whether a model computes its causal-LM
+loss through transformers' `loss_function` (`uses_causal_lm_loss`), which is what that loss replaces.
 """
 
 from __future__ import annotations
@@ -237,3 +238,20 @@ def make_causal_lm_loss(head: VocabParallelLMHead):
                                             ignore_index=ignore_index, num_items_in_batch=num_items_in_batch)
 
     return causal_lm_loss
+
+
+def uses_causal_lm_loss(model: nn.Module) -> bool:
+    """True when the model's forward computes a causal-LM loss through `self.loss_function` (so
+    the loss can be swapped for the vocab-parallel one without touching the forward, and it honours
+    `num_items_in_batch`, shifting its labels by one). transformers maps a vision-language model's
+    "ForConditionalGeneration" loss type to the same causal-LM loss."""
+    if getattr(model, "loss_type", None) not in (None, "ForCausalLM", "ForConditionalGeneration"):
+        return False
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    if LOSS_MAPPING.get(getattr(model, "loss_type", None) or "ForCausalLM") is not LOSS_MAPPING["ForCausalLM"]:
+        return False
+    try:
+        return "self.loss_function(" in inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return False
