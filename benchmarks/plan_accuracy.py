@@ -1,0 +1,288 @@
+"""Predicted against measured per-rank memory for meshboost.plan, on this machine's CPUs:
+
+    python benchmarks/plan_accuracy.py            # every case (several minutes on 2 cores)
+    python benchmarks/plan_accuracy.py --quick    # a few cases
+
+For each case (a small Llama, GPT-2 or BERT under tp, pp, dp, ZeRO 1/2, fp32/bf16, checkpointing), N
+processes boost the real model with the plugin config the planner builds for the layout, run one
+step, then one more forward+backward and step, and measure on every rank: `memory_breakdown` after
+that backward (weights, gradients, fp32 masters, optimizer states: counted from the tensors, padding
+and replicas included); the bytes saved for backward (the parameters autograd saves left out: they
+are the weights), without a pipeline by one forward (`saved_activation_bytes`, saved_tensors_hooks),
+with one the peak alive at once over the schedule (`PeakSaved`: the same hooks, each saved tensor
+counted until autograd frees it); and the payload bytes per axis that `comm_counter` records over
+that forward+backward and step. The planner predicts the same rank from the config alone (meta
+model). The table prints both and the relative error, the worst over ranks. `measure` and `compare`
+are what tests/plan/test_plan.py calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+STATE_KEYS = {"weights": "working_weights", "gradients": "gradients", "masters": "fp32_masters",
+              "optimizer_states": "optimizer_states"}
+
+# (family, layout fields); the world is tp x pp x dp
+CASES = [
+    ("llama", dict(tp=2, precision="fp32")),
+    ("llama", dict(tp=2, precision="bf16")),
+    ("llama", dict(dp=2, zero=1, precision="bf16")),
+    ("llama", dict(dp=2, zero=2, precision="fp32")),
+    ("llama", dict(tp=2, dp=2, zero=1, precision="bf16")),
+    ("llama", dict(pp=2, microbatches=2, precision="bf16")),
+    ("llama", dict(pp=2, dp=2, zero=1, microbatches=2, precision="bf16")),
+    ("llama", dict(tp=2, precision="bf16", checkpointing=True)),
+    ("gpt2", dict(tp=2, precision="fp32")),
+    ("gpt2", dict(dp=2, zero=2, precision="bf16")),
+    ("gpt2", dict(pp=2, microbatches=2, precision="fp32")),
+    ("gpt2", dict(tp=2, dp=2, zero=2, precision="bf16")),
+    ("bert", dict(tp=2, precision="fp32")),
+    ("bert", dict(tp=2, dp=2, zero=1, precision="bf16")),
+    ("bert", dict(pp=2, microbatches=2, precision="bf16")),
+    # dp=3: ZeRO buckets padded to a multiple of 3 (the last rank's shard holds the padding)
+    ("llama", dict(dp=3, zero=1, precision="fp32")),
+    ("gpt2", dict(dp=3, zero=2, precision="bf16")),
+    ("bert", dict(dp=3, zero=1, precision="fp32")),
+    ("llama", dict(tp=2, pp=2, microbatches=3, precision="bf16")),
+    # GPT-2's LM head is tied to wte: vocab-parallel on both ends of the pipeline, its gradient summed
+    ("gpt2", dict(tp=2, pp=2, microbatches=2, precision="bf16")),
+    ("gpt2", dict(tp=2, precision="bf16", checkpointing=True)),
+    # post-norm: the recompute re-runs both forward all-reduces of a layer (not modelled: shows as tp error)
+    ("bert", dict(tp=2, precision="fp32", checkpointing=True)),
+]
+QUICK = [0, 2, 5, 8, 12]
+
+
+def spec_of(family: str, batch: int = 12):
+    from benchmarks.models import ModelSpec
+    # vocabulary 1000: not a multiple of 64 x tp, so the vocab-parallel padding is exercised
+    return ModelSpec(family=family, layers=4, hidden=128, heads=4, seq=32, batch=batch, vocab=1000)
+
+
+def layout_of(fields: dict, spec):
+    from meshboost.plan import Layout
+    f = dict(fields)
+    dp, m = f.get("dp", 1), f.get("microbatches", 1)
+    f.setdefault("microbatch_size", spec.batch // (dp * m))
+    return Layout(**f)
+
+
+def planner_for(spec, layout):
+    from benchmarks.models import build_config
+    from meshboost.plan import Planner
+    return Planner(build_config(spec), architecture=spec.class_name, gpus=layout.world, seq=spec.seq,
+                   global_batch=spec.batch, precision=layout.precision)
+
+
+class PeakSaved:
+    """Peak bytes autograd holds saved for backward while active, `model`'s parameters left out (a
+    linear saves its weight: counted as weights): each saved view (counted once per storage, offset,
+    shape and dtype) lives from its pack until its graph node frees it, which a
+    pipeline does micro-batch by micro-batch; `peak` is the largest sum alive at once (1F1B's
+    in-flight micro-batches on this stage)."""
+
+    def __init__(self, model):
+        self.live: dict = {}
+        self.now = self.peak = 0
+        self.weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(self, t):
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+        if key[0] in self.weights:          # a saved parameter: counted as weights
+            return _Held(None, key, t)
+        count, size = self.live.get(key, (0, t.numel() * t.element_size()))
+        if count == 0:
+            self.now += size
+            self.peak = max(self.peak, self.now)
+        self.live[key] = (count + 1, size)
+        return _Held(self, key, t)
+
+    def release(self, key) -> None:
+        count, size = self.live[key]
+        if count == 1:
+            del self.live[key]
+            self.now -= size
+        else:
+            self.live[key] = (count - 1, size)
+
+    def hooks(self):
+        import torch
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda held: held.tensor)
+
+
+class _Held:
+    def __init__(self, owner: PeakSaved, key, tensor):
+        self.owner, self.key, self.tensor = owner, key, tensor
+
+    def __del__(self):
+        if self.owner is not None:
+            self.owner.release(self.key)
+
+
+def activation_bytes(module, run) -> int:
+    """`saved_activation_bytes` of `run()`, less the saved views of `module`'s parameters."""
+    from meshboost.optim.memory import saved_activation_bytes
+
+    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    _, saved, _ = saved_activation_bytes(run)
+    return sum(n for key, n in saved.items() if key[0] not in weights)
+
+
+def _criterion(outputs, inputs):
+    return outputs.loss
+
+
+def _step(booster, model, optimizer, batch, pp: int):
+    if pp > 1:
+        booster.execute_pipeline(iter([batch]), model, _criterion, optimizer)
+    else:
+        booster.backward(model(**batch).loss, optimizer)
+
+
+def measure_rank(family: str, fields: dict) -> dict:
+    """This rank's measured bytes for one case (call inside a process group of layout.world ranks)."""
+    import torch
+
+    from benchmarks.models import build_model, make_batch
+    from meshboost import Booster
+    from meshboost.distributed.profiling import comm_counter
+    from meshboost.optim.memory import memory_breakdown
+    from meshboost.plan.layout import plugin_config
+    from meshboost.plugins import HybridParallelPlugin
+
+    spec = spec_of(family)
+    layout = layout_of(fields, spec)
+    plugin = HybridParallelPlugin(plugin_config(layout))
+    model = build_model(spec)
+    if layout.checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    booster = Booster(plugin=plugin)
+    model, optimizer, *_ = booster.boost(model, optimizer)
+    mesh = plugin.mesh
+    batch = make_batch(spec, mesh.dp_size, mesh.dp_rank)
+    for _ in range(5):                     # until Adam has state (an fp16 step may be skipped)
+        _step(booster, model, optimizer, batch, layout.pp)
+        optimizer.step()
+        optimizer.zero_grad()
+        if len(optimizer.unwrap().state):
+            break
+    peak = PeakSaved(model.unwrap())
+    with comm_counter(mesh) as counted:
+        with peak.hooks():
+            _step(booster, model, optimizer, batch, layout.pp)
+        measured = memory_breakdown(model.unwrap(), optimizer)
+        optimizer.step()
+    out = {key: measured[name] for key, name in STATE_KEYS.items()}
+    out["comm"] = counted.summary()
+    optimizer.zero_grad()
+    if layout.pp == 1:
+        micro = {k: v[:layout.microbatch_size] for k, v in batch.items()}
+        out["activations"] = activation_bytes(model.unwrap(), lambda: model(**micro))
+    else:                                   # the stage's peak over the schedule's micro-batches in flight
+        out["activations"] = peak.peak
+    out["ranks"] = (mesh.pp_rank, mesh.tp_rank, mesh.dp_rank)
+    return out
+
+
+def _worker(rank: int, world: int, cases: list, outdir: str) -> None:
+    import json
+
+    import torch.distributed as dist
+    results = []
+    for index, family, fields in cases:
+        results.append((index, measure_rank(family, fields)))
+        dist.barrier()
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+
+
+def measure(cases: list[tuple[str, dict]]) -> list[list[dict]]:
+    """[per case: [per rank: measured dict]] for cases that share one world size (spawned processes)."""
+    import json
+
+    from meshboost.testing.spawn import spawn
+    spec_world = {layout_of(f, spec_of(fam)).world for fam, f in cases}
+    if len(spec_world) != 1:
+        raise ValueError("measure() takes cases of one world size")
+    world = spec_world.pop()
+    with tempfile.TemporaryDirectory() as outdir:
+        spawn(_worker, world, [(i, fam, f) for i, (fam, f) in enumerate(cases)], outdir)
+        per_rank = [json.load(open(os.path.join(outdir, f"rank{r}.json"))) for r in range(world)]
+    return [[dict(per_rank[r][i][1]) for r in range(world)] for i in range(len(cases))]
+
+
+def predict(family: str, fields: dict, ranks: tuple[int, int, int]) -> dict:
+    spec = spec_of(family)
+    layout = layout_of(fields, spec)
+    planner = planner_for(spec, layout)
+    planner.check(layout)
+    out = planner.rank_state(layout, *ranks)
+    out["activations"] = planner.stage_activations(layout, ranks[0])
+    comm = planner.explain(layout).per_stage[ranks[0]]["comm_bytes_per_step"]
+    out.update({f"comm {axis}": comm[axis] for axis in ("tp", "pp", "dp")})
+    return out
+
+
+def measured_comm(summary: dict) -> dict:
+    """Payload bytes per axis from `comm_counter`'s summary; a group labelled by its ranks (the stage
+    group of weights tied across pipeline stages) counts as pp."""
+    out = {"comm tp": 0, "comm pp": 0, "comm dp": 0}
+    for label, stats in summary.items():
+        axis = label if label in ("tp", "pp", "dp") else "pp"
+        out[f"comm {axis}"] += stats["payload_bytes"]
+    return out
+
+
+def compare(family: str, fields: dict, measured_ranks: list[dict]) -> dict:
+    """{key: (worst relative error over ranks, measured, predicted of that rank)}."""
+    out = {}
+    for m in measured_ranks:
+        p = predict(family, fields, tuple(m["ranks"]))
+        m = {**m, **measured_comm(m["comm"])}
+        for key in (*STATE_KEYS, "activations", "comm tp", "comm pp", "comm dp"):
+            if key.startswith("comm") and not (m[key] or p[key]):
+                continue
+            if key not in m:
+                continue
+            err = abs(p[key] - m[key]) / max(m[key], 1)
+            if key not in out or err > out[key][0]:
+                out[key] = (err, m[key], p[key])
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    cases = [CASES[i] for i in QUICK] if args.quick else CASES
+    by_world: dict[int, list] = {}
+    for fam, f in cases:
+        by_world.setdefault(layout_of(f, spec_of(fam)).world, []).append((fam, f))
+    print(f"{'model':6s} {'layout':40s} {'kind':17s} {'measured':>11s} {'predicted':>11s} {'rel.err':>8s}")
+    worst_state = worst_act = worst_comm = 0.0
+    for world, group in sorted(by_world.items()):
+        for (fam, f), ranks in zip(group, measure(group)):
+            layout = layout_of(f, spec_of(fam))
+            for key, (err, m, p) in compare(fam, f, ranks).items():
+                if key == "activations":
+                    worst_act = max(worst_act, err)
+                elif key.startswith("comm"):
+                    worst_comm = max(worst_comm, err)
+                else:
+                    worst_state = max(worst_state, err)
+                print(f"{fam:6s} {layout.describe():40s} {key:17s} {m:11d} {p:11d} {100 * err:7.2f}%")
+    print(f"worst relative error: weights/gradients/masters/optimizer states {100 * worst_state:.3f}%, "
+          f"activations {100 * worst_act:.2f}%, communication payload per axis {100 * worst_comm:.2f}%")
+
+
+if __name__ == "__main__":
+    main()

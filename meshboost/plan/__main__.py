@@ -1,0 +1,110 @@
+"""`python -m meshboost.plan`: the command line of the planner.
+
+Owns parsing the arguments, printing the ranked layouts (or one explained layout) as a table or as
+JSON (`--json`: a list of objects with `layout`, `memory_bytes_per_rank`, `comm_bytes_per_step`,
+`relative_step_time`, ...), and turning a refused layout into its message and exit status 2.
+
+    python -m meshboost.plan --model llama --set hidden_size=4096,intermediate_size=11008,\\
+        num_hidden_layers=32,num_attention_heads=32,num_key_value_heads=32,vocab_size=32000 \\
+        --gpus 8 --memory-gb 80 --seq 4096 --global-batch 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from meshboost.plan.cost import CostConstants
+from meshboost.plan.layout import parse_layout
+from meshboost.plan.model import parse_overrides
+from meshboost.plan.planner import GIB, MEMORY_KEYS, Planner, _default_batching
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m meshboost.plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="HF model folder, config.json path, or model type (llama, gpt2, ...)")
+    p.add_argument("--set", default="", help="config overrides key=value,key=value")
+    p.add_argument("--architecture", default=None, help="transformers class (default: the config's, else causal LM)")
+    p.add_argument("--gpus", type=int, default=8)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--memory-gb", type=float, default=80.0, help="device memory in GiB")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
+    p.add_argument("--layout", default=None, help="explain one layout: tp=2,pp=2,zero=1,mb=4,ckpt=1,...")
+    p.add_argument("--top", type=int, default=10, help="rows of the ranking to print (table output)")
+    p.add_argument("--all", action="store_true", help="also list layouts that do not fit")
+    p.add_argument("--json", action="store_true", help="print a JSON list of estimates")
+    p.add_argument("--flops", type=float, default=None, help="achieved flop/s of one device (cost model)")
+    p.add_argument("--intra-bw", type=float, default=None, help="bytes/s per GPU inside a node")
+    p.add_argument("--inter-bw", type=float, default=None, help="bytes/s per GPU across nodes")
+    return p
+
+
+def _constants(args) -> CostConstants:
+    c = CostConstants()
+    changes = {}
+    if args.flops:
+        changes.update(flops_half=args.flops, flops_fp32=args.flops)
+    if args.intra_bw:
+        changes["intra_node_bytes_s"] = args.intra_bw
+    if args.inter_bw:
+        changes["inter_node_bytes_s"] = args.inter_bw
+    return CostConstants(**{**c.__dict__, **changes})
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:8.2f}"
+
+
+def _table(estimates) -> str:
+    head = f"{'layout':44s} " + " ".join(f"{k[:9]:>9s}" for k in (*MEMORY_KEYS, "total")) + "   rel.time  fits"
+    lines = [head, f"{'':44s} (GiB per rank, worst rank)"]
+    for e in estimates:
+        m = e.memory_bytes_per_rank
+        lines.append(f"{e.layout.describe():44s} " + " ".join(f"{_gib(m[k]):>9s}" for k in (*MEMORY_KEYS, "total"))
+                     + f"   {e.relative_step_time:8.2f}  {'yes' if e.fits else 'no'}")
+    return "\n".join(lines)
+
+
+def _explained(e) -> str:
+    lines = [f"layout {e.layout.describe()}  (fits: {'yes' if e.fits else 'no'}, predicted step "
+             f"{e.step_seconds:.3f} s)", _table([e]), "per stage (worst tp/dp rank of each):"]
+    for s in e.per_stage:
+        m = s["memory_bytes"]
+        lines.append(f"  pp_rank {s['pp_rank']}: {s['layers']} layers, total {m['total'] / GIB:.2f} GiB, "
+                     + ", ".join(f"{k} {m[k] / GIB:.2f}" for k in MEMORY_KEYS))
+    lines.append("communication per step (payload bytes, worst stage): "
+                 + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in e.comm_bytes_per_step.items()))
+    lines += [f"note: {n}" for n in e.notes]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    planner = Planner(args.model, parse_overrides(args.set), architecture=args.architecture, gpus=args.gpus,
+                      nodes=args.nodes, memory_gb=args.memory_gb, seq=args.seq, global_batch=args.global_batch,
+                      precision=args.precision, constants=_constants(args))
+    if args.layout is not None:
+        try:
+            layout = parse_layout(args.layout, precision=args.precision, **_default_batching(planner, args.layout))
+            estimate = planner.explain(layout)
+        except (ValueError, NotImplementedError, TypeError) as exc:
+            print(f"refused: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 2
+        print(json.dumps([estimate.as_dict()], indent=1) if args.json else _explained(estimate))
+        return 0
+    estimates, refused = planner.rank(include_unfit=args.all)
+    if args.json:
+        print(json.dumps([e.as_dict() for e in estimates], indent=1))
+        return 0
+    print(f"{type(planner.config).__name__} ({planner.cls.__name__}), {planner.num_layers} layers, "
+          f"{args.gpus} GPUs of {args.memory_gb:g} GiB, seq {args.seq}, global batch {args.global_batch}: "
+          f"{len([e for e in estimates if e.fits])} layouts fit, {len(refused)} refused")
+    print(_table(estimates[:args.top]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""Activation bytes saved for backward, measured on fake tensors of the real model.
+
+Owns: running the model's own forward (transformers' code, the same class and config) under torch's
+`FakeTensorMode` (no memory, no flops) with `torch.autograd.graph.saved_tensors_hooks` counting every
+distinct saved view once, as `meshboost.optim.memory.saved_activation_bytes` does on real tensors,
+except the parameters autograd saves (a linear's weight: counted as weights already); splitting the count into a per-layer part and the ends (embeddings, final norm, head, loss)
+from a 1-layer and a 2-layer copy of the config; and the per-rank estimate for a layout: layers held
+by the stage x micro-batches in flight (1F1B: min(pp - stage, microbatches)), tensor parallelism by
+measuring a per-rank config (heads, key/value heads, intermediate size and vocabulary divided by tp,
+head_dim kept) where the family's config allows it, else a documented approximation. Must not touch
+the caller's model.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
+TP_FIELDS = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+@dataclass(frozen=True)
+class ActivationModel:
+    """Saved bytes of one micro-batch: `per_layer` per decoder/encoder layer, `ends` for the rest."""
+
+    per_layer: int
+    ends: int
+    exact_tp: bool          # the tp per-rank figure was measured (True) or approximated (False)
+
+
+def _layer_field(config) -> str:
+    for name in LAYER_FIELDS:
+        if isinstance(getattr(config, name, None), int):
+            return name
+    raise ValueError(f"{type(config).__name__} has none of {LAYER_FIELDS}: cannot count its layers")
+
+
+def count_layers(config) -> int:
+    return getattr(config, _layer_field(config))
+
+
+def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpointing: bool) -> int:
+    """Distinct bytes autograd saves in one training forward of `cls(config)` on fake tensors, the
+    parameters (and views of them: a linear saves its weight) left out: they are the weights."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    saved: dict = {}
+    weights: set = set()
+
+    def pack(t):
+        storage = t.untyped_storage()._cdata
+        if storage not in weights:
+            saved[(storage, t.storage_offset(), tuple(t.shape), t.dtype)] = t.numel() * t.element_size()
+        return t
+
+    previous = torch.get_default_dtype()
+    with FakeTensorMode():
+        torch.set_default_dtype(dtype)          # built in the working dtype (a fake tensor cannot be cast in place)
+        try:
+            model = cls(config).train()
+        finally:
+            torch.set_default_dtype(previous)
+        weights.update(p.untyped_storage()._cdata for p in model.parameters())
+        if checkpointing:
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable({"use_reentrant": False})
+        vocab = getattr(config, "vocab_size", 2)
+        ids = torch.randint(0, vocab, (batch, seq))
+        inputs = {"input_ids": ids}
+        if "labels" in _forward_args(cls):
+            num_labels = getattr(config, "num_labels", 2)
+            inputs["labels"] = ids if _is_causal(cls) else torch.randint(0, num_labels, (batch,))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(**inputs)
+    return sum(saved.values())
+
+
+def _forward_args(cls) -> tuple[str, ...]:
+    return tuple(inspect.signature(cls.forward).parameters)
+
+
+def _is_causal(cls) -> bool:
+    return cls.__name__.endswith(("ForCausalLM", "LMHeadModel"))
+
+
+def _with_layers(config, layers: int):
+    c = copy.deepcopy(config)
+    setattr(c, _layer_field(c), layers)
+    return c
+
+
+def tp_rank_config(config, tp_size: int, padded_vocab: int | None):
+    """The config whose whole model computes what one tp rank computes (heads, key/value heads and
+    intermediate size / tp, head_dim kept, the vocabulary shard), or None where the family's config
+    ties head_dim to the hidden size (GPT-2, BERT: no such config exists)."""
+    if tp_size == 1:
+        return config
+    if not all(isinstance(getattr(config, f, None), int) for f in ("num_attention_heads", "intermediate_size")):
+        return None
+    if not hasattr(config, "head_dim"):
+        return None
+    c = copy.deepcopy(config)
+    c.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    c.num_attention_heads = config.num_attention_heads // tp_size
+    kv = getattr(config, "num_key_value_heads", None)
+    if isinstance(kv, int):
+        c.num_key_value_heads = max(1, kv // tp_size)
+    c.intermediate_size = config.intermediate_size // tp_size
+    if padded_vocab is not None:
+        c.vocab_size = padded_vocab // tp_size
+    return c
+
+
+@lru_cache(maxsize=256)
+def _measured(cls, config_json: str, model_type: str, batch: int, seq: int, precision: str,
+              checkpointing: bool) -> tuple[int, int]:
+    """(per layer, ends) bytes for one micro-batch, from a 1-layer and a 2-layer copy of the config."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type, **json.loads(config_json))
+    one = _saved_bytes(cls, _with_layers(config, 1), batch, seq, DTYPES[precision], checkpointing)
+    two = _saved_bytes(cls, _with_layers(config, 2), batch, seq, DTYPES[precision], checkpointing)
+    return two - one, 2 * one - two
+
+
+def _key(config) -> tuple[str, str]:
+    d = config.to_dict()
+    for k in ("model_type", "transformers_version", "architectures"):
+        d.pop(k, None)
+    return json.dumps(d, sort_keys=True, default=str), config.model_type
+
+
+def activation_model(cls, config, batch: int, seq: int, precision: str, tp_size: int = 1,
+                     padded_vocab: int | None = None, checkpointing: bool = False) -> ActivationModel:
+    """Per-layer and end bytes saved for backward by one micro-batch of `batch` x `seq` on one tp rank."""
+    rank_config = tp_rank_config(config, tp_size, padded_vocab)
+    if rank_config is not None:
+        per_layer, ends = _measured(cls, *_key(rank_config), batch, seq, precision, checkpointing)
+        return ActivationModel(per_layer, ends, True)
+    # No per-rank config: assume the hidden-sized tensors stay whole on every rank (per layer its 2 norm
+    # inputs and the residual path, about 4 x batch x seq x hidden, or all a checkpointed layer keeps,
+    # its input; at the ends the final norm's and the head's inputs) and the rest divides by tp.
+    per_layer, ends = _measured(cls, *_key(config), batch, seq, precision, checkpointing)
+    hidden = batch * seq * config.hidden_size * DTYPES[precision].itemsize
+    whole, whole_ends = min(4 * hidden, per_layer), min(2 * hidden, ends)
+    return ActivationModel(whole + (per_layer - whole) // tp_size, whole_ends + (ends - whole_ends) // tp_size, False)
+
+
+def stage_activation_bytes(model: ActivationModel, layers_held: int, first: bool, last: bool,
+                           in_flight: int) -> int:
+    """Bytes one pipeline stage holds at its peak: its layers' (and, on the last stage, the ends')
+    saved tensors for each micro-batch in flight."""
+    per_microbatch = layers_held * model.per_layer + (model.ends if last else 0)
+    return per_microbatch * in_flight

@@ -1,0 +1,63 @@
+"""Predicted bytes of training state one rank holds after backward: weights, gradients, fp32 masters,
+optimizer states, as `meshboost.optim.memory.memory_breakdown` counts them.
+
+Owns: applying meshboost's optimizer layouts to a rank's `ParamShard`s: without ZeRO,
+MixedPrecisionOptimizer's one fp32 master per half-precision weight (the weight itself in fp32);
+with ZeRO-1/2, ZeroOptimizer's buckets (meshboost's own `plan_buckets` on meta tensors carrying the
+shards' records; each bucket padded to a multiple of dp, rank r owning the r-th shard; in fp32 the
+master is the owned slice of the weights' flat buffer, so only the padding inside it is new memory).
+AdamW keeps two moments in the masters' dtype (fp32). Gradients after backward: full working-dtype
+gradients, or the reduced shards where ZeRO has reduce-scattered them by then (stage 2; stage 1
+with overlap_communication outside a pipeline). Must not allocate.
+"""
+
+from __future__ import annotations
+
+from meshboost.optim.zero import DEFAULT_BUCKET_ELEMENTS
+from meshboost.optim.zero_bucket import plan_buckets
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+ADAM_STATES = 2            # exp_avg, exp_avg_sq (fp32 each); the step counters are scalars
+
+
+def _owned_padding(numel: int, shard: int, dp_size: int, dp_rank: int) -> int:
+    """Padding elements inside dp rank `dp_rank`'s shard of a bucket of `numel` real elements."""
+    lo, hi = dp_rank * shard, (dp_rank + 1) * shard
+    return max(0, min(hi, shard * dp_size) - max(lo, numel))
+
+
+def state_bytes(shards, precision: str, zero_stage: int, dp_size: int, dp_rank: int = 0, pp_size: int = 1,
+                overlap_communication: bool = True, bucket_elements: int = DEFAULT_BUCKET_ELEMENTS) -> dict:
+    """{weights, gradients, masters, optimizer_states} bytes of one rank holding `shards`."""
+    w = BYTES[precision]
+    numel = sum(s.numel for s in shards)
+    if zero_stage == 0:
+        return {"weights": w * numel, "gradients": w * numel,
+                "masters": 0 if precision == "fp32" else 4 * numel,
+                "optimizer_states": ADAM_STATES * 4 * numel}
+    buckets = [sum(p.numel() for p in run) for run in plan_buckets([s.meta_tensor() for s in shards],
+                                                                     bucket_elements)]
+    shard_sizes = [-(-n // dp_size) for n in buckets]
+    owned = sum(shard_sizes)
+    reduced = zero_stage == 2 or (overlap_communication and pp_size == 1)
+    if precision == "fp32":       # masters are views of the weights' padded flat buffer
+        masters = 4 * sum(_owned_padding(n, s, dp_size, dp_rank) for n, s in zip(buckets, shard_sizes))
+    else:
+        masters = 4 * owned
+    return {"weights": w * numel, "gradients": w * (owned if reduced else numel), "masters": masters,
+            "optimizer_states": ADAM_STATES * 4 * owned}
+
+
+def buffer_bytes(shards, precision: str, zero_stage: int, dp_size: int, pp_size: int,
+                 bucket_elements: int = DEFAULT_BUCKET_ELEMENTS) -> int:
+    """Communication buffers (an estimate, not measured): torch DDP's gradient buckets (a second copy
+    of the gradients, zero stage 0 without a pipeline), the pipeline's flat all-reduce of the
+    gradients, or ZeRO's flat reduce-scatter input of one bucket plus its fp32 gradient shard at step."""
+    w = BYTES[precision]
+    numel = sum(s.numel for s in shards)
+    if dp_size == 1 and zero_stage == 0:
+        return 0
+    if zero_stage == 0:
+        return w * numel
+    largest = min(numel, bucket_elements)
+    return w * largest + 4 * -(-numel // dp_size)

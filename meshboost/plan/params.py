@@ -1,0 +1,173 @@
+"""Which parameters, of which local size, one rank of a layout holds: meshboost's own rules, run on
+the meta model.
+
+Owns: reading the tensor-parallel split of every parameter from the sharder's own validated plan
+(`ShardFormer._validate` on the meta model: the policy's patterns matched against its module names,
+the vocab-parallel embedding and LM head, and every refusal the plugin would raise) and the pipeline
+stage each parameter lives on (meshboost's `build_stages` run on a meta copy per pipeline rank: the
+layers `split_layers` gives it, embeddings on the first stage, tail and heads on the last, tied
+weights on both). Produces `ParamShard`s: local numel plus the records (`TensorParallelInfo`,
+`PipelineTie`) ZeRO's bucketing reads. Must not allocate: everything stays on meta.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from meshboost.distributed.param_info import (
+    PipelineTie,
+    TensorParallelInfo,
+    get_pipeline_tie,
+    set_pipeline_tie,
+    set_tp_info,
+)
+
+NOT_MODELLED = "not modelled yet"
+
+
+@dataclass(frozen=True)
+class Split:
+    """How the sharder splits one parameter over tp (the arguments of `shard_parameter_`)."""
+
+    dim: int
+    num_fused: int = 1
+    pad_to_multiple: int = 1
+    replicas: int = 1
+
+
+@dataclass
+class ParamShard:
+    """One parameter as one rank holds it."""
+
+    name: str
+    full_numel: int
+    numel: int                           # this rank's elements (padding included)
+    tp_info: TensorParallelInfo | None
+    tie: PipelineTie | None
+
+    def meta_tensor(self) -> torch.Tensor:
+        """A meta tensor of this shard's size carrying its records, for ZeRO's `plan_buckets`."""
+        t = nn.Parameter(torch.empty(self.numel, device="meta"))
+        if self.tp_info is not None:
+            set_tp_info(t, self.tp_info)
+        if self.tie is not None:
+            set_pipeline_tie(t, self.tie)
+        return t
+
+
+def _linear_dims(module: nn.Module) -> tuple[int, int]:
+    """(output dim, input dim) of an nn.Linear weight or GPT-2 Conv1D weight."""
+    from meshboost.shardformer.layers import is_conv1d
+    return (1, 0) if is_conv1d(module) else (0, 1)
+
+
+def _style_splits(match, tp_size: int) -> dict[int, Split]:
+    """id(param) -> Split for the parameters a matched style shards (what the style's apply does)."""
+    from meshboost.shardformer.styles import head_replicas
+
+    name, module, args = match.style.name, match.module, match.args
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    out: dict[int, Split] = {}
+    if name in ("colwise", "colwise_gather", "colwise_fused", "colwise_heads"):
+        fused = args[0] if name == "colwise_fused" else 1
+        replicas = head_replicas(args[0], tp_size, match.paths[0]) if name == "colwise_heads" else 1
+        out[id(weight)] = Split(_linear_dims(module)[0], fused, 1, replicas)
+        if bias is not None:
+            out[id(bias)] = Split(0, fused, 1, replicas)
+    elif name in ("rowwise", "rowwise_split"):
+        out[id(weight)] = Split(_linear_dims(module)[1])
+    elif name == "head_norm":
+        replicas = head_replicas(args[0], tp_size, match.paths[0])
+        for p in module.parameters(recurse=False):
+            if p.dim() == 2:
+                out[id(p)] = Split(0, 1, 1, replicas)
+    elif name == "embedding_heads":
+        out[id(weight)] = Split(1)
+    elif name not in ("block_input", "replicated_grad_allreduce", "heads_bias", "vocab_embedding"):
+        raise NotImplementedError(f"{match.paths[0]}: sharding style {name!r} is {NOT_MODELLED} by the planner "
+                                  "(MoE experts, expert parallelism)")
+    return out
+
+
+def tp_splits(model: nn.Module, tp_size: int, make_vocab_size_divisible_by: int = 64) -> dict[int, Split]:
+    """id(param) -> Split for every parameter tensor parallelism splits in `model` (meta), read from the
+    sharder's own validated plan; raises what the plugin raises for a model it cannot shard."""
+    if tp_size == 1:
+        return {}
+    from meshboost.shardformer import ShardConfig, ShardFormer
+    from meshboost.shardformer.policies import get_policy
+
+    policy = get_policy(model)
+    plan = ShardFormer(ShardConfig(make_vocab_size_divisible_by=make_vocab_size_divisible_by))._validate(
+        model, policy, tp_size)
+    splits: dict[int, Split] = {}
+    for match in plan.matches:
+        if match.style.name == "vocab_embedding":
+            splits[id(match.module.weight)] = Split(0, 1, make_vocab_size_divisible_by)
+        else:
+            splits.update(_style_splits(match, tp_size))
+    for path, param, style, _ in plan.params:
+        if style.name != "split_heads":
+            raise NotImplementedError(f"{path}: parameter style {style.name!r} is {NOT_MODELLED} by the planner")
+        splits[id(param)] = Split(0)
+    for paths in plan.embedding_paths + plan.head_paths:
+        module = model.get_submodule(paths[0])
+        splits[id(module.weight)] = Split(0, 1, make_vocab_size_divisible_by)
+        if getattr(module, "bias", None) is not None:
+            splits[id(module.bias)] = Split(0, 1, make_vocab_size_divisible_by)
+    return splits
+
+
+def tp_info(shape: tuple[int, ...], split: Split, tp_rank: int, tp_size: int) -> TensorParallelInfo:
+    """The record `shard_parameter_` would attach (padded size by its rule)."""
+    dim, size = split.dim % len(shape), shape[split.dim % len(shape)]
+    shards = tp_size // split.replicas
+    multiple = split.pad_to_multiple * shards if split.pad_to_multiple > 1 else shards
+    padded = -(-size // multiple) * multiple if split.pad_to_multiple > 1 else size
+    return TensorParallelInfo(dim=dim, full_shape=tuple(shape), padded_size=padded, tp_rank=tp_rank,
+                              tp_size=tp_size, num_fused=split.num_fused, replicas=split.replicas)
+
+
+def _local_numel(shape: tuple[int, ...], info: TensorParallelInfo | None) -> int:
+    numel = 1
+    for i, s in enumerate(shape):
+        numel *= info.local_size if info is not None and i == info.dim else s
+    return numel
+
+
+def stage_holdings(model: nn.Module, pp_size: int, num_chunks: int = 1,
+                   num_layers_per_stage: list[int] | None = None) -> list[dict[str, PipelineTie | None]]:
+    """Per pipeline rank: {parameter name (the model's first name for it): its PipelineTie or None}, from
+    meshboost's `build_stages` run on a meta copy of `model` for each rank."""
+    names = [n for n, _ in model.named_parameters()]
+    if pp_size == 1:
+        return [{n: None for n in names}]
+    from meshboost.pipeline import build_stages
+    from meshboost.shardformer import pipeline_layout
+
+    layout = pipeline_layout(model)
+    out = []
+    for rank in range(pp_size):
+        cut = copy.deepcopy(model)
+        first_name = {id(p): n for n, p in cut.named_parameters()}
+        build_stages(cut, rank, pp_size, num_chunks, num_layers_per_stage, layout=layout)
+        out.append({first_name[id(p)]: get_pipeline_tie(p) for p in cut.parameters()})
+    return out
+
+
+def rank_shards(model: nn.Module, splits: dict[int, Split], held: dict[str, PipelineTie | None], tp_rank: int,
+                tp_size: int) -> list[ParamShard]:
+    """The trainable parameters one (pp, tp) rank holds, in the order of `model.parameters()` (the
+    order of an optimizer built on it, and so of ZeRO's buckets)."""
+    out = []
+    for name, p in model.named_parameters():
+        if name not in held or not p.requires_grad:
+            continue
+        split = splits.get(id(p))
+        info = tp_info(tuple(p.shape), split, tp_rank, tp_size) if split is not None else None
+        out.append(ParamShard(name, p.numel(), _local_numel(tuple(p.shape), info), info, held[name]))
+    return out

@@ -1,0 +1,250 @@
+"""The planner: one model and one cluster in, the valid layouts with their predicted memory per rank,
+communication per axis and relative step time out.
+
+Owns: `Planner` (the model read once, on meta; per-tp splits and per-pp stage holdings cached),
+`Planner.explain(layout)` (every check the plugin and the sharder would make, then the estimate of
+every rank, reported as the worst rank and per stage), `Planner.rank()` (every enumerated layout that
+passes the checks and fits the memory, fastest first) and `plan(...)`, the one-call Python entry
+(`meshboost.plan(...)`). Memory rules live in memory.py and activations.py, parameter placement in
+params.py, time in cost.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshboost.plan import activations, cost, memory, params
+from meshboost.plan.layout import (
+    Layout,
+    enumerate_layouts,
+    plugin_config,
+    refuse_unmodelled,
+)
+from meshboost.plan.model import build_meta_model, load_config, model_class
+
+GIB = 2 ** 30
+MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+MEMORY_KEYS = ("weights", "gradients", "optimizer_states", "masters", "activations", "buffers")
+
+
+@dataclass
+class Estimate:
+    """The prediction for one layout: the worst rank's memory, per stage, traffic and time."""
+
+    layout: Layout
+    memory_bytes_per_rank: dict
+    per_stage: list[dict]
+    comm_bytes_per_step: dict
+    step_seconds: float
+    fits: bool
+    notes: list[str] = field(default_factory=list)
+    relative_step_time: float = 1.0
+
+    def as_dict(self) -> dict:
+        return {"layout": self.layout.as_dict(), "memory_bytes_per_rank": self.memory_bytes_per_rank,
+                "per_stage": self.per_stage, "comm_bytes_per_step": self.comm_bytes_per_step,
+                "step_seconds": self.step_seconds, "relative_step_time": self.relative_step_time,
+                "fits": self.fits, "notes": self.notes}
+
+
+class Planner:
+    """Plans for `model` (an HF folder, a config.json, a model type, or a transformers config) on
+    `gpus` devices of `memory_gb` GiB (`gpus_per_node` each node), sequences of `seq` tokens and
+    `global_batch` sequences per step. `headroom`: the fraction of the device memory the predicted
+    total may use (the rest: CUDA context, allocator fragmentation, transient buffers)."""
+
+    def __init__(self, model, overrides: dict | None = None, *, architecture: str | None = None, gpus: int = 8,
+                 nodes: int = 1, memory_gb: float = 80.0, seq: int = 2048, global_batch: int = 8,
+                 precision: str = "bf16", headroom: float = 0.9, constants: cost.CostConstants | None = None,
+                 make_vocab_size_divisible_by: int = 64):
+        self.config = load_config(model, overrides)
+        self.cls = model_class(self.config, architecture)
+        self.meta = build_meta_model(self.config, architecture)
+        self.gpus, self.nodes = gpus, nodes
+        if gpus % nodes:
+            raise ValueError(f"--gpus {gpus} is not divisible by --nodes {nodes}")
+        self.gpus_per_node = gpus // nodes
+        self.memory_bytes = memory_gb * GIB
+        self.seq, self.global_batch, self.precision = seq, global_batch, precision
+        self.headroom = headroom
+        self.constants = constants or cost.CostConstants()
+        self.vocab_multiple = make_vocab_size_divisible_by
+        self.num_layers = activations.count_layers(self.config)
+        self.hidden = getattr(self.config, "hidden_size", None) or getattr(self.config, "n_embd")
+        from meshboost.shardformer import uses_causal_lm_loss
+        self.vocab_parallel_loss = uses_causal_lm_loss(self.meta)
+        self.lm_head = self.meta.get_output_embeddings() is not None
+        self._splits: dict[int, dict] = {}
+        self._holdings: dict[int, list] = {}
+
+    # -- cached placement ---------------------------------------------------------------------------
+    def splits(self, tp: int) -> dict:
+        if tp not in self._splits:
+            self._splits[tp] = params.tp_splits(self.meta, tp, self.vocab_multiple)
+        return self._splits[tp]
+
+    def holdings(self, pp: int) -> list:
+        if pp not in self._holdings:
+            self._holdings[pp] = params.stage_holdings(self.meta, pp)
+        return self._holdings[pp]
+
+    # -- checks -------------------------------------------------------------------------------------
+    def check(self, layout: Layout) -> None:
+        """Raise what the planner (not modelled yet), the plugin, the sharder or the pipeline would
+        raise for `layout` on this model and world."""
+        refuse_unmodelled(layout)
+        plugin_config(layout)                       # the plugin's own validation and messages
+        self.splits(layout.tp)                      # the sharder's checks (heads divisible by tp, ...)
+        self.holdings(layout.pp)                    # the pipeline's (at most one stage per layer, ...)
+        if layout.world != self.gpus:
+            raise ValueError(f"layout {layout.describe()} uses tp x pp x dp x sp = {layout.world} ranks, but the world "
+                             f"has --gpus {self.gpus}")
+        per_step = layout.dp * layout.microbatches * layout.microbatch_size
+        if per_step != self.global_batch:
+            raise ValueError(f"layout {layout.describe()}: dp x microbatches x microbatch_size = {per_step} "
+                             f"sequences per step, but --global-batch is {self.global_batch}")
+
+    # -- one rank ----------------------------------------------------------------------------------
+    def rank_state(self, layout: Layout, pp_rank: int = 0, tp_rank: int = 0, dp_rank: int = 0) -> dict:
+        """{weights, gradients, masters, optimizer_states} bytes predicted for one rank after backward
+        (what `memory_breakdown` measures there); `layout` must have passed `check`."""
+        held = self.holdings(layout.pp)[pp_rank]
+        shards = params.rank_shards(self.meta, self.splits(layout.tp), held, tp_rank, layout.tp)
+        return memory.state_bytes(shards, layout.precision, layout.zero, layout.dp, dp_rank, layout.pp)
+
+    def stage_activations(self, layout: Layout, pp_rank: int = 0, in_flight: int | None = None) -> int:
+        """Bytes saved for backward on pipeline rank `pp_rank` with `in_flight` micro-batches (default:
+        1F1B's peak, min(pp - rank, microbatches); 1 without a pipeline)."""
+        from meshboost.pipeline import split_layers
+        if in_flight is None:
+            in_flight = min(layout.pp - pp_rank, layout.microbatches) if layout.pp > 1 else 1
+        layers = len(split_layers(self.num_layers, layout.pp)[pp_rank])
+        return activations.stage_activation_bytes(self._activation_model(layout), layers, pp_rank == 0,
+                                                  pp_rank == layout.pp - 1, in_flight)
+
+    # -- the estimate -------------------------------------------------------------------------------
+    def explain(self, layout: Layout) -> Estimate:
+        self.check(layout)
+        splits, holdings = self.splits(layout.tp), self.holdings(layout.pp)
+        tp_ranks = range(layout.tp) if any(s.replicas > 1 for s in splits.values()) else [0]
+        dp_ranks = sorted({0, layout.dp - 1})
+        act_model = self._activation_model(layout)
+        from meshboost.pipeline import split_layers
+        layer_counts = [len(r) for r in split_layers(self.num_layers, layout.pp)]
+        stages, worst = [], None
+        for pp_rank, held in enumerate(holdings):
+            first, last = pp_rank == 0, pp_rank == layout.pp - 1
+            act = self.stage_activations(layout, pp_rank)
+            stage_worst = None
+            for tp_rank in tp_ranks:
+                shards = params.rank_shards(self.meta, splits, held, tp_rank, layout.tp)
+                for dp_rank in dp_ranks:
+                    mem = memory.state_bytes(shards, layout.precision, layout.zero, layout.dp, dp_rank, layout.pp)
+                    mem["activations"] = act
+                    mem["buffers"] = memory.buffer_bytes(shards, layout.precision, layout.zero, layout.dp, layout.pp)
+                    mem = {k: int(mem[k]) for k in MEMORY_KEYS}
+                    mem["total"] = sum(mem.values())
+                    if stage_worst is None or mem["total"] > stage_worst[0]["total"]:
+                        stage_worst = (mem, shards, tp_rank, dp_rank)
+            mem, shards, tp_rank, dp_rank = stage_worst
+            comm = self._comm(layout, shards, layer_counts[pp_rank], first, last)
+            seconds = cost.step_seconds(layout, sum(s.numel for s in shards), layer_counts[pp_rank], self.hidden,
+                                        self.seq, comm, self.gpus_per_node, self.constants)
+            stages.append({"pp_rank": pp_rank, "layers": layer_counts[pp_rank], "worst_tp_rank": tp_rank,
+                           "worst_dp_rank": dp_rank, "memory_bytes": mem, "step_seconds": seconds,
+                           "comm_bytes_per_step": {axis: sum(n for _, n in ops) for axis, ops in comm.items()}})
+            if worst is None or mem["total"] > worst["memory_bytes"]["total"]:
+                worst = stages[-1]
+        notes = [] if act_model.exact_tp else [
+            f"activations at tp={layout.tp}: {type(self.config).__name__} has no per-rank config (head_dim tied to "
+            "the hidden size); approximated: 4 hidden-sized tensors per layer and 2 at the ends whole, the rest / tp"]
+        if any(isinstance(getattr(self.config, f, None), int) for f in MOE_FIELDS):
+            notes.append("MoE: weights, gradients and optimizer states follow meshboost's rules; activations were "
+                         "measured on fake tensors whose routing is not the real one (not validated), and the "
+                         "flops count every expert's parameters (the cost model is dense)")
+        seconds = max(s["step_seconds"] for s in stages)
+        comm = {axis: max(s["comm_bytes_per_step"][axis] for s in stages) for axis in ("tp", "pp", "dp")}
+        comm.update(ep=0, sp=0)
+        return Estimate(layout, worst["memory_bytes"], stages, comm, seconds,
+                        worst["memory_bytes"]["total"] <= self.headroom * self.memory_bytes, notes)
+
+    def _activation_model(self, layout: Layout) -> activations.ActivationModel:
+        vocab = getattr(self.config, "vocab_size", None)
+        padded = None
+        if isinstance(vocab, int) and layout.tp > 1:
+            multiple = self.vocab_multiple * layout.tp
+            padded = -(-vocab // multiple) * multiple
+        return activations.activation_model(self.cls, self.config, layout.microbatch_size, self.seq,
+                                            layout.precision, layout.tp, padded, layout.checkpointing)
+
+    def _comm(self, layout: Layout, shards, layers_held: int, first: bool, last: bool) -> dict:
+        local = sum(s.numel for s in shards)
+        padded = local
+        if layout.zero in (1, 2):
+            from meshboost.optim.zero import DEFAULT_BUCKET_ELEMENTS
+            from meshboost.optim.zero_bucket import plan_buckets
+            runs = plan_buckets([s.meta_tensor() for s in shards], DEFAULT_BUCKET_ELEMENTS)
+            padded = sum(-(-sum(p.numel() for p in run) // layout.dp) * layout.dp for run in runs)
+        tied = sum(s.numel for s in shards if s.tie is not None)
+        return cost.comm_per_step(layout, self.hidden, layers_held, first, last, local, padded, self.seq, tied,
+                                  self.vocab_parallel_loss, self.lm_head)
+
+    # -- search -------------------------------------------------------------------------------------
+    def candidates(self, zero_stages=(0, 1, 2), checkpointing=(False, True)) -> list[Layout]:
+        return enumerate_layouts(self.gpus, self.global_batch, self.num_layers, self.precision, self.gpus_per_node,
+                                 zero_stages, checkpointing)
+
+    def rank(self, include_unfit: bool = False, **kwargs) -> tuple[list[Estimate], list[tuple[Layout, str]]]:
+        """(estimates of every valid layout, fitting ones first, fastest first; [(layout, why refused)])."""
+        estimates, refused = [], []
+        for layout in self.candidates(**kwargs):
+            try:
+                estimates.append(self.explain(layout))
+            except (ValueError, NotImplementedError, TypeError) as exc:
+                refused.append((layout, f"{type(exc).__name__}: {exc}"))
+        fitting = [e for e in estimates if e.fits]
+        best = min((e.step_seconds for e in (fitting or estimates)), default=1.0)
+        for e in estimates:
+            e.relative_step_time = e.step_seconds / best
+        ordered = sorted(fitting, key=lambda e: (e.step_seconds, e.memory_bytes_per_rank["total"]))
+        if include_unfit:
+            ordered += sorted((e for e in estimates if not e.fits), key=lambda e: e.memory_bytes_per_rank["total"])
+        return ordered, refused
+
+
+def plan(model, overrides: dict | None = None, layout: Layout | dict | str | None = None, **kwargs):
+    """`meshboost.plan(model, ...)`: the ranked fitting layouts (a list of `Estimate`), or, with
+    `layout` (a Layout, a dict of its fields or 'tp=2,pp=2,zero=1'), that layout's `Estimate`.
+    Keyword arguments are `Planner`'s."""
+    from meshboost.plan.layout import parse_layout
+
+    planner = Planner(model, overrides, **kwargs)
+    if layout is None:
+        return planner.rank()[0]
+    if isinstance(layout, str):
+        layout = parse_layout(layout, precision=planner.precision, **_default_batching(planner, layout))
+    elif isinstance(layout, dict):
+        layout = Layout(**{"precision": planner.precision, **layout})
+    return planner.explain(layout)
+
+
+def _default_batching(planner: Planner, text: str) -> dict:
+    """dp, micro-batches and micro-batch size a --layout leaves out: dp from the world, micro-batches of
+    one sequence (or as many as the given micro-batch size leaves), so that dp x microbatches x
+    microbatch_size is the global batch."""
+    from meshboost.plan.layout import parse_layout
+
+    given = parse_layout(text)
+    named = {item.split("=")[0].strip() for item in text.split(",") if "=" in item}
+    out = {}
+    dp = given.dp
+    if "dp" not in named:
+        dp = max(1, planner.gpus // (given.tp * given.pp * given.sp))
+        out["dp"] = dp
+    per_replica = max(1, planner.global_batch // dp)
+    if named & {"microbatches", "mb"}:
+        if "microbatch_size" not in named:
+            out["microbatch_size"] = max(1, per_replica // given.microbatches)
+    else:
+        out["microbatches"] = max(1, per_replica // given.microbatch_size)
+    return out
