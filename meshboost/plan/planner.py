@@ -40,6 +40,16 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     relative_step_time: float = 1.0
 
+    def plugin_config(self):
+        """The `HybridParallelConfig` of this layout (the plugin's own validation ran on it)."""
+        return plugin_config(self.layout)
+
+    def plugin(self):
+        """The `HybridParallelPlugin` that runs this layout (build it under torchrun, on every rank)."""
+        from meshboost.plugins import HybridParallelPlugin
+
+        return HybridParallelPlugin(self.plugin_config())
+
     def as_dict(self) -> dict:
         return {"layout": self.layout.as_dict(), "memory_bytes_per_rank": self.memory_bytes_per_rank,
                 "per_stage": self.per_stage, "comm_bytes_per_step": self.comm_bytes_per_step,

@@ -87,3 +87,36 @@ def test_predicted_matches_measured_tp2():
         assert errors[key][0] < 0.01, (key, errors[key])
     assert errors["activations"][0] < 0.05
     assert errors["comm tp"][0] < 0.01             # comm_counter's payload bytes over tp
+
+
+def _planned_plugin_body(rank, world):
+    import torch
+    import transformers as tfm
+
+    from meshboost import Booster
+    from meshboost.optim.memory import memory_breakdown
+    from meshboost.plan import plan
+
+    overrides = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
+    estimate = plan("llama", overrides, layout="tp=2,zero=1,precision=fp32", gpus=2, memory_gb=1, seq=16,
+                    global_batch=2)
+    plugin = estimate.plugin()                    # the layout the planner explained, as a plugin
+    assert (plugin.tp_size, plugin.zero_stage, plugin.precision) == (2, 1, "fp32")
+    torch.manual_seed(0)
+    model = tfm.LlamaForCausalLM(tfm.LlamaConfig(**overrides))
+    booster = Booster(plugin=plugin)
+    model, optimizer, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    ids = torch.randint(1, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    booster.backward(model(input_ids=ids, labels=ids).loss, optimizer)
+    optimizer.step()
+    held = memory_breakdown(model, optimizer)
+    predicted = estimate.memory_bytes_per_rank
+    assert held["working_weights"] == predicted["weights"], (held, predicted)
+    assert held["optimizer_states"] == predicted["optimizer_states"], (held, predicted)
+
+
+def test_estimate_builds_the_plugin_it_explains():
+    from meshboost.testing import spawn
+
+    spawn(_planned_plugin_body, 2)
