@@ -128,3 +128,21 @@ def test_glue_offline_fails_fast(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "--task tweets" in proc.stderr and "--train_file" in proc.stderr, proc.stderr[-3000:]
     assert elapsed < 60, f"offline GLUE failure took {elapsed:.1f}s"
+
+
+def test_plugin_auto_takes_the_planners_layout(tmp_path):
+    """--plugin auto: meshboost.plan picks the layout that fits --memory_gb (every rank the same), the run
+    trains with it; a budget nothing fits is a clear usage error (the script exits 2) naming the way out."""
+    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            str(EXAMPLE / "finetune.py"), "--plugin", "auto", "--max_steps", "2", "--max_length", str(MAX_LEN),
+            "--max_train_samples", "256", "--max_eval_samples", str(EVAL), "--batch_size", "8", "--no_save"]
+    proc = subprocess.run(base + ["--memory_gb", "4", "--output_dir", str(tmp_path / "auto")], env=_env(),
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert "--plugin auto: the planner chose tp=" in proc.stdout
+    config = json.loads((tmp_path / "auto" / "metrics.json").read_text())["config"]
+    assert config["tp"] * config["pp"] * config["dp"] == 2
+    proc = subprocess.run(base + ["--memory_gb", "0.001", "--output_dir", str(tmp_path / "none")], env=_env(),
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    # the script exits 2 on every rank; torchrun reports its own failure code
+    assert proc.returncode != 0 and "raise --memory_gb or lower --batch_size" in proc.stderr, proc.stderr[-3000:]

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import data  # noqa: E402  (the data module beside this script)
 
-PLUGINS = ("torch_ddp", "torch_ddp_fp16", "low_level_zero", "hybrid_parallel")
+PLUGINS = ("torch_ddp", "torch_ddp_fp16", "low_level_zero", "hybrid_parallel", "auto")
 
 
 class UsageError(Exception):
@@ -42,7 +42,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "--train_file: a name for the data (default 'custom'; a GLUE name reuses its columns)")
     p.add_argument("--train_file", default=None, help="local CSV/TSV/JSON(L) training data (a 'label' column)")
     p.add_argument("--validation_file", default=None, help="local validation data (default: 10%% of --train_file)")
-    p.add_argument("--plugin", default="torch_ddp", choices=PLUGINS)
+    p.add_argument("--plugin", default="torch_ddp", choices=PLUGINS,
+                   help="auto: the fastest HybridParallelPlugin layout meshboost.plan predicts fits --memory_gb")
+    p.add_argument("--memory_gb", type=float, default=16.0,
+                   help="device memory per process for --plugin auto (GiB); the planner keeps 10%% headroom")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (hybrid_parallel)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (hybrid_parallel)")
     p.add_argument("--zero", type=int, default=None,
@@ -83,7 +86,10 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     for name in ("tp", "pp", "epochs", "batch_size", "eval_batch_size", "max_length", "lora_r"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name}={getattr(args, name)} must be >= 1")
-    if args.plugin != "hybrid_parallel" and (args.tp > 1 or args.pp > 1):
+    if args.plugin == "auto" and (args.tp > 1 or args.pp > 1 or args.zero is not None or args.microbatch_size):
+        raise UsageError("--plugin auto chooses --tp, --pp, --zero and --microbatch_size itself; drop them (or use "
+                         "--plugin hybrid_parallel with the layout you want)")
+    if args.plugin not in ("hybrid_parallel", "auto") and (args.tp > 1 or args.pp > 1):
         raise UsageError(f"--tp {args.tp} --pp {args.pp} need --plugin hybrid_parallel (got --plugin {args.plugin})")
     if args.plugin.startswith("torch_ddp") and (args.zero or args.precision != "fp32"):
         raise UsageError(f"--plugin {args.plugin} takes no --zero/--precision; use torch_ddp_fp16 for fp16 autocast "
@@ -96,11 +102,42 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
                          f"launch a multiple of {args.tp * args.pp} processes")
 
 
-def build_plugin(args):
+def planned_plugin(args, model_path: str, world_size: int):
+    """--plugin auto: the fastest layout meshboost's planner predicts fits --memory_gb per process, for
+    the global batch --batch_size x world size (what pure data parallelism would train); the per-replica
+    batch and micro-batches follow the layout. The planner is pure: every rank chooses the same."""
+    from meshboost.plan import Planner
+    planner = Planner(model_path, architecture="BertForSequenceClassification", gpus=world_size,
+                      memory_gb=args.memory_gb, seq=args.max_length, global_batch=args.batch_size * world_size,
+                      precision=args.precision)
+    # this script neither recomputes activations nor accumulates gradients outside a pipeline
+    fitting = [e for e in planner.rank(checkpointing=(False,))[0] if e.layout.pp > 1 or e.layout.microbatches == 1]
+    if not fitting:
+        raise UsageError(f"--plugin auto: no layout of {world_size} processes fits {args.memory_gb} GiB per process "
+                         f"with a global batch of {args.batch_size * world_size} x {args.max_length} tokens; raise "
+                         "--memory_gb or lower --batch_size / --max_length")
+    best = fitting[0]
+    lay = best.layout
+    args.tp, args.pp, args.zero = lay.tp, lay.pp, lay.zero
+    args.batch_size = args.batch_size * world_size // lay.dp
+    args.microbatch_size = lay.microbatch_size if lay.pp > 1 else None
+    return best
+
+
+def build_plugin(args, model_path: str | None = None, world_size: int = 1):
     """The Booster for --plugin; the plugin's own error names anything not available yet."""
     from meshboost import Booster
     from meshboost.booster.plugin import HybridParallelPlugin
     from meshboost.plugins import TorchDDPPlugin
+    if args.plugin == "auto":
+        best = planned_plugin(args, model_path, world_size)
+        mem = best.memory_bytes_per_rank
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"--plugin auto: the planner chose {best.layout.describe()} (predicted {mem['total'] / 2**30:.2f} GiB "
+                  f"per process of {args.memory_gb} GiB: weights {mem['weights'] / 2**30:.3f}, activations "
+                  f"{mem['activations'] / 2**30:.3f}); per-replica batch {args.batch_size}", flush=True)
+        plugin = best.plugin()
+        return plugin, Booster(plugin=plugin)
     if args.plugin == "torch_ddp":
         plugin, amp = TorchDDPPlugin(), None
     elif args.plugin == "torch_ddp_fp16":
@@ -262,7 +299,7 @@ def main(argv=None) -> int:
     meshboost.launch_from_torch(seed=args.seed)
     device = meshboost.get_current_device()
     try:
-        plugin, booster = build_plugin(args)
+        plugin, booster = build_plugin(args, model_path, world_size)
     except (UsageError, NotImplementedError, ValueError, TypeError) as e:
         say(f"finetune.py: cannot use --plugin {args.plugin}: {type(e).__name__}: {e}", file=sys.stderr)
         import torch.distributed as dist
