@@ -30,8 +30,8 @@ FLOORS = {
     "booster": 2, "fsdp": 2,                                        # peers; fsdp: the FSDP2 engine (distributed, optim)
     "plugins": 3,                                                   # composition only
     "testing": 4,                                                   # test support: nothing imports it
-    "compat": 4,                                                    # ColossalAI's surface: nothing imports it
-    "plan": 4,                                                      # the layout planner: reads plugins' rules
+    "plan": 5,                                                      # the layout planner: plugins' rules; spawns
+    "compat": 5,                                                    # ColossalAI's surface: nothing imports it
 }
 MAX_LINES = 450
 

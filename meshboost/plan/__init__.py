@@ -2,7 +2,8 @@
 
 Owns the package's public names: `plan(...)` (also callable as `meshboost.plan(...)` once
 `meshboost.plan` is imported: the module is callable), `Planner`, `Estimate`, `Layout`,
-`parse_layout`, `CostConstants`. The rules live in the modules: model.py (config and meta model),
+`parse_layout`, `CostConstants`. The rules live in the modules: model.py (config and meta model), calibrate.py
+(measuring this machine's cost constants, or known-GPU defaults),
 params.py (tp splits and pipeline stages, meshboost's own), memory.py (optimizer layouts and ZeRO
 padding), activations.py (saved-for-backward bytes on fake tensors), cost.py (traffic and time),
 layout.py (layouts, the plugin's checks, enumeration), planner.py (putting them together),

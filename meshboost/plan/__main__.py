@@ -7,6 +7,10 @@ JSON (`--json`: a list of objects with `layout`, `memory_bytes_per_rank`, `comm_
     python -m meshboost.plan --model llama --set hidden_size=4096,intermediate_size=11008,\\
         num_hidden_layers=32,num_attention_heads=32,num_key_value_heads=32,vocab_size=32000 \\
         --gpus 8 --memory-gb 80 --seq 4096 --global-batch 64
+    python -m meshboost.plan --calibrate --calibration cost.json      # measure this machine's constants
+    python -m meshboost.plan --model ... --constants cost.json         # rank with them
+
+The constants used (calibrated from a file, or which defaults) are printed with the table (`source`).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from meshboost.plan.planner import GIB, MEMORY_KEYS, Planner, _default_batching
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m meshboost.plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="HF model folder, config.json path, or model type (llama, gpt2, ...)")
+    p.add_argument("--model", default=None, help="HF model folder, config.json path, or model type (llama, gpt2, ...)")
     p.add_argument("--set", default="", help="config overrides key=value,key=value")
     p.add_argument("--architecture", default=None, help="transformers class (default: the config's, else causal LM)")
     p.add_argument("--gpus", type=int, default=8)
@@ -39,18 +43,28 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--flops", type=float, default=None, help="achieved flop/s of one device (cost model)")
     p.add_argument("--intra-bw", type=float, default=None, help="bytes/s per GPU inside a node")
     p.add_argument("--inter-bw", type=float, default=None, help="bytes/s per GPU across nodes")
+    p.add_argument("--constants", default=None, metavar="FILE",
+                   help="cost constants JSON (from --calibrate --calibration FILE); default: a known GPU's or H100-class")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure flop/s, collective bandwidths and latencies, overheads on this machine and print them")
+    p.add_argument("--calibration", default=None, metavar="FILE", help="with --calibrate: write the constants here")
+    p.add_argument("--world", type=int, default=2, help="with --calibrate: processes to spawn (default 2)")
     return p
 
 
 def _constants(args) -> CostConstants:
-    c = CostConstants()
+    from meshboost.plan import calibrate
+    c = calibrate.load(args.constants) if args.constants else calibrate.default_constants()
     changes = {}
     if args.flops:
         changes.update(flops_half=args.flops, flops_fp32=args.flops)
     if args.intra_bw:
-        changes["intra_node_bytes_s"] = args.intra_bw
+        changes.update({f"{op}_bytes_s": args.intra_bw for op in ("intra_node", "all_reduce", "reduce_scatter",
+                                                                  "all_gather", "send")})
     if args.inter_bw:
         changes["inter_node_bytes_s"] = args.inter_bw
+    if changes:
+        changes["source"] = c.source + "; overridden on the command line: " + ", ".join(sorted(changes))
     return CostConstants(**{**c.__dict__, **changes})
 
 
@@ -68,7 +82,7 @@ def _table(estimates) -> str:
     return "\n".join(lines)
 
 
-def _explained(e) -> str:
+def _explained(e, constants=None) -> str:
     lines = [f"layout {e.layout.describe()}  (fits: {'yes' if e.fits else 'no'}, predicted step "
              f"{e.step_seconds:.3f} s)", _table([e]), "per stage (worst tp/dp rank of each):"]
     for s in e.per_stage:
@@ -78,11 +92,26 @@ def _explained(e) -> str:
     lines.append("communication per step (payload bytes, worst stage): "
                  + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in e.comm_bytes_per_step.items()))
     lines += [f"note: {n}" for n in e.notes]
+    lines.append(f"cost constants: {constants.source}" if constants is not None else "")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.calibrate:
+        from dataclasses import asdict
+
+        from meshboost.plan import calibrate
+        constants = calibrate.calibrate(args.world, args.precision)
+        if args.calibration:
+            calibrate.save(constants, args.calibration)
+        print(json.dumps(asdict(constants), indent=1))
+        if args.calibration:
+            print(f"written to {args.calibration} (read it with --constants {args.calibration})", file=sys.stderr)
+        return 0
+    if args.model is None:
+        parser.error("--model is required (unless --calibrate)")
     planner = Planner(args.model, parse_overrides(args.set), architecture=args.architecture, gpus=args.gpus,
                       nodes=args.nodes, memory_gb=args.memory_gb, seq=args.seq, global_batch=args.global_batch,
                       precision=args.precision, constants=_constants(args))
@@ -93,7 +122,7 @@ def main(argv=None) -> int:
         except (ValueError, NotImplementedError, TypeError) as exc:
             print(f"refused: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 2
-        print(json.dumps([estimate.as_dict()], indent=1) if args.json else _explained(estimate))
+        print(json.dumps([estimate.as_dict()], indent=1) if args.json else _explained(estimate, planner.constants))
         return 0
     estimates, refused = planner.rank(include_unfit=args.all)
     if args.json:
@@ -103,6 +132,7 @@ def main(argv=None) -> int:
           f"{args.gpus} GPUs of {args.memory_gb:g} GiB, seq {args.seq}, global batch {args.global_batch}: "
           f"{len([e for e in estimates if e.fits])} layouts fit, {len(refused)} refused")
     print(_table(estimates[:args.top]))
+    print(f"cost constants: {planner.constants.source}")
     return 0
 
 

@@ -14,13 +14,23 @@ Owns: the collectives meshboost issues per optimizer step for a layout, per rank
         the all-reduce of weights tied across stages (their own stage group), the input check;
     dp: zero 0, one all-reduce of the gradients; ZeRO-1/2 a reduce-scatter of the padded buckets and
         an all-gather of the updated shards (working dtype);
-and the step time: compute (6 flops per parameter per token, 8 with checkpointing, plus attention
-4 x b x s^2 x hidden per layer forward, x3 with backward) at `flops` per second, the ring cost of
-every collective (all-reduce 2(P-1)/P n, reduce-scatter and all-gather (P-1)/P n, send n) at the
-bandwidth of its axis (inside a node or across nodes, from the mesh order (dp, pp, tp), tp
-innermost), the 1F1B bubble ((pp - 1) extra micro-batch slots), nothing overlapped. Its constants
-are `CostConstants` (defaults: an 80 GB H100-class GPU, documented in docs/planner.md). Must not
-estimate memory.
+and the step time of the busiest stage (`step_seconds`, the ranking's figure), nothing overlapped:
+    M micro-batch slots + (pp - 1) bubble slots (1F1B: the bubble is (pp - 1) / (M + pp - 1) of the
+        slots; a bubble slot runs at `solo_speedup` x the speed, the other stages being idle), each
+        slot = compute (6 flops per parameter per token, 8 with checkpointing, plus attention
+        4 x b x s^2 x hidden per layer forward, x3 with backward, / tp) at `flops` per second
+        + the fixed cost per layer (`layer_overhead_s`, x 4/3 with checkpointing' recompute) and per
+        micro-batch (`microbatch_overhead_s` on a stage with the embedding or head,
+        `pipeline_overhead_s` under a pipeline) + its tp collectives;
+    + every collective: calls x latency (`<op>_latency_s`, + `inter_node_latency_s` across nodes) + the
+        ring bytes (all-reduce 2(P-1)/P n, reduce-scatter and all-gather (P-1)/P n, send n) at its
+        op's bus bandwidth inside a node, or `inter_node_bytes_s` (from the mesh order (dp, pp, tp), tp
+        innermost); calls: tp one per all-reduced activation, pp two per micro-batch, dp one per DDP
+        bucket (25 MiB) or ZeRO bucket, one under a pipeline;
+    + the optimizer step: the rank's fp32 master elements (ZeRO: its 1/dp share) at
+        `optimizer_elements_s`.
+Its constants are `CostConstants`: defaults for an 80 GB H100-class GPU, a known GPU's by name, or
+measured on this machine (calibrate.py); `source` says which. Must not estimate memory.
 """
 
 from __future__ import annotations
@@ -32,16 +42,40 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 @dataclass(frozen=True)
 class CostConstants:
-    """Rates the step-time model uses (defaults: H100 SXM-class, NVLink inside a node, 400 Gb/s
-    InfiniBand across nodes; rough, and only their ratios matter for the ranking)."""
+    """Rates the step-time model uses. Defaults: H100 SXM-class (datasheet peak x efficiency, see
+    calibrate.py), NVLink inside a node, 200 Gb/s InfiniBand across nodes; `calibrate.calibrate()`
+    measures them on this machine (`python -m meshboost.plan --calibrate`). `source` says which."""
 
     flops_half: float = 400e12       # achieved dense bf16/fp16 flop/s (about 40% of peak)
     flops_fp32: float = 50e12        # achieved fp32 (TF32 off) flop/s
-    intra_node_bytes_s: float = 200e9      # NVLink, per direction, per GPU
+    intra_node_bytes_s: float = 200e9      # NVLink, per direction, per GPU (bus bandwidth)
     inter_node_bytes_s: float = 25e9       # 200 Gb/s per GPU across nodes
+    # per-op bus bandwidth inside a node (bytes/s) and latency per call (seconds)
+    all_reduce_bytes_s: float = 200e9
+    reduce_scatter_bytes_s: float = 200e9
+    all_gather_bytes_s: float = 200e9
+    send_bytes_s: float = 200e9
+    all_reduce_latency_s: float = 15e-6
+    reduce_scatter_latency_s: float = 15e-6
+    all_gather_latency_s: float = 15e-6
+    send_latency_s: float = 10e-6
+    inter_node_latency_s: float = 25e-6    # added per call of a group that spans nodes
+    layer_overhead_s: float = 150e-6       # fixed cost per layer per micro-batch (forward + backward)
+    microbatch_overhead_s: float = 100e-6  # fixed cost per micro-batch (embedding, head, loss, schedule)
+    optimizer_elements_s: float = 50e9     # AdamW elements (fp32 masters) updated per second
+    solo_speedup: float = 1.0              # compute speed-up of a rank while the others idle (shared cores)
+    pipeline_overhead_s: float = 50e-6     # the 1F1B schedule's own cost per micro-batch slot
+    source: str = "defaults (H100 SXM-class: 989 TFLOPS bf16 x 0.4; NVLink; not calibrated)"
 
     def flops(self, precision: str) -> float:
         return self.flops_fp32 if precision == "fp32" else self.flops_half
+
+    def bandwidth(self, op: str) -> float:
+        """Bus bytes/s of `op` inside a node."""
+        return getattr(self, f"{op}_bytes_s")
+
+    def latency(self, op: str) -> float:
+        return getattr(self, f"{op}_latency_s")
 
 
 def ring_factor(op: str, size: int) -> float:
@@ -91,22 +125,75 @@ def comm_per_step(layout, hidden: int, layers_held: int, first: bool, last: bool
     return out
 
 
-def axis_bandwidth(layout, axis: str, gpus_per_node: int, constants: CostConstants) -> float:
+def axis_bandwidth(layout, axis: str, gpus_per_node: int, constants: CostConstants, op: str = "all_reduce") -> float:
     """Bytes/s of `axis`: inside a node when the group's ranks all are (mesh order (dp, pp, tp))."""
+    return constants.bandwidth(op) if _inside(layout, axis, gpus_per_node) else constants.inter_node_bytes_s
+
+
+def _inside(layout, axis: str, gpus_per_node: int) -> bool:
     span = {"tp": layout.tp, "pp": layout.tp * layout.pp, "dp": layout.tp * layout.pp * layout.dp}[axis]
-    return constants.intra_node_bytes_s if span <= gpus_per_node else constants.inter_node_bytes_s
+    return span <= gpus_per_node
+
+
+DDP_BUCKET_BYTES = 25 * 2 ** 20     # torch DDP's default bucket_cap_mb
+
+
+def calls_per_step(layout, axis: str, op: str, nbytes: int, hidden: int, seq: int, zero_buckets: int = 1) -> int:
+    """How many calls `comm_per_step`'s (axis, op, nbytes) entry stands for (each pays a latency)."""
+    if not nbytes:
+        return 0
+    m = layout.microbatches
+    if axis == "tp" and op == "all_reduce":
+        act = layout.microbatch_size * seq * hidden * BYTES[layout.precision]
+        return max(1, round(nbytes / act)) if nbytes >= act else 2 * m     # activations, else the loss's two
+    if op == "all_gather" and axis in ("tp", "pp") and nbytes < 2 ** 16:
+        return 1 if layout.pp > 1 else m                                 # the input check
+    if axis == "pp" and op == "send":
+        return 2 * m
+    if axis == "dp" and op == "all_reduce":
+        return 1 if layout.pp > 1 else max(1, -(-nbytes // DDP_BUCKET_BYTES))
+    if axis == "dp":
+        return zero_buckets
+    return 1
 
 
 def step_seconds(layout, stage_numel: int, layers_held: int, hidden: int, seq: int,
-                 comm: dict[str, list[tuple[str, int]]], gpus_per_node: int, constants: CostConstants) -> float:
-    """Predicted seconds of one optimizer step of the busiest stage (the ranking's figure)."""
+                 comm: dict[str, list[tuple[str, int]]], gpus_per_node: int, constants: CostConstants,
+                 ends: bool = True, zero_buckets: int = 1, breakdown: dict | None = None) -> float:
+    """Predicted seconds of one optimizer step of the busiest stage (the ranking's figure):
+    (M + pp - 1) micro-batch slots (1F1B: the bubble is (pp - 1) / (M + pp - 1) of the step), each
+    the stage's compute (flops at `flops` per second, plus the fixed cost per layer and per
+    micro-batch), plus every collective (latency per call + ring bytes at its axis's bandwidth, the
+    tp ones inside each slot), plus the optimizer step over the rank's fp32 masters (ZeRO: its
+    shard), nothing overlapped. `ends`: the stage holds the embedding or the head (the per-micro-batch
+    overhead). `breakdown`, when given, receives the terms."""
     tokens = layout.microbatch_size * seq
     per_param = 8 if layout.checkpointing else 6
     attention = (4 if layout.checkpointing else 3) * 4 * layout.microbatch_size * seq * seq * hidden * layers_held
     flops = per_param * stage_numel * tokens + attention / layout.tp
-    microbatch_s = flops / constants.flops(layout.precision)
-    compute = (layout.microbatches + layout.pp - 1) * microbatch_s
+    recompute = 4 / 3 if layout.checkpointing else 1.0
+    overhead = (layers_held * constants.layer_overhead_s * recompute + (constants.microbatch_overhead_s if ends else 0)
+                + (constants.pipeline_overhead_s if layout.pp > 1 else 0))
     sizes = {"tp": layout.tp, "pp": 2, "dp": layout.dp}
-    wire = sum(n * ring_factor(op, sizes[axis]) / axis_bandwidth(layout, axis, gpus_per_node, constants)
-               for axis, ops in comm.items() for op, n in ops)
-    return compute + wire
+    wire = {"tp": 0.0, "pp": 0.0, "dp": 0.0}
+    for axis, ops in comm.items():
+        inside = _inside(layout, axis, gpus_per_node)
+        for op, n in ops:
+            if sizes[axis] <= 1 or not n:
+                continue
+            calls = calls_per_step(layout, axis, op, n, hidden, seq, zero_buckets)
+            latency = constants.latency(op) + (0 if inside else constants.inter_node_latency_s)
+            wire[axis] += calls * latency + n * ring_factor(op, sizes[axis]) / axis_bandwidth(
+                layout, axis, gpus_per_node, constants, op)
+    m, slots = layout.microbatches, layout.microbatches + layout.pp - 1
+    microbatch_s = flops / constants.flops(layout.precision) + overhead + wire["tp"] / m
+    masters = stage_numel / (layout.dp if layout.zero else 1)
+    optimizer = masters / constants.optimizer_elements_s
+    # the bubble's pp - 1 slots run while other stages idle: at solo speed where ranks share cores
+    bubble_s = (layout.pp - 1) * microbatch_s / constants.solo_speedup
+    total = m * microbatch_s + bubble_s + wire["pp"] + wire["dp"] + optimizer
+    if breakdown is not None:
+        breakdown.update(compute=slots * flops / constants.flops(layout.precision), overhead=slots * overhead,
+                         tp=slots * wire["tp"] / m, pp=wire["pp"], dp=wire["dp"], optimizer=optimizer,
+                         bubble=(layout.pp - 1) / slots)
+    return total

@@ -77,7 +77,10 @@ class Planner:
         self.memory_bytes = memory_gb * GIB
         self.seq, self.global_batch, self.precision = seq, global_batch, precision
         self.headroom = headroom
-        self.constants = constants or cost.CostConstants()
+        if constants is None:
+            from meshboost.plan.calibrate import default_constants
+            constants = default_constants()          # a known GPU's, else H100-class defaults
+        self.constants = constants
         self.vocab_multiple = make_vocab_size_divisible_by
         self.num_layers = activations.count_layers(self.config)
         self.hidden = getattr(self.config, "hidden_size", None) or getattr(self.config, "n_embd")
@@ -158,10 +161,13 @@ class Planner:
                         stage_worst = (mem, shards, tp_rank, dp_rank)
             mem, shards, tp_rank, dp_rank = stage_worst
             comm = self._comm(layout, shards, layer_counts[pp_rank], first, last)
+            breakdown: dict = {}
             seconds = cost.step_seconds(layout, sum(s.numel for s in shards), layer_counts[pp_rank], self.hidden,
-                                        self.seq, comm, self.gpus_per_node, self.constants)
+                                        self.seq, comm, self.gpus_per_node, self.constants, ends=first or last,
+                                        zero_buckets=self._zero_buckets(layout, shards), breakdown=breakdown)
             stages.append({"pp_rank": pp_rank, "layers": layer_counts[pp_rank], "worst_tp_rank": tp_rank,
                            "worst_dp_rank": dp_rank, "memory_bytes": mem, "step_seconds": seconds,
+                           "step_seconds_terms": breakdown,
                            "comm_bytes_per_step": {axis: sum(n for _, n in ops) for axis, ops in comm.items()}})
             if worst is None or mem["total"] > worst["memory_bytes"]["total"]:
                 worst = stages[-1]
@@ -186,6 +192,14 @@ class Planner:
             padded = -(-vocab // multiple) * multiple
         return activations.activation_model(self.cls, self.config, layout.microbatch_size, self.seq,
                                             layout.precision, layout.tp, padded, layout.checkpointing)
+
+    def _zero_buckets(self, layout: Layout, shards) -> int:
+        """ZeRO-1/2's buckets (one reduce-scatter and one all-gather each), 1 otherwise."""
+        if layout.zero not in (1, 2) or layout.dp == 1:
+            return 1
+        from meshboost.optim.zero import DEFAULT_BUCKET_ELEMENTS
+        from meshboost.optim.zero_bucket import plan_buckets
+        return max(1, len(plan_buckets([s.meta_tensor() for s in shards], DEFAULT_BUCKET_ELEMENTS)))
 
     def _comm(self, layout: Layout, shards, layers_held: int, first: bool, last: bool) -> dict:
         local = sum(s.numel for s in shards)

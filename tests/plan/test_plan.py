@@ -120,3 +120,85 @@ def test_estimate_builds_the_plugin_it_explains():
     from meshboost.testing import spawn
 
     spawn(_planned_plugin_body, 2)
+
+
+# -- the cost model's constants: calibration, defaults, the file the planner reads ------------------
+def _finite_positive(constants):
+    import math
+    from dataclasses import fields
+    for f in fields(constants):
+        if f.name != "source":
+            value = getattr(constants, f.name)
+            # rates are positive; an overhead fitted under noise may clamp to 0 (calibrate keeps it >= 0)
+            rate = any(k in f.name for k in ("flops", "bytes_s", "elements_s", "speedup"))
+            assert math.isfinite(value) and (value > 0 if rate else value >= 0), (f.name, value)
+
+
+def test_calibration_round_trips_and_the_planner_reads_it(tmp_path, capsys):
+    from meshboost.plan import calibrate
+
+    constants = calibrate.calibrate(world=1, precision="fp32")       # in this process: no collectives
+    _finite_positive(constants)
+    assert constants.source.startswith("calibrated on cpu") and "no collectives" in constants.source
+    assert constants.flops_fp32 < 1e14 and constants.layer_overhead_s < 1.0   # a CPU, not the H100 defaults
+    path = tmp_path / "cost.json"
+    calibrate.save(constants, str(path))
+    assert calibrate.load(str(path)) == constants
+    code, out, _ = _run(capsys, "--constants", str(path), "--layout", "tp=2,pp=2,zero=1")
+    assert code == 0 and "cost constants: calibrated on cpu" in out
+    code, out, _ = _run(capsys, "--constants", str(path), "--layout", "tp=2,pp=2,zero=1", "--json")
+    calibrated = json.loads(out)[0]["step_seconds"]
+    code, out, _ = _run(capsys, "--layout", "tp=2,pp=2,zero=1", "--json")
+    assert calibrated > 10 * json.loads(out)[0]["step_seconds"]      # a CPU is far slower than the defaults
+    (tmp_path / "bad.json").write_text(json.dumps({"flops_fp32": -1.0}))
+    with pytest.raises(ValueError, match="finite number"):
+        calibrate.load(str(tmp_path / "bad.json"))
+    (tmp_path / "unknown.json").write_text(json.dumps({"flops": 1.0}))
+    with pytest.raises(ValueError, match="unknown cost constants"):
+        calibrate.load(str(tmp_path / "unknown.json"))
+
+
+def test_calibrate_cli_over_two_processes(tmp_path, capsys):
+    path = tmp_path / "cost.json"
+    assert main(["--calibrate", "--calibration", str(path), "--precision", "fp32"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    from meshboost.plan import calibrate
+    constants = calibrate.load(str(path))
+    assert printed == json.loads(path.read_text())
+    _finite_positive(constants)
+    assert "2 processes, gloo" in constants.source            # the collectives were measured
+    assert constants.all_reduce_bytes_s != 0 and constants.send_latency_s < 0.1
+
+
+def test_known_gpu_defaults_say_their_source():
+    from meshboost.plan import calibrate
+    h100 = calibrate.known_gpu_constants("NVIDIA H100 80GB HBM3")
+    a100 = calibrate.known_gpu_constants("NVIDIA A100-SXM4-80GB")
+    assert calibrate.known_gpu_constants("NVIDIA H200") is not None
+    assert calibrate.known_gpu_constants("Some Other GPU") is None
+    _finite_positive(h100)
+    assert h100.flops_half == pytest.approx(989e12 * 0.4) and a100.flops_half == pytest.approx(312e12 * 0.4)
+    assert "datasheet" in h100.source and "efficiency" in h100.source
+
+
+def test_step_time_terms():
+    """The bubble: with per-micro-batch costs equal, pp=2 over M micro-batches takes (M + 1) / M of M slots;
+    per-collective latency counts calls, not bytes."""
+    from dataclasses import replace
+
+    from meshboost.plan.cost import CostConstants, step_seconds
+    from meshboost.plan.layout import Layout
+    c = replace(CostConstants(), layer_overhead_s=0.0, microbatch_overhead_s=0.0, pipeline_overhead_s=0.0,
+                optimizer_elements_s=1e30)
+    terms: dict = {}
+    t4 = step_seconds(Layout(pp=2, microbatches=4), 10**6, 2, 64, 16, {"tp": [], "pp": [], "dp": []}, 8, c,
+                      breakdown=terms)
+    assert terms["bubble"] == pytest.approx(1 / 5)
+    t1 = step_seconds(Layout(microbatches=4), 10**6, 2, 64, 16, {"tp": [], "pp": [], "dp": []}, 8, c)
+    assert t4 == pytest.approx(t1 * 5 / 4)
+    slow = replace(c, all_reduce_latency_s=1.0)
+    act = 16 * 64 * 2
+    comm = {"tp": [("all_reduce", 10 * act)], "pp": [], "dp": []}
+    base = step_seconds(Layout(tp=2), 10**6, 2, 64, 16, comm, 8, c)
+    assert step_seconds(Layout(tp=2), 10**6, 2, 64, 16, comm, 8, slow) - base == pytest.approx(
+        10 * (1.0 - c.all_reduce_latency_s))
