@@ -27,7 +27,7 @@ REFUSED = [
     (dict(overlap_allgather=True), "overlap_allgather=True"),
     (dict(fp8_communication=True), "fp8_communication=True\\) compresses .* on CUDA; this process computes on 'cpu'"),
     (dict(use_fp8=True), "use_fp8=True"),
-    (dict(inner_ring_size=2), "ring attention"),
+    (dict(inner_ring_size=2), "double ring"),
     (dict(sp_size=2), "sp_size=2"),
 ]
 

@@ -65,8 +65,10 @@ def _refuse_unsupported(scheduler_nodes, dp_outside, overlap_allgather, use_fp8,
     if use_fp8:
         raise NotImplementedError("use_fp8=True (fp8 matmuls) is not supported; train with precision='bf16' or 'fp16'")
     if inner_ring_size is not None:
-        raise NotImplementedError(f"inner_ring_size={inner_ring_size}: ring attention is not in meshboost yet; "
-                                  "sequence_parallelism_mode='all_to_all' with sp_size splits long sequences")
+        raise NotImplementedError(f"inner_ring_size={inner_ring_size}: ColossalAI's double ring (an inner ring of "
+                                  "ring attention inside each node) is not in meshboost; sequence_parallelism_mode="
+                                  "'ring_attn' (keys and values all-gathered over the sp ranks) or 'all_to_all' with "
+                                  "sp_size splits long sequences: drop inner_ring_size")
 
 
 def colossalai_config(a: dict) -> HybridParallelConfig:
