@@ -22,13 +22,14 @@ from meshboost.booster.wrappers import ModelWrapper, unwrap_model
 from meshboost.checkpoint.atomic import AtomicTarget
 from meshboost.checkpoint.writer import agree, save_roles
 from meshboost.distributed.param_info import full_on_cpu, get_tp_info
+from meshboost.shardformer.lora import is_peft_module
 
 _WRAPPED = re.compile(r"\.(base_layer|original_module|modules_to_save\.[^.]+)\.")
 
 
 def is_peft_model(model: nn.Module) -> bool:
     """Whether `model` is a peft model (checked by class module, so peft is not imported for others)."""
-    return any(c.__module__.startswith("peft.") for c in type(model).__mro__)
+    return is_peft_module(model)
 
 
 def base_checkpoint_name(name: str) -> str | None:

@@ -112,10 +112,8 @@ def layout_from_sub_model(base: nn.Module) -> StageLayout | None:
     before the layer list are embeddings, after it the tail); every other child of the base model
     with parameters (the vision tower, the projector) is an embedding, run by the first stage, and
     the pixel inputs are withheld from the other stages."""
-    from transformers import PretrainedConfig
-
     config = getattr(base, "config", None)
-    subs = [v for v in vars(config).values() if isinstance(v, PretrainedConfig)] if config is not None else []
+    subs = [getattr(config, n) for n in getattr(config, "sub_configs", {}) if getattr(config, n, None) is not None]
     embedding = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
     found = [(name, module) for name, module in base.named_children()
              if any(getattr(module, "config", None) is sub for sub in subs)

@@ -20,9 +20,9 @@ from meshboost.shardformer.policies.tp_plan import policy_from_tp_plan
 
 
 def _sub_configs(config) -> dict:
-    from transformers import PretrainedConfig
-
-    return {name: value for name, value in vars(config).items() if isinstance(value, PretrainedConfig)}
+    """transformers' own declaration of a composite config's parts (`sub_configs`), the built ones."""
+    return {name: getattr(config, name) for name in getattr(config, "sub_configs", {})
+            if getattr(config, name, None) is not None}
 
 
 def _path_of(base: nn.Module, sub_config) -> str | None:
