@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass
 import torch
 import transformers as tfm
 
-FAMILIES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "bert": "BertForSequenceClassification"}
+FAMILIES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "bert": "BertForSequenceClassification",
+            "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,8 @@ class ModelSpec:
     batch: int = 8
     vocab: int = 8192
     intermediate: int | None = None   # default 4 * hidden
+    experts: int = 4                  # qwen3_moe: routed experts per layer (intermediate: each expert's)
+    top_k: int = 2
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -40,7 +43,7 @@ class ModelSpec:
 
     @property
     def causal_lm(self) -> bool:
-        return self.family in ("gpt2", "llama")
+        return self.family in ("gpt2", "llama", "qwen3_moe")
 
     @property
     def ffn(self) -> int:
@@ -61,6 +64,12 @@ def build_config(spec: ModelSpec):
     elif spec.family == "llama":
         cfg = tfm.LlamaConfig(vocab_size=vocab, hidden_size=h, num_attention_heads=n, num_key_value_heads=n,
                               num_hidden_layers=layers, intermediate_size=ffn, max_position_embeddings=positions)
+    elif spec.family == "qwen3_moe":      # every layer an MoE layer, no shared expert; load balancing loss off
+        cfg = tfm.Qwen3MoeConfig(vocab_size=vocab, hidden_size=h, num_attention_heads=n, num_key_value_heads=n,
+                                 head_dim=h // n, num_hidden_layers=layers, intermediate_size=ffn,
+                                 moe_intermediate_size=spec.intermediate or h, num_experts=spec.experts,
+                                 num_experts_per_tok=spec.top_k, decoder_sparse_step=1, mlp_only_layers=[],
+                                 max_position_embeddings=positions, output_router_logits=False)
     else:
         cfg = tfm.BertConfig(vocab_size=vocab, hidden_size=h, num_attention_heads=n, num_hidden_layers=layers,
                              intermediate_size=ffn, max_position_embeddings=positions, hidden_dropout_prob=0.0,

@@ -63,8 +63,21 @@ CASES = [
     ("gpt2", dict(tp=2, precision="bf16", checkpointing=True)),
     # post-norm: the recompute re-runs both forward all-reduces of a layer (not modelled: shows as tp error)
     ("bert", dict(tp=2, precision="fp32", checkpointing=True)),
+    # an MoE (Qwen3-MoE, 4 experts, top-2): experts cut over tp, dealt out over ep (ZeRO buckets of their own)
+    ("qwen3_moe", dict(tp=2, precision="fp32")),
+    ("qwen3_moe", dict(dp=2, ep=2, precision="fp32")),
+    ("qwen3_moe", dict(dp=2, ep=2, zero=1, precision="bf16")),
+    ("qwen3_moe", dict(dp=4, ep=2, zero=2, precision="fp32")),
+    ("qwen3_moe", dict(tp=2, dp=2, ep=2, zero=1, precision="fp32")),
+    ("qwen3_moe", dict(pp=2, microbatches=2, precision="fp32")),
+    # the interleaved schedule: 2 chunks per rank, each 1 layer
+    ("llama", dict(pp=2, microbatches=4, num_model_chunks=2, precision="fp32")),
 ]
-QUICK = [0, 2, 5, 8, 12]
+QUICK = [0, 2, 5, 8, 12, 23]
+# Per rank, an MoE's activations and ep traffic follow the routing (rows received); compared as the
+# mean over the ranks, which is what the planner predicts (tokens x top_k rows per rank)
+# (and under tp the experts' f and g, on the rows received)
+ROUTED = ("activations", "comm ep", "comm tp")
 
 
 def spec_of(family: str, batch: int = 12):
@@ -196,6 +209,8 @@ def measure_rank(family: str, fields: dict) -> dict:
     else:                                   # the stage's peak over the schedule's micro-batches in flight
         out["activations"] = peak.peak
     out["ranks"] = (mesh.pp_rank, mesh.tp_rank, mesh.dp_rank)
+    # ep = dp may be one process group, whose traffic comm_counter then labels ep
+    out["dp_is_ep"] = layout.ep > 1 and mesh.group("dp") is mesh.group("ep")
     return out
 
 
@@ -234,30 +249,41 @@ def predict(family: str, fields: dict, ranks: tuple[int, int, int]) -> dict:
     out = planner.rank_state(layout, *ranks)
     out["activations"] = planner.stage_activations(layout, ranks[0])
     comm = planner.explain(layout).per_stage[ranks[0]]["comm_bytes_per_step"]
-    out.update({f"comm {axis}": comm[axis] for axis in ("tp", "pp", "dp")})
+    out.update({f"comm {axis}": comm.get(axis, 0) for axis in COMM_AXES})
     return out
 
 
+COMM_AXES = ("tp", "pp", "dp", "ep", "edp", "sp")
+
+
 def measured_comm(summary: dict) -> dict:
-    """Payload bytes per axis from `comm_counter`'s summary; a group labelled by its ranks (the stage
-    group of weights tied across pipeline stages) counts as pp."""
-    out = {"comm tp": 0, "comm pp": 0, "comm dp": 0}
+    """Payload bytes per axis from `comm_counter`'s summary (its context axis "cp" is the plan's sp); a
+    group labelled by its ranks (the stage group of weights tied across pipeline stages) counts as pp."""
+    out = {f"comm {axis}": 0 for axis in COMM_AXES}
     for label, stats in summary.items():
-        axis = label if label in ("tp", "pp", "dp") else "pp"
-        out[f"comm {axis}"] += stats["payload_bytes"]
+        axis = {"cp": "sp"}.get(label, label)
+        out[f"comm {axis if axis in COMM_AXES else 'pp'}"] += stats["payload_bytes"]
     return out
 
 
 def compare(family: str, fields: dict, measured_ranks: list[dict]) -> dict:
-    """{key: (worst relative error over ranks, measured, predicted of that rank)}."""
+    """{key: (worst relative error over ranks, measured, predicted of that rank)}; with ep > 1 the
+    routed keys (ROUTED) compare the ranks' mean."""
     out = {}
-    for m in measured_ranks:
-        p = predict(family, fields, tuple(m["ranks"]))
-        m = {**m, **measured_comm(m["comm"])}
-        for key in (*STATE_KEYS, "activations", "comm tp", "comm pp", "comm dp"):
-            if key.startswith("comm") and not (m[key] or p[key]):
+    ranks = [{**m, **measured_comm(m["comm"])} for m in measured_ranks]
+    predicted = [predict(family, fields, tuple(m["ranks"])) for m in ranks]
+    routed = fields.get("ep", 1) > 1
+    if ranks[0].get("dp_is_ep"):             # one group: comm_counter labels its traffic ep
+        for q in predicted:
+            q["comm ep"] += q.pop("comm dp")
+    for m, p in zip(ranks, predicted):
+        for key in (*STATE_KEYS, "activations", *(f"comm {axis}" for axis in COMM_AXES)):
+            if key not in m or key not in p:
                 continue
-            if key not in m:
+            if routed and key in ROUTED:
+                m = {**m, key: sum(r[key] for r in ranks) // len(ranks)}
+                p = {**p, key: sum(q[key] for q in predicted) // len(predicted)}
+            if key.startswith("comm") and not (m[key] or p[key]):
                 continue
             err = abs(p[key] - m[key]) / max(m[key], 1)
             if key not in out or err > out[key][0]:
@@ -395,6 +421,7 @@ def ranking(constants_file: str | None = None, world: int = 2) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--cases", default=None, help="comma list of CASES indices (e.g. 22,23) instead of all")
     parser.add_argument("--ranking", action="store_true", help="only the step-time ranking (calibrates first)")
     parser.add_argument("--constants", default=None, help="with --ranking: read the constants instead of calibrating")
     args = parser.parse_args()
@@ -403,7 +430,8 @@ def main() -> None:
     if args.ranking:
         ranking(args.constants)
         return
-    cases = [CASES[i] for i in QUICK] if args.quick else CASES
+    chosen = [int(i) for i in args.cases.split(",")] if args.cases else QUICK if args.quick else range(len(CASES))
+    cases = [CASES[i] for i in chosen]
     by_world: dict[int, list] = {}
     for fam, f in cases:
         by_world.setdefault(layout_of(f, spec_of(fam)).world, []).append((fam, f))

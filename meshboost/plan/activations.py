@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -23,7 +24,7 @@ import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
-TP_FIELDS = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+INTERMEDIATE_FIELDS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpoi
         return t
 
     previous = torch.get_default_dtype()
-    with FakeTensorMode():
+    with FakeTensorMode(), _fake_grouped_mm():
         torch.set_default_dtype(dtype)          # built in the working dtype (a fake tensor cannot be cast in place)
         try:
             model = cls(config).train()
@@ -80,6 +81,44 @@ def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpoi
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model(**inputs)
     return sum(saved.values())
+
+
+class _GroupedMM(torch.autograd.Function):
+    """`grouped_mm(input [S, in], weight [E, in, out], offs)` on fake tensors: the output's shape and
+    what autograd saves (input, weight, offs), without torch's meta kernel, which checks CUDA's dtype
+    rules (bf16 only) and so refuses the fp32 experts a CPU run computes."""
+
+    @staticmethod
+    def forward(ctx, input, weight, offs):
+        ctx.save_for_backward(input, weight, offs)
+        return input.new_empty((input.shape[0], weight.shape[-1]))
+
+    @staticmethod
+    def backward(ctx, grad):
+        input, weight, _ = ctx.saved_tensors
+        return torch.empty_like(input), torch.empty_like(weight), None
+
+
+@contextmanager
+def _fake_grouped_mm():
+    """transformers' grouped-mm experts path (`torch.nn.functional.grouped_mm`) routed through
+    `_GroupedMM` while the fake forward runs: the token count per expert is data, so only shapes
+    matter (tokens x top-k rows in all, whatever the routing)."""
+    original = getattr(torch.nn.functional, "grouped_mm", None)
+    if original is None:
+        yield
+        return
+
+    def grouped_mm(input, weight, offs=None, **kwargs):
+        if input.dim() == 2 and weight.dim() == 3 and offs is not None and not kwargs:
+            return _GroupedMM.apply(input, weight, offs)
+        return original(input, weight, offs=offs, **kwargs)
+
+    torch.nn.functional.grouped_mm = grouped_mm
+    try:
+        yield
+    finally:
+        torch.nn.functional.grouped_mm = original
 
 
 def _forward_args(cls) -> tuple[str, ...]:
@@ -112,7 +151,9 @@ def tp_rank_config(config, tp_size: int, padded_vocab: int | None):
     kv = getattr(config, "num_key_value_heads", None)
     if isinstance(kv, int):
         c.num_key_value_heads = max(1, kv // tp_size)
-    c.intermediate_size = config.intermediate_size // tp_size
+    for name in INTERMEDIATE_FIELDS:         # the MLP's, each expert's, the shared experts'
+        if isinstance(getattr(config, name, None), int):
+            setattr(c, name, getattr(config, name) // tp_size)
     if padded_vocab is not None:
         c.vocab_size = padded_vocab // tp_size
     return c

@@ -5,14 +5,18 @@ Owns: the collectives meshboost issues per optimizer step for a layout, per rank
     tp: per micro-batch, 4 all-reduces of [b, s, hidden] per layer held (Megatron's f and g of the
         attention and MLP blocks), 1 for the vocab-parallel embedding (first stage), 1 for the LM
         head's input gradient and, for a causal LM, the vocab-parallel loss's 3 x 4 x b x s bytes
-        (last stage), and the input check's all-gather of 6 int64 per rank per forward call; with
+        (last stage), the input check's all-gather of 6 int64 per rank per forward call, the
+        gradients summed over tp (whole q/k norms, replicated key/value head shards) and, for an MoE,
+        f on the routing weights (ep = 1) or f and g on the rows received (ep > 1); with
         checkpointing +1 per layer: torch's non-reentrant checkpoint stops recomputing once it has
         every saved tensor, so of a pre-norm layer's two forward all-reduces only the attention's runs
-        again (measured on Llama; a post-norm layer, BERT's, re-runs both: not modelled);
+        again (measured on Llama), +2 for a post-norm layer (BERT's; measured);
+    ep: the all-to-alls of expert parallelism (`ep_per_step`); edp: the expert weights' reduction;
     pp: per micro-batch, the boundary activation forward (with its 648-byte header) and its gradient
         backward ([b, s, hidden]),
         the all-reduce of weights tied across stages (their own stage group), the input check;
-    dp: zero 0, one all-reduce of the gradients; ZeRO-1/2 a reduce-scatter of the padded buckets and
+    dp: the global batch's labelled-token count (a causal LM outside a pipeline), zero 0, one
+        all-reduce of the (dense) gradients; ZeRO-1/2 a reduce-scatter of the padded buckets and
         an all-gather of the updated shards (working dtype);
 and the step time of the busiest stage (`step_seconds`, the ranking's figure), nothing overlapped:
     M micro-batch slots + (pp - 1) bubble slots (1F1B: the bubble is (pp - 1) / (M + pp - 1) of the
@@ -55,10 +59,14 @@ class CostConstants:
     reduce_scatter_bytes_s: float = 200e9
     all_gather_bytes_s: float = 200e9
     send_bytes_s: float = 200e9
+    broadcast_bytes_s: float | None = None     # None: all_gather's
+    broadcast_latency_s: float | None = None
     all_reduce_latency_s: float = 15e-6
     reduce_scatter_latency_s: float = 15e-6
     all_gather_latency_s: float = 15e-6
     send_latency_s: float = 10e-6
+    all_to_all_bytes_s: float | None = None    # None: all_gather's (same ring volume per rank)
+    all_to_all_latency_s: float | None = None
     inter_node_latency_s: float = 25e-6    # added per call of a group that spans nodes
     layer_overhead_s: float = 150e-6       # fixed cost per layer per micro-batch (forward + backward)
     microbatch_overhead_s: float = 100e-6  # fixed cost per micro-batch (embedding, head, loss, schedule)
@@ -72,51 +80,114 @@ class CostConstants:
 
     def bandwidth(self, op: str) -> float:
         """Bus bytes/s of `op` inside a node."""
-        return getattr(self, f"{op}_bytes_s")
+        value = getattr(self, f"{op}_bytes_s")
+        return self.all_gather_bytes_s if value is None else value
 
     def latency(self, op: str) -> float:
-        return getattr(self, f"{op}_latency_s")
+        value = getattr(self, f"{op}_latency_s")
+        return self.all_gather_latency_s if value is None else value
 
 
 def ring_factor(op: str, size: int) -> float:
     if size <= 1:
         return 0.0
     return {"all_reduce": 2 * (size - 1) / size, "reduce_scatter": (size - 1) / size,
-            "all_gather": (size - 1) / size, "send": 1.0}[op]
+            "all_gather": (size - 1) / size, "all_to_all": (size - 1) / size, "send": 1.0,
+            "broadcast": 1.0}[op]
 
 
 INPUT_CHECK_BYTES = 48     # check_inputs="always": 6 int64 per rank all-gathered per forward call
 P2P_HEADER_BYTES = 8 * (1 + 8 * (2 + 8))    # p2p.py's header before each activation send (int64)
 
 
+@dataclass(frozen=True)
+class MoeTraffic:
+    """What an MoE moves for one rank: `layers` MoE layers held, `top_k` experts per token, `experts`
+    per layer; `local_numel` / `padded_numel`: the rank's expert-weight elements (and
+    padded to ZeRO's edp multiple), reduced over the experts' replicas edp = dp / ep."""
+
+    layers: int
+    top_k: int
+    experts: int
+    local_numel: int = 0
+    padded_numel: int = 0
+
+
+def ep_per_step(layout, moe: MoeTraffic, tokens: int, hidden: int) -> list[tuple[str, int]]:
+    """Expert parallelism's all-to-alls per step (`_ExpertParallelForward`): per MoE layer and
+    micro-batch, forward a header of ep x (E / ep + 1) int64 counts, the dispatch of the tokens x top_k
+    rows sent and the return of the rows received; backward the same two exchanges reversed (each
+    payload the forward output's size). Rows received depend on the routing: their mean over the ep
+    group is tokens x top_k, the figure predicted; checkpointing runs the forward exchanges again."""
+    if layout.ep == 1 or not moe.layers:
+        return []
+    w = BYTES[layout.precision]
+    rows = tokens * moe.top_k * hidden * w
+    forwards = 2 if layout.checkpointing else 1
+    header = 8 * layout.ep * (moe.experts // layout.ep + 1)
+    per_layer = forwards * (header + 2 * rows) + 2 * rows
+    return [("all_to_all", per_layer * moe.layers * layout.microbatches)]
+
+
 def comm_per_step(layout, hidden: int, layers_held: int, first: bool, last: bool, local_numel: int,
                   padded_numel: int, seq: int, tied_numel: int = 0,
-                  vocab_parallel_loss: bool = False, lm_head: bool = True) -> dict[str, list[tuple[str, int]]]:
+                  vocab_parallel_loss: bool = False, lm_head: bool = True,
+                  moe: MoeTraffic | None = None, tp_grad_sum: int = 0,
+                  post_norm: bool = False) -> dict[str, list[tuple[str, int]]]:
     """{axis: [(op, payload bytes), ...]} one rank of `layout` issues in one optimizer step.
-    vocab_parallel_loss: the last stage's causal-LM loss runs on vocab-split logits (two fp32
-    all-reduces over tp per micro-batch: the row max [N] and the two sums [2, N]); lm_head: the model
-    ends in a vocab-parallel LM head (whose input gradient is all-reduced over tp)."""
+    vocab_parallel_loss: a causal LM, whose last stage's loss runs on vocab-split logits (two fp32
+    all-reduces over tp per micro-batch: the row max [N] and the two sums [2, N]) and, outside a
+    pipeline, whose labelled tokens are counted over dp per forward call; lm_head: the model
+    ends in a vocab-parallel LM head (whose input gradient is all-reduced over tp). local_numel and
+    padded_numel are the dense weights'; `moe` the experts' (axes ep and edp); tp_grad_sum: gradient
+    elements summed over tp each backward (whole q/k norms, replicated key/value head shards);
+    post_norm: the layers end in a norm (BERT's), so checkpointing's recompute runs both all-reduces."""
     w = BYTES[layout.precision]
     tokens = layout.microbatch_size * seq
     act = tokens * hidden * w
     m = layout.microbatches
-    out: dict[str, list[tuple[str, int]]] = {"tp": [], "pp": [], "dp": []}
+    out: dict[str, list[tuple[str, int]]] = {"tp": [], "pp": [], "dp": [], "ep": [], "edp": []}
+    if moe is not None:
+        out["ep"] = ep_per_step(layout, moe, tokens, hidden)
+        edp = layout.dp // layout.ep
+        if layout.ep > 1 and edp > 1 and moe.local_numel:
+            if layout.zero == 0:
+                out["edp"].append(("all_reduce", moe.local_numel * w))
+            else:
+                out["edp"].append(("reduce_scatter", moe.padded_numel * w))
+                out["edp"].append(("all_gather", moe.padded_numel * w))
     if layout.tp > 1:
         per_microbatch = 4 * layers_held + (1 if first else 0) + (1 if last and lm_head else 0)
-        if layout.checkpointing:      # the recomputed forward's attention all-reduce (see the docstring)
-            per_microbatch += layers_held
+        if layout.checkpointing:      # the recomputed forward's all-reduces (see the docstring)
+            per_microbatch += (2 if post_norm else 1) * layers_held
+        moe_layers = moe.layers if moe is not None else 0
+        if moe_layers and layout.ep > 1:      # the experts' f and g on the rows received (mean: tokens x top_k)
+            per_microbatch += 2 * (moe.top_k - 1) * moe_layers
         out["tp"].append(("all_reduce", per_microbatch * m * act))
+        if moe_layers and layout.ep == 1:     # f on the routing weights [tokens, top_k]
+            out["tp"].append(("all_reduce", moe_layers * m * tokens * moe.top_k * w))
+        if tp_grad_sum:
+            out["tp"].append(("all_reduce", m * tp_grad_sum * w))
         if vocab_parallel_loss and last:
             out["tp"].append(("all_reduce", 3 * 4 * tokens * m))
     if layout.tp * layout.pp > 1:         # the input check: per forward call, one per pipeline step
         calls = 1 if layout.pp > 1 else m
         out["tp" if layout.pp == 1 else "pp"].append(("all_gather", calls * INPUT_CHECK_BYTES * layout.tp * layout.pp))
     if layout.pp > 1:
-        forward = 0 if last else m * (act + P2P_HEADER_BYTES)
-        backward = 0 if first else m * act
+        # interleaved: every chunk sends on, but the last rank's last chunk (forward) and the first
+        # rank's first chunk (backward)
+        v = layout.num_model_chunks
+        forward = (v - (1 if last else 0)) * m * (act + P2P_HEADER_BYTES)
+        backward = (v - (1 if first else 0)) * m * act
         out["pp"].append(("send", forward + backward))
+        # next_pipeline_batch's agreement over the world: 3 int64 per step (the world group's label)
+        out["pp"].append(("all_reduce", 24))
+        out["pp"].append(("broadcast", 4))       # the step's loss (fp32) from the last stage to every stage
         if tied_numel:
             out["pp"].append(("all_reduce", tied_numel * w))
+    if vocab_parallel_loss and layout.pp == 1 and layout.dp > 1:
+        # the global batch's labelled tokens (loss_normalization "tokens"): one fp32 scalar per forward call
+        out["dp"].append(("all_reduce", 4 * m))
     if layout.zero == 0 and layout.dp > 1:
         out["dp"].append(("all_reduce", local_numel * w))
     elif layout.zero in (1, 2) and layout.dp > 1:
@@ -131,7 +202,9 @@ def axis_bandwidth(layout, axis: str, gpus_per_node: int, constants: CostConstan
 
 
 def _inside(layout, axis: str, gpus_per_node: int) -> bool:
-    span = {"tp": layout.tp, "pp": layout.tp * layout.pp, "dp": layout.tp * layout.pp * layout.dp}[axis]
+    """Mesh order (dp, pp, tp), dp as (edp, ep): an ep group spans tp x pp x ep ranks."""
+    span = {"tp": layout.tp, "pp": layout.tp * layout.pp, "ep": layout.tp * layout.pp * layout.ep,
+            "dp": layout.world, "edp": layout.world}[axis]
     return span <= gpus_per_node
 
 
@@ -150,10 +223,12 @@ def calls_per_step(layout, axis: str, op: str, nbytes: int, hidden: int, seq: in
         return 1 if layout.pp > 1 else m                                 # the input check
     if axis == "pp" and op == "send":
         return 2 * m
+    if axis == "ep":                                                     # 3 forward + 2 backward per layer
+        return 5 * m
     if axis == "dp" and op == "all_reduce":
         return 1 if layout.pp > 1 else max(1, -(-nbytes // DDP_BUCKET_BYTES))
-    if axis == "dp":
-        return zero_buckets
+    if axis in ("dp", "edp"):
+        return zero_buckets if layout.zero else 1
     return 1
 
 
@@ -174,8 +249,8 @@ def step_seconds(layout, stage_numel: int, layers_held: int, hidden: int, seq: i
     recompute = 4 / 3 if layout.checkpointing else 1.0
     overhead = (layers_held * constants.layer_overhead_s * recompute + (constants.microbatch_overhead_s if ends else 0)
                 + (constants.pipeline_overhead_s if layout.pp > 1 else 0))
-    sizes = {"tp": layout.tp, "pp": 2, "dp": layout.dp}
-    wire = {"tp": 0.0, "pp": 0.0, "dp": 0.0}
+    sizes = {"tp": layout.tp, "pp": 2, "dp": layout.dp, "ep": layout.ep, "edp": layout.dp // layout.ep}
+    wire = {axis: 0.0 for axis in sizes}
     for axis, ops in comm.items():
         inside = _inside(layout, axis, gpus_per_node)
         for op, n in ops:
@@ -190,10 +265,11 @@ def step_seconds(layout, stage_numel: int, layers_held: int, hidden: int, seq: i
     masters = stage_numel / (layout.dp if layout.zero else 1)
     optimizer = masters / constants.optimizer_elements_s
     # the bubble's pp - 1 slots run while other stages idle: at solo speed where ranks share cores
-    bubble_s = (layout.pp - 1) * microbatch_s / constants.solo_speedup
-    total = m * microbatch_s + bubble_s + wire["pp"] + wire["dp"] + optimizer
+    bubble_s = (layout.pp - 1) * microbatch_s / constants.solo_speedup / layout.num_model_chunks
+    total = m * microbatch_s + bubble_s + wire["pp"] + wire["dp"] + wire["ep"] + wire["edp"] + optimizer
     if breakdown is not None:
         breakdown.update(compute=slots * flops / constants.flops(layout.precision), overhead=slots * overhead,
-                         tp=slots * wire["tp"] / m, pp=wire["pp"], dp=wire["dp"], optimizer=optimizer,
+                         tp=slots * wire["tp"] / m, pp=wire["pp"], dp=wire["dp"] + wire["edp"], ep=wire["ep"],
+                         optimizer=optimizer,
                          bubble=(layout.pp - 1) / slots)
     return total

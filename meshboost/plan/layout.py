@@ -19,14 +19,14 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 
 @dataclass(frozen=True)
 class Layout:
-    """One layout the plugin can run: the mesh sizes (tp x pp x dp = the world; ep and sp refused as not
-    modelled yet), the ZeRO stage, precision, micro-batching and the memory switches."""
+    """One layout the plugin can run: the mesh sizes (tp x pp x dp x sp = the world; ep splits the
+    experts over ep of the dp ranks), the ZeRO stage, precision, micro-batching and the memory switches."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
     precision: str = "bf16"
-    ep: int = 1                     # > 1: refused, not modelled yet
+    ep: int = 1                     # experts split over ep of the dp ranks (ep divides dp)
     sp: int = 1                     # > 1: refused, not modelled yet
     zero: int = 0                   # 0, 1, 2 (3: refused, not modelled yet)
     microbatches: int = 1
@@ -44,7 +44,9 @@ class Layout:
 
     def describe(self) -> str:
         ckpt = ",ckpt" if self.checkpointing else ""
-        return (f"tp={self.tp},pp={self.pp},dp={self.dp},zero={self.zero},{self.precision},"
+        ep = f",ep={self.ep}" if self.ep > 1 else ""
+        ep += f",chunks={self.num_model_chunks}" if self.num_model_chunks > 1 else ""
+        return (f"tp={self.tp},pp={self.pp},dp={self.dp}{ep},zero={self.zero},{self.precision},"
                 f"mb={self.microbatches}x{self.microbatch_size}{ckpt}")
 
 
@@ -74,16 +76,12 @@ def parse_layout(text: str, **defaults) -> Layout:
 def refuse_unmodelled(layout: Layout) -> None:
     """NotImplementedError for the axes whose memory and traffic the planner does not model yet."""
     unmodelled = []
-    if layout.ep > 1:
-        unmodelled.append(f"ep={layout.ep} (expert parallelism)")
     if layout.sp > 1:
         unmodelled.append(f"sp={layout.sp} (context parallelism)")
     if layout.zero == 3:
         unmodelled.append("zero=3 (torch FSDP2)")
     if layout.cpu_offload:
         unmodelled.append("cpu_offload")
-    if layout.num_model_chunks > 1:
-        unmodelled.append(f"num_model_chunks={layout.num_model_chunks} (interleaved schedule)")
     if unmodelled:
         raise NotImplementedError(f"{', '.join(unmodelled)}: {NOT_MODELLED} by meshboost.plan; the plugin may run "
                                   "it, but the planner will not estimate it silently")

@@ -4,7 +4,8 @@ optimizer states, as `meshboost.optim.memory.memory_breakdown` counts them.
 Owns: applying meshboost's optimizer layouts to a rank's `ParamShard`s: without ZeRO,
 MixedPrecisionOptimizer's one fp32 master per half-precision weight (the weight itself in fp32);
 with ZeRO-1/2, ZeroOptimizer's buckets (meshboost's own `plan_buckets` on meta tensors carrying the
-shards' records; each bucket padded to a multiple of dp, rank r owning the r-th shard; in fp32 the
+shards' records; each bucket padded to a multiple of dp (of edp = dp / ep for an expert bucket), rank
+r owning the r-th shard; in fp32 the
 master is the owned slice of the weights' flat buffer, so only the padding inside it is new memory).
 AdamW keeps two moments in the masters' dtype (fp32). Gradients after backward: full working-dtype
 gradients, or the reduced shards where ZeRO has reduce-scattered them by then (stage 2; stage 1
@@ -13,6 +14,7 @@ with overlap_communication outside a pipeline). Must not allocate.
 
 from __future__ import annotations
 
+from meshboost.distributed.param_info import EXPERT, grad_reduction
 from meshboost.optim.zero import DEFAULT_BUCKET_ELEMENTS
 from meshboost.optim.zero_bucket import plan_buckets
 
@@ -26,8 +28,24 @@ def _owned_padding(numel: int, shard: int, dp_size: int, dp_rank: int) -> int:
     return max(0, min(hi, shard * dp_size) - max(lo, numel))
 
 
+def zero_buckets(shards, dp_size: int, dp_rank: int, ep_size: int = 1,
+                 bucket_elements: int = DEFAULT_BUCKET_ELEMENTS) -> list[tuple[int, int, int, bool]]:
+    """(real elements, partition size, this rank's index, expert) of each ZeRO bucket of a rank holding
+    `shards`: meshboost's `plan_buckets`; a dense bucket is partitioned over dp, an expert one over
+    the experts' replicas edp = dp / ep (this rank's edp index: dp_rank // ep)."""
+    out = []
+    for run in plan_buckets([s.meta_tensor() for s in shards], bucket_elements):
+        record = grad_reduction(run[0])
+        expert = record is not None and record.kind == EXPERT
+        size, rank = (dp_size // ep_size, dp_rank // ep_size) if expert else (dp_size, dp_rank)
+        numel = sum(p.numel() for p in run)
+        out.append((numel, size, rank, expert))
+    return out
+
+
 def state_bytes(shards, precision: str, zero_stage: int, dp_size: int, dp_rank: int = 0, pp_size: int = 1,
-                overlap_communication: bool = True, bucket_elements: int = DEFAULT_BUCKET_ELEMENTS) -> dict:
+                overlap_communication: bool = True, bucket_elements: int = DEFAULT_BUCKET_ELEMENTS,
+                ep_size: int = 1) -> dict:
     """{weights, gradients, masters, optimizer_states} bytes of one rank holding `shards`."""
     w = BYTES[precision]
     numel = sum(s.numel for s in shards)
@@ -35,13 +53,12 @@ def state_bytes(shards, precision: str, zero_stage: int, dp_size: int, dp_rank: 
         return {"weights": w * numel, "gradients": w * numel,
                 "masters": 0 if precision == "fp32" else 4 * numel,
                 "optimizer_states": ADAM_STATES * 4 * numel}
-    buckets = [sum(p.numel() for p in run) for run in plan_buckets([s.meta_tensor() for s in shards],
-                                                                     bucket_elements)]
-    shard_sizes = [-(-n // dp_size) for n in buckets]
+    buckets = zero_buckets(shards, dp_size, dp_rank, ep_size, bucket_elements)
+    shard_sizes = [-(-n // size) for n, size, _, _ in buckets]
     owned = sum(shard_sizes)
     reduced = zero_stage == 2 or (overlap_communication and pp_size == 1)
     if precision == "fp32":       # masters are views of the weights' padded flat buffer
-        masters = 4 * sum(_owned_padding(n, s, dp_size, dp_rank) for n, s in zip(buckets, shard_sizes))
+        masters = 4 * sum(_owned_padding(n, s, size, rank) for (n, size, rank, _), s in zip(buckets, shard_sizes))
     else:
         masters = 4 * owned
     return {"weights": w * numel, "gradients": w * (owned if reduced else numel), "masters": masters,
@@ -51,10 +68,13 @@ def state_bytes(shards, precision: str, zero_stage: int, dp_size: int, dp_rank: 
 def buffer_bytes(shards, precision: str, zero_stage: int, dp_size: int, pp_size: int,
                  bucket_elements: int = DEFAULT_BUCKET_ELEMENTS) -> int:
     """Communication buffers (an estimate, not measured): torch DDP's gradient buckets (a second copy
-    of the gradients, zero stage 0 without a pipeline), the pipeline's flat all-reduce of the
-    gradients, or ZeRO's flat reduce-scatter input of one bucket plus its fp32 gradient shard at step."""
+    of the gradients, zero stage 0 without a pipeline; DDP ignores expert weights), the pipeline's flat
+    all-reduce of the gradients, or ZeRO's flat reduce-scatter input of one bucket plus its fp32
+    gradient shard at step."""
     w = BYTES[precision]
     numel = sum(s.numel for s in shards)
+    if zero_stage == 0 and pp_size == 1:
+        numel -= sum(s.numel for s in shards if s.expert)
     if dp_size == 1 and zero_stage == 0:
         return 0
     if zero_stage == 0:

@@ -13,15 +13,20 @@ weights on both). Produces `ParamShard`s: local numel plus the records (`TensorP
 from __future__ import annotations
 
 import copy
+import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from meshboost.distributed.param_info import (
+    EXPERT,
+    GradReduction,
     PipelineTie,
     TensorParallelInfo,
     get_pipeline_tie,
+    set_grad_reduction,
     set_pipeline_tie,
     set_tp_info,
 )
@@ -37,6 +42,10 @@ class Split:
     num_fused: int = 1
     pad_to_multiple: int = 1
     replicas: int = 1
+    whole: bool = False         # not split: every rank holds it whole and its gradient is summed over tp
+
+
+SUMMED = Split(0, whole=True)   # a q/k norm shared by the heads, the experts' down bias: whole, summed over tp
 
 
 @dataclass
@@ -48,6 +57,13 @@ class ParamShard:
     numel: int                           # this rank's elements (padding included)
     tp_info: TensorParallelInfo | None
     tie: PipelineTie | None
+    shape: tuple[int, ...] = ()          # this rank's local shape (tp and ep splits applied)
+    tp_grad_sum: int = 0                 # elements of its gradient all-reduced over tp each backward
+
+    @property
+    def expert(self) -> bool:
+        """An expert-parallel weight (its gradient reduced over the experts' own replicas, edp)."""
+        return self.tp_info is not None and self.tp_info.expert_size > 1
 
     def meta_tensor(self) -> torch.Tensor:
         """A meta tensor of this shard's size carrying its records, for ZeRO's `plan_buckets`."""
@@ -56,6 +72,8 @@ class ParamShard:
             set_tp_info(t, self.tp_info)
         if self.tie is not None:
             set_pipeline_tie(t, self.tie)
+        if self.expert:
+            set_grad_reduction(t, GradReduction(EXPERT))
         return t
 
 
@@ -67,7 +85,7 @@ def _linear_dims(module: nn.Module) -> tuple[int, int]:
 
 def _style_splits(match, tp_size: int) -> dict[int, Split]:
     """id(param) -> Split for the parameters a matched style shards (what the style's apply does)."""
-    from meshboost.shardformer.styles import head_replicas
+    from meshboost.shardformer.styles import EXPERT_STYLES, head_replicas
 
     name, module, args = match.style.name, match.module, match.args
     weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
@@ -83,13 +101,24 @@ def _style_splits(match, tp_size: int) -> dict[int, Split]:
     elif name == "head_norm":
         replicas = head_replicas(args[0], tp_size, match.paths[0])
         for p in module.parameters(recurse=False):
-            if p.dim() == 2:
-                out[id(p)] = Split(0, 1, 1, replicas)
+            out[id(p)] = Split(0, 1, 1, replicas) if p.dim() == 2 else SUMMED
+    elif name == "replicated_grad_allreduce":
+        out.update({id(p): SUMMED for p in module.parameters(recurse=False)})
     elif name == "embedding_heads":
         out[id(weight)] = Split(1)
-    elif name not in ("block_input", "replicated_grad_allreduce", "heads_bias", "vocab_embedding"):
-        raise NotImplementedError(f"{match.paths[0]}: sharding style {name!r} is {NOT_MODELLED} by the planner "
-                                  "(MoE experts, expert parallelism)")
+    elif name in EXPERT_STYLES:          # what shard_experts_ splits (layers/experts.py)
+        from meshboost.shardformer.layers.experts import _biases, _fused, _up_name, expert_dims
+        g, d = expert_dims(module)
+        up_name = _up_name(module)
+        fused = _fused(module, interleaved=name == EXPERT_STYLES[1])
+        out[id(getattr(module, up_name))] = Split(g, fused)
+        out[id(module.down_proj)] = Split(d)
+        up_bias, _ = _biases(up_name)
+        if isinstance(getattr(module, up_bias, None), nn.Parameter):
+            out[id(getattr(module, up_bias))] = Split(1, fused)
+            out[id(module.down_proj_bias)] = SUMMED
+    elif name not in ("block_input", "heads_bias", "vocab_embedding"):
+        raise NotImplementedError(f"{match.paths[0]}: sharding style {name!r} is {NOT_MODELLED} by the planner")
     return out
 
 
@@ -132,13 +161,6 @@ def tp_info(shape: tuple[int, ...], split: Split, tp_rank: int, tp_size: int) ->
                               tp_size=tp_size, num_fused=split.num_fused, replicas=split.replicas)
 
 
-def _local_numel(shape: tuple[int, ...], info: TensorParallelInfo | None) -> int:
-    numel = 1
-    for i, s in enumerate(shape):
-        numel *= info.local_size if info is not None and i == info.dim else s
-    return numel
-
-
 def stage_holdings(model: nn.Module, pp_size: int, num_chunks: int = 1,
                    num_layers_per_stage: list[int] | None = None) -> list[dict[str, PipelineTie | None]]:
     """Per pipeline rank: {parameter name (the model's first name for it): its PipelineTie or None}, from
@@ -159,15 +181,39 @@ def stage_holdings(model: nn.Module, pp_size: int, num_chunks: int = 1,
     return out
 
 
+def expert_params(model: nn.Module, ep_size: int) -> set[int]:
+    """id(param) of every expert weight `ep_size` ranks split (meshboost's `check_expert_parallel`:
+    its refusals are the plugin's); empty at ep_size 1."""
+    if ep_size == 1:
+        return set()
+    from meshboost.shardformer.layers.expert_parallel import check_expert_parallel
+    return {id(p) for _, module in check_expert_parallel(model, ep_size) for p in module.parameters(recurse=False)}
+
+
 def rank_shards(model: nn.Module, splits: dict[int, Split], held: dict[str, PipelineTie | None], tp_rank: int,
-                tp_size: int) -> list[ParamShard]:
-    """The trainable parameters one (pp, tp) rank holds, in the order of `model.parameters()` (the
-    order of an optimizer built on it, and so of ZeRO's buckets)."""
+                tp_size: int, experts: set[int] = frozenset(), ep_size: int = 1) -> list[ParamShard]:
+    """The trainable parameters one (pp, tp, ep) rank holds, in the order of `model.parameters()` (the
+    order of an optimizer built on it, and so of ZeRO's buckets). `experts`: the ids
+    `expert_params` gives, each split on dim 0 into ep_size runs of experts, after the tp split
+    (`shard_expert_parallel_`'s record; every ep rank holds as many)."""
     out = []
     for name, p in model.named_parameters():
         if name not in held or not p.requires_grad:
             continue
         split = splits.get(id(p))
-        info = tp_info(tuple(p.shape), split, tp_rank, tp_size) if split is not None else None
-        out.append(ParamShard(name, p.numel(), _local_numel(tuple(p.shape), info), info, held[name]))
+        shape = tuple(p.shape)
+        info = tp_info(shape, split, tp_rank, tp_size) if split is not None and not split.whole else None
+        local = list(shape)
+        summed = p.numel() if split is not None and split.whole else 0
+        if info is not None:
+            local[info.dim] = info.local_size
+            if info.replicas > 1:        # `_sum_over_replicas`: one all-reduce of [num_shards, *local]
+                summed = info.num_shards * math.prod(local)
+        if id(p) in experts:
+            info = info or TensorParallelInfo(dim=p.dim() - 1, full_shape=shape, padded_size=shape[-1], tp_rank=0,
+                                              tp_size=1)
+            info = dataclasses.replace(info, expert_size=ep_size)
+            local[0] //= ep_size
+        numel = math.prod(local)
+        out.append(ParamShard(name, p.numel(), numel, info, held[name], tuple(local), summed if p.requires_grad else 0))
     return out

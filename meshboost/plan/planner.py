@@ -24,6 +24,10 @@ from meshboost.plan.model import build_meta_model, load_config, model_class
 
 GIB = 2 ** 30
 MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+# encoders whose layers end in a LayerNorm after the MLP (checkpointing's recompute reaches it)
+POST_NORM = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "ernie", "distilbert", "mpnet",
+             "data2vec-text")
+TOP_K_FIELDS = ("num_experts_per_tok", "moe_topk", "top_k")
 MEMORY_KEYS = ("weights", "gradients", "optimizer_states", "masters", "activations", "buffers")
 
 
@@ -88,7 +92,12 @@ class Planner:
         self.vocab_parallel_loss = uses_causal_lm_loss(self.meta)
         self.lm_head = self.meta.get_output_embeddings() is not None
         self._splits: dict[int, dict] = {}
-        self._holdings: dict[int, list] = {}
+        self._holdings: dict[tuple[int, int], list] = {}
+        self._experts: dict[int, set] = {}
+        from meshboost.shardformer.layers.expert_parallel import experts_modules
+        self.expert_paths = {path for path, _ in experts_modules(self.meta)}
+        self.top_k = next((getattr(self.config, f) for f in TOP_K_FIELDS
+                           if isinstance(getattr(self.config, f, None), int)), 0)
 
     # -- cached placement ---------------------------------------------------------------------------
     def splits(self, tp: int) -> dict:
@@ -96,19 +105,41 @@ class Planner:
             self._splits[tp] = params.tp_splits(self.meta, tp, self.vocab_multiple)
         return self._splits[tp]
 
-    def holdings(self, pp: int) -> list:
-        if pp not in self._holdings:
-            self._holdings[pp] = params.stage_holdings(self.meta, pp)
-        return self._holdings[pp]
+    def experts(self, ep: int) -> set:
+        """id(param) of the expert weights ep ranks split (the plugin's refusals for a model or ep it
+        cannot split)."""
+        if ep not in self._experts:
+            self._experts[ep] = params.expert_params(self.meta, ep)
+        return self._experts[ep]
+
+    def shards(self, layout: Layout, pp_rank: int, tp_rank: int) -> list:
+        return params.rank_shards(self.meta, self.splits(layout.tp), self.holdings(layout.pp, layout.num_model_chunks)[pp_rank],
+                                  tp_rank,
+                                  layout.tp, self.experts(layout.ep), layout.ep)
+
+    def holdings(self, pp: int, chunks: int = 1) -> list:
+        if (pp, chunks) not in self._holdings:
+            self._holdings[pp, chunks] = params.stage_holdings(self.meta, pp, chunks)
+        return self._holdings[pp, chunks]
+
+    def layer_counts(self, layout: Layout) -> list[int]:
+        """Layers each pipeline rank holds: virtual stage v = chunk x pp + rank (build_stages' rule)."""
+        from meshboost.pipeline import split_layers
+        ranges = split_layers(self.num_layers, layout.pp * layout.num_model_chunks)
+        return [sum(len(ranges[v]) for v in range(r, len(ranges), layout.pp)) for r in range(layout.pp)]
 
     # -- checks -------------------------------------------------------------------------------------
     def check(self, layout: Layout) -> None:
         """Raise what the planner (not modelled yet), the plugin, the sharder or the pipeline would
         raise for `layout` on this model and world."""
+        from meshboost.distributed.mesh import check_mesh_shape
+
         refuse_unmodelled(layout)
         plugin_config(layout)                       # the plugin's own validation and messages
+        check_mesh_shape(layout.world, layout.tp, layout.pp, layout.dp, layout.ep, layout.sp)
         self.splits(layout.tp)                      # the sharder's checks (heads divisible by tp, ...)
-        self.holdings(layout.pp)                    # the pipeline's (at most one stage per layer, ...)
+        self.experts(layout.ep)                     # expert parallelism's (ep dividing every layer's experts, ...)
+        self.holdings(layout.pp, layout.num_model_chunks)   # the pipeline's (at most one stage per layer, ...)
         if layout.world != self.gpus:
             raise ValueError(f"layout {layout.describe()} uses tp x pp x dp x sp = {layout.world} ranks, but the world "
                              f"has --gpus {self.gpus}")
@@ -121,38 +152,44 @@ class Planner:
     def rank_state(self, layout: Layout, pp_rank: int = 0, tp_rank: int = 0, dp_rank: int = 0) -> dict:
         """{weights, gradients, masters, optimizer_states} bytes predicted for one rank after backward
         (what `memory_breakdown` measures there); `layout` must have passed `check`."""
-        held = self.holdings(layout.pp)[pp_rank]
-        shards = params.rank_shards(self.meta, self.splits(layout.tp), held, tp_rank, layout.tp)
-        return memory.state_bytes(shards, layout.precision, layout.zero, layout.dp, dp_rank, layout.pp)
+        shards = self.shards(layout, pp_rank, tp_rank)
+        return memory.state_bytes(shards, layout.precision, layout.zero, layout.dp, dp_rank, layout.pp,
+                                  ep_size=layout.ep)
 
     def stage_activations(self, layout: Layout, pp_rank: int = 0, in_flight: int | None = None) -> int:
-        """Bytes saved for backward on pipeline rank `pp_rank` with `in_flight` micro-batches (default:
-        1F1B's peak, min(pp - rank, microbatches); 1 without a pipeline)."""
-        from meshboost.pipeline import split_layers
+        """Bytes saved for backward on pipeline rank `pp_rank` at its peak: 1F1B holds min(pp - rank,
+        microbatches) micro-batches of all its layers; the interleaved schedule min(W + 1, M x V)
+        chunk-micro-batches, W = 2 (pp - rank - 1) + (V - 1) pp its warm-up forwards (Megatron's
+        order), each of a chunk's layers (the rank's layers / V); 1 without a pipeline."""
+        chunks, m = layout.num_model_chunks, layout.microbatches
+        layers = self.layer_counts(layout)[pp_rank]
+        last = pp_rank == layout.pp - 1
+        model = self._activation_model(layout)
+        if chunks > 1 and in_flight is None:
+            units = min(2 * (layout.pp - pp_rank - 1) + (chunks - 1) * layout.pp + 1, m * chunks)
+            return units * layers * model.per_layer // chunks + (model.ends if last else 0)
         if in_flight is None:
-            in_flight = min(layout.pp - pp_rank, layout.microbatches) if layout.pp > 1 else 1
-        layers = len(split_layers(self.num_layers, layout.pp)[pp_rank])
-        return activations.stage_activation_bytes(self._activation_model(layout), layers, pp_rank == 0,
-                                                  pp_rank == layout.pp - 1, in_flight)
+            in_flight = min(layout.pp - pp_rank, m) if layout.pp > 1 else 1
+        return activations.stage_activation_bytes(model, layers, pp_rank == 0, last, in_flight)
 
     # -- the estimate -------------------------------------------------------------------------------
     def explain(self, layout: Layout) -> Estimate:
         self.check(layout)
-        splits, holdings = self.splits(layout.tp), self.holdings(layout.pp)
+        splits, holdings = self.splits(layout.tp), self.holdings(layout.pp, layout.num_model_chunks)
         tp_ranks = range(layout.tp) if any(s.replicas > 1 for s in splits.values()) else [0]
         dp_ranks = sorted({0, layout.dp - 1})
         act_model = self._activation_model(layout)
-        from meshboost.pipeline import split_layers
-        layer_counts = [len(r) for r in split_layers(self.num_layers, layout.pp)]
+        layer_counts = self.layer_counts(layout)
         stages, worst = [], None
-        for pp_rank, held in enumerate(holdings):
+        for pp_rank in range(len(holdings)):
             first, last = pp_rank == 0, pp_rank == layout.pp - 1
             act = self.stage_activations(layout, pp_rank)
             stage_worst = None
             for tp_rank in tp_ranks:
-                shards = params.rank_shards(self.meta, splits, held, tp_rank, layout.tp)
+                shards = self.shards(layout, pp_rank, tp_rank)
                 for dp_rank in dp_ranks:
-                    mem = memory.state_bytes(shards, layout.precision, layout.zero, layout.dp, dp_rank, layout.pp)
+                    mem = memory.state_bytes(shards, layout.precision, layout.zero, layout.dp, dp_rank, layout.pp,
+                                             ep_size=layout.ep)
                     mem["activations"] = act
                     mem["buffers"] = memory.buffer_bytes(shards, layout.precision, layout.zero, layout.dp, layout.pp)
                     mem = {k: int(mem[k]) for k in MEMORY_KEYS}
@@ -174,13 +211,13 @@ class Planner:
         notes = [] if act_model.exact_tp else [
             f"activations at tp={layout.tp}: {type(self.config).__name__} has no per-rank config (head_dim tied to "
             "the hidden size); approximated: 4 hidden-sized tensors per layer and 2 at the ends whole, the rest / tp"]
-        if any(isinstance(getattr(self.config, f, None), int) for f in MOE_FIELDS):
-            notes.append("MoE: weights, gradients and optimizer states follow meshboost's rules; activations were "
-                         "measured on fake tensors whose routing is not the real one (not validated), and the "
-                         "flops count every expert's parameters (the cost model is dense)")
+        if self.num_experts:
+            notes.append("MoE: activations and ep traffic per rank depend on the routing; predicted for the mean "
+                         "rank (tokens x top_k rows per rank, what the ep group receives in all), and the flops "
+                         "count every expert's parameters (the cost model is dense)")
         seconds = max(s["step_seconds"] for s in stages)
-        comm = {axis: max(s["comm_bytes_per_step"][axis] for s in stages) for axis in ("tp", "pp", "dp")}
-        comm.update(ep=0, sp=0)
+        comm = {axis: max(s["comm_bytes_per_step"][axis] for s in stages) for axis in stages[0]["comm_bytes_per_step"]}
+        comm.setdefault("sp", 0)
         return Estimate(layout, worst["memory_bytes"], stages, comm, seconds,
                         worst["memory_bytes"]["total"] <= self.headroom * self.memory_bytes, notes)
 
@@ -193,25 +230,32 @@ class Planner:
         return activations.activation_model(self.cls, self.config, layout.microbatch_size, self.seq,
                                             layout.precision, layout.tp, padded, layout.checkpointing)
 
+    @property
+    def num_experts(self) -> int:
+        return next((getattr(self.config, f) for f in MOE_FIELDS if isinstance(getattr(self.config, f, None), int)), 0)
+
     def _zero_buckets(self, layout: Layout, shards) -> int:
         """ZeRO-1/2's buckets (one reduce-scatter and one all-gather each), 1 otherwise."""
         if layout.zero not in (1, 2) or layout.dp == 1:
             return 1
-        from meshboost.optim.zero import DEFAULT_BUCKET_ELEMENTS
-        from meshboost.optim.zero_bucket import plan_buckets
-        return max(1, len(plan_buckets([s.meta_tensor() for s in shards], DEFAULT_BUCKET_ELEMENTS)))
+        return max(1, len(memory.zero_buckets(shards, layout.dp, 0, layout.ep)))
 
     def _comm(self, layout: Layout, shards, layers_held: int, first: bool, last: bool) -> dict:
-        local = sum(s.numel for s in shards)
-        padded = local
-        if layout.zero in (1, 2):
-            from meshboost.optim.zero import DEFAULT_BUCKET_ELEMENTS
-            from meshboost.optim.zero_bucket import plan_buckets
-            runs = plan_buckets([s.meta_tensor() for s in shards], DEFAULT_BUCKET_ELEMENTS)
-            padded = sum(-(-sum(p.numel() for p in run) // layout.dp) * layout.dp for run in runs)
-        tied = sum(s.numel for s in shards if s.tie is not None)
+        dense = [s for s in shards if not s.expert]
+        local = padded = sum(s.numel for s in dense)
+        expert_local = expert_padded = sum(s.numel for s in shards if s.expert)
+        if layout.zero in (1, 2):           # each bucket padded to a multiple of its group (dp, or edp)
+            buckets = memory.zero_buckets(shards, layout.dp, 0, layout.ep)
+            padded = sum(-(-n // size) * size for n, size, _, expert in buckets if not expert)
+            expert_padded = sum(-(-n // size) * size for n, size, _, expert in buckets if expert)
+        tied = sum(s.numel for s in dense if s.tie is not None)
+        moe = None
+        if self.expert_paths:
+            moe_layers = len({s.name.rsplit(".", 1)[0] for s in shards} & self.expert_paths)
+            moe = cost.MoeTraffic(moe_layers, self.top_k, self.num_experts, expert_local, expert_padded)
         return cost.comm_per_step(layout, self.hidden, layers_held, first, last, local, padded, self.seq, tied,
-                                  self.vocab_parallel_loss, self.lm_head)
+                                  self.vocab_parallel_loss, self.lm_head, moe, sum(s.tp_grad_sum for s in shards),
+                                  self.config.model_type in POST_NORM)
 
     # -- search -------------------------------------------------------------------------------------
     def candidates(self, zero_stages=(0, 1, 2), checkpointing=(False, True)) -> list[Layout]:

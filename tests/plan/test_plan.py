@@ -70,23 +70,42 @@ def test_invalid_layout_gives_the_plugins_message(capsys):
     assert str(planned.value) == str(plugin.value)
 
 
-def test_unmodelled_axes_are_refused():
-    from meshboost.plan.layout import Layout, refuse_unmodelled
-    for layout in (Layout(ep=2), Layout(sp=2), Layout(zero=3), Layout(zero=1, cpu_offload=True)):
-        with pytest.raises(NotImplementedError, match="not modelled yet"):
-            refuse_unmodelled(layout)
-
-
-def test_predicted_matches_measured_tp2():
+def test_predicted_matches_measured():
+    """One spawned group of 2: a dense tp layout and an MoE's expert-parallel one (experts dealt out
+    over ep, their ZeRO buckets of their own), predicted from the config against the tensors."""
     from benchmarks.plan_accuracy import compare, measure
 
-    case = ("llama", dict(tp=2, precision="bf16"))
-    (ranks,) = measure([case])
-    errors = compare(*case, ranks)
-    for key in ("weights", "gradients", "masters", "optimizer_states"):
-        assert errors[key][0] < 0.01, (key, errors[key])
-    assert errors["activations"][0] < 0.05
-    assert errors["comm tp"][0] < 0.01             # comm_counter's payload bytes over tp
+    cases = [("llama", dict(tp=2, precision="bf16")), ("qwen3_moe", dict(dp=2, ep=2, zero=1, precision="fp32"))]
+    for case, ranks in zip(cases, measure(cases)):
+        errors = compare(*case, ranks)
+        for key in ("weights", "gradients", "masters", "optimizer_states"):
+            assert errors[key][0] < 0.01, (case, key, errors[key])
+        assert errors["activations"][0] < 0.05, (case, errors["activations"])
+        comm = {key: value for key, value in errors.items() if key.startswith("comm")}
+        assert comm and all(err == 0 for err, _, _ in comm.values()), (case, comm)   # comm_counter's payload bytes
+
+
+QWEN3_30B_A3B = ("hidden_size=2048,intermediate_size=6144,moe_intermediate_size=768,num_hidden_layers=48,"
+                 "num_attention_heads=32,num_key_value_heads=4,head_dim=128,num_experts=128,num_experts_per_tok=8,"
+                 "vocab_size=151936,max_position_embeddings=32768,tie_word_embeddings=false")
+
+
+def test_moe_expert_parallel_plan(capsys):
+    """Qwen3-30B-A3B on 16 GPUs: ep splits the experts (the weights per rank drop by ~ep), its ZeRO
+    buckets partition over edp = dp / ep, and ep that does not divide dp is the mesh's own error."""
+    argv = ["--model", "qwen3_moe", "--set", QWEN3_30B_A3B, "--gpus", "16", "--nodes", "2", "--seq", "4096",
+            "--global-batch", "64", "--json"]
+    assert main([*argv, "--layout", "tp=2,ep=8,zero=1,ckpt=1"]) == 0
+    (ep8,) = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--layout", "tp=2,zero=1,ckpt=1"]) == 0
+    (ep1,) = json.loads(capsys.readouterr().out)
+    assert ep8["layout"]["ep"] == 8 and ep8["comm_bytes_per_step"]["ep"] > 0 == ep1["comm_bytes_per_step"]["ep"]
+    # 30.5e9 parameters, 29.0e9 of them experts: per rank 29.0e9 / (tp=2 x ep=8) + 1.5e9 / tp=2 (attention,
+    # router, vocab-parallel embedding and head) = 2.58e9 bf16 weights; 15.3e9 without ep
+    weights8, weights1 = ep8["memory_bytes_per_rank"]["weights"], ep1["memory_bytes_per_rank"]["weights"]
+    assert 2 * 2.5e9 < weights8 < 2 * 2.7e9 and 2 * 15.0e9 < weights1 < 2 * 15.6e9
+    assert main([*argv, "--layout", "tp=2,ep=3,zero=1"]) == 2
+    assert "ep_size=3 does not divide the data-parallel size 8" in capsys.readouterr().err
 
 
 def _planned_plugin_body(rank, world):
