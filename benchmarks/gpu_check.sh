@@ -2,7 +2,9 @@
 # One command for a CUDA machine (issue 15): installs what is missing, runs the suite's CUDA tests (a
 # world of one over NCCL; tensor parallelism over NCCL with 2+ GPUs), then measures model FLOPs
 # utilisation of a ~1B-parameter Llama in bf16 (flash attention, fused norms) at tp=1, printing
-# tokens/s, MFU and peak memory. Budget: under 8 minutes on one H100/H200.
+# tokens/s, MFU and peak memory, and last the planner's predicted memory per rank against
+# torch.cuda.max_memory_allocated (benchmarks/plan_accuracy.py --cuda: the cases whose world fits the
+# GPUs). Budget: under 9 minutes on one H100/H200.
 #
 #   bash benchmarks/gpu_check.sh            # on the GPU machine, from any directory
 #   bash benchmarks/gpu_check.sh --dry-run  # anywhere: the same steps on CPU with a tiny model
@@ -22,7 +24,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 start=$SECONDS
 step() { echo "== gpu_check [$((SECONDS - start)) s] $*"; }
 
-step "1/4 packages"
+step "1/5 packages"
 if ! "$PY" -c "import torch, transformers, safetensors, pytest" 2>/dev/null; then
   timeout 120 "$PY" -m pip install -q "torch>=2.4" "transformers>=5.0" safetensors pytest
 fi
@@ -34,20 +36,26 @@ if [ "$GPUS" = 0 ] && [ "$DRY" = 0 ]; then
   exit 1
 fi
 
-step "2/4 CUDA tests (tests/test_cuda.py: skipped without a GPU)"
+step "2/5 CUDA tests (tests/test_cuda.py: skipped without a GPU)"
 timeout 240 "$PY" -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider
 
-step "3/4 tensor parallelism over NCCL"
+step "3/5 tensor parallelism over NCCL"
 if [ "$GPUS" -ge 2 ]; then
   echo "covered by tests/test_cuda.py::test_tensor_parallel_over_nccl_matches_unsharded above ($GPUS GPUs)"
 else
   echo "skipped: $GPUS GPU(s); needs 2"
 fi
 
-step "4/4 model FLOPs utilisation"
+step "4/5 model FLOPs utilisation"
 if [ "$DRY" = 1 ]; then
   timeout 120 "$PY" benchmarks/gpu_mfu.py --dry-run
 else
   timeout 240 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/gpu_mfu.py
+fi
+step "5/5 planner: predicted memory per rank against max_memory_allocated"
+if [ "$DRY" = 1 ]; then
+  timeout 120 "$PY" benchmarks/plan_accuracy.py --cuda --quick
+else
+  timeout 150 "$PY" benchmarks/plan_accuracy.py --cuda
 fi
 step "done"

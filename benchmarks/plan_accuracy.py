@@ -27,6 +27,7 @@ are what tests/plan/test_plan.py calls.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -72,6 +73,13 @@ CASES = [
     ("qwen3_moe", dict(pp=2, microbatches=2, precision="fp32")),
     # the interleaved schedule: 2 chunks per rank, each 1 layer
     ("llama", dict(pp=2, microbatches=4, num_model_chunks=2, precision="fp32")),
+    # ZeRO-3 (torch FSDP2: fp32 shards, dim 0 in ceil(d0 / dp) rows; dp=3 leaves the last rank fewer)
+    ("llama", dict(dp=2, zero=3, precision="bf16")),
+    ("llama", dict(dp=3, zero=3, precision="bf16")),
+    ("gpt2", dict(tp=2, dp=2, zero=3, precision="fp32")),
+    # cpu_offload: master shards and moments on the host (memory_breakdown counts them there)
+    ("llama", dict(dp=2, zero=1, cpu_offload=True, precision="bf16")),
+    ("gpt2", dict(dp=2, zero=2, cpu_offload=True, precision="fp32")),
 ]
 QUICK = [0, 2, 5, 8, 12, 23]
 # Per rank, an MoE's activations and ep traffic follow the routing (rows received); compared as the
@@ -80,8 +88,24 @@ QUICK = [0, 2, 5, 8, 12, 23]
 ROUTED = ("activations", "comm ep", "comm tp")
 
 
+# --cuda: one process per GPU and models large enough that the allocator's peak means something
+CUDA_CASES = [
+    ("llama", dict(precision="bf16")),
+    ("llama", dict(precision="bf16", checkpointing=True)),
+    ("gpt2", dict(precision="bf16")),
+    ("qwen3_moe", dict(precision="bf16")),
+    ("llama", dict(tp=2, precision="bf16")),
+    ("llama", dict(dp=2, zero=2, precision="bf16")),
+    ("qwen3_moe", dict(dp=2, ep=2, zero=1, precision="bf16")),
+]
+SPEC_ENV = "MESHBOOST_PLAN_SPEC"      # "cuda": spec_of's larger models (read in every spawned process too)
+
+
 def spec_of(family: str, batch: int = 12):
     from benchmarks.models import ModelSpec
+    if os.environ.get(SPEC_ENV) == "cuda":
+        return ModelSpec(family=family, layers=8, hidden=1024, heads=16, seq=1024, batch=8, vocab=32000,
+                         intermediate=1024 if family == "qwen3_moe" else None)
     # vocabulary 1000: not a multiple of 64 x tp, so the vocab-parallel padding is exercised
     return ModelSpec(family=family, layers=4, hidden=128, heads=4, seq=32, batch=batch, vocab=1000)
 
@@ -111,11 +135,14 @@ class PeakSaved:
     def __init__(self, model):
         self.live: dict = {}
         self.now = self.peak = 0
-        self.weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.weights = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
 
     def pack(self, t):
+        import torch.nn as nn
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
-        if key[0] in self.weights:          # a saved parameter: counted as weights
+        # a saved parameter (or a view of one: FSDP2's unsharded parameters live in storage gathered per
+        # forward): counted as weights
+        if key[0] in self.weights or isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
             return _Held(None, key, t)
         count, size = self.live.get(key, (0, t.numel() * t.element_size()))
         if count == 0:
@@ -135,6 +162,11 @@ class PeakSaved:
     def hooks(self):
         import torch
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda held: held.tensor)
+
+
+def _local(p):
+    """A DTensor's local shard (FSDP2), else the tensor."""
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 class _Held:
@@ -172,7 +204,7 @@ def measure_rank(family: str, fields: dict) -> dict:
 
     from benchmarks.models import build_model, make_batch
     from meshboost import Booster
-    from meshboost.distributed.profiling import comm_counter
+    from meshboost.distributed.profiling import comm_counter, dispatched_comm_counter
     from meshboost.optim.memory import memory_breakdown
     from meshboost.plan.layout import plugin_config
     from meshboost.plugins import HybridParallelPlugin
@@ -187,7 +219,7 @@ def measure_rank(family: str, fields: dict) -> dict:
     booster = Booster(plugin=plugin)
     model, optimizer, *_ = booster.boost(model, optimizer)
     mesh = plugin.mesh
-    batch = make_batch(spec, mesh.dp_size, mesh.dp_rank)
+    batch = make_batch(spec, mesh.dp_size, mesh.dp_rank, device=mesh.device)
     for _ in range(5):                     # until Adam has state (an fp16 step may be skipped)
         _step(booster, model, optimizer, batch, layout.pp)
         optimizer.step()
@@ -195,18 +227,28 @@ def measure_rank(family: str, fields: dict) -> dict:
         if len(optimizer.unwrap().state):
             break
     peak = PeakSaved(model.unwrap())
-    with comm_counter(mesh) as counted:
+    cuda = mesh.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    # zero=3: FSDP2 calls torch.distributed itself, so its dp traffic is what the dispatcher sees
+    witness = dispatched_comm_counter(mesh) if layout.zero == 3 else contextlib.nullcontext()
+    with comm_counter(mesh) as counted, witness as dispatched:
         with peak.hooks():
             _step(booster, model, optimizer, batch, layout.pp)
         measured = memory_breakdown(model.unwrap(), optimizer)
         optimizer.step()
     out = {key: measured[name] for key, name in STATE_KEYS.items()}
+    # the allocator's peak over that forward, backward and step (None on CPU)
+    out["max_allocated"] = torch.cuda.max_memory_allocated() if cuda else None
     out["comm"] = counted.summary()
+    if dispatched is not None:
+        out["comm"]["dp"] = dispatched.summary().get("dp", {"payload_bytes": 0})
     optimizer.zero_grad()
-    if layout.pp == 1:
+    if layout.pp == 1 and layout.zero != 3:
         micro = {k: v[:layout.microbatch_size] for k, v in batch.items()}
         out["activations"] = activation_bytes(model.unwrap(), lambda: model(**micro))
-    else:                                   # the stage's peak over the schedule's micro-batches in flight
+    else:    # the stage's peak over the schedule's micro-batches in flight (zero=3: its one micro-batch)
         out["activations"] = peak.peak
     out["ranks"] = (mesh.pp_rank, mesh.tp_rank, mesh.dp_rank)
     # ep = dp may be one process group, whose traffic comm_counter then labels ep
@@ -418,9 +460,39 @@ def ranking(constants_file: str | None = None, world: int = 2) -> float:
     return rho
 
 
+def cuda_accuracy(quick: bool = False) -> None:
+    """CUDA_CASES whose world fits the visible GPUs (on CPU, `--dry-run` of gpu_check.sh: the world-1
+    ones, without the allocator column): the table's rows, then per case the predicted total per rank
+    (weights, gradients, masters, states, activations, buffers) against max_memory_allocated over the
+    measured step, which also holds what the planner does not count (autograd's transient buffers,
+    the logits' loss intermediates, allocator rounding)."""
+    import torch
+    gpus = torch.cuda.device_count()
+    cases = [(fam, f) for fam, f in CUDA_CASES if layout_of(f, spec_of(fam)).world <= max(gpus, 1)]
+    cases = cases[:1] if quick else cases
+    print(f"{gpus} CUDA device(s): {len(cases)} of {len(CUDA_CASES)} cases fit; model {spec_of('llama')}")
+    by_world: dict[int, list] = {}
+    for fam, f in cases:
+        by_world.setdefault(layout_of(f, spec_of(fam)).world, []).append((fam, f))
+    print(f"{'model':9s} {'layout':42s} {'predicted total':>15s} {'max_allocated':>13s} {'ratio':>6s}  worst state/act err")
+    for world, group in sorted(by_world.items()):
+        for (fam, f), ranks in zip(group, measure(group)):
+            layout = layout_of(f, spec_of(fam))
+            planner = planner_for(spec_of(fam), layout)
+            total = planner.explain(layout).memory_bytes_per_rank["total"]
+            errors = compare(fam, f, ranks)
+            state = max(errors[k][0] for k in STATE_KEYS)
+            peak = max((r["max_allocated"] or 0) for r in ranks)
+            ratio = f"{peak / total:6.3f}" if peak else "   n/a"
+            print(f"{fam:9s} {layout.describe():42s} {total:15d} {peak or 0:13d} {ratio}  "
+                  f"{100 * state:.3f}% / {100 * errors['activations'][0]:.2f}%")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--cuda", action="store_true",
+                        help="CUDA_CASES on larger models (one process per GPU), also against torch.cuda.max_memory_allocated")
     parser.add_argument("--cases", default=None, help="comma list of CASES indices (e.g. 22,23) instead of all")
     parser.add_argument("--ranking", action="store_true", help="only the step-time ranking (calibrates first)")
     parser.add_argument("--constants", default=None, help="with --ranking: read the constants instead of calibrating")
@@ -429,6 +501,12 @@ def main() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if args.ranking:
         ranking(args.constants)
+        return
+    if args.cuda:
+        import torch
+        if torch.cuda.is_available():      # on CPU (gpu_check.sh --dry-run) the tiny models
+            os.environ[SPEC_ENV] = "cuda"
+        cuda_accuracy(quick=args.quick)
         return
     chosen = [int(i) for i in args.cases.split(",")] if args.cases else QUICK if args.quick else range(len(CASES))
     cases = [CASES[i] for i in chosen]

@@ -89,7 +89,7 @@ def load(path: str) -> CostConstants:
     constants = CostConstants(**data)
     for f in fields(CostConstants):
         value = getattr(constants, f.name)
-        if f.name != "source" and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+        if f.name != "source" and value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
             raise ValueError(f"{path}: cost constant {f.name}={value!r} must be a finite number >= 0")
     return constants
 

@@ -28,7 +28,7 @@ class Layout:
     precision: str = "bf16"
     ep: int = 1                     # experts split over ep of the dp ranks (ep divides dp)
     sp: int = 1                     # > 1: refused, not modelled yet
-    zero: int = 0                   # 0, 1, 2 (3: refused, not modelled yet)
+    zero: int = 0                   # 0, 1, 2 (meshboost's ZeRO), 3 (torch FSDP2)
     microbatches: int = 1
     microbatch_size: int = 1
     checkpointing: bool = False
@@ -75,16 +75,9 @@ def parse_layout(text: str, **defaults) -> Layout:
 
 def refuse_unmodelled(layout: Layout) -> None:
     """NotImplementedError for the axes whose memory and traffic the planner does not model yet."""
-    unmodelled = []
     if layout.sp > 1:
-        unmodelled.append(f"sp={layout.sp} (context parallelism)")
-    if layout.zero == 3:
-        unmodelled.append("zero=3 (torch FSDP2)")
-    if layout.cpu_offload:
-        unmodelled.append("cpu_offload")
-    if unmodelled:
-        raise NotImplementedError(f"{', '.join(unmodelled)}: {NOT_MODELLED} by meshboost.plan; the plugin may run "
-                                  "it, but the planner will not estimate it silently")
+        raise NotImplementedError(f"sp={layout.sp} (context parallelism): {NOT_MODELLED} by meshboost.plan; the "
+                                  "plugin may run it, but the planner will not estimate it silently")
 
 
 def plugin_config(layout: Layout):
@@ -112,11 +105,12 @@ def divisors(n: int) -> list[int]:
 
 
 def enumerate_layouts(world: int, global_batch: int, num_layers: int, precision: str, gpus_per_node: int,
-                      zero_stages=(0, 1, 2), checkpointing=(False, True)) -> list[Layout]:
+                      zero_stages=(0, 1, 2), checkpointing=(False, True), num_experts: int = 0) -> list[Layout]:
     """Every (tp, pp, dp) factorisation of `world` with tp inside a node, pp <= layers, dp dividing the
     global batch, each with ZeRO stages, checkpointing, and micro-batch counts dividing the per-replica
     batch (at least pp of them; without a pipeline they are gradient-accumulation steps, the
-    user's loop under `booster.no_sync`). The model's own checks (tp dividing heads, ...) run later."""
+    user's loop under `booster.no_sync`); for an MoE of `num_experts` experts, every ep dividing both dp
+    and the experts. The model's own checks (tp dividing heads, ...) run later."""
     out = []
     for tp in divisors(world):
         if tp > gpus_per_node:
@@ -128,9 +122,11 @@ def enumerate_layouts(world: int, global_batch: int, num_layers: int, precision:
             per_replica = global_batch // dp
             counts = sorted({m for m in (1, 2, 4, 8, pp, 2 * pp, 4 * pp, 8 * pp, per_replica)
                              if pp <= m <= per_replica and per_replica % m == 0} or {per_replica})
-            for m in counts:
-                for zero in zero_stages:
-                    for ckpt in checkpointing:
-                        out.append(Layout(tp=tp, pp=pp, dp=dp, zero=zero, precision=precision, microbatches=m,
-                                          microbatch_size=per_replica // m, checkpointing=ckpt))
+            eps = [e for e in divisors(dp) if num_experts and num_experts % e == 0] or [1]
+            for ep in eps:
+                for m in counts:
+                    for zero in zero_stages:
+                        for ckpt in checkpointing:
+                            out.append(Layout(tp=tp, pp=pp, dp=dp, ep=ep, zero=zero, precision=precision,
+                                              microbatches=m, microbatch_size=per_replica // m, checkpointing=ckpt))
     return out

@@ -107,16 +107,10 @@ def _style_splits(match, tp_size: int) -> dict[int, Split]:
     elif name == "embedding_heads":
         out[id(weight)] = Split(1)
     elif name in EXPERT_STYLES:          # what shard_experts_ splits (layers/experts.py)
-        from meshboost.shardformer.layers.experts import _biases, _fused, _up_name, expert_dims
-        g, d = expert_dims(module)
-        up_name = _up_name(module)
-        fused = _fused(module, interleaved=name == EXPERT_STYLES[1])
-        out[id(getattr(module, up_name))] = Split(g, fused)
-        out[id(module.down_proj)] = Split(d)
-        up_bias, _ = _biases(up_name)
-        if isinstance(getattr(module, up_bias, None), nn.Parameter):
-            out[id(getattr(module, up_bias))] = Split(1, fused)
-            out[id(module.down_proj_bias)] = SUMMED
+        from meshboost.shardformer.layers.experts import expert_splits
+        split = expert_splits(module, interleaved=name == EXPERT_STYLES[1])
+        for pname, p in module.named_parameters(recurse=False):
+            out[id(p)] = Split(*split[pname]) if pname in split else SUMMED     # the down bias: whole
     elif name not in ("block_input", "heads_bias", "vocab_embedding"):
         raise NotImplementedError(f"{match.paths[0]}: sharding style {name!r} is {NOT_MODELLED} by the planner")
     return out

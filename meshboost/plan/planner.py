@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from meshboost.plan import activations, cost, memory, params
+from meshboost.plan import activations, cost, memory, params, sharded
 from meshboost.plan.layout import (
     Layout,
     enumerate_layouts,
@@ -152,9 +152,28 @@ class Planner:
     def rank_state(self, layout: Layout, pp_rank: int = 0, tp_rank: int = 0, dp_rank: int = 0) -> dict:
         """{weights, gradients, masters, optimizer_states} bytes predicted for one rank after backward
         (what `memory_breakdown` measures there); `layout` must have passed `check`."""
-        shards = self.shards(layout, pp_rank, tp_rank)
-        return memory.state_bytes(shards, layout.precision, layout.zero, layout.dp, dp_rank, layout.pp,
-                                  ep_size=layout.ep)
+        device, host = self._state(layout, self.shards(layout, pp_rank, tp_rank), dp_rank)
+        return {**device, **{k: host[k] for k in ("masters", "optimizer_states") if k in host}}
+
+    def _state(self, layout: Layout, shards, dp_rank: int) -> tuple[dict, dict]:
+        """(device bytes {weights, gradients, masters, optimizer_states}, host bytes by kind) of one rank."""
+        if layout.zero == 3:
+            return sharded.fsdp_state_bytes(shards, layout.precision, layout.dp, dp_rank), {}
+        state = memory.state_bytes(shards, layout.precision, layout.zero, layout.dp, dp_rank, layout.pp,
+                                   ep_size=layout.ep)
+        return sharded.offload_split(state, layout.precision, layout.zero) if layout.cpu_offload else (state, {})
+
+    def _buffers(self, layout: Layout, shards, dp_rank: int) -> int:
+        if layout.zero == 3:     # FSDP2's gathers and reductions, and its shards' padding rows
+            return (sharded.fsdp_buffer_bytes(shards, layout.precision, layout.dp, self.layer_prefixes)
+                    + sharded.fsdp_padding_bytes(shards, layout.dp, dp_rank))
+        return memory.buffer_bytes(shards, layout.precision, layout.zero, layout.dp, layout.pp)
+
+    @property
+    def layer_prefixes(self) -> list[str]:
+        """FSDP2's units under zero=3: meshboost's `transformer_layers` (the rest is the root's)."""
+        from meshboost.plugins.fsdp_wrap import transformer_layers
+        return [name for name, _ in transformer_layers(self.meta)]
 
     def stage_activations(self, layout: Layout, pp_rank: int = 0, in_flight: int | None = None) -> int:
         """Bytes saved for backward on pipeline rank `pp_rank` at its peak: 1F1B holds min(pp - rank,
@@ -188,12 +207,13 @@ class Planner:
             for tp_rank in tp_ranks:
                 shards = self.shards(layout, pp_rank, tp_rank)
                 for dp_rank in dp_ranks:
-                    mem = memory.state_bytes(shards, layout.precision, layout.zero, layout.dp, dp_rank, layout.pp,
-                                             ep_size=layout.ep)
+                    mem, host = self._state(layout, shards, dp_rank)
                     mem["activations"] = act
-                    mem["buffers"] = memory.buffer_bytes(shards, layout.precision, layout.zero, layout.dp, layout.pp)
+                    mem["buffers"] = self._buffers(layout, shards, dp_rank)
                     mem = {k: int(mem[k]) for k in MEMORY_KEYS}
                     mem["total"] = sum(mem.values())
+                    if host:                    # cpu_offload: host memory, outside the device total
+                        mem["host"] = int(sum(host.values()))
                     if stage_worst is None or mem["total"] > stage_worst[0]["total"]:
                         stage_worst = (mem, shards, tp_rank, dp_rank)
             mem, shards, tp_rank, dp_rank = stage_worst
@@ -235,7 +255,10 @@ class Planner:
         return next((getattr(self.config, f) for f in MOE_FIELDS if isinstance(getattr(self.config, f, None), int)), 0)
 
     def _zero_buckets(self, layout: Layout, shards) -> int:
-        """ZeRO-1/2's buckets (one reduce-scatter and one all-gather each), 1 otherwise."""
+        """ZeRO-1/2's buckets (one reduce-scatter and one all-gather each), FSDP2's units (zero=3), 1
+        otherwise."""
+        if layout.zero == 3 and layout.dp > 1:
+            return len(sharded.fsdp_units(shards, self.layer_prefixes))
         if layout.zero not in (1, 2) or layout.dp == 1:
             return 1
         return max(1, len(memory.zero_buckets(shards, layout.dp, 0, layout.ep)))
@@ -249,18 +272,24 @@ class Planner:
             padded = sum(-(-n // size) * size for n, size, _, expert in buckets if not expert)
             expert_padded = sum(-(-n // size) * size for n, size, _, expert in buckets if expert)
         tied = sum(s.numel for s in dense if s.tie is not None)
+        fsdp = sharded.fsdp_comm_bytes(shards, layout.precision, layout.dp, self.layer_prefixes) \
+            if layout.zero == 3 else []
         moe = None
         if self.expert_paths:
             moe_layers = len({s.name.rsplit(".", 1)[0] for s in shards} & self.expert_paths)
             moe = cost.MoeTraffic(moe_layers, self.top_k, self.num_experts, expert_local, expert_padded)
-        return cost.comm_per_step(layout, self.hidden, layers_held, first, last, local, padded, self.seq, tied,
+        comm = cost.comm_per_step(layout, self.hidden, layers_held, first, last, local, padded, self.seq, tied,
                                   self.vocab_parallel_loss, self.lm_head, moe, sum(s.tp_grad_sum for s in shards),
                                   self.config.model_type in POST_NORM)
+        for op in ("all_gather", "reduce_scatter"):     # FSDP2's, per op (calls: _zero_buckets)
+            if any(o == op for o, _ in fsdp):
+                comm["dp"].append((op, sum(n for o, n in fsdp if o == op)))
+        return comm
 
     # -- search -------------------------------------------------------------------------------------
     def candidates(self, zero_stages=(0, 1, 2), checkpointing=(False, True)) -> list[Layout]:
         return enumerate_layouts(self.gpus, self.global_batch, self.num_layers, self.precision, self.gpus_per_node,
-                                 zero_stages, checkpointing)
+                                 zero_stages, checkpointing, self.num_experts)
 
     def rank(self, include_unfit: bool = False, **kwargs) -> tuple[list[Estimate], list[tuple[Layout, str]]]:
         """(estimates of every valid layout, fitting ones first, fastest first; [(layout, why refused)])."""

@@ -131,6 +131,20 @@ def check_experts(path: str, module: nn.Module, tp_size: int, interleaved: bool 
                          "tp_size=1")
 
 
+def expert_splits(module: nn.Module, interleaved: bool = False) -> dict[str, tuple[int, int]]:
+    """{parameter name: (dim, fused blocks)} of what `shard_experts_` splits over tp: the up projection
+    on its intermediate dim, down_proj on its own, the up bias with the up rows; the down bias (if
+    any) stays whole, its gradient summed over tp. The planner (meshboost.plan) reads it."""
+    g, d = expert_dims(module)
+    up_name = _up_name(module)
+    fused = _fused(module, interleaved)
+    out = {up_name: (g, fused), "down_proj": (d, 1)}
+    up_bias, down_bias = _biases(up_name)
+    if isinstance(getattr(module, down_bias, None), nn.Parameter):
+        out[up_bias] = (1, fused)
+    return out
+
+
 def shard_experts_(module: nn.Module, group, interleaved: bool = False) -> None:
     """Split every expert of `module` over `group` on its intermediate dimension, in place (the same
     parameter objects, each with its tensor-parallel record), and install f before and g after its
