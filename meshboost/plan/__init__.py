@@ -4,8 +4,8 @@ Owns the package's public names: `plan(...)` (also callable as `meshboost.plan(.
 `meshboost.plan` is imported: the module is callable), `Planner`, `Estimate`, `Layout`,
 `parse_layout`, `CostConstants`. The rules live in the modules: model.py (config and meta model), calibrate.py
 (measuring this machine's cost constants, or known-GPU defaults),
-params.py (tp splits and pipeline stages, meshboost's own), memory.py (optimizer layouts and ZeRO
-padding), activations.py (saved-for-backward bytes on fake tensors), cost.py (traffic and time),
+params.py (tp and ep splits and pipeline stages, meshboost's own), memory.py (optimizer layouts and
+ZeRO padding), sharded.py (ZeRO-3's FSDP2 shards, cpu offload), activations.py (saved-for-backward bytes on fake tensors), cost.py (traffic and time),
 layout.py (layouts, the plugin's checks, enumeration), planner.py (putting them together),
 __main__.py (`python -m meshboost.plan`). docs/planner.md says what is modelled and what is not.
 """

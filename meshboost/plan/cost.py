@@ -170,9 +170,11 @@ def comm_per_step(layout, hidden: int, layers_held: int, first: bool, last: bool
             out["tp"].append(("all_reduce", m * tp_grad_sum * w))
         if vocab_parallel_loss and last:
             out["tp"].append(("all_reduce", 3 * 4 * tokens * m))
-    if layout.tp * layout.pp > 1:         # the input check: per forward call, one per pipeline step
-        calls = 1 if layout.pp > 1 else m
-        out["tp" if layout.pp == 1 else "pp"].append(("all_gather", calls * INPUT_CHECK_BYTES * layout.tp * layout.pp))
+    # the input check: per forward call (one per pipeline step), an all-gather over tp and one over pp
+    calls = 1 if layout.pp > 1 else m
+    for axis in ("tp", "pp"):
+        if getattr(layout, axis) > 1:
+            out[axis].append(("all_gather", calls * INPUT_CHECK_BYTES * getattr(layout, axis)))
     if layout.pp > 1:
         # interleaved: every chunk sends on, but the last rank's last chunk (forward) and the first
         # rank's first chunk (backward)

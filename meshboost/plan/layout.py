@@ -3,8 +3,8 @@
 Owns: `Layout` (tp, pp, dp, ep, sp, ZeRO stage, precision, micro-batches and their size, activation
 checkpointing), parsing `--layout tp=2,pp=2,zero=1,...`, building the `HybridParallelConfig` a layout
 stands for (so the plugin's own checks raise their own messages: nothing is copied here), refusing
-the axes the planner does not model yet (ep, sp, ZeRO-3, cpu offload, interleaved schedules), and
-enumerating every factorisation of the world that the model and the plugin accept. Must not
+the axis the planner does not model yet (sp), and enumerating every factorisation of the world (and
+ep, for an MoE) that the model and the plugin accept. Must not
 estimate memory or time (memory.py, cost.py).
 """
 

@@ -1,12 +1,14 @@
 """Which parameters, of which local size, one rank of a layout holds: meshboost's own rules, run on
 the meta model.
 
-Owns: reading the tensor-parallel split of every parameter from the sharder's own validated plan
-(`ShardFormer._validate` on the meta model: the policy's patterns matched against its module names,
-the vocab-parallel embedding and LM head, and every refusal the plugin would raise) and the pipeline
+Owns: reading the tensor-parallel split of every parameter (experts included: `expert_splits`; the
+whole ones whose gradient is summed over tp marked SUMMED) from the sharder's own validated plan
+(`ShardFormer.validate`, the sharder's dry run, on the meta model: the policy's patterns matched
+against its module names, the vocab-parallel embedding and LM head, and every refusal the plugin would raise) and the pipeline
 stage each parameter lives on (meshboost's `build_stages` run on a meta copy per pipeline rank: the
 layers `split_layers` gives it, embeddings on the first stage, tail and heads on the last, tied
-weights on both). Produces `ParamShard`s: local numel plus the records (`TensorParallelInfo`,
+weights on both), and the expert-parallel split (`check_expert_parallel`'s experts, dim 0 / ep).
+Produces `ParamShard`s: local numel plus the records (`TensorParallelInfo`,
 `PipelineTie`) ZeRO's bucketing reads. Must not allocate: everything stays on meta.
 """
 
@@ -125,7 +127,7 @@ def tp_splits(model: nn.Module, tp_size: int, make_vocab_size_divisible_by: int 
     from meshboost.shardformer.policies import get_policy
 
     policy = get_policy(model)
-    plan = ShardFormer(ShardConfig(make_vocab_size_divisible_by=make_vocab_size_divisible_by))._validate(
+    plan = ShardFormer(ShardConfig(make_vocab_size_divisible_by=make_vocab_size_divisible_by)).validate(
         model, policy, tp_size)
     splits: dict[int, Split] = {}
     for match in plan.matches:

@@ -61,7 +61,7 @@ class _Match:
 
 @dataclass
 class _Plan:
-    """Everything `_apply` will do, decided by `_validate` before anything is modified."""
+    """Everything `_apply` will do, decided by `validate` (the dry run: pure, nothing modified) before anything is modified."""
 
     matches: list[_Match]
     attributes: list[tuple[nn.Module, str, object]] = field(default_factory=list)   # (module, attr, value)
@@ -251,7 +251,7 @@ class ShardFormer:
                              "start over, build a fresh model (or load its checkpoint into one)")
         if tp_size > 1:
             policy = policy or get_policy(model)
-            plan = self._validate(model, policy, tp_size)
+            plan = self.validate(model, policy, tp_size)
             self._apply(model, policy, plan)
             for what in policy.replicated:
                 say("meshboost: %s of %s has no tensor-parallel plan: it stays whole on every tp rank (exact: every "
@@ -276,7 +276,7 @@ class ShardFormer:
         return model, tied_parameters(model)
 
     # -- validation: pure, identical on every rank ---------------------------------------------
-    def _validate(self, model: nn.Module, policy: Policy, tp_size: int) -> _Plan:
+    def validate(self, model: nn.Module, policy: Policy, tp_size: int) -> _Plan:
         config = getattr(model, "config", None)
         if policy.check is not None:
             policy.check(config, tp_size)
