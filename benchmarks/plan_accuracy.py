@@ -4,8 +4,8 @@
     python benchmarks/plan_accuracy.py --quick    # a few cases
     python benchmarks/plan_accuracy.py --ranking  # predicted against measured step-time order
 
-`--ranking`: calibrates the cost constants first (`meshboost.plan.calibrate`, the same processes and
-threads as the measurement), then for one model and world (RANKING_SPEC, RANKING_LAYOUTS: a small
+`--ranking` (benchmarks/plan_ranking.py): calibrates the cost constants first
+(`meshboost.plan.calibrate`, the same processes and threads as the measurement), then for one model and world (RANKING_SPEC, RANKING_LAYOUTS: a small
 Llama on 2 processes, tp / pp and its micro-batches / dp / ZeRO / checkpointing) boosts the model with
 each layout's plugin (all of them at once), runs RANKING_WARMUP rounds and times RANKING_STEPS more
 (a round: one step of every layout, so that background load falls on all alike; per layout the
@@ -333,133 +333,6 @@ def compare(family: str, fields: dict, measured_ranks: list[dict]) -> dict:
     return out
 
 
-# -- the ranking: measured against predicted step time ------------------------------------------------
-RANKING_LAYOUTS = [
-    dict(tp=2, precision="fp32"),
-    dict(tp=2, precision="fp32", checkpointing=True),
-    dict(dp=2, zero=0, precision="fp32"),
-    dict(dp=2, zero=1, precision="fp32"),
-    dict(dp=2, zero=2, precision="fp32", checkpointing=True),
-    dict(pp=2, microbatches=2, precision="fp32"),
-    dict(pp=2, microbatches=4, precision="fp32"),
-    dict(pp=2, microbatches=8, precision="fp32"),
-]
-RANKING_WARMUP, RANKING_STEPS = 3, 10
-
-
-def ranking_spec():
-    from benchmarks.models import ModelSpec
-    return ModelSpec(family="llama", layers=4, hidden=256, heads=4, seq=64, batch=8, vocab=1000)
-
-
-def _ranking_worker(rank: int, world: int, layouts: list, outdir: str) -> None:
-    """Every layout boosted at once, then timed in rounds (one step of each layout per round), so that
-    a change in the machine's background load during the run falls on every layout alike."""
-    import json
-    import time
-
-    import torch
-    import torch.distributed as dist
-
-    from benchmarks.models import build_model, make_batch
-    from meshboost import Booster
-    from meshboost.plan.layout import plugin_config
-    from meshboost.plugins import HybridParallelPlugin
-
-    spec = ranking_spec()
-    runs = []
-    for fields in layouts:
-        layout = layout_of(fields, spec)
-        plugin = HybridParallelPlugin(plugin_config(layout))
-        model = build_model(spec)
-        if layout.checkpointing:
-            model.gradient_checkpointing_enable({"use_reentrant": False})
-        booster = Booster(plugin=plugin)
-        model, optimizer, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
-        runs.append((layout, booster, model, optimizer, make_batch(spec, plugin.mesh.dp_size, plugin.mesh.dp_rank)))
-    seconds: list[list[float]] = [[] for _ in layouts]
-    for i in range(RANKING_WARMUP + RANKING_STEPS):
-        for j, (layout, booster, model, optimizer, batch) in enumerate(runs):
-            dist.barrier()
-            start = time.perf_counter()
-            _step(booster, model, optimizer, batch, layout.pp)
-            optimizer.step()
-            optimizer.zero_grad()
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)      # the step ends when the slowest rank's does
-            if i >= RANKING_WARMUP:
-                seconds[j].append(float(elapsed))
-    times = [sorted(s)[len(s) // 2] for s in seconds]
-    if rank == 0:
-        with open(os.path.join(outdir, "times.json"), "w") as f:
-            json.dump(times, f)
-
-
-def measure_step_times(layouts: list[dict], world: int = 2) -> list[float]:
-    """Median measured seconds per step of each layout (world processes, spawned)."""
-    import json
-
-    from meshboost.testing.spawn import spawn
-    with tempfile.TemporaryDirectory() as outdir:
-        spawn(_ranking_worker, world, layouts, outdir)
-        return json.load(open(os.path.join(outdir, "times.json")))
-
-
-def spearman(a: list[float], b: list[float]) -> float:
-    """Spearman's rank correlation (ties get their average rank)."""
-    def ranks(xs):
-        order = sorted(range(len(xs)), key=lambda i: xs[i])
-        out = [0.0] * len(xs)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                out[order[k]] = (i + j) / 2
-            i = j + 1
-        return out
-    ra, rb = ranks(a), ranks(b)
-    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
-    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
-    return cov / var if var else 0.0
-
-
-def ranking(constants_file: str | None = None, world: int = 2) -> float:
-    """Calibrate (or read `constants_file`), measure and predict RANKING_LAYOUTS; print; the Spearman."""
-    from meshboost.plan import calibrate
-    spec = ranking_spec()
-    if constants_file:
-        constants = calibrate.load(constants_file)
-    else:
-        constants = calibrate.calibrate(world, RANKING_LAYOUTS[0]["precision"])
-    print(f"cost constants: {constants.source}")
-    measured = measure_step_times(RANKING_LAYOUTS, world)
-    predicted, terms = [], []
-    for fields in RANKING_LAYOUTS:
-        layout = layout_of(fields, spec)
-        planner = planner_for(spec, layout)
-        planner.constants = constants
-        estimate = planner.explain(layout)
-        predicted.append(estimate.step_seconds)
-        slowest = max(estimate.per_stage, key=lambda s: s["step_seconds"])
-        terms.append(slowest["step_seconds_terms"])
-    print(f"{spec.family} layers={spec.layers} hidden={spec.hidden} seq={spec.seq} global batch={spec.batch}, "
-          f"world {world}: median of {RANKING_STEPS} steps after {RANKING_WARMUP} warm-up, layouts interleaved")
-    print(f"{'layout':40s} {'measured s':>10s} {'predicted s':>11s} {'rank m/p':>8s}   predicted terms (s)")
-    order_m = {i: r for r, i in enumerate(sorted(range(len(measured)), key=measured.__getitem__))}
-    order_p = {i: r for r, i in enumerate(sorted(range(len(predicted)), key=predicted.__getitem__))}
-    for i, fields in enumerate(RANKING_LAYOUTS):
-        t = terms[i]
-        detail = " ".join(f"{k} {t[k]:.4f}" for k in ("compute", "overhead", "tp", "pp", "dp", "optimizer"))
-        print(f"{layout_of(fields, spec).describe():40s} {measured[i]:10.4f} {predicted[i]:11.4f} "
-              f"{order_m[i] + 1:>4d}/{order_p[i] + 1:<3d}   {detail}")
-    rho = spearman(measured, predicted)
-    print(f"Spearman rank correlation over {len(measured)} layouts: {rho:.3f}")
-    return rho
-
-
 def cuda_accuracy(quick: bool = False) -> None:
     """CUDA_CASES whose world fits the visible GPUs (on CPU, `--dry-run` of gpu_check.sh: the world-1
     ones, without the allocator column): the table's rows, then per case the predicted total per rank
@@ -500,6 +373,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if args.ranking:
+        from benchmarks.plan_ranking import ranking
         ranking(args.constants)
         return
     if args.cuda:
