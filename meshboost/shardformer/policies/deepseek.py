@@ -92,6 +92,8 @@ def _mlp_policy(config) -> Policy | None:
         plan = {k: v for k, v in plan.items() if not any(k == m or k.startswith(m + ".") for m in _MOE_MODULES)}
     view = copy.copy(config)          # the same config seen with that plan; the model's config is untouched
     view.base_model_tp_plan = plan
+    if not _has_moe_layers(config):   # nor its ep plan's experts (which name the experts from transformers 5.25)
+        view.base_model_ep_plan = {}
     return policy_from_tp_plan(view) if plan else None
 
 

@@ -1,7 +1,8 @@
 """A policy read from transformers' own `config.base_model_tp_plan` (Llama, Qwen2, Mistral, ...).
 
 Only transformers styles whose numbers equal one of ours are translated (`TRANSFORMERS_STYLES`, and
-`moe_tp_experts` with its packed parameters' entries: `layers/experts.py`); anything else (MLA,
+`moe_tp_experts` with its packed parameters' entries: `layers/experts.py`; from transformers 5.25 the
+experts module is named only by `base_model_ep_plan`'s `ep_dispatch_experts`); anything else (MLA,
 identity experts, ...) is refused with an error naming it rather than guessed. A
 module with two or more column-parallel children (q/k/v, gate/up) becomes a block input, so its
 input gradient is all-reduced once (the sharder drops it where another linear, such as an MoE
@@ -25,6 +26,9 @@ TRANSFORMERS_STYLES = {
 # The experts module's style: its packed parameters' entries (packed_colwise / packed_rowwise on
 # gate_up_proj, rowwise / colwise on down_proj) are its layout, checked and split by it.
 EXPERTS_STYLE = "moe_tp_experts"
+# transformers >= 5.25 names the experts module only in `base_model_ep_plan` (its tp plans dropped the
+# `moe_tp_experts` entries): the module that plan dispatches to is the one meshboost splits under tp
+EP_EXPERTS_STYLE = "ep_dispatch_experts"
 # Styles refused with a reason: meshboost does not shard these yet.
 NOT_SUPPORTED = {
     "moe_identity_expert": "MoE identity experts",
@@ -47,6 +51,10 @@ def policy_from_tp_plan(config, tp_plan: dict | None = None) -> Policy | None:
     plan: dict[str, str] = {}
     colwise_parents: dict[str, int] = {}
     experts = {pattern for pattern, style in tp_plan.items() if style == EXPERTS_STYLE}
+    if not experts:         # the experts left out of the tp plan would stay whole on every tp rank
+        ep_plan = getattr(config, "base_model_ep_plan", None) or {}
+        experts = {pattern for pattern, style in ep_plan.items() if style == EP_EXPERTS_STYLE}
+        plan.update({pattern: MOE_EXPERTS for pattern in experts})
     for pattern, style in tp_plan.items():
         if pattern in experts:
             plan[pattern] = MOE_EXPERTS
