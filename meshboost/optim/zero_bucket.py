@@ -45,9 +45,10 @@ def plan_buckets(params: list, max_elements: int) -> list[list]:
     backward produces the gradients of the last layers first, so a bucket's gradients arrive together
     and the first buckets can be reduce-scattered while backward still runs (overlap)."""
     out = []
+    kinds = [bucket_kind(p) for p in params]        # once per parameter (the records are read, not cheap)
     for kind in _KINDS:
         run, size = [], 0
-        for p in reversed([p for p in params if bucket_kind(p) == kind]):
+        for p in reversed([p for p, k in zip(params, kinds) if k == kind]):
             if run and size + p.numel() > max_elements:
                 out.append(run)
                 run, size = [], 0
