@@ -68,16 +68,19 @@ def _constants(args) -> CostConstants:
     return CostConstants(**{**c.__dict__, **changes})
 
 
+WIDTH = 56         # the layout column: tp=1,pp=2,dp=2,sp=2(ring_attn),zero=2,bf16,mb=128x1,ckpt
+
+
 def _gib(n: float) -> str:
     return f"{n / GIB:8.2f}"
 
 
 def _table(estimates) -> str:
-    head = f"{'layout':44s} " + " ".join(f"{k[:9]:>9s}" for k in (*MEMORY_KEYS, "total")) + "   rel.time  fits"
-    lines = [head, f"{'':44s} (GiB per rank, worst rank)"]
+    head = f"{'layout':{WIDTH}s} " + " ".join(f"{k[:9]:>9s}" for k in (*MEMORY_KEYS, "total")) + "   rel.time  fits"
+    lines = [head, f"{'':{WIDTH}s} (GiB per rank, worst rank)"]
     for e in estimates:
         m = e.memory_bytes_per_rank
-        lines.append(f"{e.layout.describe():44s} " + " ".join(f"{_gib(m[k]):>9s}" for k in (*MEMORY_KEYS, "total"))
+        lines.append(f"{e.layout.describe():{WIDTH}s} " + " ".join(f"{_gib(m[k]):>9s}" for k in (*MEMORY_KEYS, "total"))
                      + f"   {e.relative_step_time:8.2f}  {'yes' if e.fits else 'no'}")
     return "\n".join(lines)
 

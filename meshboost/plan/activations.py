@@ -7,8 +7,9 @@ except the parameters autograd saves (a linear's weight: counted as weights alre
 from a 1-layer and a 2-layer copy of the config; and the per-rank estimate for a layout: layers held
 by the stage x micro-batches in flight (1F1B: min(pp - stage, microbatches)), tensor parallelism by
 measuring a per-rank config (heads, key/value heads, intermediate size and vocabulary divided by tp,
-head_dim kept) where the family's config allows it, else a documented approximation. Must not touch
-the caller's model.
+head_dim kept) where the family's config allows it, else a documented approximation; under sequence
+parallelism (split_gather) and context parallelism, the same forward with meshboost's own sequence
+splits emulated shape for shape (emulate.py). Must not touch the caller's model.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from functools import lru_cache
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SPLIT_GATHER = "split_gather"
 LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
 INTERMEDIATE_FIELDS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
 
@@ -34,6 +36,17 @@ class ActivationModel:
     per_layer: int
     ends: int
     exact_tp: bool          # the tp per-rank figure was measured (True) or approximated (False)
+    summed_per_layer: int = 0   # split_gather: replicated elements per layer fed the chunk (grads summed over tp)
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """How a layout splits the sequence: `mode` "split_gather" over `size` = tp ranks (`roles`: the
+    sharder's plan), or a context mode ("all_to_all", "ring_attn") over `size` = sp ranks."""
+
+    mode: str
+    size: int
+    roles: object = None
 
 
 def _layer_field(config) -> str:
@@ -47,9 +60,12 @@ def count_layers(config) -> int:
     return getattr(config, _layer_field(config))
 
 
-def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpointing: bool) -> int:
-    """Distinct bytes autograd saves in one training forward of `cls(config)` on fake tensors, the
-    parameters (and views of them: a linear saves its weight) left out: they are the weights."""
+def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpointing: bool,
+                 split: SequenceSplit | None = None) -> tuple[int, int]:
+    """(distinct bytes autograd saves in one training forward of `cls(config)` on fake tensors, the
+    parameters (and views of them: a linear saves its weight) left out: they are the weights;
+    split_gather's replicated elements fed the chunk) for one rank of `split`'s sequence split."""
+    from meshboost.plan import emulate
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     saved: dict = {}
@@ -72,15 +88,22 @@ def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpoi
         if checkpointing:
             enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
             enable({"use_reentrant": False})
+        sequence = context = None
+        if split is not None and split.mode == SPLIT_GATHER:
+            sequence = emulate.install_sequence_split(model, split.roles)
+        elif split is not None:
+            context = emulate.install_context(model, split.size, split.mode)
         vocab = getattr(config, "vocab_size", 2)
         ids = torch.randint(0, vocab, (batch, seq))
         inputs = {"input_ids": ids}
         if "labels" in _forward_args(cls):
             num_labels = getattr(config, "num_labels", 2)
             inputs["labels"] = ids if _is_causal(cls) else torch.randint(0, num_labels, (batch,))
+        if context is not None:                 # this rank's piece of every sequence, as the plugin cuts it
+            inputs = context.shard(inputs)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model(**inputs)
-    return sum(saved.values())
+    return sum(saved.values()), sum(sequence.summed.values()) if sequence is not None else 0
 
 
 class _GroupedMM(torch.autograd.Function):
@@ -159,16 +182,30 @@ def tp_rank_config(config, tp_size: int, padded_vocab: int | None):
     return c
 
 
-@lru_cache(maxsize=256)
 def _measured(cls, config_json: str, model_type: str, batch: int, seq: int, precision: str,
-              checkpointing: bool) -> tuple[int, int]:
-    """(per layer, ends) bytes for one micro-batch, from a 1-layer and a 2-layer copy of the config."""
+              checkpointing: bool, split: SequenceSplit | None = None) -> tuple[int, int, int]:
+    """(per layer, ends, summed per layer) for one micro-batch of `batch` sequences. Every saved tensor
+    either has the batch dimension or none (a mask, a rotary table broadcast over it), so the bytes are
+    affine in the batch: measured at 1 and 2 sequences, the rest follows (one pair of fake runs serves
+    every micro-batch size the enumeration tries)."""
+    if batch <= 2:
+        return _measured_batch(cls, config_json, model_type, batch, seq, precision, checkpointing, split)
+    one = _measured_batch(cls, config_json, model_type, 1, seq, precision, checkpointing, split)
+    two = _measured_batch(cls, config_json, model_type, 2, seq, precision, checkpointing, split)
+    return tuple(a + (batch - 1) * (b - a) for a, b in zip(one, two))
+
+
+@lru_cache(maxsize=256)
+def _measured_batch(cls, config_json: str, model_type: str, batch: int, seq: int, precision: str,
+                    checkpointing: bool, split: SequenceSplit | None = None) -> tuple[int, int, int]:
+    """`_measured` of one batch size, from a 1-layer and a 2-layer copy of the config."""
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type, **json.loads(config_json))
-    one = _saved_bytes(cls, _with_layers(config, 1), batch, seq, DTYPES[precision], checkpointing)
-    two = _saved_bytes(cls, _with_layers(config, 2), batch, seq, DTYPES[precision], checkpointing)
-    return two - one, 2 * one - two
+    one, summed_one = _saved_bytes(cls, _with_layers(config, 1), batch, seq, DTYPES[precision], checkpointing,
+                                   split)
+    two, summed_two = _saved_bytes(cls, _with_layers(config, 2), batch, seq, DTYPES[precision], checkpointing, split)
+    return two - one, 2 * one - two, summed_two - summed_one
 
 
 def _key(config) -> tuple[str, str]:
@@ -179,19 +216,31 @@ def _key(config) -> tuple[str, str]:
 
 
 def activation_model(cls, config, batch: int, seq: int, precision: str, tp_size: int = 1,
-                     padded_vocab: int | None = None, checkpointing: bool = False) -> ActivationModel:
-    """Per-layer and end bytes saved for backward by one micro-batch of `batch` x `seq` on one tp rank."""
+                     padded_vocab: int | None = None, checkpointing: bool = False,
+                     split: SequenceSplit | None = None) -> ActivationModel:
+    """Per-layer and end bytes saved for backward by one micro-batch of `batch` x `seq` on one tp rank
+    (of one sp rank, under context parallelism: `split`)."""
     rank_config = tp_rank_config(config, tp_size, padded_vocab)
     if rank_config is not None:
-        per_layer, ends = _measured(cls, *_key(rank_config), batch, seq, precision, checkpointing)
-        return ActivationModel(per_layer, ends, True)
+        per_layer, ends, summed = _measured(cls, *_key(rank_config), batch, seq, precision, checkpointing, split)
+        return ActivationModel(per_layer, ends, True, summed)
     # No per-rank config: assume the hidden-sized tensors stay whole on every rank (per layer its 2 norm
     # inputs and the residual path, about 4 x batch x seq x hidden, or all a checkpointed layer keeps,
-    # its input; at the ends the final norm's and the head's inputs) and the rest divides by tp.
-    per_layer, ends = _measured(cls, *_key(config), batch, seq, precision, checkpointing)
-    hidden = batch * seq * config.hidden_size * DTYPES[precision].itemsize
+    # its input; at the ends the final norm's and the head's inputs) and the rest divides by tp. Under
+    # split_gather, what the emulated split saves less on the whole model is taken off that.
+    context = split if split is not None and split.mode != SPLIT_GATHER else None
+    per_layer, ends, _ = _measured(cls, *_key(config), batch, seq, precision, checkpointing, context)
+    tokens = seq // context.size if context is not None else seq
+    hidden = batch * tokens * config.hidden_size * DTYPES[precision].itemsize
     whole, whole_ends = min(4 * hidden, per_layer), min(2 * hidden, ends)
-    return ActivationModel(whole + (per_layer - whole) // tp_size, whole_ends + (ends - whole_ends) // tp_size, False)
+    per_layer_tp = whole + (per_layer - whole) // tp_size
+    ends_tp = whole_ends + (ends - whole_ends) // tp_size
+    summed = 0
+    if split is not None and split.mode == SPLIT_GATHER:
+        split_layer, split_ends, summed = _measured(cls, *_key(config), batch, seq, precision, checkpointing, split)
+        per_layer_tp -= per_layer - split_layer
+        ends_tp -= ends - split_ends
+    return ActivationModel(per_layer_tp, ends_tp, False, summed)
 
 
 def stage_activation_bytes(model: ActivationModel, layers_held: int, first: bool, last: bool,

@@ -15,7 +15,7 @@ at once (so that ranks sharing a machine share it as they do in training):
         that share cores: a pipeline's bubble runs at the solo speed);
     pipeline_overhead_s: meshboost's 1F1B schedule's own cost per micro-batch slot (a tiny Llama over
         pp=world stages at 2 and 8 micro-batches, less the layers' and ends' fixed cost);
-    for all_reduce, reduce_scatter, all_gather and send/recv over the world group: latency (seconds per call) and
+    for all_reduce, reduce_scatter, all_gather, all_to_all and send/recv over the world group: latency (seconds per call) and
     bus bandwidth (bytes/s, after the ring factor), a least-squares line through a few message sizes;
 `known_gpu_constants(name)` (defaults for H100 / H200 / A100 by `torch.cuda.get_device_name`: datasheet
 peak x an efficiency factor, each said in `source`), `default_constants()` (the known GPU's when CUDA
@@ -240,8 +240,11 @@ def _layer_forward(device, hidden: int, tokens: int):
     return forward
 
 
+MEASURED_OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send")
+
+
 def _collectives(device, sync, world: int, hidden: int, tokens: int) -> dict:
-    """{op: (latency s, bus bytes/s)} for all_reduce, reduce_scatter, all_gather, send (ring factors
+    """{op: (latency s, bus bytes/s)} for MEASURED_OPS (ring factors
     applied). Each call follows a decoder layer's forward (`hidden`, `tokens`) on every rank, as in
     training, and that forward's own time is taken off: the figure includes the ranks' arrival skew
     after real work, which back-to-back calls would hide."""
@@ -255,7 +258,7 @@ def _collectives(device, sync, world: int, hidden: int, tokens: int) -> dict:
     work_s = _timed(work, 15, sync)
     _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     out = {}
-    for op in ("all_reduce", "reduce_scatter", "all_gather", "send"):
+    for op in MEASURED_OPS:
         points = []
         for size in SIZES:
             t = torch.ones(size // 4, device=device)
@@ -275,6 +278,12 @@ def _collectives(device, sync, world: int, hidden: int, tokens: int) -> dict:
                 def fn():
                     work()
                     dist.all_gather(parts, t)
+            elif op == "all_to_all":          # context parallelism's and expert parallelism's exchange
+                received = torch.empty_like(t)
+
+                def fn():
+                    work()
+                    dist.all_to_all_single(received, t)
             else:             # ping-pong between ranks 0 and 1 after rank 0's matmul: two one-way trips
                 def fn():
                     if rank == 0:
@@ -354,8 +363,9 @@ def constants_from(measured: dict, base: CostConstants | None = None) -> CostCon
                                         "optimizer_elements_s", "solo_speedup", "pipeline_overhead_s") if k in measured}
     coll = measured.get("collectives")
     if coll:
-        for op in ("all_reduce", "reduce_scatter", "all_gather", "send"):
-            changes[f"{op}_latency_s"], changes[f"{op}_bytes_s"] = coll[op]
+        for op in MEASURED_OPS:
+            if op in coll:                # (constants files written before all_to_all was measured)
+                changes[f"{op}_latency_s"], changes[f"{op}_bytes_s"] = coll[op]
         changes["intra_node_bytes_s"] = coll["all_reduce"][1]
     what = (f"calibrated on {measured['device_name']} ({measured['device']}, {measured['world']} processes"
             + (f", {measured['backend']}" if coll else ", no collectives: the bandwidths and latencies are the defaults'")

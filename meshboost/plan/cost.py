@@ -96,7 +96,7 @@ def ring_factor(op: str, size: int) -> float:
             "broadcast": 1.0}[op]
 
 
-INPUT_CHECK_BYTES = 48     # check_inputs="always": 6 int64 per rank all-gathered per forward call
+INPUT_CHECK_BYTES = 48     # check_inputs="always": 6 int64 per rank all-gathered per forward call (tp, pp, sp)
 P2P_HEADER_BYTES = 8 * (1 + 8 * (2 + 8))    # p2p.py's header before each activation send (int64)
 
 
@@ -111,6 +111,50 @@ class MoeTraffic:
     experts: int
     local_numel: int = 0
     padded_numel: int = 0
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """Attention heads one tp rank computes: query heads, key/value heads, head_dim."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class SequenceTraffic:
+    """What splitting the sequence adds: the attention's shape per tp rank (context parallelism's
+    exchanges) and split_gather's replicated elements per layer fed the chunk (gradients summed over tp)."""
+
+    attention: AttentionShape
+    summed_per_layer: int = 0
+
+
+def sp_per_step(layout, attention: AttentionShape, layers_held: int, tokens: int, last: bool) -> list[tuple[str, int]]:
+    """Context parallelism's traffic over the sp group per step (`shardformer/context.py`), per layer and
+    micro-batch, with `tokens` this rank's piece: all_to_all, forward 4 all-to-alls (q, k, v whole
+    sequence to heads, the output back; each payload this rank's [tokens, heads, head_dim], key/value
+    heads repeated to the query heads when they do not divide by sp) and backward their 4 reverses;
+    ring_attn, forward an all-gather of k and of v (payload the gathered [sp x tokens, kv heads,
+    head_dim]) and backward their reduce-scatters; checkpointing runs the forward exchanges again. On
+    the last stage, the loss averaged over sp (an fp32 scalar per micro-batch)."""
+    w = BYTES[layout.precision]
+    forwards = 2 if layout.checkpointing else 1
+    q = tokens * attention.heads * attention.head_dim * w
+    kv_heads = attention.kv_heads if attention.kv_heads % layout.sp == 0 else attention.heads
+    kv = tokens * kv_heads * attention.head_dim * w
+    m = layout.microbatches
+    out = []
+    if layout.sp_mode == "ring_attn":
+        gathered = 2 * layout.sp * tokens * attention.kv_heads * attention.head_dim * w
+        out.append(("all_gather", forwards * gathered * layers_held * m))
+        out.append(("reduce_scatter", gathered * layers_held * m))
+    else:
+        out.append(("all_to_all", (forwards + 1) * (2 * q + 2 * kv) * layers_held * m))
+    if last:
+        out.append(("all_reduce", 4 * m))
+    return out
 
 
 def ep_per_step(layout, moe: MoeTraffic, tokens: int, hidden: int) -> list[tuple[str, int]]:
@@ -133,7 +177,7 @@ def comm_per_step(layout, hidden: int, layers_held: int, first: bool, last: bool
                   padded_numel: int, seq: int, tied_numel: int = 0,
                   vocab_parallel_loss: bool = False, lm_head: bool = True,
                   moe: MoeTraffic | None = None, tp_grad_sum: int = 0,
-                  post_norm: bool = False) -> dict[str, list[tuple[str, int]]]:
+                  post_norm: bool = False, sequence: SequenceTraffic | None = None) -> dict[str, list[tuple[str, int]]]:
     """{axis: [(op, payload bytes), ...]} one rank of `layout` issues in one optimizer step.
     vocab_parallel_loss: a causal LM, whose last stage's loss runs on vocab-split logits (two fp32
     all-reduces over tp per micro-batch: the row max [N] and the two sums [2, N]) and, outside a
@@ -141,15 +185,18 @@ def comm_per_step(layout, hidden: int, layers_held: int, first: bool, last: bool
     ends in a vocab-parallel LM head (whose input gradient is all-reduced over tp). local_numel and
     padded_numel are the dense weights'; `moe` the experts' (axes ep and edp); tp_grad_sum: gradient
     elements summed over tp each backward (whole q/k norms, replicated key/value head shards);
-    post_norm: the layers end in a norm (BERT's), so checkpointing's recompute runs both all-reduces."""
+    post_norm: the layers end in a norm (BERT's), so checkpointing's recompute runs both all-reduces.
+    sequence: the layout splits the sequence (split_gather over tp, or context parallelism over sp)."""
     w = BYTES[layout.precision]
-    tokens = layout.microbatch_size * seq
+    tokens = layout.microbatch_size * seq // layout.sp         # this rank's piece under context parallelism
     act = tokens * hidden * w
     m = layout.microbatches
-    out: dict[str, list[tuple[str, int]]] = {"tp": [], "pp": [], "dp": [], "ep": [], "edp": []}
+    out: dict[str, list[tuple[str, int]]] = {"tp": [], "pp": [], "dp": [], "ep": [], "edp": [], "sp": []}
+    if layout.sp > 1:
+        out["sp"] = sp_per_step(layout, sequence.attention, layers_held, tokens, last)
     if moe is not None:
         out["ep"] = ep_per_step(layout, moe, tokens, hidden)
-        edp = layout.dp // layout.ep
+        edp = layout.grad_replicas // layout.ep          # the experts' replicas (x sp: they see pieces too)
         if layout.ep > 1 and edp > 1 and moe.local_numel:
             if layout.zero == 0:
                 out["edp"].append(("all_reduce", moe.local_numel * w))
@@ -163,24 +210,38 @@ def comm_per_step(layout, hidden: int, layers_held: int, first: bool, last: bool
         moe_layers = moe.layers if moe is not None else 0
         if moe_layers and layout.ep > 1:      # the experts' f and g on the rows received (mean: tokens x top_k)
             per_microbatch += 2 * (moe.top_k - 1) * moe_layers
-        out["tp"].append(("all_reduce", per_microbatch * m * act))
+        if sequence is not None and layout.sequence_parallel:
+            # split_gather: each layer all-reduce becomes an all-gather and a reduce-scatter of the same
+            # [b, s, h] (payload: the whole tensor each); the stack's entry gathers the gradient
+            # backward and its exit the output forward; the recompute re-runs its gathers (see docstring)
+            layer_ops = 4 * layers_held + (1 if first else 0) + (1 if last else 0)
+            recomputed = (2 * layers_held, layers_held) if layout.checkpointing else (0, 0)
+            out["tp"].append(("all_gather", (layer_ops + recomputed[0]) * m * act))
+            out["tp"].append(("reduce_scatter", (4 * layers_held + recomputed[1]) * m * act))
+            ends = (1 if first else 0) + (1 if last and lm_head else 0)
+            out["tp"].append(("all_reduce", ends * m * act))
+            if sequence.summed_per_layer:
+                out["tp"].append(("all_reduce", m * layers_held * sequence.summed_per_layer * w))
+        else:
+            out["tp"].append(("all_reduce", per_microbatch * m * act))
         if moe_layers and layout.ep == 1:     # f on the routing weights [tokens, top_k]
             out["tp"].append(("all_reduce", moe_layers * m * tokens * moe.top_k * w))
         if tp_grad_sum:
             out["tp"].append(("all_reduce", m * tp_grad_sum * w))
         if vocab_parallel_loss and last:
             out["tp"].append(("all_reduce", 3 * 4 * tokens * m))
-    # the input check: per forward call (one per pipeline step), an all-gather over tp and one over pp
+    # the input check: per forward call (one per pipeline step), an all-gather over tp, pp and sp each
     calls = 1 if layout.pp > 1 else m
-    for axis in ("tp", "pp"):
+    for axis in ("tp", "pp", "sp"):
         if getattr(layout, axis) > 1:
             out[axis].append(("all_gather", calls * INPUT_CHECK_BYTES * getattr(layout, axis)))
     if layout.pp > 1:
         # interleaved: every chunk sends on, but the last rank's last chunk (forward) and the first
         # rank's first chunk (backward)
         v = layout.num_model_chunks
-        forward = (v - (1 if last else 0)) * m * (act + P2P_HEADER_BYTES)
-        backward = (v - (1 if first else 0)) * m * act
+        boundary = act // layout.tp if layout.sequence_parallel else act     # split_gather sends the chunk
+        forward = (v - (1 if last else 0)) * m * (boundary + P2P_HEADER_BYTES)
+        backward = (v - (1 if first else 0)) * m * boundary
         out["pp"].append(("send", forward + backward))
         # next_pipeline_batch's agreement over the world: 3 int64 per step (the world group's label)
         out["pp"].append(("all_reduce", 24))
@@ -190,9 +251,10 @@ def comm_per_step(layout, hidden: int, layers_held: int, first: bool, last: bool
     if vocab_parallel_loss and layout.pp == 1 and layout.dp > 1:
         # the global batch's labelled tokens (loss_normalization "tokens"): one fp32 scalar per forward call
         out["dp"].append(("all_reduce", 4 * m))
-    if layout.zero == 0 and layout.dp > 1:
+    # the gradients are averaged over dp x sp (every weight is replicated over the context ranks)
+    if layout.zero == 0 and layout.grad_replicas > 1:
         out["dp"].append(("all_reduce", local_numel * w))
-    elif layout.zero in (1, 2) and layout.dp > 1:
+    elif layout.zero in (1, 2) and layout.grad_replicas > 1:
         out["dp"].append(("reduce_scatter", padded_numel * w))
         out["dp"].append(("all_gather", padded_numel * w))
     return out
@@ -204,25 +266,30 @@ def axis_bandwidth(layout, axis: str, gpus_per_node: int, constants: CostConstan
 
 
 def _inside(layout, axis: str, gpus_per_node: int) -> bool:
-    """Mesh order (dp, pp, tp), dp as (edp, ep): an ep group spans tp x pp x ep ranks."""
-    span = {"tp": layout.tp, "pp": layout.tp * layout.pp, "ep": layout.tp * layout.pp * layout.ep,
-            "dp": layout.world, "edp": layout.world}[axis]
+    """Mesh order (dp, pp, sp, tp), dp as (edp, ep): an ep group spans tp x sp x pp x ep ranks."""
+    span = {"tp": layout.tp, "sp": layout.tp * layout.sp, "pp": layout.tp * layout.sp * layout.pp,
+            "ep": layout.tp * layout.sp * layout.pp * layout.ep, "dp": layout.world, "edp": layout.world}[axis]
     return span <= gpus_per_node
 
 
 DDP_BUCKET_BYTES = 25 * 2 ** 20     # torch DDP's default bucket_cap_mb
 
 
-def calls_per_step(layout, axis: str, op: str, nbytes: int, hidden: int, seq: int, zero_buckets: int = 1) -> int:
+def calls_per_step(layout, axis: str, op: str, nbytes: int, hidden: int, seq: int, zero_buckets: int = 1,
+                   layers_held: int = 1) -> int:
     """How many calls `comm_per_step`'s (axis, op, nbytes) entry stands for (each pays a latency)."""
     if not nbytes:
         return 0
     m = layout.microbatches
-    if axis == "tp" and op == "all_reduce":
-        act = layout.microbatch_size * seq * hidden * BYTES[layout.precision]
-        return max(1, round(nbytes / act)) if nbytes >= act else 2 * m     # activations, else the loss's two
-    if op == "all_gather" and axis in ("tp", "pp") and nbytes < 2 ** 16:
+    if op == "all_gather" and axis in ("tp", "pp", "sp") and nbytes < 2 ** 16:
         return 1 if layout.pp > 1 else m                                 # the input check
+    if axis == "tp" and op in ("all_reduce", "all_gather", "reduce_scatter"):
+        act = layout.microbatch_size * seq // layout.sp * hidden * BYTES[layout.precision]
+        return max(1, round(nbytes / act)) if nbytes >= act else 2 * m     # activations, else the loss's two
+    if axis == "sp":                     # per layer: 4 all-to-alls each way, or 2 gathers / 2 reduce-scatters
+        forwards = 2 if layout.checkpointing else 1
+        per_layer = {"all_to_all": 4 * (forwards + 1), "all_gather": 2 * forwards, "reduce_scatter": 2}.get(op)
+        return per_layer * layers_held * m if per_layer else m
     if axis == "pp" and op == "send":
         return 2 * m
     if axis == "ep":                                                     # 3 forward + 2 backward per layer
@@ -244,34 +311,35 @@ def step_seconds(layout, stage_numel: int, layers_held: int, hidden: int, seq: i
     tp ones inside each slot), plus the optimizer step over the rank's fp32 masters (ZeRO: its
     shard), nothing overlapped. `ends`: the stage holds the embedding or the head (the per-micro-batch
     overhead). `breakdown`, when given, receives the terms."""
-    tokens = layout.microbatch_size * seq
+    tokens = layout.microbatch_size * seq // layout.sp        # this rank's piece under context parallelism
     per_param = 8 if layout.checkpointing else 6
     attention = (4 if layout.checkpointing else 3) * 4 * layout.microbatch_size * seq * seq * hidden * layers_held
-    flops = per_param * stage_numel * tokens + attention / layout.tp
+    flops = per_param * stage_numel * tokens + attention / (layout.tp * layout.sp)
     recompute = 4 / 3 if layout.checkpointing else 1.0
     overhead = (layers_held * constants.layer_overhead_s * recompute + (constants.microbatch_overhead_s if ends else 0)
                 + (constants.pipeline_overhead_s if layout.pp > 1 else 0))
-    sizes = {"tp": layout.tp, "pp": 2, "dp": layout.dp, "ep": layout.ep, "edp": layout.dp // layout.ep}
+    sizes = {"tp": layout.tp, "pp": 2, "dp": layout.grad_replicas, "ep": layout.ep,
+             "edp": layout.grad_replicas // layout.ep, "sp": layout.sp}
     wire = {axis: 0.0 for axis in sizes}
     for axis, ops in comm.items():
         inside = _inside(layout, axis, gpus_per_node)
         for op, n in ops:
             if sizes[axis] <= 1 or not n:
                 continue
-            calls = calls_per_step(layout, axis, op, n, hidden, seq, zero_buckets)
+            calls = calls_per_step(layout, axis, op, n, hidden, seq, zero_buckets, layers_held)
             latency = constants.latency(op) + (0 if inside else constants.inter_node_latency_s)
             wire[axis] += calls * latency + n * ring_factor(op, sizes[axis]) / axis_bandwidth(
                 layout, axis, gpus_per_node, constants, op)
     m, slots = layout.microbatches, layout.microbatches + layout.pp - 1
-    microbatch_s = flops / constants.flops(layout.precision) + overhead + wire["tp"] / m
-    masters = stage_numel / (layout.dp if layout.zero else 1)
+    microbatch_s = flops / constants.flops(layout.precision) + overhead + (wire["tp"] + wire["sp"]) / m
+    masters = stage_numel / (layout.grad_replicas if layout.zero else 1)
     optimizer = masters / constants.optimizer_elements_s
     # the bubble's pp - 1 slots run while other stages idle: at solo speed where ranks share cores
     bubble_s = (layout.pp - 1) * microbatch_s / constants.solo_speedup / layout.num_model_chunks
     total = m * microbatch_s + bubble_s + wire["pp"] + wire["dp"] + wire["ep"] + wire["edp"] + optimizer
     if breakdown is not None:
         breakdown.update(compute=slots * flops / constants.flops(layout.precision), overhead=slots * overhead,
-                         tp=slots * wire["tp"] / m, pp=wire["pp"], dp=wire["dp"] + wire["edp"], ep=wire["ep"],
+                         tp=slots * wire["tp"] / m, sp=slots * wire["sp"] / m, pp=wire["pp"], dp=wire["dp"] + wire["edp"], ep=wire["ep"],
                          optimizer=optimizer,
                          bubble=(layout.pp - 1) / slots)
     return total

@@ -14,6 +14,8 @@ with overlap_communication outside a pipeline). Must not allocate.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from meshboost.distributed.param_info import EXPERT, grad_reduction
 from meshboost.optim.zero import DEFAULT_BUCKET_ELEMENTS
 from meshboost.optim.zero_bucket import plan_buckets
@@ -28,17 +30,39 @@ def _owned_padding(numel: int, shard: int, dp_size: int, dp_rank: int) -> int:
     return max(0, min(hi, shard * dp_size) - max(lo, numel))
 
 
+class _Same:
+    """A list keyed by identity (the planner reuses one list of shards per rank), for `_bucket_runs`'s cache."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __hash__(self):
+        return id(self.obj)
+
+    def __eq__(self, other):
+        return isinstance(other, _Same) and other.obj is self.obj
+
+
+@lru_cache(maxsize=1024)
+def _bucket_runs(shards: _Same, bucket_elements: int) -> tuple[tuple[int, bool], ...]:
+    """(elements, expert) of each of meshboost's `plan_buckets` over `shards` (held by the cache's key)."""
+    out = []
+    for run in plan_buckets([s.meta_tensor() for s in shards.obj], bucket_elements):
+        record = grad_reduction(run[0])
+        out.append((sum(p.numel() for p in run), record is not None and record.kind == EXPERT))
+    return tuple(out)
+
+
 def zero_buckets(shards, dp_size: int, dp_rank: int, ep_size: int = 1,
                  bucket_elements: int = DEFAULT_BUCKET_ELEMENTS) -> list[tuple[int, int, int, bool]]:
     """(real elements, partition size, this rank's index, expert) of each ZeRO bucket of a rank holding
     `shards`: meshboost's `plan_buckets`; a dense bucket is partitioned over dp, an expert one over
     the experts' replicas edp = dp / ep (this rank's edp index: dp_rank // ep)."""
     out = []
-    for run in plan_buckets([s.meta_tensor() for s in shards], bucket_elements):
-        record = grad_reduction(run[0])
-        expert = record is not None and record.kind == EXPERT
+    for numel, expert in _bucket_runs(_Same(shards), bucket_elements):
         size, rank = (dp_size // ep_size, dp_rank // ep_size) if expert else (dp_size, dp_rank)
-        numel = sum(p.numel() for p in run)
         out.append((numel, size, rank, expert))
     return out
 

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from meshboost.plan import activations, cost, memory, params, sharded
+from meshboost.plan import activations, cost, emulate, memory, params, sharded
 from meshboost.plan.layout import (
     Layout,
     enumerate_layouts,
     plugin_config,
-    refuse_unmodelled,
 )
 from meshboost.plan.model import build_meta_model, load_config, model_class
 
@@ -94,6 +93,8 @@ class Planner:
         self._splits: dict[int, dict] = {}
         self._holdings: dict[tuple[int, int], list] = {}
         self._experts: dict[int, set] = {}
+        self._roles: dict[int, emulate.SequenceRoles] = {}
+        self._shards: dict[tuple, list] = {}
         from meshboost.shardformer.layers.expert_parallel import experts_modules
         self.expert_paths = {path for path, _ in experts_modules(self.meta)}
         self.top_k = next((getattr(self.config, f) for f in TOP_K_FIELDS
@@ -112,10 +113,20 @@ class Planner:
             self._experts[ep] = params.expert_params(self.meta, ep)
         return self._experts[ep]
 
+    def sequence_roles(self, tp: int) -> emulate.SequenceRoles:
+        """split_gather's plan at `tp` (the sharder's refusals for a model it cannot split)."""
+        if tp not in self._roles:
+            self._roles[tp] = emulate.sequence_roles(self.meta, tp, self.vocab_multiple)
+        return self._roles[tp]
+
     def shards(self, layout: Layout, pp_rank: int, tp_rank: int) -> list:
-        return params.rank_shards(self.meta, self.splits(layout.tp), self.holdings(layout.pp, layout.num_model_chunks)[pp_rank],
-                                  tp_rank,
-                                  layout.tp, self.experts(layout.ep), layout.ep)
+        """The trainable parameters one (pp, tp) rank holds (one list per rank and placement, reused)."""
+        key = (layout.tp, layout.pp, layout.num_model_chunks, layout.ep, pp_rank, tp_rank)
+        if key not in self._shards:
+            self._shards[key] = params.rank_shards(self.meta, self.splits(layout.tp),
+                                                   self.holdings(layout.pp, layout.num_model_chunks)[pp_rank],
+                                                   tp_rank, layout.tp, self.experts(layout.ep), layout.ep)
+        return self._shards[key]
 
     def holdings(self, pp: int, chunks: int = 1) -> list:
         if (pp, chunks) not in self._holdings:
@@ -134,10 +145,17 @@ class Planner:
         raise for `layout` on this model and world."""
         from meshboost.distributed.mesh import check_mesh_shape
 
-        refuse_unmodelled(layout)
         plugin_config(layout)                       # the plugin's own validation and messages
         check_mesh_shape(layout.world, layout.tp, layout.pp, layout.dp, layout.ep, layout.sp)
         self.splits(layout.tp)                      # the sharder's checks (heads divisible by tp, ...)
+        if layout.sequence_parallel and layout.tp > 1:     # split_gather: the sharder's and the split's checks
+            from meshboost.shardformer.sequence import check_length
+            self.sequence_roles(layout.tp)
+            check_length(self.seq, layout.tp)
+        if layout.sp > 1:                           # context parallelism's checks, with its messages
+            from meshboost.shardformer.context import check_context, check_length
+            check_context(self.meta, layout.sp, layout.tp, layout.sp_mode)
+            check_length(self.seq, layout.sp, layout.sp_mode)
         self.experts(layout.ep)                     # expert parallelism's (ep dividing every layer's experts, ...)
         self.holdings(layout.pp, layout.num_model_chunks)   # the pipeline's (at most one stage per layer, ...)
         if layout.world != self.gpus:
@@ -159,7 +177,7 @@ class Planner:
         """(device bytes {weights, gradients, masters, optimizer_states}, host bytes by kind) of one rank."""
         if layout.zero == 3:
             return sharded.fsdp_state_bytes(shards, layout.precision, layout.dp, dp_rank), {}
-        state = memory.state_bytes(shards, layout.precision, layout.zero, layout.dp, dp_rank, layout.pp,
+        state = memory.state_bytes(shards, layout.precision, layout.zero, layout.grad_replicas, dp_rank, layout.pp,
                                    ep_size=layout.ep)
         return sharded.offload_split(state, layout.precision, layout.zero) if layout.cpu_offload else (state, {})
 
@@ -167,7 +185,7 @@ class Planner:
         if layout.zero == 3:     # FSDP2's gathers and reductions, and its shards' padding rows
             return (sharded.fsdp_buffer_bytes(shards, layout.precision, layout.dp, self.layer_prefixes)
                     + sharded.fsdp_padding_bytes(shards, layout.dp, dp_rank))
-        return memory.buffer_bytes(shards, layout.precision, layout.zero, layout.dp, layout.pp)
+        return memory.buffer_bytes(shards, layout.precision, layout.zero, layout.grad_replicas, layout.pp)
 
     @property
     def layer_prefixes(self) -> list[str]:
@@ -196,7 +214,7 @@ class Planner:
         self.check(layout)
         splits, holdings = self.splits(layout.tp), self.holdings(layout.pp, layout.num_model_chunks)
         tp_ranks = range(layout.tp) if any(s.replicas > 1 for s in splits.values()) else [0]
-        dp_ranks = sorted({0, layout.dp - 1})
+        dp_ranks = sorted({0, layout.grad_replicas - 1})       # the ends of ZeRO's partition over dp x sp
         act_model = self._activation_model(layout)
         layer_counts = self.layer_counts(layout)
         stages, worst = [], None
@@ -235,9 +253,10 @@ class Planner:
             notes.append("MoE: activations and ep traffic per rank depend on the routing; predicted for the mean "
                          "rank (tokens x top_k rows per rank, what the ep group receives in all), and the flops "
                          "count every expert's parameters (the cost model is dense)")
+        if layout.sequence_parallel and layout.tp == 1:
+            notes.append("split_gather at tp=1 splits nothing (the plugin runs plain data parallelism)")
         seconds = max(s["step_seconds"] for s in stages)
         comm = {axis: max(s["comm_bytes_per_step"][axis] for s in stages) for axis in stages[0]["comm_bytes_per_step"]}
-        comm.setdefault("sp", 0)
         return Estimate(layout, worst["memory_bytes"], stages, comm, seconds,
                         worst["memory_bytes"]["total"] <= self.headroom * self.memory_bytes, notes)
 
@@ -248,7 +267,23 @@ class Planner:
             multiple = self.vocab_multiple * layout.tp
             padded = -(-vocab // multiple) * multiple
         return activations.activation_model(self.cls, self.config, layout.microbatch_size, self.seq,
-                                            layout.precision, layout.tp, padded, layout.checkpointing)
+                                            layout.precision, layout.tp, padded, layout.checkpointing,
+                                            self._sequence_split(layout))
+
+    def _sequence_split(self, layout: Layout) -> activations.SequenceSplit | None:
+        if layout.sp > 1:
+            return activations.SequenceSplit(layout.sp_mode, layout.sp)
+        if layout.sequence_parallel and layout.tp > 1:
+            return activations.SequenceSplit(layout.sp_mode, layout.tp, self.sequence_roles(layout.tp))
+        return None
+
+    def attention_shape(self, layout: Layout) -> cost.AttentionShape:
+        """Query and key/value heads one tp rank holds (kv replicated when fewer than tp), and head_dim."""
+        text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        heads = getattr(text, "num_attention_heads", 1)
+        kv = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or self.hidden // heads
+        return cost.AttentionShape(heads // layout.tp, max(1, kv // layout.tp), head_dim)
 
     @property
     def num_experts(self) -> int:
@@ -259,16 +294,16 @@ class Planner:
         otherwise."""
         if layout.zero == 3 and layout.dp > 1:
             return len(sharded.fsdp_units(shards, self.layer_prefixes))
-        if layout.zero not in (1, 2) or layout.dp == 1:
+        if layout.zero not in (1, 2) or layout.grad_replicas == 1:
             return 1
-        return max(1, len(memory.zero_buckets(shards, layout.dp, 0, layout.ep)))
+        return max(1, len(memory.zero_buckets(shards, layout.grad_replicas, 0, layout.ep)))
 
     def _comm(self, layout: Layout, shards, layers_held: int, first: bool, last: bool) -> dict:
         dense = [s for s in shards if not s.expert]
         local = padded = sum(s.numel for s in dense)
         expert_local = expert_padded = sum(s.numel for s in shards if s.expert)
         if layout.zero in (1, 2):           # each bucket padded to a multiple of its group (dp, or edp)
-            buckets = memory.zero_buckets(shards, layout.dp, 0, layout.ep)
+            buckets = memory.zero_buckets(shards, layout.grad_replicas, 0, layout.ep)
             padded = sum(-(-n // size) * size for n, size, _, expert in buckets if not expert)
             expert_padded = sum(-(-n // size) * size for n, size, _, expert in buckets if expert)
         tied = sum(s.numel for s in dense if s.tie is not None)
@@ -278,9 +313,13 @@ class Planner:
         if self.expert_paths:
             moe_layers = len({s.name.rsplit(".", 1)[0] for s in shards} & self.expert_paths)
             moe = cost.MoeTraffic(moe_layers, self.top_k, self.num_experts, expert_local, expert_padded)
+        sequence = None
+        if layout.sp > 1 or layout.sequence_parallel and layout.tp > 1:
+            sequence = cost.SequenceTraffic(self.attention_shape(layout),
+                                            self._activation_model(layout).summed_per_layer)
         comm = cost.comm_per_step(layout, self.hidden, layers_held, first, last, local, padded, self.seq, tied,
                                   self.vocab_parallel_loss, self.lm_head, moe, sum(s.tp_grad_sum for s in shards),
-                                  self.config.model_type in POST_NORM)
+                                  self.config.model_type in POST_NORM, sequence)
         for op in ("all_gather", "reduce_scatter"):     # FSDP2's, per op (calls: _zero_buckets)
             if any(o == op for o, _ in fsdp):
                 comm["dp"].append((op, sum(n for o, n in fsdp if o == op)))
@@ -289,7 +328,18 @@ class Planner:
     # -- search -------------------------------------------------------------------------------------
     def candidates(self, zero_stages=(0, 1, 2), checkpointing=(False, True)) -> list[Layout]:
         return enumerate_layouts(self.gpus, self.global_batch, self.num_layers, self.precision, self.gpus_per_node,
-                                 zero_stages, checkpointing, self.num_experts)
+                                 zero_stages, checkpointing, self.num_experts, context=self.context_parallel_ok,
+                                 split_gather=True)
+
+    @property
+    def context_parallel_ok(self) -> bool:
+        """The model is one context parallelism runs (a causal LM on sdpa or eager attention)."""
+        from meshboost.shardformer.context import check_context
+        try:
+            check_context(self.meta, 1, 1)
+        except (ValueError, NotImplementedError):
+            return False
+        return True
 
     def rank(self, include_unfit: bool = False, **kwargs) -> tuple[list[Estimate], list[tuple[Layout, str]]]:
         """(estimates of every valid layout, fitting ones first, fastest first; [(layout, why refused)])."""

@@ -94,6 +94,15 @@ def check_context(model: nn.Module, cp_size: int, tp_size: int, mode: str = ALL_
     return implementation
 
 
+def check_length(length: int, size: int, mode: str) -> None:
+    """A sequence of `length` tokens splits over `size` cp ranks in `mode` (2 size chunks for ring_attn)."""
+    multiple = size if mode == ALL_TO_ALL else 2 * size
+    if length % multiple:
+        raise ValueError(f"sequence length {length} is not divisible by {multiple} (sp_size={size}, {mode}): pad the "
+                         f"batch to a multiple of {multiple} (e.g. the collator's pad_to_multiple_of={multiple}, "
+                         "labels -100 there)")
+
+
 class UlyssesAttention:
     """The attention function registered for a model under context parallelism, all_to_all mode (see
     the module docstring); `padding` is the whole sequences' key padding mask of the current call
@@ -183,8 +192,12 @@ class GatheredKeysAttention(UlyssesAttention):
 
     mode = RING_ATTN
 
+    def _gather_keys(self, t: torch.Tensor) -> torch.Tensor:
+        """[B, kv heads, S/cp, D] of this rank -> every rank's, in rank order (gradient reduce-scattered)."""
+        return comm.gather_from_seq(t.contiguous(), self.group, dim=2)
+
     def __call__(self, module: nn.Module, query, key, value, attention_mask, **kwargs):
-        key, value = (comm.gather_from_seq(t.contiguous(), self.group, dim=2) for t in (key, value))
+        key, value = (self._gather_keys(t) for t in (key, value))
         mask = self._keep(self.query_positions, self.key_positions, query.shape[0], kwargs.get("sliding_window"),
                           query)
         out, _ = self._implementation(module)(module, query, key, value, mask, **kwargs)
@@ -205,12 +218,15 @@ def _key_value_groups(module: nn.Module, groups: int):
             module.num_key_value_groups = previous
 
 
-def install(model: nn.Module, group, size: int, inner: str, mode: str = ALL_TO_ALL) -> UlyssesAttention:
-    """Register this model's context-parallel attention in transformers' attention interface and switch
-    the model to it (every attention module then calls it; no forward is replaced)."""
+def install(model: nn.Module, group, size: int, inner: str, mode: str = ALL_TO_ALL,
+            attention: UlyssesAttention | None = None) -> UlyssesAttention:
+    """Register this model's context-parallel attention (the mode's, or `attention`: the planner's
+    shape-only one) in transformers' attention interface and switch the model to it (every attention
+    module then calls it; no forward is replaced)."""
     from transformers import AttentionInterface
 
-    attention = (UlyssesAttention if mode == ALL_TO_ALL else GatheredKeysAttention)(group, size, inner)
+    if attention is None:
+        attention = (UlyssesAttention if mode == ALL_TO_ALL else GatheredKeysAttention)(group, size, inner)
     name = f"{ATTENTION_NAME}_{id(model)}"
     AttentionInterface.register(name, attention)
     for module in model.modules():
@@ -256,11 +272,7 @@ class ContextInputs:
         if not torch.is_tensor(ids) or ids.dim() != 2:
             raise ValueError("context parallelism needs input_ids [batch, sequence] (inputs_embeds is not split)")
         batch, length = ids.shape
-        multiple = self.size if self.attention.mode == ALL_TO_ALL else 2 * self.size
-        if length % multiple:
-            raise ValueError(f"sequence length {length} is not divisible by {multiple} (sp_size={self.size}, "
-                             f"{self.attention.mode}): pad the batch to a multiple of {multiple} (e.g. the "
-                             f"collator's pad_to_multiple_of={multiple}, labels -100 there)")
+        check_length(length, self.size, self.attention.mode)
         given = kwargs.get("position_ids")
         positions = torch.arange(length, device=ids.device).expand(batch, length) if given is None \
             else given.to(ids.device).expand(batch, length)

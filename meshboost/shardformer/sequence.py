@@ -163,7 +163,17 @@ def _split_sequence(group, tp_size: int, module, args, kwargs):
     if not torch.is_tensor(hidden) or hidden.dim() != 3:
         raise ValueError("sequence parallelism needs the layers' hidden states as [batch, seq, hidden]; got "
                          f"{type(hidden).__name__ if not torch.is_tensor(hidden) else tuple(hidden.shape)}")
-    seq = hidden.shape[SEQ_DIM]
+    check_length(hidden.shape[SEQ_DIM], tp_size)
+    local = comm.split_to_tp(hidden, group, dim=SEQ_DIM)
+    if args:
+        args[0] = local
+    else:
+        kwargs["hidden_states"] = local
+    return tuple(args), kwargs
+
+
+def check_length(seq: int, tp_size: int) -> None:
+    """A sequence of `seq` tokens splits over the tp ranks: divisible, at least 2 tokens each."""
     if seq % tp_size:
         raise ValueError(f"sequence length {seq} is not divisible by tp_size={tp_size}, which sequence parallelism "
                          f"splits it over: pad every batch to a multiple of {tp_size} (e.g. tokenizer(..., "
@@ -173,12 +183,6 @@ def _split_sequence(group, tp_size: int, module, args, kwargs):
         raise ValueError(f"sequence length {seq} over tp_size={tp_size} leaves {seq // tp_size} token per rank; "
                          "sequence parallelism needs at least 2 (use longer batches, or enable_sequence_parallelism="
                          "False, e.g. for token-by-token generation)")
-    local = comm.split_to_tp(hidden, group, dim=SEQ_DIM)
-    if args:
-        args[0] = local
-    else:
-        kwargs["hidden_states"] = local
-    return tuple(args), kwargs
 
 
 def _gather_sequence(group, module, args, output):

@@ -1,0 +1,202 @@
+"""Shape-only stand-ins for meshboost's sequence splits, so that the planner's fake-tensor forward
+(activations.py) computes what one rank computes under them.
+
+Owns:
+- `SequenceRoles`: under Megatron sequence parallelism (split_gather), where the sharder's own plan
+  (`ShardFormer.validate` with `enable_sequence_parallelism=True`: its refusals are the plugin's) cuts
+  and restores the sequence: the layer stack, the blocks that gather their input once, the
+  column-parallel linears that gather it themselves, the row-parallel linears whose output is
+  reduce-scattered. `install_sequence_split` applies them to a model by hooks that slice or repeat
+  the sequence dim instead of communicating, and counts the replicated parameters fed this rank's
+  chunk (their gradients are summed over tp each backward, `sequence.install`'s rule);
+- `install_context`: meshboost's own context-parallel attention (`shardformer/context.py`:
+  `UlyssesAttention`, `GatheredKeysAttention`, with `ContextInputs.shard` cutting the inputs) with
+  its exchanges replaced by shape-only ones.
+The real collectives' autograd functions save nothing for backward, and neither do these: what the
+model saves is what the real layout saves. Must not communicate.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn as nn
+
+SEQ_DIM = 1
+COLUMN_STYLES = ("colwise", "colwise_fused", "colwise_heads", "colwise_gather")
+ROW_STYLES = ("rowwise", "rowwise_split")
+
+
+@dataclass(frozen=True)
+class SequenceRoles:
+    """Where split_gather cuts and restores the sequence, as paths relative to one layer of the stack
+    (`stack`, from the model's root): blocks gathering their input (with the keyword names that may
+    carry it), column-parallel linears gathering their own, row-parallel outputs reduce-scattered."""
+
+    tp: int
+    stack: str
+    gather_blocks: tuple[tuple[str, tuple[str, ...]], ...]
+    gather_columns: tuple[str, ...]
+    split_rows: tuple[str, ...]
+
+
+def sequence_roles(model: nn.Module, tp_size: int, make_vocab_size_divisible_by: int = 64) -> SequenceRoles:
+    """The sharder's sequence-parallel plan of `model` (meta) at `tp_size`; raises what the plugin raises."""
+    from meshboost.shardformer import ShardConfig, ShardFormer
+    from meshboost.shardformer.policies import get_policy
+
+    plan = ShardFormer(ShardConfig(make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                                   enable_sequence_parallelism=True)).validate(model, get_policy(model), tp_size)
+    stack = plan.seq_stack_full
+    pattern = re.compile(rf"^{re.escape(stack)}\.\d+\.(.+)$")
+
+    def relative(paths) -> set[str]:
+        return {m.group(1) for p in paths if (m := pattern.match(p))}
+
+    regions = plan.regions
+    blocks = {}
+    for path, region in regions.regions.items():
+        if region.gathers:
+            for rel in relative([path]):
+                blocks[rel] = region.kwarg_names
+    columns = relative(p for m in plan.matches if m.style.name in COLUMN_STYLES for p in m.paths
+                       if regions.enclosing(p) is None)
+    rows = relative(p for m in plan.matches if m.style.name in ROW_STYLES for p in m.paths)
+    return SequenceRoles(tp_size, stack, tuple(sorted(blocks.items())), tuple(sorted(columns)), tuple(sorted(rows)))
+
+
+class _Resize(torch.autograd.Function):
+    """A collective's shape change without its data: forward a tensor of `shape`, backward one of the
+    input's; saves nothing (as `comm`'s autograd functions)."""
+
+    @staticmethod
+    def forward(ctx, x, shape):
+        ctx.shape = x.shape
+        return x.new_empty(shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.new_empty(ctx.shape), None
+
+
+def _resize_dim(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] = size
+    return _Resize.apply(x, tuple(shape))
+
+
+def _hidden(args, kwargs, names=("hidden_states",)) -> tuple[torch.Tensor | None, str | int | None]:
+    if args and torch.is_tensor(args[0]) and args[0].dim() == 3 and args[0].is_floating_point():
+        return args[0], 0
+    for key in names:
+        value = kwargs.get(key)
+        if torch.is_tensor(value) and value.dim() == 3 and value.is_floating_point():
+            return value, key
+    return None, None
+
+
+def _replace(args, kwargs, where, value):
+    if where == 0:
+        return (value, *args[1:]), kwargs
+    return args, {**kwargs, where: value}
+
+
+class _SequenceState:
+    """The whole sequence length of the current forward, and the replicated parameters found fed the chunk."""
+
+    def __init__(self, tp: int):
+        self.tp, self.whole = tp, None
+        self.summed: dict[int, int] = {}       # id(parameter) -> elements (gradient summed over tp)
+
+
+def _split_first(state: _SequenceState, module, args, kwargs):
+    hidden, where = _hidden(args, kwargs)
+    state.whole = hidden.shape[SEQ_DIM]
+    return _replace(args, kwargs, where, _resize_dim(hidden, SEQ_DIM, state.whole // state.tp))
+
+
+def _gather_last(state: _SequenceState, module, args, output):
+    out = output if torch.is_tensor(output) else output[0]
+    whole = _resize_dim(out, SEQ_DIM, state.whole)
+    return whole if torch.is_tensor(output) else (whole, *output[1:])
+
+
+def _gather_input(state: _SequenceState, names, module, args, kwargs):
+    hidden, where = _hidden(args, kwargs, names)
+    if hidden is None or hidden.shape[SEQ_DIM] == state.whole:
+        return args, kwargs
+    return _replace(args, kwargs, where, _resize_dim(hidden, SEQ_DIM, state.whole))
+
+
+def _split_output(state: _SequenceState, module, args, output):
+    out = output if torch.is_tensor(output) else output[0]
+    if not torch.is_tensor(out) or out.dim() != 3 or out.shape[SEQ_DIM] != state.whole:
+        return output
+    local = _resize_dim(out, SEQ_DIM, state.whole // state.tp)
+    return local if torch.is_tensor(output) else (local, *output[1:])
+
+
+def _note_chunk(state: _SequenceState, params, module, args, kwargs):
+    t = next((a for a in (*args, *kwargs.values()) if torch.is_tensor(a) and a.is_floating_point()), None)
+    if t is not None and t.dim() > SEQ_DIM and state.whole and t.shape[SEQ_DIM] == state.whole // state.tp:
+        state.summed.update({id(p): p.numel() for p in params})
+
+
+def install_sequence_split(model: nn.Module, roles: SequenceRoles) -> _SequenceState:
+    """Hooks that make `model` hold 1/tp of the sequence where split_gather does (see the module docstring);
+    the returned state's `summed` fills in as the forward runs."""
+    state = _SequenceState(roles.tp)
+    layers = model.get_submodule(roles.stack)
+    blocks = dict(roles.gather_blocks)
+    linears = set(roles.gather_columns) | set(roles.split_rows)
+    layers[0].register_forward_pre_hook(partial(_split_first, state), with_kwargs=True)
+    layers[len(layers) - 1].register_forward_hook(partial(_gather_last, state))
+    for layer in layers:
+        for rel, module in layer.named_modules():
+            if rel in blocks:
+                module.register_forward_pre_hook(partial(_gather_input, state, blocks[rel]), with_kwargs=True)
+                module.register_forward_hook(partial(_split_output, state))
+            if rel in roles.gather_columns:
+                module.register_forward_pre_hook(partial(_gather_input, state, ("input",)), with_kwargs=True)
+            if rel in roles.split_rows:
+                module.register_forward_hook(partial(_split_output, state))
+                if getattr(module, "bias", None) is not None:       # added after the reduce-scatter
+                    state.summed[id(module.bias)] = module.bias.numel()
+            elif rel not in linears:
+                params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+                if params:
+                    module.register_forward_pre_hook(partial(_note_chunk, state, params), with_kwargs=True)
+    return state
+
+
+def install_context(model: nn.Module, size: int, mode: str):
+    """meshboost's context-parallel attention on `model` (shape-only exchanges) and the `ContextInputs`
+    that cuts a batch into rank 0's piece (every rank holds as many tokens)."""
+    from meshboost.shardformer.context import (
+        ALL_TO_ALL,
+        ContextInputs,
+        GatheredKeysAttention,
+        UlyssesAttention,
+        install,
+    )
+
+    base = UlyssesAttention if mode == ALL_TO_ALL else GatheredKeysAttention
+
+    class ShapeOnly(base):
+        def _heads_to_sequence(self, x):
+            b, h, s, d = x.shape
+            return _Resize.apply(x, (b, h // self.size, s * self.size, d))
+
+        def _sequence_to_heads(self, x):
+            b, s, h, d = x.shape
+            return _Resize.apply(x, (b, s // self.size, h * self.size, d))
+
+        def _gather_keys(self, t):
+            return _resize_dim(t, 2, t.shape[2] * self.size)
+
+    inner = model.config._attn_implementation
+    attention = install(model, None, size, inner, mode, attention=ShapeOnly(None, size, inner))
+    return ContextInputs(attention, 0, model.config)
