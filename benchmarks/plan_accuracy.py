@@ -80,6 +80,19 @@ CASES = [
     # cpu_offload: master shards and moments on the host (memory_breakdown counts them there)
     ("llama", dict(dp=2, zero=1, cpu_offload=True, precision="bf16")),
     ("gpt2", dict(dp=2, zero=2, cpu_offload=True, precision="fp32")),
+    # sequence parallelism: Megatron's split_gather over tp (norms and residuals hold 1/tp of the sequence) ...
+    ("llama", dict(tp=2, sp_mode="split_gather", precision="fp32")),
+    ("gpt2", dict(tp=2, sp_mode="split_gather", precision="bf16", checkpointing=True)),
+    ("llama", dict(tp=2, dp=2, zero=1, sp_mode="split_gather", precision="bf16")),
+    ("llama", dict(tp=2, pp=2, microbatches=2, sp_mode="split_gather", precision="fp32")),
+    # ... and context parallelism on an sp axis of its own (all_to_all: Ulysses; ring_attn: keys and
+    # values gathered); ZeRO partitions over dp x sp
+    ("llama", dict(sp=2, precision="fp32")),
+    ("llama", dict(sp=2, sp_mode="ring_attn", precision="bf16")),
+    ("llama", dict(sp=2, precision="fp32", checkpointing=True)),
+    ("llama", dict(tp=2, sp=2, zero=1, precision="fp32")),
+    ("llama", dict(sp=2, dp=2, zero=2, sp_mode="ring_attn", precision="bf16")),
+    ("llama", dict(pp=2, sp=2, microbatches=2, precision="fp32")),
 ]
 QUICK = [0, 2, 5, 8, 12, 23]
 # Per rank, an MoE's activations and ep traffic follow the routing (rows received); compared as the
@@ -233,7 +246,9 @@ def measure_rank(family: str, fields: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
     # zero=3: FSDP2 calls torch.distributed itself, so its dp traffic is what the dispatcher sees
     witness = dispatched_comm_counter(mesh) if layout.zero == 3 else contextlib.nullcontext()
-    with comm_counter(mesh) as counted, witness as dispatched:
+    # under context parallelism the gradients are averaged over dp x sp: that group's traffic is dp's
+    names = {mesh.group("dp", "cp"): "dp"} if mesh.cp_size > 1 else None
+    with comm_counter(mesh, names) as counted, witness as dispatched:
         with peak.hooks():
             _step(booster, model, optimizer, batch, layout.pp)
         measured = memory_breakdown(model.unwrap(), optimizer)
@@ -250,9 +265,11 @@ def measure_rank(family: str, fields: dict) -> dict:
         out["activations"] = activation_bytes(model.unwrap(), lambda: model(**micro))
     else:    # the stage's peak over the schedule's micro-batches in flight (zero=3: its one micro-batch)
         out["activations"] = peak.peak
-    out["ranks"] = (mesh.pp_rank, mesh.tp_rank, mesh.dp_rank)
+    # the dp coordinate as ZeRO partitions: this rank's index among the gradient's replicas (dp x sp)
+    out["ranks"] = (mesh.pp_rank, mesh.tp_rank, mesh.reduction_of([])[3])
     # ep = dp may be one process group, whose traffic comm_counter then labels ep
     out["dp_is_ep"] = layout.ep > 1 and mesh.group("dp") is mesh.group("ep")
+    out["dp_is_sp"] = layout.sp > 1 and mesh.group("dp", "cp") is mesh.group("cp")
     return out
 
 
@@ -318,6 +335,9 @@ def compare(family: str, fields: dict, measured_ranks: list[dict]) -> dict:
     if ranks[0].get("dp_is_ep"):             # one group: comm_counter labels its traffic ep
         for q in predicted:
             q["comm ep"] += q.pop("comm dp")
+    if ranks[0].get("dp_is_sp"):             # one group (dp x sp = sp, the world): comm_counter labels it sp
+        for q in predicted:
+            q["comm sp"] += q.pop("comm dp")
     for m, p in zip(ranks, predicted):
         for key in (*STATE_KEYS, "activations", *(f"comm {axis}" for axis in COMM_AXES)):
             if key not in m or key not in p:

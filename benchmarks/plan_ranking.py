@@ -1,7 +1,7 @@
 """The planner's step-time ranking against measured steps on this machine (issue 28, point 3): run by
 `python benchmarks/plan_accuracy.py --ranking`, whose docstring says how. Owns the ranking's layouts
 (RANKING_LAYOUTS: a small Llama on 2 processes, tp / pp and its micro-batches / dp / ZeRO /
-checkpointing), their interleaved timing, Spearman's rank correlation and the printed table; the
+checkpointing / split_gather / context parallelism's two modes), their interleaved timing, Spearman's rank correlation and the printed table; the
 models, layouts and steps are plan_accuracy's.
 """
 
@@ -24,6 +24,10 @@ RANKING_LAYOUTS = [
     dict(pp=2, microbatches=2, precision="fp32"),
     dict(pp=2, microbatches=4, precision="fp32"),
     dict(pp=2, microbatches=8, precision="fp32"),
+    # the sequence splits: split_gather over tp, context parallelism's two modes over sp
+    dict(tp=2, sp_mode="split_gather", precision="fp32"),
+    dict(sp=2, precision="fp32"),
+    dict(sp=2, sp_mode="ring_attn", precision="fp32"),
 ]
 RANKING_WARMUP, RANKING_STEPS = 3, 10
 
@@ -128,13 +132,13 @@ def ranking(constants_file: str | None = None, world: int = 2) -> float:
         terms.append(slowest["step_seconds_terms"])
     print(f"{spec.family} layers={spec.layers} hidden={spec.hidden} seq={spec.seq} global batch={spec.batch}, "
           f"world {world}: median of {RANKING_STEPS} steps after {RANKING_WARMUP} warm-up, layouts interleaved")
-    print(f"{'layout':40s} {'measured s':>10s} {'predicted s':>11s} {'rank m/p':>8s}   predicted terms (s)")
+    print(f"{'layout':44s} {'measured s':>10s} {'predicted s':>11s} {'rank m/p':>8s}   predicted terms (s)")
     order_m = {i: r for r, i in enumerate(sorted(range(len(measured)), key=measured.__getitem__))}
     order_p = {i: r for r, i in enumerate(sorted(range(len(predicted)), key=predicted.__getitem__))}
     for i, fields in enumerate(RANKING_LAYOUTS):
         t = terms[i]
-        detail = " ".join(f"{k} {t[k]:.4f}" for k in ("compute", "overhead", "tp", "pp", "dp", "optimizer"))
-        print(f"{layout_of(fields, spec).describe():40s} {measured[i]:10.4f} {predicted[i]:11.4f} "
+        detail = " ".join(f"{k} {t[k]:.4f}" for k in ("compute", "overhead", "tp", "sp", "pp", "dp", "optimizer"))
+        print(f"{layout_of(fields, spec).describe():44s} {measured[i]:10.4f} {predicted[i]:11.4f} "
               f"{order_m[i] + 1:>4d}/{order_p[i] + 1:<3d}   {detail}")
     rho = spearman(measured, predicted)
     print(f"Spearman rank correlation over {len(measured)} layouts: {rho:.3f}")

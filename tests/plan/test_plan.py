@@ -48,7 +48,9 @@ def test_rank_7b_on_8_gpus(capsys):
     ranked = json.loads(out)
     assert ranked and all(e["memory_bytes_per_rank"]["total"] <= 0.9 * 80 * 2**30 for e in ranked)
     assert ranked[0]["relative_step_time"] == pytest.approx(1.0)
-    assert all(e["layout"]["tp"] * e["layout"]["pp"] * e["layout"]["dp"] == 8 for e in ranked)
+    assert all(e["layout"]["tp"] * e["layout"]["pp"] * e["layout"]["dp"] * e["layout"]["sp"] == 8 for e in ranked)
+    modes = {e["layout"]["sp_mode"] for e in ranked}     # the sequence splits are enumerated too
+    assert {"split_gather", "all_to_all", "ring_attn"} <= modes
 
 
 def test_invalid_layout_gives_the_plugins_message(capsys):
@@ -63,8 +65,17 @@ def test_invalid_layout_gives_the_plugins_message(capsys):
     assert str(plugin.value) in err            # zero=3 with a pipeline: the plugin's refusal ...
     code, _, err = _run(capsys, "--layout", "tp=3")
     assert code == 2 and "not divisible by tp_size=3" in err      # ... and the sharder's own check
-    code, _, err = _run(capsys, "--layout", "sp=2")
-    assert code == 2 and "not modelled yet" in err
+    # sequence splits: the plugin's, the context split's and split_gather's own messages
+    code, _, err = _run(capsys, "--layout", "sp=2,sp_mode=ring")
+    assert code == 2 and "sequence_parallelism_mode='ring'" in err and "is not built" in err
+    code, _, err = _run(capsys, "--layout", "sp_mode=all_to_all")
+    assert code == 2 and "with sp_size=1 splits nothing" in err
+    code = main(["--model", "llama", "--set", LLAMA_7B, "--gpus", "8", "--seq", "4098", "--layout",
+                 "sp=4,sp_mode=ring_attn"])
+    err = capsys.readouterr().err
+    assert code == 2 and "sequence length 4098 is not divisible by 8 (sp_size=4, ring_attn)" in err
+    code, _, err = _run(capsys, "--layout", "sp=2", "--model", "bert")
+    assert code == 2 and "context parallelism runs causal LMs" in err
     # a layout the plugin itself refuses: its message, word for word
     from meshboost.plan.layout import Layout, plugin_config
     with pytest.raises(NotImplementedError) as planned:
@@ -77,7 +88,9 @@ def test_predicted_matches_measured():
     over ep, their ZeRO buckets of their own), predicted from the config against the tensors."""
     from benchmarks.plan_accuracy import compare, measure
 
-    cases = [("llama", dict(tp=2, precision="bf16")), ("qwen3_moe", dict(dp=2, ep=2, zero=1, precision="fp32"))]
+    cases = [("llama", dict(tp=2, precision="bf16")), ("qwen3_moe", dict(dp=2, ep=2, zero=1, precision="fp32")),
+             ("llama", dict(tp=2, sp_mode="split_gather", precision="fp32")),
+             ("llama", dict(sp=2, sp_mode="ring_attn", checkpointing=True, precision="fp32"))]
     for case, ranks in zip(cases, measure(cases)):
         errors = compare(*case, ranks)
         for key in ("weights", "gradients", "masters", "optimizer_states"):
@@ -85,6 +98,31 @@ def test_predicted_matches_measured():
         assert errors["activations"][0] < 0.05, (case, errors["activations"])
         comm = {key: value for key, value in errors.items() if key.startswith("comm")}
         assert comm and all(err == 0 for err, _, _ in comm.values()), (case, comm)   # comm_counter's payload bytes
+
+
+def test_sequence_splits_7b(capsys):
+    """split_gather holds the norms' and residuals' activations at 1/tp of the sequence (same weights, the
+    tp all-reduces become all-gathers and reduce-scatters); context parallelism divides the activations
+    by sp, partitions ZeRO over dp x sp and adds its own traffic, all_to_all's and ring_attn's."""
+    layouts = {}
+    for name, layout in (("tp", "tp=4,zero=1,ckpt=0"), ("sg", "tp=4,sp_mode=split_gather,zero=1"),
+                         ("a2a", "tp=2,sp=2,zero=1"), ("ring", "tp=2,sp=2,sp_mode=ring_attn,zero=1"),
+                         ("tp2", "tp=2,zero=1")):
+        code, out, _ = _run(capsys, "--layout", layout, "--json")
+        assert code == 0, layout
+        (layouts[name],) = json.loads(out)
+    mem = {k: v["memory_bytes_per_rank"] for k, v in layouts.items()}
+    comm = {k: v["comm_bytes_per_step"] for k, v in layouts.items()}
+    assert mem["sg"]["weights"] == mem["tp"]["weights"]
+    assert mem["sg"]["activations"] < 0.8 * mem["tp"]["activations"]
+    assert comm["sg"]["tp"] > comm["tp"]["tp"] and comm["sg"]["sp"] == 0 == comm["tp"]["sp"]
+    # tp=2 x sp=2: the weights of tp=2, ZeRO's states over dp x sp = 4 (as tp=2's over dp = 4)
+    assert mem["a2a"]["weights"] == mem["tp2"]["weights"]
+    assert mem["a2a"]["optimizer_states"] == mem["tp2"]["optimizer_states"]
+    assert mem["a2a"]["activations"] < 0.6 * mem["tp2"]["activations"]
+    assert comm["a2a"]["sp"] > 0 and comm["ring"]["sp"] > 0
+    assert comm["a2a"]["dp"] == pytest.approx(comm["tp2"]["dp"], rel=1e-6)     # + the token counts per micro-batch
+    assert layouts["ring"]["layout"]["sp_mode"] == "ring_attn"
 
 
 def test_zero3_and_offload_7b(capsys):
