@@ -68,9 +68,25 @@ def _apply(ctx: ShardContext, path: str, module: nn.Module) -> None:
         module.query_key_value = ColumnParallelLinear.from_native(qkv, ctx.group, role=role)
     else:
         module.query_key_value = ColumnSubsetLinear.from_native(qkv, ctx.group, rows(ctx.tp_rank), role=role)
+    if hasattr(module, "num_key_value_groups"):
+        # transformers >= 5.25 repeats the key/value heads by this (earlier releases broadcast them
+        # themselves): this rank's query heads per key/value head it computes
+        heads = module.config.num_attention_heads // ctx.tp_size
+        module.num_key_value_groups = heads // _local_kv_heads(module, kind, ctx.tp_size)
     if module.config.alibi:
         STYLES["heads_bias"].apply(ctx, path, module)
     return None
+
+
+def _local_kv_heads(module: nn.Module, kind: str, tp_size: int) -> int:
+    """Key/value heads one rank computes: its share of a contiguous split, else the one it holds (a
+    group's, or multi-query's shared head)."""
+    config = module.config
+    if kind == "rows":
+        return 1
+    if config.new_decoder_architecture:
+        return config.num_kv_heads // tp_size
+    return config.num_attention_heads // tp_size          # old architecture: one key/value per head
 
 
 def _check(config, tp_size: int) -> None:
