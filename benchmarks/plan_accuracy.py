@@ -6,10 +6,11 @@
 
 `--ranking` (benchmarks/plan_ranking.py): calibrates the cost constants first
 (`meshboost.plan.calibrate`, the same processes and threads as the measurement), then for one model and world (RANKING_SPEC, RANKING_LAYOUTS: a small
-Llama on 2 processes, tp / pp and its micro-batches / dp / ZeRO / checkpointing) boosts the model with
-each layout's plugin (all of them at once), runs RANKING_WARMUP rounds and times RANKING_STEPS more
-(a round: one step of every layout, so that background load falls on all alike; per layout the
-median of the slowest rank's step), and prints measured against predicted seconds and their Spearman rank correlation.
+Llama on 2 processes, tp / pp and its micro-batches / dp / ZeRO / checkpointing / the sequence splits)
+boosts the model with each layout's plugin (all of them at once), runs RANKING_WARMUP rounds and times
+RANKING_STEPS more (a round: one step of every layout, so that background load falls on all alike; per
+layout the median of the slowest rank's step); `--repeat N` times (3 by default), each calibrating anew,
+and prints the medians of measured against predicted seconds and their Spearman rank correlation.
 
 For each case (a small Llama, GPT-2 or BERT under tp, pp, dp, ZeRO 1/2, fp32/bf16, checkpointing), N
 processes boost the real model with the plugin config the planner builds for the layout, run one
@@ -389,12 +390,14 @@ def main() -> None:
     parser.add_argument("--cases", default=None, help="comma list of CASES indices (e.g. 22,23) instead of all")
     parser.add_argument("--ranking", action="store_true", help="only the step-time ranking (calibrates first)")
     parser.add_argument("--constants", default=None, help="with --ranking: read the constants instead of calibrating")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="with --ranking: calibrate, measure and predict this many times; rank the medians")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if args.ranking:
         from benchmarks.plan_ranking import ranking
-        ranking(args.constants)
+        ranking(args.constants, repeat=args.repeat)
         return
     if args.cuda:
         import torch

@@ -111,27 +111,40 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / var if var else 0.0
 
 
-def ranking(constants_file: str | None = None, world: int = 2) -> float:
-    """Calibrate (or read `constants_file`), measure and predict RANKING_LAYOUTS; print; the Spearman."""
+def ranking(constants_file: str | None = None, world: int = 2, repeat: int = 1) -> float:
+    """Calibrate (or read `constants_file`), measure and predict RANKING_LAYOUTS `repeat` times (each
+    calibrating anew); print the per-layout medians over the repeats; their Spearman."""
+    import statistics
+
     from meshboost.plan import calibrate
     spec = ranking_spec()
-    if constants_file:
-        constants = calibrate.load(constants_file)
-    else:
-        constants = calibrate.calibrate(world, RANKING_LAYOUTS[0]["precision"])
-    print(f"cost constants: {constants.source}")
-    measured = measure_step_times(RANKING_LAYOUTS, world)
-    predicted, terms = [], []
-    for fields in RANKING_LAYOUTS:
-        layout = layout_of(fields, spec)
-        planner = planner_for(spec, layout)
-        planner.constants = constants
-        estimate = planner.explain(layout)
-        predicted.append(estimate.step_seconds)
-        slowest = max(estimate.per_stage, key=lambda s: s["step_seconds"])
-        terms.append(slowest["step_seconds_terms"])
+    runs = []
+    for _ in range(repeat):
+        if constants_file:
+            constants = calibrate.load(constants_file)
+        else:
+            constants = calibrate.calibrate(world, RANKING_LAYOUTS[0]["precision"])
+        print(f"cost constants: {constants.source}")
+        measured = measure_step_times(RANKING_LAYOUTS, world)
+        predicted, terms = [], []
+        for fields in RANKING_LAYOUTS:
+            layout = layout_of(fields, spec)
+            planner = planner_for(spec, layout)
+            planner.constants = constants
+            estimate = planner.explain(layout)
+            predicted.append(estimate.step_seconds)
+            slowest = max(estimate.per_stage, key=lambda s: s["step_seconds"])
+            terms.append(slowest["step_seconds_terms"])
+        if repeat > 1:
+            print(f"  run {len(runs) + 1}: Spearman {spearman(measured, predicted):.3f}")
+        runs.append((measured, predicted, terms))
+    measured = [statistics.median(r[0][i] for r in runs) for i in range(len(RANKING_LAYOUTS))]
+    predicted = [statistics.median(r[1][i] for r in runs) for i in range(len(RANKING_LAYOUTS))]
+    terms = [{k: statistics.median(r[2][i][k] for r in runs) for k in runs[0][2][i]}
+             for i in range(len(RANKING_LAYOUTS))]
     print(f"{spec.family} layers={spec.layers} hidden={spec.hidden} seq={spec.seq} global batch={spec.batch}, "
-          f"world {world}: median of {RANKING_STEPS} steps after {RANKING_WARMUP} warm-up, layouts interleaved")
+          f"world {world}: median of {RANKING_STEPS} steps after {RANKING_WARMUP} warm-up, layouts interleaved"
+          + (f"; per layout the median of {repeat} runs, each calibrated anew" if repeat > 1 else ""))
     print(f"{'layout':44s} {'measured s':>10s} {'predicted s':>11s} {'rank m/p':>8s}   predicted terms (s)")
     order_m = {i: r for r, i in enumerate(sorted(range(len(measured)), key=measured.__getitem__))}
     order_p = {i: r for r, i in enumerate(sorted(range(len(predicted)), key=predicted.__getitem__))}
