@@ -111,6 +111,9 @@ CUDA_CASES = [
     ("llama", dict(tp=2, precision="bf16")),
     ("llama", dict(dp=2, zero=2, precision="bf16")),
     ("qwen3_moe", dict(dp=2, ep=2, zero=1, precision="bf16")),
+    ("llama", dict(tp=2, sp_mode="split_gather", precision="bf16")),
+    ("llama", dict(sp=2, precision="bf16")),
+    ("llama", dict(sp=2, sp_mode="ring_attn", precision="bf16")),
 ]
 SPEC_ENV = "MESHBOOST_PLAN_SPEC"      # "cuda": spec_of's larger models (read in every spawned process too)
 
