@@ -102,9 +102,8 @@ def _closed_block(block: nn.Module, matched: dict) -> bool:
     block is sharded by the plan and it holds no tensor-parallel experts: a linear left whole there,
     or an MoE block's router (whatever its class) beside its experts, also reads the block's input,
     and its input gradient must not be summed over tp. Otherwise each column-parallel child (and each
-    experts module) applies f itself (more collectives, the same numbers). A norm with parameters
-    inside an attention (OLMo2's whole-hidden q/k norm) reads a projection's output, not the block's
-    input, and leaves the block closed."""
+    experts module) applies f itself (more collectives, the same numbers). A norm inside an attention
+    (OLMo2's whole-hidden q/k norm) reads a projection's output and leaves the block closed."""
     return all(id(m) in matched for m in block.modules() if isinstance(m, nn.Linear) or is_conv1d(m)) and \
         not any(matched[id(m)].style.name in EXPERT_STYLES for m in block.modules() if id(m) in matched)
 
@@ -126,15 +125,15 @@ def _split_input_guards(model: nn.Module, matches: list[_Match], matched: dict) 
 
 
 def _sequence_blocks(model: nn.Module, plan: _Plan, matched: dict) -> list[tuple[str, nn.Module]]:
-    """Under sequence parallelism, each module holding column-parallel linears (an attention, an MLP)
-    inside the stack's layers that is not a block input already gathers its hidden states at entry:
-    HF attention code views its projections by its input's sequence length (`hidden_states.shape[:-1]`),
-    which must be the whole sequence. Its linears must all be sharded (a whole router or gate would
-    read the gathered input and get its gradient reduce-scattered)."""
+    """Under sequence parallelism, each module holding column-parallel linears (an attention, an MLP; or
+    sharded by a block style) in the stack's layers that is not a block input gathers its input at entry:
+    HF attention code views its projections by its input's sequence length, which must be the whole one.
+    Its linears must all be sharded (a whole router would read the gathered input: gradient wrong)."""
     blocks = {p for m in plan.matches if m.style.name == BLOCK_INPUT for p in m.paths}
     stack = plan.seq_stack_full
     out = []
-    parents = sorted({p.rpartition(".")[0] for m in plan.matches if m.style.name.startswith("colwise")
+    parents = sorted({p if m.style.block else p.rpartition(".")[0] for m in plan.matches
+                      if m.style.block or m.style.name.startswith("colwise")
                       for p in m.paths if p.startswith(stack + ".")})
     for path in parents:
         if path in blocks or any(path.startswith(b + ".") for b in blocks) or path.count(".") <= stack.count(".") + 1:
@@ -320,10 +319,12 @@ class ShardFormer:
         matches = list(by_module.values())
         for m in matches:
             m.paths = [m.paths[0]] + [p for p in paths[id(m.module)] if p != m.paths[0]]
-        # the adapters' own linears are covered by their base's match (sharded with it)
+        # adapters' linears are covered by their base's match, a block style's linears by the block's
         covered = dict(by_module)
         for layer in adapters.values():
             covered.update({id(linear): by_module[id(layer.base_layer)] for linear in adapter_linears(layer)})
+        covered.update({id(sub): m for m in matches if m.style.block for sub in m.module.modules()
+                        if isinstance(sub, nn.Linear)})
         matches = [m for m in matches if m.style.name != BLOCK_INPUT or _closed_block(m.module, covered)]
         if not any(m.style.name != BLOCK_INPUT for m in matches):
             raise ValueError(f"policy {policy.name!r} matched no module of {type(model).__name__}; check the "

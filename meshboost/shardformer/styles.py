@@ -63,6 +63,10 @@ class ShardStyle:
     # a style for a parameter path (`layers.*.self_attn.sinks`): validate(path, param, tp_size, *args),
     # apply(ctx, path, param, *args) shards the parameter in place
     on_parameter: bool = False
+    # a style for a whole block (an attention) that shards the linears inside it itself: they count as
+    # covered by the plan, and under sequence parallelism the block gathers its input once, as a block
+    # holding column-parallel linears does (its code may view projections by its input's length)
+    block: bool = False
 
 
 STYLES: dict[str, ShardStyle] = {}
@@ -70,12 +74,13 @@ _SPEC = re.compile(r"^([A-Za-z_]\w*)(?:\(([^)]*)\))?$")
 
 
 def register_style(name: str, validate: Callable[..., None], apply: Callable[..., nn.Module | None],
-                   num_args: int = 0, on_parameter: bool = False) -> None:
+                   num_args: int = 0, on_parameter: bool = False, block: bool = False) -> None:
     """Add a style; `num_args` integer arguments are written `name(a, b)` in a plan. on_parameter: the
-    plan names a parameter (a module's own tensor, such as attention sinks), not a module."""
+    plan names a parameter (a module's own tensor, such as attention sinks), not a module. block: the
+    style shards a whole block's linears itself (see `ShardStyle.block`)."""
     if name in STYLES:
         raise ValueError(f"sharding style {name!r} is already registered")
-    STYLES[name] = ShardStyle(name, validate, apply, num_args, on_parameter)
+    STYLES[name] = ShardStyle(name, validate, apply, num_args, on_parameter, block)
 
 
 def parse_style(spec: str) -> tuple[ShardStyle, tuple[int, ...]]:

@@ -99,7 +99,7 @@ def _check(config, tp_size: int) -> None:
 def _register() -> None:
     from transformers.models.falcon.modeling_falcon import FalconLinear
     register_plain_linear(FalconLinear)          # input @ W.T + b: exactly nn.Linear
-    register_style("falcon_attention", _validate, _apply)
+    register_style("falcon_attention", _validate, _apply, block=True)   # under SP: gathers its input once
 
 
 _register()
