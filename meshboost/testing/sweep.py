@@ -74,6 +74,9 @@ TYPE_OVERRIDES: dict[str, dict] = {
     "dots3_note_text": dict(head_dim=16),          # its sliding-window layers: head_dim = qk_nope + qk_rope
     "glm5_next_text": dict(index_kpool=2),         # its indexer's top-k divides by the key pooling
     "deepseek_v4": dict(index_head_dim=64),        # the compressor's index heads hold the 64 rotary dims
+    "kolibri1_1": dict(layer_types=["sliding_attention", "indexed_attention"], index_layers=[1], sliding_window=4,
+                       kv_source_layers=[0, 1], index_topk=4, index_pool_size=16, index_compression=4,
+                       index_num_heads=2, index_num_local_tokens=4, index_num_sink_tokens=2, mlp_only_layers=[0]),
     "step3p5": dict(layer_types=["full_attention", "sliding_attention"], sliding_window=4),  # always a window mask
     "ernie4_5_vl_moe_text": dict(moe_k=2, moe_num_experts=4, moe_intermediate_size=[32, 32], moe_num_shared_experts=1),
     # vision and audio adapters: the merged (2 x 2) vision width in, a small projection out
