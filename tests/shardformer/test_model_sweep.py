@@ -1,5 +1,5 @@
 """Every model type of the installed transformers whose config ships `base_model_tp_plan` (164 in
-transformers 5.24), built tiny and sharded at tp=2 against the unsharded model
+transformers 5.24, 166 in 5.25), built tiny and sharded at tp=2 against the unsharded model
 (meshboost/testing/sweep.py): each ends `ok` (loss, eval output and every gathered gradient within
 1e-5) or a clear refusal at sharding time. None may end `not run` (the sweep builds each type with
 the sizes and inputs it needs) but the NOT_RUN ones, for a reason of the model's own; none may end
