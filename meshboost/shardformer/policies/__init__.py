@@ -12,7 +12,7 @@ from meshboost.shardformer.policies.base import Policy
 from meshboost.shardformer.policies.bert import BERT_POLICY
 from meshboost.shardformer.policies.blip2 import BLIP2_POLICY
 from meshboost.shardformer.policies.bloom import BLOOM_POLICY
-from meshboost.shardformer.policies.deepseek import deepseek_policy
+from meshboost.shardformer.policies.deepseek import deepseek_policy, uses_deepseek_attention
 from meshboost.shardformer.policies.esmc import ESMC_POLICY
 from meshboost.shardformer.policies.falcon import FALCON_POLICY
 from meshboost.shardformer.policies.gpt2 import GPT2_POLICY
@@ -49,6 +49,8 @@ def get_policy(model: nn.Module) -> Policy:
     config = getattr(model, "config", None)
     if model_type in POLICY_BUILDERS and config is not None:
         return POLICY_BUILDERS[model_type](config)
+    if uses_deepseek_attention(config):      # DeepSeek's MLA in another family (from transformers 5.25's plans)
+        return deepseek_policy(config)
     policy = policy_from_tp_plan(config, layer_plan(config, LAYER_PLANS)) if config is not None else None
     if policy is None:          # a composite (vision-language) model: its sub-configs' plans, placed
         policy = multimodal_policy(model, LAYER_PLANS)

@@ -105,6 +105,13 @@ def _check(config, tp_size: int) -> None:
                          f"that divides {heads}")
 
 
+def uses_deepseek_attention(config) -> bool:
+    """The config's own plan names DeepSeek's latent attention at this table's path (transformers' MLA
+    style on `kv_a_proj_with_mqa`): a family built on DeepSeek's layers (AXK1, Sarvam-MLA) gets this table."""
+    plan = getattr(config, "base_model_tp_plan", None) or {}
+    return plan.get(f"{ATTENTION}.kv_a_proj_with_mqa") == "mla_kv_a_proj"
+
+
 def deepseek_policy(config) -> Policy:
     """The DeepSeek-V2/V3 table for `config`: MLA by heads, the MLP entries from transformers' plan
     (raising, as the generic policy does, for MoE styles it cannot read yet)."""
