@@ -11,6 +11,7 @@ its modes, for a causal LM) that the model and the plugin accept. Must not estim
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from itertools import product
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 SPLIT_GATHER = "split_gather"           # Megatron sequence parallelism over the tp group (sp stays 1)
@@ -154,12 +155,8 @@ def enumerate_layouts(world: int, global_batch: int, num_layers: int, precision:
                 counts = sorted({m for m in (1, 2, 4, 8, pp, 2 * pp, 4 * pp, 8 * pp, per_replica)
                                  if pp <= m <= per_replica and per_replica % m == 0} or {per_replica})
                 eps = [e for e in divisors(dp) if num_experts and num_experts % e == 0] or [1]
-                for mode in sequence_options(tp, sp, context, split_gather):
-                    for ep in eps:
-                        for m in counts:
-                            for zero in zero_stages:
-                                for ckpt in checkpointing:
-                                    out.append(Layout(tp=tp, pp=pp, dp=dp, ep=ep, sp=sp, sp_mode=mode, zero=zero,
-                                                      precision=precision, microbatches=m,
-                                                      microbatch_size=per_replica // m, checkpointing=ckpt))
+                modes = sequence_options(tp, sp, context, split_gather)
+                for mode, ep, m, zero, ckpt in product(modes, eps, counts, zero_stages, checkpointing):
+                    out.append(Layout(tp=tp, pp=pp, dp=dp, ep=ep, sp=sp, sp_mode=mode, zero=zero, precision=precision,
+                                      microbatches=m, microbatch_size=per_replica // m, checkpointing=ckpt))
     return out

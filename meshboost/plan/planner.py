@@ -235,7 +235,7 @@ class Planner:
                     if stage_worst is None or mem["total"] > stage_worst[0]["total"]:
                         stage_worst = (mem, shards, tp_rank, dp_rank)
             mem, shards, tp_rank, dp_rank = stage_worst
-            comm = self._comm(layout, shards, layer_counts[pp_rank], first, last)
+            comm = self._comm(layout, shards, layer_counts[pp_rank], first, last, act_model.summed_per_layer)
             breakdown: dict = {}
             seconds = cost.step_seconds(layout, sum(s.numel for s in shards), layer_counts[pp_rank], self.hidden,
                                         self.seq, comm, self.gpus_per_node, self.constants, ends=first or last,
@@ -298,7 +298,8 @@ class Planner:
             return 1
         return max(1, len(memory.zero_buckets(shards, layout.grad_replicas, 0, layout.ep)))
 
-    def _comm(self, layout: Layout, shards, layers_held: int, first: bool, last: bool) -> dict:
+    def _comm(self, layout: Layout, shards, layers_held: int, first: bool, last: bool,
+              summed_per_layer: int = 0) -> dict:
         dense = [s for s in shards if not s.expert]
         local = padded = sum(s.numel for s in dense)
         expert_local = expert_padded = sum(s.numel for s in shards if s.expert)
@@ -315,8 +316,7 @@ class Planner:
             moe = cost.MoeTraffic(moe_layers, self.top_k, self.num_experts, expert_local, expert_padded)
         sequence = None
         if layout.sp > 1 or layout.sequence_parallel and layout.tp > 1:
-            sequence = cost.SequenceTraffic(self.attention_shape(layout),
-                                            self._activation_model(layout).summed_per_layer)
+            sequence = cost.SequenceTraffic(self.attention_shape(layout), summed_per_layer)
         comm = cost.comm_per_step(layout, self.hidden, layers_held, first, last, local, padded, self.seq, tied,
                                   self.vocab_parallel_loss, self.lm_head, moe, sum(s.tp_grad_sum for s in shards),
                                   self.config.model_type in POST_NORM, sequence)
