@@ -61,8 +61,9 @@ def _sync_masters(model: nn.Module) -> None:
 def _model_of(optimizer, what: str) -> nn.Module:
     model = optimizer.boosted_model if isinstance(optimizer, OptimizerWrapper) else None
     if model is None:
-        raise TypeError(f"{what} needs the optimizer returned by booster.boost(model, optimizer): its states are "
-                        "keyed by the names of the model it was boosted with")
+        raise TypeError(f"{what} needs the optimizer returned by booster.boost(model, optimizer), with the boosted "
+                        "model still referenced (the optimizer holds it weakly, so a dropped model is freed): its "
+                        "states are keyed by the names of the model it was boosted with")
     return unwrap_model(model)
 
 

@@ -7,11 +7,15 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from meshboost.distributed.ownership import WeakAttribute
+
 
 class ModelWrapper(nn.Module):
     """A boosted model: `forward` delegates; `unwrap()` returns the user's (sharded) model."""
 
-    boosted_optimizer = None      # the optimizer `Booster.boost` paired with it (checkpoints need both)
+    # the optimizer `Booster.boost` paired with it (checkpoints need both); held weakly both ways, so a
+    # model and optimizer the user drops are freed at once, and either one dropped alone is freed too
+    boosted_optimizer = WeakAttribute()
 
     def __init__(self, module: nn.Module):
         super().__init__()

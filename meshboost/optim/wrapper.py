@@ -15,6 +15,7 @@ from typing import Iterator, Mapping
 import torch
 from torch.optim import Optimizer
 
+from meshboost.distributed.ownership import WeakAttribute
 from meshboost.optim import state as fmt
 
 
@@ -24,7 +25,7 @@ class OptimizerWrapper:
 
     scaler = None           # a loss scaler with state_dict()/load_state_dict(), in wrappers that scale
     _gathers_state = False  # `_local_state` returns temporaries (ZeRO's gathered partitions), not live state
-    boosted_model = None    # the model `Booster.boost` paired with it: states are keyed by its names
+    boosted_model = WeakAttribute()    # the model `Booster.boost` paired with it (weakly): states are keyed by its names
 
     def __init__(self, optim: Optimizer):
         self.optim = optim

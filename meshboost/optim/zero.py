@@ -38,6 +38,7 @@ import torch.nn as nn
 from torch.optim import Optimizer
 
 from meshboost.distributed import comm
+from meshboost.distributed.ownership import remove_when_freed, weak_method
 from meshboost.optim import state as fmt
 from meshboost.optim.grad_norm import counted_here
 from meshboost.optim.mixed_precision import (
@@ -127,9 +128,11 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         super().__init__(optim, mesh, precision, verbose=verbose, track_grad_norm=track_grad_norm)
         self.communication_dtype = zc.communication_dtype or self.working_dtype
         if self.overlap_communication:
-            for b in self.buckets:
-                for p in b.params:
-                    p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            # held by the parameters' autograd state (C++, unseen by Python's collector): a hook holding
+            # the optimizer strongly would keep it, its masters and states alive for the whole process
+            on_grad_ready = weak_method(self._on_grad_ready)
+            remove_when_freed(self, [p.register_post_accumulate_grad_hook(on_grad_ready)
+                                     for b in self.buckets for p in b.params])
 
     # the layout, read from the one config
     @property
