@@ -32,6 +32,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 
+from meshboost.distributed.ownership import weak_method
 from meshboost.distributed.param_info import get_tp_info, register_grad_hook
 from meshboost.shardformer.layers.linear import (
     Adapter,
@@ -167,4 +168,7 @@ def shard_adapter_(layer: nn.Module, group) -> None:
     else:
         raise TypeError(f"LoRA base {type(base).__name__} is not a column- or row-parallel linear")
     layer.__class__ = _parallel_class(type(layer))
-    base.adapter = Adapter(layer.tp_active, layer.tp_adapter, layer.tp_dropout_active)
+    # the base is the layer's child: weak methods, so the pair is no reference cycle (freed when dropped);
+    # a base outliving its layer (peft's unload) sees an inactive adapter
+    base.adapter = Adapter(weak_method(layer.tp_active), weak_method(layer.tp_adapter),
+                           weak_method(layer.tp_dropout_active))

@@ -122,10 +122,11 @@ def _classify(record: _LayerRecord, tp_size: int, path: str, decided: dict, modu
                                   "tell whether its gradient is partial. Use enable_sequence_parallelism=False")
 
 
-def _replicated_grad(group, module: nn.Module, decided: dict, grad: torch.Tensor) -> torch.Tensor:
+def _replicated_grad(group, module_id: int, decided: dict, grad: torch.Tensor) -> torch.Tensor:
     """Gradient hook of a replicated parameter in a sequence-parallel layer: summed over tp when its
-    module was fed this rank's chunk of the sequence (see `_classify`)."""
-    return comm.all_reduce(grad.clone(), group) if decided[id(module)] else grad
+    module (`id(module)`: the hook, held by the module's own parameter, must not hold the module) was
+    fed this rank's chunk of the sequence (see `_classify`)."""
+    return comm.all_reduce(grad.clone(), group) if decided[module_id] else grad
 
 
 def install(model: nn.Module, layers_path: str, group, tp_size: int) -> None:
@@ -151,7 +152,7 @@ def install(model: nn.Module, layers_path: str, group, tp_size: int) -> None:
             path = f"{prefix}.{i}.{name}" if name else f"{prefix}.{i}"
             module.register_forward_pre_hook(partial(_classify, record, tp_size, path, decided), with_kwargs=True)
             for p in params:
-                register_grad_hook(p, partial(_replicated_grad, group, module, decided))
+                register_grad_hook(p, partial(_replicated_grad, group, id(module), decided))
     layers[len(layers) - 1].register_forward_hook(partial(_gather_sequence, group))
     model.register_forward_pre_hook(_refuse_hidden_states_output, with_kwargs=True)
 
