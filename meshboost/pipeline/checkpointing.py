@@ -25,7 +25,8 @@ def checkpoint_plan(stages: list[tuple[int, list[nn.Module]]], num_stages: int, 
     return plan
 
 
-def _apply(model: nn.Module, plan: list[tuple[nn.Module, bool]], module, args, kwargs):
+def _apply(plan: list[tuple[nn.Module, bool]], model: nn.Module, args, kwargs):
+    # the hook's own module is the model: holding it too would make a cycle that outlives a dropped model
     on = bool(getattr(getattr(model, "base_model", model), "gradient_checkpointing", False))
     for layer, wanted in plan:
         if hasattr(layer, "gradient_checkpointing"):
@@ -34,4 +35,4 @@ def _apply(model: nn.Module, plan: list[tuple[nn.Module, bool]], module, args, k
 
 def install_checkpoint_plan(model: nn.Module, plan: list[tuple[nn.Module, bool]]) -> None:
     """Set the layers' checkpointing flags from `plan` before every forward of `model`."""
-    model.register_forward_pre_hook(partial(_apply, model, plan), with_kwargs=True, prepend=True)
+    model.register_forward_pre_hook(partial(_apply, plan), with_kwargs=True, prepend=True)
