@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import weakref
 
 import torch
 import torch.nn as nn
@@ -134,11 +135,18 @@ class _ExpertParallelForward:
     expert's whole block to the rank holding it: the same all-to-all, with equal blocks."""
 
     def __init__(self, module: nn.Module, group, ep_size: int, num_experts: int, tp):
-        self.module, self.group, self.ep_size, self.num_experts = module, group, ep_size, num_experts
+        # set as the module's own `forward`: a strong reference back would make a cycle that keeps a
+        # dropped model alive until gc.collect()
+        self._module = weakref.ref(module)
+        self.group, self.ep_size, self.num_experts = group, ep_size, num_experts
         self.local = num_experts // ep_size
-        self.inner = type(module).forward.__get__(module)          # the HF forward, on the local experts
+        self.inner = type(module).forward                          # the HF forward, on the local experts
         self.tp = tp                                               # TensorParallelExperts or None
         self.blocks = len(_forward_params(module)) == 1
+
+    @property
+    def module(self) -> nn.Module:
+        return self._module()
 
     def _blocks(self, hidden: torch.Tensor) -> torch.Tensor:
         """Llama-4's layout: rank j gets block [j E/ep, (j+1) E/ep) of every rank's [E, tokens, H]; its
@@ -159,7 +167,7 @@ class _ExpertParallelForward:
         kwargs = {}
         if self.tp is not None:
             args, kwargs = self.tp.copy_inputs(self.module, args, kwargs)
-        out = self.inner(*args, **kwargs)
+        out = self.inner(self.module, *args, **kwargs)
         if self.tp is not None:
             out = self.tp.reduce_output(self.module, args, kwargs, out)
         return out
