@@ -10,6 +10,7 @@ names and formats `hf_format.py`'s. Must not know optimizers: masters come in as
 
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 import torch
@@ -97,10 +98,12 @@ def save_model(model: nn.Module, checkpoint: str, mesh=None, shard: bool = False
 
 def _save_config(model: nn.Module, folder: str, saved_dtype: torch.dtype | None = None) -> None:
     """config.json (and generation_config.json when the model generates), as save_pretrained writes
-    them; `dtype` records what the weight files hold (fp32 when masters were saved)."""
+    them; `dtype` records what the weight files hold (fp32 when masters were saved). The fields are set
+    on a copy: the live config is the user's (a model built from it later must equal the other ranks')."""
     config = getattr(model, "config", None)
     if config is None:
         return
+    config = copy.deepcopy(config)
     config.architectures = [type(model).__name__]
     floating = [p.dtype for p in model.parameters() if p.is_floating_point()]
     if saved_dtype is not None or floating:

@@ -22,9 +22,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from torch.nn.modules.module import register_module_parameter_registration_hook
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_parameter_registration_hook,
+)
 
 from meshboost.distributed.param_info import get_tp_info, replace_keeping_object, shard_tensor
+from meshboost.lazy.moves import apply_recorded_moves, as_built, patch_module_moves, record_built_dtype
 
 RECORD_ATTR = "_meshboost_lazy_init"
 
@@ -55,23 +59,31 @@ class LazyInitContext:
         def tag(module, name, param):
             if param is not None:
                 module.__dict__[RECORD_ATTR] = record
-        self._hook = register_module_parameter_registration_hook(tag)
+            record_built_dtype(module, name, param)
+        self._hooks = (register_module_parameter_registration_hook(tag),
+                       register_module_buffer_registration_hook(record_built_dtype))
         self._device = torch.device("meta")
         self._device.__enter__()
         self._restore = _load_pretrained_for_real(torch.device(self.default_device or "cpu"))
+        self._restore_moves = patch_module_moves()
         return self
 
     def __exit__(self, *exc) -> None:
+        self._restore_moves()
         self._restore()
         self._device.__exit__(*exc)
-        self._hook.remove()
+        for hook in self._hooks:
+            hook.remove()
 
     @staticmethod
-    def materialize(model: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
-        """ColossalAI's name: materialise a lazily built (unsharded) model in place."""
+    def materialize(model: nn.Module, device: torch.device | str | None = None) -> nn.Module:
+        """ColossalAI's name: materialise a lazily built (unsharded) model in place, on `device`, or (None)
+        on the CPU and then where `.to/.cpu/.cuda` calls inside the context moved it (`moves.py`)."""
         seed = lazy_seed(model)
         if seed is not None:
-            materialize(model, copy.deepcopy(model), torch.device(device), seed)
+            materialize(model, copy.deepcopy(model), torch.device(device or "cpu"), seed)
+            if device is None:
+                apply_recorded_moves(model)
         return model
 
 
@@ -142,6 +154,7 @@ def _shadow(module: nn.Module, whole: bool) -> nn.Module:
         shadow._modules = {}
         shadow._parameters = {n: copy.deepcopy(p) for n, p in module._parameters.items()}
         shadow._buffers = {n: copy.deepcopy(b) for n, b in module._buffers.items()}
+    as_built(shadow)                    # initialised in the dtypes it was built in, cast after (as eagerly)
     shadow = shadow.to_empty(device="cpu")
     for m in shadow.modules():
         m.__dict__.pop("_is_hf_initialized", None)

@@ -31,6 +31,7 @@ from meshboost.pipeline.normalization import TOKENS, count_items
 from meshboost.plugins.config import DDP, FSDP, PIPELINE, ZERO, HybridParallelConfig, dp_reducer
 from meshboost.plugins.ddp_hooks import fp8_refusal, register_counting_allreduce, register_fp8_allreduce
 from meshboost.plugins.hybrid_zero3 import check_zero3_model, shard_zero3
+from meshboost.plugins import input_checks
 from meshboost.plugins.input_checks import ALWAYS, InputCheck, LabelledItemsGuard, next_pipeline_batch
 from meshboost.plugins.router_statistics import GLOBAL, loss_function, with_global_router_loss
 from meshboost.shardformer import (
@@ -64,6 +65,7 @@ class HybridParallelModule(ModelWrapper):
         self.shard_config = shard_config
         self.pipeline: PipelineSchedule | None = None
         self.input_check = InputCheck(mesh, check_inputs)
+        self.position_limit = input_checks.learned_position_limit(super().unwrap())    # GPT-2's n_positions, ...
         self.items_guard = LabelledItemsGuard() if count_items else None
         self.fully_sharded = is_sharded(module)       # zero_stage=3: torch FSDP2 over dp
         # router_statistics="global": the load-balancing loss on every replica's routing (router_statistics.py)
@@ -77,7 +79,10 @@ class HybridParallelModule(ModelWrapper):
         self.input_check(*inputs, immediate=immediate)
 
     def forward(self, *args, **kwargs):
+        input_checks.check_positions(self.position_limit, args, kwargs)
         self.check_same_inputs(args, kwargs)
+        if self.mesh.ep_size > 1:              # an empty replica would strand its ep peers in the token exchange
+            input_checks.refuse_empty_batch(self.mesh, args, kwargs)
         args, kwargs = cast_floating(args, self.input_dtype), cast_floating(kwargs, self.input_dtype)
         if self.items_guard is not None and self.training and torch.is_tensor(kwargs.get("labels")):
             items = self._global_items(kwargs["labels"], kwargs.get("num_items_in_batch"))
@@ -90,7 +95,7 @@ class HybridParallelModule(ModelWrapper):
             labels = kwargs.get("labels")
             if torch.is_tensor(labels) and kwargs.get("num_items_in_batch") is None:     # eval: the replica's own
                 kwargs["num_items_in_batch"] = count_items(labels, shifted=True) / self.mesh.cp_size
-            kwargs = self.context.shard(kwargs)
+            kwargs = self.context.shard(kwargs, self.training)
         output = self.module(*args, **kwargs)
         if self.context is not None:
             output = self.context.combine(output, self.training)

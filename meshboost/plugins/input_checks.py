@@ -6,14 +6,19 @@ call by default; on CUDA a call's verdict is read at the next call, so the hot p
 the device), `LabelledItemsGuard` (the optimizer asks it before an update whether a training
 forward since the last step had no labelled token in its global batch) and `next_pipeline_batch`
 (one all-reduce over the world at the start of a pipeline step: every rank has a batch, none has,
-and whether the global batch holds a labelled token). Must not contain digests or collectives of
+and whether the global batch holds a labelled token), `refuse_empty_batch` (expert parallelism: no
+replica may be fed 0 rows, agreed over dp before the forward) and `check_positions` (positions past a
+model's learned absolute position embeddings, named before any collective). Must not contain digests or collectives of
 its own (distributed/agreement.py, distributed/comm.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from meshboost.distributed import ParallelMesh, comm
 from meshboost.distributed.agreement import DeferredRead, gather_input_digests, input_mismatch, tensors_of
@@ -107,6 +112,81 @@ class LabelledItemsGuard:
             raise ValueError(f"optimizer.step(): a training forward since the last step had no labelled token in its "
                              f"global batch (every data-parallel replica). {NO_LABEL_FIX}. The gradients were "
                              "dropped and the weights are unchanged")
+
+
+@dataclass(frozen=True)
+class PositionLimit:
+    """A model's learned absolute position embeddings: how many positions they hold, and the config field."""
+
+    limit: int
+    field: str
+
+
+def learned_position_limit(model: nn.Module) -> PositionLimit | None:
+    """The limit of `model`'s learned absolute position embeddings (GPT-2's `wpe`, BERT's
+    `position_embeddings`): an nn.Embedding other than the input embedding with one row per position of the
+    config's max_position_embeddings / n_positions and the hidden width; None for rotary or relative
+    positions (no table to run past)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit, width = getattr(text, "max_position_embeddings", None), getattr(text, "hidden_size", None)
+    if not isinstance(limit, int) or not hasattr(model, "get_input_embeddings"):
+        return None
+    words = model.get_input_embeddings()
+    for module in model.modules():
+        if (isinstance(module, nn.Embedding) and module is not words and module.num_embeddings == limit
+                and width in (None, module.embedding_dim)):
+            return PositionLimit(limit, text.attribute_map.get("max_position_embeddings", "max_position_embeddings"))
+    return None
+
+
+def check_positions(limit: PositionLimit | None, args: tuple, kwargs: dict) -> None:
+    """Refuse a call whose positions run past the learned position embeddings, naming the limit (the
+    unsharded model raises a bare IndexError from the lookup). Pure and on the host: every rank of a
+    replica holds the same inputs and raises alike, before any collective."""
+    if limit is None:
+        return
+    positions = kwargs.get("position_ids")
+    if torch.is_tensor(positions) and positions.numel():
+        last = int(positions.max())
+        if last < limit.limit:
+            return
+        what = f"position id {last}"
+    else:
+        given = (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args[:1])   # input_ids may come first
+        tokens = next((t for t in given if torch.is_tensor(t)), None)
+        if tokens is None or tokens.dim() < 2:
+            return
+        cache = kwargs.get("past_key_values")
+        past = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
+        if past + tokens.shape[1] <= limit.limit:
+            return
+        what = f"a sequence of {tokens.shape[1]} tokens" + (f" after {past} cached ones" if past else "")
+    raise IndexError(f"{what} runs past the model's learned absolute position embeddings (config.{limit.field}="
+                     f"{limit.limit}: positions 0 to {limit.limit - 1}). Truncate or split the inputs to at most "
+                     f"{limit.limit} tokens (tokenizer(..., truncation=True, max_length={limit.limit}))")
+
+
+def refuse_empty_batch(mesh: ParallelMesh, args: tuple, kwargs: dict) -> None:
+    """Expert parallelism: each MoE layer exchanges tokens with the ep peers, so a rank whose batch is empty
+    (no row: transformers' forward cannot run it, it fails reshaping 0 rows) would leave its peers waiting in
+    the exchange. One all-gather of one integer over the data-parallel group, read on the host (the ep
+    layers sync the host anyway), before the forward: a replica fed an empty batch raises on every rank of
+    the group, naming the replicas. (Training it exactly would need the model to run 0 rows, which the
+    unsharded model cannot do either.)"""
+    tensors = [kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args, *kwargs.values()]
+    main = next((t for t in tensors if torch.is_tensor(t)), None)
+    empty = torch.tensor([int(main is not None and main.numel() == 0)], dtype=torch.int32, device=mesh.device)
+    flags = comm.all_gather(empty, mesh.dp_group, dim=0).tolist()
+    if any(flags):
+        replicas = [r for r, f in enumerate(flags) if f]
+        ranks = [dist.get_global_rank(mesh.dp_group, r) for r in replicas] if mesh.dp_size > 1 else replicas
+        shape = f" (here: {tuple(main.shape)})" if empty.item() else ""
+        raise ValueError(f"ep_size={mesh.ep_size}: the batch of data-parallel replica(s) {replicas} (global ranks "
+                         f"{ranks}) is empty{shape}; under expert parallelism every replica exchanges tokens with its "
+                         "ep peers in each MoE layer, and the model cannot run 0 rows. Give every replica at least one "
+                         "row: plugin.prepare_dataloader(dataset, batch_size=..., drop_last=True) splits the dataset "
+                         "evenly over the data-parallel replicas. Raised on every data-parallel rank before the forward")
 
 
 def next_pipeline_batch(data_iter, mesh: ParallelMesh, count_items, training: bool) -> tuple[object, float | None]:

@@ -33,10 +33,11 @@ is put back before each of its units (`restore`): a layer recomputed in backward
 did while other micro-batches run.
 
 Refused with the reason (every rank, before any collective): ColossalAI's "ring" (split_gather with a
-ring exchange over tp), packed rows with the cache on, chunked attention, attention implementations
-other than sdpa and eager, heads not divisible by cp (all_to_all), a sequence length not divisible by
-cp (2 cp for ring_attn), models that are not causal LMs, a pipeline criterion other than the model's
-loss (`check_criterion`). Must not know a model family.
+ring exchange over tp), packed rows with the cache on (in eval, or use_cache=True passed; a training call
+builds none), chunked attention, attention implementations other than sdpa and eager, heads not
+divisible by cp (all_to_all), a sequence length not divisible by cp (2 cp for ring_attn), models that
+are not causal LMs, a pipeline criterion other than the model's loss (`check_criterion`). Must not know
+a model family.
 """
 
 from __future__ import annotations
@@ -267,7 +268,9 @@ class ContextInputs:
         chunks = torch.arange(length, device=device).chunk(2 * self.size)
         return [torch.cat([chunks[r], chunks[2 * self.size - 1 - r]]) for r in range(self.size)]
 
-    def shard(self, kwargs: dict) -> dict:
+    def shard(self, kwargs: dict, training: bool = False) -> dict:
+        """This rank's piece of `kwargs` (one replica's batch, whole on every cp rank). `training`: the
+        call builds no cache (packed rows are then isolated, `_documents`)."""
         ids = kwargs.get("input_ids")
         if not torch.is_tensor(ids) or ids.dim() != 2:
             raise ValueError("context parallelism needs input_ids [batch, sequence] (inputs_embeds is not split)")
@@ -286,7 +289,7 @@ class ContextInputs:
         self.attention.query_positions, self.attention.key_positions = cut, self.order
         padding = None if mask is None or bool(mask.bool().all()) else mask.bool()
         self.attention.padding = padding
-        self.attention.documents = self._documents(given, mask, kwargs)
+        self.attention.documents = self._documents(given, mask, kwargs, training)
         out = {k: v for k, v in kwargs.items() if k not in ("attention_mask", "position_ids", "use_cache")}
         out["use_cache"] = False                  # a cache of a sequence piece would serve nothing
         out["input_ids"] = ids[:, cut].contiguous()
@@ -297,21 +300,26 @@ class ContextInputs:
             out["labels"], out["shift_labels"] = labels[:, cut].contiguous(), shifted[:, cut].contiguous()
         return out
 
-    def _documents(self, position_ids, attention_mask, kwargs) -> torch.Tensor | None:
+    def _documents(self, position_ids, attention_mask, kwargs, training: bool) -> torch.Tensor | None:
         """The document of every token of packed rows (position_ids restarting inside a row), isolated as
         transformers isolates them unsharded: when no attention mask is passed and no cache is built
-        (its own `find_packed_sequence_indices`, on the whole rows); None when rows attend whole."""
+        (its own `find_packed_sequence_indices`, on the whole rows); None when rows attend whole. A
+        training call builds no cache unless `use_cache=True` is passed: the config's `use_cache` (on by
+        default) is a generation setting, and a training forward never reads a cache, so the documents are
+        isolated exactly as the unsharded model isolates them with use_cache=False."""
         if position_ids is None or attention_mask is not None:
             return None                       # transformers: causal and padding only
         from transformers.masking_utils import find_packed_sequence_indices
 
         documents = find_packed_sequence_indices(position_ids.expand(kwargs["input_ids"].shape[0], -1))
         use_cache = kwargs.get("use_cache")
-        if documents is not None and (use_cache if use_cache is not None else getattr(self.config, "use_cache",
-                                                                                        False)):
-            raise NotImplementedError("packed rows (position_ids restarting) with use_cache on: transformers then "
-                                      "decides from its cache whether documents attend across; pass use_cache=False "
-                                      "(training) so they are isolated, or an attention_mask")
+        if use_cache is None:
+            use_cache = not training and getattr(self.config, "use_cache", False)
+        if documents is not None and use_cache:
+            where = "use_cache=True was passed" if kwargs.get("use_cache") else "the config's use_cache is on (eval)"
+            raise NotImplementedError(f"packed rows (position_ids restarting, no attention_mask) while {where}: "
+                                      "transformers then decides from its cache whether documents attend across; "
+                                      "pass use_cache=False so they are isolated, or an attention_mask")
         return documents
 
     def state(self) -> tuple:
@@ -329,7 +337,7 @@ class ContextInputs:
         """A pipeline's criterion must return the model's own loss (see `check_criterion`)."""
         check_criterion(criterion, inputs)
 
-    def shard_microbatch(self, inputs: dict) -> tuple[dict, tuple]:
+    def shard_microbatch(self, inputs: dict, training: bool) -> tuple[dict, tuple]:
         """A pipeline micro-batch (every cp rank holds it whole): this rank's piece, its loss normalised
         by the micro-batch's labelled tokens (the model then returns the micro-batch mean, which the
         schedule weighs as without cp), and the attention state to `restore` before each of its units."""
@@ -337,7 +345,7 @@ class ContextInputs:
         labels = kwargs.get("labels")
         if torch.is_tensor(labels) and kwargs.get("num_items_in_batch") is None:
             kwargs["num_items_in_batch"] = count_items(labels, shifted=True) / self.size
-        return self.shard(kwargs), self.state()
+        return self.shard(kwargs, training), self.state()
 
     def combine(self, output, training: bool):
         """The loss of the whole sequences on every rank; whole-sequence logits outside training."""

@@ -66,6 +66,7 @@ def _body(rank, world, root):
     assert get_tp_info(inner.bert.embeddings.word_embeddings.weight).padding > 0   # padding is exercised
     full = {n: gather_tensor(p.detach(), get_tp_info(p)) for n, p in inner.state_dict(keep_vars=True).items()}
 
+    live_config = inner.config.to_dict()                   # save_model must leave the user's config alone
     cases = [  # (name, shard, use_safetensors, size_per_shard MB)
         ("sharded_st", True, True, 0.02), ("sharded_bin", True, False, 0.02), ("one_st", True, True, 1024),
         ("plain_st", False, True, 1024), ("plain_bin", False, False, 1024)]
@@ -127,9 +128,14 @@ def _body(rank, world, root):
     assert not [f for f in os.listdir(root) if f.startswith(".")], "staging folder left behind"
     assert_close(_eval_logits(_load(target), batch), logits, msg="old checkpoint after failed save")
 
+    # Issue 37 item 3: saving wrote `architectures` and `dtype` onto the live config on the saving rank only,
+    # so a model built afterwards from that same config object was refused at boost ("ranks built different
+    # models"). The DDP model below is built from the saved model's own config object.
+    assert inner.config.to_dict() == live_config, "save_model changed the model's config"
+
     # TorchDDPPlugin (full weights on every rank): rank 0 writes; reload matches.
     ddp_booster = Booster(plugin=TorchDDPPlugin())
-    ddp_model = _train_one_step(build_model(CLS, copy.deepcopy(config)), ddp_booster, batch)
+    ddp_model = _train_one_step(build_model(CLS, inner.config), ddp_booster, batch)
     path = os.path.join(root, "ddp")
     ddp_booster.save_model(ddp_model, path, shard=False, use_safetensors=False)
     assert_close(_eval_logits(_load(path), batch), _eval_logits(ddp_model, batch), msg="ddp reload")

@@ -4,7 +4,9 @@ stages) with the model's own init, one unit at a time. The values do not depend 
 rank's shards, gathered, equal the unsharded model materialised from the same seed, bit for bit, under
 tp=2 x pp=2, tp=2 x dp=2 with ZeRO-1 and plain DDP (dp=4, materialised whole by the Booster); buffers
 (rotary frequencies, position ids) equal those of an eagerly built model; and a training step from
-there equals single-process AdamW from the unsharded materialisation."""
+there equals single-process AdamW from the unsharded materialisation. Moves and casts written inside
+the context (`.cpu()`, `.to(device)`, `.to(dtype)`, `.half()`, `.cuda()`) are recorded and applied at
+materialisation: the numbers equal those of the model materialised first and moved after."""
 
 import copy
 
@@ -21,14 +23,17 @@ from meshboost.testing.compare import booster_step, gathered
 from meshboost.testing.models import build_model, tiny_batch, tiny_config
 
 CLS = "LlamaForCausalLM"
-CASES = (lambda: HybridParallelPlugin(tp_size=2, pp_size=2, num_microbatches=2),
-         lambda: HybridParallelPlugin(tp_size=2, zero_stage=1),
-         lambda: TorchDDPPlugin())
+# (plugin, the move the user writes inside the context: issue 37 item 4, once refused by torch with
+# "Cannot copy out of meta tensor")
+CASES = ((lambda: HybridParallelPlugin(tp_size=2, pp_size=2, num_microbatches=2), lambda m: m.cpu()),
+         (lambda: HybridParallelPlugin(tp_size=2, zero_stage=1), lambda m: m.to("cpu")),
+         (lambda: TorchDDPPlugin(), lambda m: m.to(torch.device("cpu"), torch.float32)))
 
 
-def _lazy(config):
+def _lazy(config, move=None):
     with LazyInitContext(seed=11):
-        return getattr(transformers, CLS)(copy.deepcopy(config))
+        model = getattr(transformers, CLS)(copy.deepcopy(config))
+        return move(model) if move is not None else model
 
 
 def _body(rank: int, world: int) -> None:
@@ -43,8 +48,8 @@ def _body(rank: int, world: int) -> None:
     ref(**batch).loss.backward()
     ref_opt.step()
     stepped = dict(ref.named_parameters())
-    for make in CASES:
-        model = _lazy(config)
+    for make, move in CASES:
+        model = _lazy(config, move)
         assert lazy_seed(model) == 11 and all(p.is_meta for p in model.parameters())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)      # built on meta, stays valid
         plugin = make()
@@ -83,3 +88,34 @@ def test_from_pretrained_inside_the_context_loads_the_checkpoint(tmp_path):
     assert not any(p.is_meta for p in loaded.parameters())
     for name, p in expected.transformer.named_parameters():
         assert torch.equal(loaded.transformer.get_parameter(name), p), name
+
+
+def test_moves_and_casts_inside_the_context_apply_at_materialisation():
+    """Issue 37 item 4: `with LazyInitContext(): model = Model(cfg).cpu()` (or `.to("cpu")`, `.to(dtype)`,
+    ColossalAI's `.cuda()`) failed with "Cannot copy out of meta tensor". A cast applies at once on meta
+    (the initialiser still runs in the dtype the model was built in, then the value is cast, as for an eager
+    model); a move is applied when the model is materialised."""
+    config = tiny_config("llama", num_hidden_layers=2)
+    plain = LazyInitContext.materialize(_lazy(config))
+    cases = [("cpu()", lambda m: m.cpu(), lambda m: m.cpu()),
+             ("to('cpu')", lambda m: m.to("cpu"), lambda m: m.to("cpu")),
+             ("to(bfloat16)", lambda m: m.to(torch.bfloat16), lambda m: m.to(torch.bfloat16)),
+             ("to('cpu', float64)", lambda m: m.to("cpu", torch.float64), lambda m: m.to("cpu", torch.float64)),
+             ("half()", lambda m: m.half(), lambda m: m.half()),
+             ("a part cast, then all moved", lambda m: (m.lm_head.to(torch.float64), m.cpu())[-1],
+              lambda m: (m.lm_head.to(torch.float64), m.cpu())[-1])]
+    if torch.cuda.is_available():
+        cases.append(("cuda()", lambda m: m.cuda(), lambda m: m.cuda()))
+    for name, move, eager_move in cases:
+        lazy = _lazy(config, move)
+        assert lazy_seed(lazy) == 11 and all(p.is_meta for p in lazy.parameters()), name
+        got = LazyInitContext.materialize(lazy)
+        expected = eager_move(copy.deepcopy(plain))
+        got_sd, expected_sd = got.state_dict(), expected.state_dict()
+        assert list(got_sd) == list(expected_sd), name
+        for key, tensor in expected_sd.items():
+            value = got_sd[key]
+            assert (value.dtype, value.device) == (tensor.dtype, tensor.device), f"{name}: {key}"
+            assert torch.equal(value, tensor), f"{name}: {key} differs from the eagerly moved model"
+    # outside the context a module with real tensors moves as torch moves it
+    assert LazyInitContext.materialize(_lazy(config)).to(torch.float64).lm_head.weight.dtype == torch.float64

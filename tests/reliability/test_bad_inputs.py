@@ -2,7 +2,8 @@
 wrong number or a hang: one process group of 4 ranks runs the whole matrix (issue 11).
 
 - ids / labels outside the vocabulary at tp = 2 and 4: IndexError naming the value, where the
-  unsharded model raises too.
+  unsharded model raises too; GPT-2 fed more positions than its n_positions: IndexError naming the
+  limit, before any collective.
 - `load_optimizer` from another model: refused naming the parameter and shapes, nothing changed
   (zero_stage 0 and 1, fp16 with masters).
 - ranks that disagree on the plugin configuration: ValueError naming the setting and each rank's
@@ -17,8 +18,9 @@ wrong number or a hang: one process group of 4 ranks runs the whole matrix (issu
 - untied input/output embeddings (Llama, `tie_word_embeddings=False`) save and resume bitwise
   (fp32) at the same layout, the two weights keeping their own Adam state.
 - expert parallelism: ep_size not dividing dp or the experts, ep on a dense model, an expert id out of
-  range on one ep rank; context parallelism: sp_size not dividing the world, a sequence length the
-  split cannot cut, cp ranks fed different batches.
+  range on one ep rank, one replica fed an empty batch (refused on every data-parallel rank); context
+  parallelism: sp_size not dividing the world, a sequence length the split cannot cut, cp ranks fed
+  different batches.
 - LoRA: enable_lora twice, an adapter folder whose rank or target modules differ from its weights, and
   at tp=2 adapters the layout cannot shard exactly (on the vocab-parallel embedding, modules_to_save on
   the LM head, DoRA, lora_dropout on a column under sequence parallelism), lora_dropout with context
@@ -68,6 +70,15 @@ def _ids_and_labels_out_of_range(rank, world):
             model(input_ids=ids, labels=bad_labels)
         with pytest.raises(IndexError):                 # the unsharded model refuses it too
             build_model("GPT2LMHeadModel", tiny_config("gpt2"))(input_ids=bad_ids)
+        # issue 37 item 8: past n_positions the unsharded model raises a bare "index out of range in self"
+        limit = model.unwrap().config.n_positions
+        long = torch.randint(1, VOCAB, (2, limit + 1))
+        with pytest.raises(IndexError, match=rf"a sequence of {limit + 1} tokens runs past the model's learned "
+                                             rf"absolute position embeddings \(config.n_positions={limit}"):
+            model(input_ids=long, labels=long)
+        with pytest.raises(IndexError, match=rf"position id {limit} runs past .*config.n_positions={limit}"):
+            model(input_ids=ids, position_ids=torch.arange(limit - 7, limit + 1).expand(2, 8))
+        assert model(input_ids=long[:, :limit], labels=long[:, :limit]).loss.isfinite()     # at the limit: runs
 
 
 def _optimizer_from_another_model(rank, world, root):
@@ -245,6 +256,13 @@ def _expert_and_context_layouts(rank, world):
     bad = 4 if model.mesh.ep_rank == 1 else 2                        # only ep rank 1 routes outside
     with pytest.raises(ValueError, match=r"ep rank\(s\) \[1\] routed a token to an expert id outside the 4 experts"):
         experts(torch.randn(3, 64), torch.tensor([[0, bad], [1, 2], [3, 0]]), torch.full((3, 2), 0.5))
+    # issue 37 item 5: a replica fed 0 rows failed inside transformers and left its ep peers to gloo's
+    # "Connection closed by peer"; now every data-parallel rank raises, naming the empty replica
+    ids = torch.randint(1, model.unwrap().config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    rows = ids[:0] if rank == 1 else ids
+    with pytest.raises(ValueError, match=r"ep_size=2: the batch of data-parallel replica\(s\) \[1\] \(global ranks "
+                                         r"\[1\]\) is empty"):
+        model(input_ids=rows, labels=rows)
     # context parallelism: a world the sp ranks cannot divide, a length the split cannot cut, cp ranks
     # fed different batches
     with pytest.raises(ValueError, match=r"sp_size=3 x tp_size=1 = 3\); launch a multiple of 3"):

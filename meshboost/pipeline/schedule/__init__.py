@@ -210,7 +210,7 @@ class _Step:
         if self.context is None:
             return self.microbatches[mb]
         if mb not in self.pieces:
-            self.pieces[mb] = self.context.shard_microbatch(self.microbatches[mb])
+            self.pieces[mb] = self.context.shard_microbatch(self.microbatches[mb], self.optimizer is not None)
         inputs, state = self.pieces[mb]
         self.context.restore(state)
         return inputs
