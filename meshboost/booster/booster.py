@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 from meshboost.booster import checkpoint_io, lora
 from meshboost.booster.mixed_precision import (
     AutocastModel, apply_mixed_precision, check_mixed_precision, scaler_settings)
+from meshboost.booster.checkpoint_view import CheckpointIO
 from meshboost.booster.plugin_base import Plugin
 from meshboost.booster.wrappers import ModelWrapper
 from meshboost.checkpoint import load_lr_scheduler, save_lr_scheduler
@@ -138,6 +139,11 @@ class Booster:
     @property
     def mesh(self) -> ParallelMesh | None:
         return self.plugin.mesh if self.plugin is not None else None
+
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        """ColossalAI's `booster.checkpoint_io`: this booster's save/load calls under CheckpointIO's names."""
+        return CheckpointIO(self)
 
     def save_model(self, model: nn.Module, checkpoint: str, shard: bool = False, gather_dtensor: bool = True,
                    prefix: str | None = None, size_per_shard: int = 1024, use_safetensors: bool = False,

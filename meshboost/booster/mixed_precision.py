@@ -71,13 +71,32 @@ class AMPOptimizer(OptimizerWrapper):
     def backward(self, loss: torch.Tensor, *args, **kwargs):
         self.inner.backward(self.scaler.scale(loss), *args, **kwargs)
 
+    _unscaled = False           # unscale_grad ran since the last step (torch's scaler refuses a second one)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss times the scale (ColossalAI's call, for a script that runs backward itself)."""
+        return self.scaler.scale(loss)
+
     def unscale_grad(self) -> None:
         """Divide gradients by the scale now (e.g. before clipping); `step` will not do it again."""
-        self.scaler.unscale_(self.optim)
+        if not self._unscaled:
+            self.scaler.unscale_(self.optim)
+            self._unscaled = True
+
+    def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                          *args, **kwargs) -> torch.Tensor:
+        """Unscale first (as ColossalAI's torch-AMP optimizer does), then torch's clipping."""
+        self.unscale_grad()
+        return super().clip_grad_by_norm(max_norm, norm_type, error_if_nonfinite)
+
+    def clip_grad_by_value(self, clip_value: float, *args, **kwargs) -> None:
+        self.unscale_grad()
+        super().clip_grad_by_value(clip_value)
 
     def step(self, *args, **kwargs):
         scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
         result = self.scaler.step(self.optim, *args, **kwargs)
+        self._unscaled = False
         self.scaler.update()
         if scale is not None and self.scaler.get_scale() < scale:
             self.skipped_steps += 1

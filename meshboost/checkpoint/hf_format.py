@@ -40,6 +40,14 @@ def write_weights(tensors: dict[str, torch.Tensor], path: str, use_safetensors: 
         torch.save(tensors, path)
 
 
+def read_weights(path: str, use_safetensors: bool) -> dict[str, torch.Tensor]:
+    """Read one weights file written by `write_weights` (on the CPU)."""
+    if use_safetensors:
+        from safetensors.torch import load_file
+        return load_file(path)
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def write_index(folder: str, weight_map: dict[str, str], total_size: int, use_safetensors: bool) -> str:
     """Write the HF index (`metadata.total_size` and `weight_map`: tensor name -> file)."""
     index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}

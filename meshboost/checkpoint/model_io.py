@@ -43,7 +43,8 @@ def save_model(model: nn.Module, checkpoint: str, mesh=None, shard: bool = False
     shard=True: `checkpoint` is a folder with config.json, model-0000k-of-0000N.safetensors (or
     pytorch_model-...bin) files of at most `size_per_shard` MB and the HF index json.
     shard=False: a folder with config.json and one model.safetensors / pytorch_model.bin; or, when
-    `checkpoint` ends in .safetensors/.bin/.pt/.pth, just that file (ColossalAI's behaviour).
+    `checkpoint` ends in .safetensors/.bin/.pt/.pth, just that file (ColossalAI's behaviour); over pipeline
+    stages too (each stage's tensors reach global rank 0 through the staging folder, which writes the file).
     `prefix` is prepended to shard file names (the index still finds them). master_weight(param):
     its fp32 master laid out like the parameter on data-parallel replica 0, or None (under ZeRO a
     collective over dp); when given, the files and config.json hold fp32. The target appears only
@@ -58,9 +59,6 @@ def save_model(model: nn.Module, checkpoint: str, mesh=None, shard: bool = False
     if prefix and not shard:
         raise ValueError(f"prefix={prefix!r} names shard files; it only applies with shard=True")
     roles = save_roles(mesh)
-    if roles.num_stages > 1 and not shard:
-        raise NotImplementedError(f"save_model(shard=False) with pp_size={roles.num_stages}: each pipeline stage "
-                                  "writes its own files; use shard=True")
     as_file = not shard and str(checkpoint).endswith(hf_format.SINGLE_FILE_SUFFIXES)
     if as_file:
         use_safetensors = str(checkpoint).endswith(".safetensors")
@@ -69,7 +67,8 @@ def save_model(model: nn.Module, checkpoint: str, mesh=None, shard: bool = False
         checkpoint, roles, shard=shard, as_file=as_file, size_per_shard_mb=size_per_shard,
         shard_name=lambda k, total: hf_format.shard_name(use_safetensors, prefix, k, total),
         single_name=hf_format.weights_name(use_safetensors), what="save_model",
-        write_file=lambda tensors, path: hf_format.write_weights(tensors, path, use_safetensors))
+        write_file=lambda tensors, path: hf_format.write_weights(tensors, path, use_safetensors),
+        read_file=lambda path: hf_format.read_weights(path, use_safetensors))
     try:
         for name, tensor in checkpoint_entries(model).items():
             # Every rank joins the master's gather (ZeRO sends each partition to dp rank 0); replica 0

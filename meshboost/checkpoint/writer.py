@@ -17,7 +17,9 @@ Who does what (mesh order dp x pp x tp, tp innermost):
   * each stage's (dp 0, tp 0) rank writes that stage's files (`stage_writer`) into one staging
     folder, named by a token rank 0 draws; with pipeline stages this needs a file system every
     writer shares (one node, or a shared mount);
-  * global rank 0 (`main_writer`) merges the stages' parts, writes the index and extras, commits;
+  * global rank 0 (`main_writer`) merges the stages' parts, writes the index and extras, commits; an
+    unsharded save over pipeline stages (ColossalAI's one consolidated file) has each stage stage its
+    tensors in a part file, which rank 0 reads back (`read_file`) and writes as the one file;
   * every rank joins the agreements, so a failed write raises on every rank, nobody returns before
     the staging folder is gone, and a checkpoint already at the target is never touched.
 """
@@ -97,14 +99,19 @@ class CheckpointWriter:
 
     shard: items go into files of at most `size_per_shard_mb` MB, named `shard_name(k, total)`;
     otherwise into one file (`single_name` inside the folder, or the target itself when `as_file`).
-    write_file(payload: {name: item}, path) writes one file. On the stage writer, `add` items in
-    order; then every rank calls `finish`.
+    write_file(payload: {name: item}, path) writes one file; read_file(path) reads one back (needed for an
+    unsharded save over pipeline stages: rank 0 merges the stages' parts). On the stage writer, `add` items
+    in order; then every rank calls `finish`.
     """
 
     def __init__(self, checkpoint: str, roles: SaveRoles, *, shard: bool, as_file: bool = False,
                  size_per_shard_mb: float = 1024, shard_name: Callable[[int, int], str] | None = None,
-                 single_name: str | None = None, write_file: Callable[[dict, str], None], what: str = "save"):
-        self.checkpoint, self.roles, self.what = checkpoint, roles, what
+                 single_name: str | None = None, write_file: Callable[[dict, str], None],
+                 read_file: Callable[[str], dict] | None = None, what: str = "save"):
+        if not shard and roles.num_stages > 1 and read_file is None:
+            raise NotImplementedError(f"{what}(shard=False) with pp_size={roles.num_stages}: each pipeline stage "
+                                      "writes its own files; use shard=True")
+        self.checkpoint, self.roles, self.what, self.read_file = checkpoint, roles, what, read_file
         self.shard, self.as_file, self.limit = shard, as_file, size_per_shard_mb * 1024 * 1024
         self.shard_name, self.single_name, self.write_file = shard_name, single_name, write_file
         self.error: BaseException | None = None
@@ -161,6 +168,8 @@ class CheckpointWriter:
         if roles.stage_writer:
             if self.shard:
                 self._flush()
+            elif self.target is not None and roles.num_stages > 1:
+                self._stage_part()           # merged into the one file by the main writer below
             elif self.target is not None:
                 path = self.target.path if self.as_file else os.path.join(self.target.path, self.single_name)
                 self._write(self._pending, path)
@@ -197,6 +206,8 @@ class CheckpointWriter:
                     os.remove(path)
                     files += [WrittenFile(*f) for f in part["files"]]
                     extras.append(part["extra"])
+                if not self.shard and roles.num_stages > 1:
+                    files = [self._merge_parts(files)]
                 if finalize is not None:
                     finalize(self.target.path if not self.as_file else self.target.staging, files, extras)
                 self.target.commit()
@@ -204,6 +215,24 @@ class CheckpointWriter:
                 self.error = e
         if self._failed():
             self._abort()
+
+    def _stage_part(self) -> None:
+        """This stage's tensors of an unsharded save over stages, in a part file of the staging folder."""
+        name = f".part-{self.roles.stage}-0.tmp"
+        self._write(self._pending, os.path.join(self.target.staging, name))
+        self.parts = [WrittenFile(name, list(self._pending), self._pending_bytes)]
+        self._pending = {}
+
+    def _merge_parts(self, parts: list[WrittenFile]) -> WrittenFile:
+        """Main writer: every stage's part read back in stage order and written as the one file."""
+        merged: dict = {}
+        for f in parts:
+            path = os.path.join(self.target.staging, f.name)
+            merged.update(self.read_file(path))
+            os.remove(path)
+        path = self.target.path if self.as_file else os.path.join(self.target.path, self.single_name)
+        self.write_file(merged, path)
+        return WrittenFile(os.path.basename(path), list(merged), sum(f.nbytes for f in parts))
 
     def _number(self, first: int, total: int) -> None:
         """Rename this stage's parts to their final names, k-of-N across stages."""

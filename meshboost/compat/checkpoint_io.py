@@ -17,64 +17,9 @@ pluggable (`booster.save_model(shard=True)` writes the sharded form, `shard=Fals
 from __future__ import annotations
 
 from meshboost.booster import Booster
+from meshboost.booster.checkpoint_view import CheckpointIO
 
 __all__ = ["CheckpointIO", "GeneralCheckpointIO"]
-
-_FORMAT_HOOKS = ("save_sharded_model", "save_unsharded_model", "load_sharded_model", "load_unsharded_model",
-                 "save_sharded_optimizer", "save_unsharded_optimizer", "load_sharded_optimizer",
-                 "load_unsharded_optimizer")
-
-
-class CheckpointIO:
-    """ColossalAI's checkpoint interface over `booster`'s save_model / load_model / save_optimizer /
-    load_optimizer / save_lr_scheduler / load_lr_scheduler (the same keywords, checked there)."""
-
-    def __init__(self, booster: Booster):
-        if not isinstance(booster, Booster):
-            raise TypeError(f"CheckpointIO(booster) needs a meshboost Booster, got {type(booster).__name__}; "
-                            "use GeneralCheckpointIO() for a model boosted without a plugin")
-        self.booster = booster
-
-    def save_model(self, model, checkpoint: str, shard: bool = False, gather_dtensor: bool = True,
-                   prefix: str | None = None, size_per_shard: int = 1024, use_safetensors: bool = False,
-                   use_async: bool = False) -> None:
-        self.booster.save_model(model, checkpoint, shard=shard, gather_dtensor=gather_dtensor, prefix=prefix,
-                                size_per_shard=size_per_shard, use_safetensors=use_safetensors, use_async=use_async)
-
-    def load_model(self, model, checkpoint: str, strict: bool = True, low_cpu_mem_mode: bool = True,
-                   num_threads: int = 1):
-        """Load in place; returns `model`, as ColossalAI's does."""
-        self.booster.load_model(model, checkpoint, strict=strict, low_cpu_mem_mode=low_cpu_mem_mode,
-                                num_threads=num_threads)
-        return model
-
-    def save_optimizer(self, optimizer, checkpoint: str, shard: bool = False, gather_dtensor: bool = True,
-                       prefix: str | None = None, size_per_shard: int = 1024, use_async: bool = False) -> None:
-        """`optimizer` must come from `booster.boost` (its states are keyed by its model's names)."""
-        self.booster.save_optimizer(optimizer, checkpoint, shard=shard, gather_dtensor=gather_dtensor, prefix=prefix,
-                                    size_per_shard=size_per_shard, use_async=use_async)
-
-    def load_optimizer(self, optimizer, checkpoint: str, prefix: str | None = None, low_cpu_mem_mode: bool = True,
-                       num_threads: int = 1) -> None:
-        if prefix is not None:
-            raise NotImplementedError(f"load_optimizer(prefix={prefix!r}): meshboost's optimizer files name their "
-                                      "own shards (the index says where each state is); drop prefix")
-        self.booster.load_optimizer(optimizer, checkpoint, low_cpu_mem_mode=low_cpu_mem_mode, num_threads=num_threads)
-
-    def save_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
-        self.booster.save_lr_scheduler(lr_scheduler, checkpoint)
-
-    def load_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
-        self.booster.load_lr_scheduler(lr_scheduler, checkpoint)
-
-    def __getattr__(self, name: str):
-        # Only reached for names the class lacks: ColossalAI's per-format hooks get a message, not "no attribute".
-        if name in _FORMAT_HOOKS:
-            raise NotImplementedError(
-                f"CheckpointIO.{name} is not a hook in meshboost: one writer saves every layout "
-                "(meshboost.checkpoint); call save_model / load_model / save_optimizer / load_optimizer "
-                "(booster.save_model(..., shard=True) for the sharded form)")
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
 class GeneralCheckpointIO(CheckpointIO):

@@ -51,6 +51,7 @@ from meshboost.distributed.param_info import full_shape
 from meshboost.optim import state as fmt
 from meshboost.optim.grad_norm import clip_coefficient, counted_here, global_grad_norm
 from meshboost.optim.grad_scaler import DynamicGradScaler, GradScalerConfig
+from meshboost.optim.step_requests import StepRequests
 from meshboost.optim.wrapper import OptimizerWrapper
 
 PRECISION_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -112,7 +113,7 @@ def _copy_into_master(master: torch.Tensor, value: torch.Tensor | None, like: to
         master.copy_(value)
 
 
-class MixedPrecisionOptimizer(OptimizerWrapper):
+class MixedPrecisionOptimizer(StepRequests, OptimizerWrapper):
     """Wrap `optim` (built on the model's parameters) for training with `precision` working weights.
 
     mesh: the `ParallelMesh` (overflow and norms are agreed over its world group, on its device).
@@ -382,6 +383,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 check()
             except Exception:
                 self._release_grads()
+                self._drop_requests()
                 raise
         for params, group in self._step_reductions:
             comm.all_reduce_grads(params, group, average=True)
@@ -390,6 +392,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             # Every rank saw the same verdict: skip together, keep weights bitwise unchanged.
             self._grad_norm, self._norm_untracked = None, False
             self._release_grads()
+            self._drop_requests()
             self.scaler.update(found_inf=True)     # raises after too many skips at the minimum scale
             if self.verbose and (not dist.is_initialized() or dist.get_rank() == 0):
                 logger.info("fp16 overflow (inf/nan gradients): step skipped, loss scale now %g", self.loss_scale)
@@ -397,13 +400,16 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         inv_scale = 1.0 / self.loss_scale
         # The norm costs a pass over every gradient and a world all-reduce: only clipping and
         # track_grad_norm pay for it (the same decision on every rank: both are per-optimizer settings).
-        self._grad_norm, self._norm_untracked = None, not (self.max_norm > 0 or self.track_grad_norm)
+        # clip_grad_by_norm's request (step_requests.py) replaces the config's max_norm for this step.
+        max_norm, norm_type = self._take_norm_request()
+        self._grad_norm, self._norm_untracked = None, not (max_norm > 0 or self.track_grad_norm)
         if not self._norm_untracked:
-            norm = global_grad_norm([g for g, counted in grads if counted], self.mesh.world_group, self.norm_type,
+            norm = global_grad_norm([g for g, counted in grads if counted], self.mesh.world_group, norm_type,
                                     self.mesh.device)
             self._grad_norm = norm * inv_scale
         self._unscale_and_clip(grads, inv_scale * (1.0 if self._norm_untracked
-                                                   else clip_coefficient(self._grad_norm, self.max_norm)))
+                                                   else clip_coefficient(self._grad_norm, max_norm)))
+        self._apply_value_request()          # clip_grad_by_value's: element-wise, on the masters' final grads
         self.optim.step()
         self._write_back()
         if self.scaler is not None:
@@ -415,7 +421,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._release_grads()
 
-    def get_grad_norm(self) -> float | None:
+    def get_grad_norm(self, norm_type: float = 2.0, **kwargs) -> float | None:
         """The unscaled global gradient norm of the last step; None before the first step, after a
         skipped (fp16 overflow) step, and after a step that did not compute it: the norm is computed
         only when clipping (max_norm > 0) or with track_grad_norm (a warning says so, once)."""

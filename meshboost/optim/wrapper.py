@@ -58,6 +58,38 @@ class OptimizerWrapper:
     def load_state_dict(self, state_dict):
         self.optim.load_state_dict(state_dict)
 
+    # -- ColossalAI's OptimizerWrapper calls ----------------------------------------------------------
+    # Here the gradients are final after backward (torch DDP reduced them, or one process): these act at
+    # once. Wrappers whose gradients are final only inside step() take them as requests (step_requests.py).
+    _clip_norm: float | None = None
+
+    def parameters(self) -> list[torch.Tensor]:
+        """Every parameter of every param group (the masters where a wrapper keeps them), ColossalAI's list."""
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                          *args, **kwargs) -> torch.Tensor:
+        """torch's `clip_grad_norm_` over `parameters()`; returns the norm before clipping (also `get_grad_norm`)."""
+        norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type, error_if_nonfinite)
+        self._clip_norm = float(norm)
+        return norm
+
+    def clip_grad_by_value(self, clip_value: float, *args, **kwargs) -> None:
+        """torch's `clip_grad_value_` over `parameters()`."""
+        torch.nn.utils.clip_grad_value_(self.parameters(), clip_value)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("scale_loss: this optimizer has no loss scale (fp16 mixed precision scales the "
+                                  "loss); call booster.backward(loss, optimizer)")
+
+    def unscale_grad(self) -> None:
+        raise NotImplementedError("unscale_grad: this optimizer has no loss scale (fp16 mixed precision scales the "
+                                  "loss); drop the call")
+
+    def get_grad_norm(self, norm_type: float = 2.0, **kwargs) -> float | None:
+        """The norm the last `clip_grad_by_norm` measured (None without one)."""
+        return self._clip_norm
+
     # -- booster hooks -------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, *args, **kwargs):
         loss.backward(*args, **kwargs)

@@ -16,8 +16,9 @@ class PipelineConfig:
     pp_size: number of pipeline stages (ranks along the pp axis).
     pp_style: "1f1b" (one chunk per rank) or "interleaved" (num_model_chunks > 1 chunks per rank).
     num_model_chunks: model chunks per rank; the model has pp_size * num_model_chunks stages.
-    num_microbatches / microbatch_size: how a batch is split; exactly one is required with pp (ignored,
-        with a warning, without one, as ColossalAI does).
+    num_microbatches / microbatch_size: how a batch is split; at least one is required with pp (ignored,
+        with a warning, without one, as ColossalAI does). Both may be given (ColossalAI's scripts do): then
+        every batch must hold num_microbatches x microbatch_size samples, checked at each batch.
     num_layers_per_stage: layers per stage (pp_size * num_model_chunks entries), else even split.
     """
 
@@ -50,12 +51,13 @@ class PipelineConfig:
         if self.pp_style == "interleaved" and self.num_model_chunks < 2:
             raise ValueError("pp_style='interleaved' needs num_model_chunks >= 2 (e.g. num_model_chunks=2)")
         given = [n for n in ("num_microbatches", "microbatch_size") if getattr(self, n) is not None]
-        if len(given) != 1:
-            raise ValueError(f"pp_size={self.pp_size} needs exactly one of num_microbatches or microbatch_size "
-                             f"(got {given or 'neither'}), e.g. num_microbatches=4")
-        value = getattr(self, given[0])
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{given[0]}={value!r} must be a positive integer")
+        if not given:
+            raise ValueError(f"pp_size={self.pp_size} needs num_microbatches or microbatch_size (got neither), "
+                             "e.g. num_microbatches=4")
+        for name in given:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
         if self.num_layers_per_stage is not None and len(self.num_layers_per_stage) != self.num_stages:
             raise ValueError(f"num_layers_per_stage={self.num_layers_per_stage} needs {self.num_stages} entries "
                              f"(pp_size x num_model_chunks = {self.pp_size} x {self.num_model_chunks})")

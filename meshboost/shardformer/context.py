@@ -32,12 +32,12 @@ Under pipeline stages each micro-batch is cut the same way (`shard_microbatch`),
 is put back before each of its units (`restore`): a layer recomputed in backward masks as its forward
 did while other micro-batches run.
 
-Refused with the reason (every rank, before any collective): ColossalAI's "ring" (split_gather with a
-ring exchange over tp), packed rows with the cache on (in eval, or use_cache=True passed; a training call
-builds none), chunked attention, attention implementations other than sdpa and eager, heads not
-divisible by cp (all_to_all), a sequence length not divisible by cp (2 cp for ring_attn), models that
-are not causal LMs, a pipeline criterion other than the model's loss (`check_criterion`). Must not know
-a model family.
+Refused with the reason (every rank, before any collective): the tp group's modes with sp_size
+("split_gather", ColossalAI's "ring": sequence.py runs them over tp), packed rows with the cache on (in
+eval, or use_cache=True passed; a training call builds none), chunked attention, attention
+implementations other than sdpa and eager, heads not divisible by cp (all_to_all), a sequence length
+not divisible by cp (2 cp for ring_attn), models that are not causal LMs, a pipeline criterion other
+than the model's loss (`check_criterion`). Must not know a model family.
 """
 
 from __future__ import annotations
@@ -54,28 +54,47 @@ from meshboost.distributed.inputs import count_items
 ALL_TO_ALL = "all_to_all"
 RING_ATTN = "ring_attn"
 MODES = (ALL_TO_ALL, RING_ATTN)
-NOT_BUILT = ("ring",)
+OVER_TP = ("split_gather", "ring")       # sequence parallelism over the tp group (sequence.py)
 WRAPPED = ("sdpa", "eager")
 ATTENTION_NAME = "meshboost_ulysses"
 
 
 def check_mode(mode: str | None) -> str:
-    if mode in NOT_BUILT:
-        raise NotImplementedError(f"sequence_parallelism_mode={mode!r} (ColossalAI's split_gather with a ring "
-                                  "exchange over the tp group) is not built; use 'split_gather' over tp, or a sequence "
-                                  "axis of its own: 'all_to_all' (Ulysses) or 'ring_attn' (keys and values gathered)")
+    """The context mode of a sequence axis of its own (sp_size > 1); the tp group's modes are refused, naming
+    how to get them."""
+    if mode in OVER_TP:
+        raise ValueError(f"sequence_parallelism_mode={mode!r} splits the sequence over the tensor-parallel group "
+                         "(ColossalAI's 'ring' is split_gather's layout with ring exchanges: the same numbers), so it "
+                         "takes no sp_size: pass sp_size=1 (or None) with tp_size > 1; with sp_size > 1 use one of "
+                         f"{MODES}")
     if mode not in MODES:
-        raise ValueError(f"sequence_parallelism_mode={mode!r} with sp_size > 1; expected one of {MODES + NOT_BUILT}")
+        raise ValueError(f"sequence_parallelism_mode={mode!r} with sp_size > 1; expected one of {MODES}")
     return mode
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    """A causal LM as transformers itself lists them (the classes AutoModelForCausalLM builds: every
+    *ForCausalLM, GPT-2's GPT2LMHeadModel, ...) whose attention layers do not say they are not causal
+    (BertLMHeadModel without is_decoder, cross-attention). Pure."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = type(model).__name__
+    listed = {n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for n in ((v,) if isinstance(v, str) else v)}
+    if name.endswith("ForCausalLM"):
+        return True
+    # the other listed heads (GPT2LMHeadModel, BertLMHeadModel, multimodal ones): causal when no attention layer
+    # says it is not (a vision tower's or an encoder's would)
+    return name in listed and not any(getattr(m, "is_causal", True) is False for m in model.modules() if "Attention" in type(m).__name__)
 
 
 def check_context(model: nn.Module, cp_size: int, tp_size: int, mode: str = ALL_TO_ALL) -> str:
     """The attention implementation the mode wraps, or an error naming the value and the fix. Pure."""
     name = type(model).__name__
     config = getattr(model, "config", None)
-    if config is None or not name.endswith("ForCausalLM"):
-        raise NotImplementedError(f"sp_size={cp_size}: context parallelism runs causal LMs (a *ForCausalLM with its "
-                                  f"labels); {name} is not one. Use sp_size=1")
+    if config is None or not is_causal_lm(model):
+        raise NotImplementedError(f"sp_size={cp_size}: context parallelism runs causal LMs (a model transformers' "
+                                  f"AutoModelForCausalLM builds, with causal attention); {name} is not one. Use "
+                                  "sp_size=1")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     implementation = getattr(config, "_attn_implementation", None)
     if implementation not in WRAPPED:

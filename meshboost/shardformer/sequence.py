@@ -28,17 +28,25 @@ from meshboost.shardformer.layers.linear import ColumnSubsetLinear, SequenceLayo
 
 SEQ_DIM = 1                      # HF layers take hidden states [batch, seq, hidden]
 MODES = ("split_gather",)
-OTHER_MODES = ("all_to_all", "ring", "ring_attn")       # ColossalAI's other modes: not implemented
+# ColossalAI's "ring" is split_gather with its all-gathers and reduce-scatters done as ring exchanges over the
+# same tp group: the same sums in the same layout, so it runs as split_gather
+SAME_AS_SPLIT_GATHER = ("ring",)
+CONTEXT_MODES = ("all_to_all", "ring_attn")             # a sequence axis of its own (sp_size): context.py
 
 
 def check_mode(mode) -> str:
-    """The sequence-parallel mode to use (None means split_gather); raises for ColossalAI's others."""
-    if mode is None or mode == "split_gather":
+    """The sequence-parallel mode over the tp group (None and ColossalAI's "ring" mean split_gather); the
+    context modes belong to a sequence axis of its own and are refused here, naming sp_size."""
+    if mode is None or mode == "split_gather" or mode in SAME_AS_SPLIT_GATHER:
         return "split_gather"
-    if mode in OTHER_MODES:
-        raise NotImplementedError(f"sequence_parallelism_mode={mode!r} is not implemented; meshboost implements "
-                                  "'split_gather' (Megatron sequence parallelism over the tensor-parallel group)")
-    raise ValueError(f"sequence_parallelism_mode={mode!r} is unknown; use 'split_gather' (or None)")
+    if mode in CONTEXT_MODES:
+        raise ValueError(f"sequence_parallelism_mode={mode!r} splits the sequence over a sequence axis of its own, "
+                         "not over the tensor-parallel group: pass sp_size > 1 (HybridParallelConfig(sp_size=..., "
+                         f"sp_mode={mode!r}), or ColossalAI's HybridParallelPlugin(sp_size=..., "
+                         f"sequence_parallelism_mode={mode!r}))")
+    raise ValueError(f"sequence_parallelism_mode={mode!r} is unknown; over the tensor-parallel group use "
+                     f"'split_gather' (or None, or ColossalAI's 'ring', the same numbers); with sp_size one of "
+                     f"{CONTEXT_MODES}")
 
 
 def stack_path(model: nn.Module, layout: dict | None) -> str:

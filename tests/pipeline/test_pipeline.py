@@ -465,10 +465,15 @@ def test_layouts_cover_families():
 
 
 def test_config_errors_before_any_collective():
-    with pytest.raises(ValueError, match="exactly one of num_microbatches or microbatch_size"):
+    with pytest.raises(ValueError, match="needs num_microbatches or microbatch_size \\(got neither\\)"):
         PipelineConfig(pp_size=2)
-    with pytest.raises(ValueError, match="exactly one of"):
-        PipelineConfig(pp_size=2, num_microbatches=4, microbatch_size=2)
+    with pytest.raises(ValueError, match="microbatch_size=0 must be a positive integer"):
+        PipelineConfig(pp_size=2, num_microbatches=4, microbatch_size=0)
+    PipelineConfig(pp_size=2, num_microbatches=4, microbatch_size=2)       # both, as ColossalAI's scripts pass
+    batch = {"input_ids": torch.arange(16).view(8, 2)}
+    assert [mb["input_ids"].shape[0] for mb in split_microbatches(batch, 4, 2)] == [2, 2, 2, 2]
+    with pytest.raises(ValueError, match="a batch of 6 samples is not num_microbatches=4 x microbatch_size=2 = 8"):
+        split_microbatches({"input_ids": torch.zeros(6, 2)}, 4, 2)
     with pytest.raises(ValueError, match="needs num_model_chunks >= 2"):
         PipelineConfig(pp_size=2, num_microbatches=4, pp_style="interleaved")
     with pytest.raises(ValueError, match="needs pp_style='interleaved'"):
@@ -482,7 +487,7 @@ def test_config_errors_before_any_collective():
     with pytest.raises(ValueError, match="only apply with pp_size > 1"):
         PipelineConfig(pp_size=1, num_model_chunks=2)
     # the plugin raises them before building its mesh (no process group here)
-    with pytest.raises(ValueError, match="exactly one of"):
+    with pytest.raises(ValueError, match="needs num_microbatches or microbatch_size"):
         HybridParallelPlugin(tp_size=1, pp_size=2)
 
 

@@ -17,8 +17,8 @@ same weights (per-step loss within 2e-5 relative in fp32, every weight gathered 
   whole-sequence eval logits and loss, the training loss and every gradient equal to the unsharded
   model's;
 - refusals: a sequence length not divisible by the split on every rank before any collective;
-  ColossalAI's "ring", chunked attention, heads not dividing over sp, non-causal models and
-  implementations the mode cannot wrap (pure checks).
+  the tp group's modes with sp_size ("ring", "split_gather"), chunked attention, heads not dividing
+  over sp, non-causal models and implementations the mode cannot wrap (pure checks).
 One process group, the layouts looped inside."""
 
 import copy
@@ -239,8 +239,12 @@ def test_context_parallel_all_to_all():
 
 
 def test_context_parallel_refusals():
-    with pytest.raises(NotImplementedError, match="'ring' \\(ColossalAI's split_gather with a ring exchange"):
-        HybridParallelConfig(sp_size=2, sp_mode="ring")
+    for mode in ("ring", "split_gather"):         # the tp group's modes: named as such, listed nowhere else
+        with pytest.raises(ValueError, match=f"sequence_parallelism_mode='{mode}' splits the sequence over the "
+                                             "tensor-parallel group .* takes no sp_size"):
+            HybridParallelConfig(sp_size=2, sp_mode=mode)
+    with pytest.raises(ValueError, match="expected one of \\('all_to_all', 'ring_attn'\\)$"):
+        HybridParallelConfig(sp_size=2, sp_mode="ulysses")
     with pytest.raises(ValueError, match="sequence_parallelism_mode='all_to_all' with sp_size=1 splits nothing"):
         HybridParallelConfig(sp_mode="all_to_all")
     with pytest.raises(NotImplementedError, match="sp_size=2 with zero_stage=3"):

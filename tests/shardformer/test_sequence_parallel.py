@@ -228,5 +228,9 @@ def _refusals_and_overlap(rank: int, world: int) -> None:
 
 def test_sequence_parallel_refuses_what_it_cannot_split_and_column_collectives_overlap():
     spawn(_refusals_and_overlap, 2)
-    with pytest.raises(NotImplementedError, match="split_gather"):
-        ShardConfig(enable_sequence_parallelism=True, sequence_parallelism_mode="ring")
+    # ColossalAI's "ring" over the tp group is split_gather's layout (the same numbers); the context modes
+    # belong to sp_size, and the message says so instead of listing them as accepted
+    assert ShardConfig(enable_sequence_parallelism=True,
+                       sequence_parallelism_mode="ring").sequence_parallelism_mode == "split_gather"
+    with pytest.raises(ValueError, match="'all_to_all' splits the sequence over a sequence axis of its own.*sp_size"):
+        ShardConfig(enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all")

@@ -56,6 +56,12 @@ def split_microbatches(batch, num_microbatches: int | None = None, microbatch_si
         if batch[grid].shape[0] != batch_size:
             raise ValueError(f"execute_pipeline: {grid} holds {batch[grid].shape[0]} images for {batch_size} samples; "
                              f"micro-batches split {key} with its images only at one image per sample")
+    if num_microbatches is not None and microbatch_size is not None \
+            and num_microbatches * microbatch_size != batch_size:
+        raise ValueError(f"a batch of {batch_size} samples is not num_microbatches={num_microbatches} x "
+                         f"microbatch_size={microbatch_size} = {num_microbatches * microbatch_size}: give batches of "
+                         f"{num_microbatches * microbatch_size} samples (e.g. drop_last=True), or pass only one of "
+                         "the two (the other is then derived from each batch)")
     if num_microbatches is None:
         num_microbatches = batch_size // microbatch_size if batch_size % microbatch_size == 0 else -1
     if num_microbatches < 1 or batch_size % num_microbatches:

@@ -26,13 +26,14 @@ from meshboost.shardformer import PipelineGradientCheckpointConfig, Policy, Shar
 __all__ = ["HybridParallelPlugin", "HybridParallelModule", "colossalai_config"]
 
 
-CONTEXT_MODES = ("all_to_all", "ring", "ring_attn")     # ColossalAI's modes over a sequence axis of their own
+CONTEXT_MODES = ("all_to_all", "ring_attn")     # ColossalAI's modes over a sequence axis of their own
 
 
 def _context(a: dict) -> tuple[int, str | None, dict]:
     """ColossalAI's sequence-parallel keywords as (sp_size, sp_mode, the ShardConfig fields): the modes
-    with an sp group of their own (all_to_all; ring and ring_attn are refused by the core) become the
-    context axis; split_gather stays the tp group's sequence parallelism, which takes no sp_size."""
+    with an sp group of their own (all_to_all, ring_attn) become the context axis; split_gather and
+    ColossalAI's "ring" (split_gather's layout with ring exchanges, the same numbers: ShardConfig runs it
+    as split_gather) stay the tp group's sequence parallelism, which takes no sp_size."""
     sp_size, mode, enabled = a["sp_size"], a["sequence_parallelism_mode"], a["enable_sequence_parallelism"]
     shard = {"enable_sequence_parallelism": enabled, "sequence_parallelism_mode": mode}
     if enabled and mode in CONTEXT_MODES:
@@ -42,9 +43,10 @@ def _context(a: dict) -> tuple[int, str | None, dict]:
         return sp_size, mode, {"enable_sequence_parallelism": False, "sequence_parallelism_mode": None}
     if sp_size not in (None, 1):
         raise NotImplementedError(f"sp_size={sp_size!r} with sequence_parallelism_mode={mode!r}: meshboost's "
-                                  "split_gather sequence parallelism runs over the tensor-parallel group, so it takes "
-                                  "no sp_size; for a sequence axis of its own pass enable_sequence_parallelism=True, "
-                                  f"sequence_parallelism_mode='all_to_all', sp_size={sp_size}")
+                                  "split_gather sequence parallelism runs over the tensor-parallel group (as "
+                                  "ColossalAI's 'ring' does: the same numbers), so it takes no sp_size; for a sequence "
+                                  "axis of its own pass enable_sequence_parallelism=True, sequence_parallelism_mode='all_to_all' "
+                                  f"(or 'ring_attn'), sp_size={sp_size}")
     return 1, None, shard
 
 
@@ -104,9 +106,9 @@ class HybridParallelPlugin(CorePlugin):
         enable_sequence_parallelism, enable_flash_attention, enable_fused_normalization, enable_jit_fused,
         enable_sequence_overlap, enable_all_optimization, sequence_parallelism_mode: sharding and kernels
         (`meshboost.shardformer.ShardConfig`, docs/optimizations.md); sp_size with
-        enable_sequence_parallelism=True and sequence_parallelism_mode='all_to_all': the context axis
-        (`HybridParallelConfig.sp_size`, docs/sequence_parallel.md); with split_gather, None or 1
-        (that sequence parallelism runs over the tp group).
+        enable_sequence_parallelism=True and sequence_parallelism_mode='all_to_all' or 'ring_attn': the
+        context axis (`HybridParallelConfig.sp_size`, docs/sequence_parallel.md); with 'split_gather' or
+        'ring' (run as split_gather: the same numbers), None or 1 (that sequence parallelism runs over tp).
     pp_size, num_microbatches / microbatch_size (one required with pp_size > 1), pp_style ("1f1b" |
         "interleaved"), num_model_chunks, num_layers_per_stage: `meshboost.pipeline.PipelineConfig`.
     precision ("fp32" | "fp16" | "bf16"), max_norm (global-norm clipping when > 0), initial_scale,
