@@ -17,6 +17,11 @@ setup(
     packages=find_packages(include=["meshboost", "meshboost.*"]),
     python_requires=">=3.10",
     install_requires=requirements("requirements.txt"),
-    extras_require={"lora": ["peft>=0.13"]},          # booster.enable_lora
+    # Not on PyPI: install from a clone, `pip install -e ".[lora]"` (several: ".[lora,tensorboard]").
+    extras_require={
+        "lora": ["peft>=0.13"],                       # booster.enable_lora
+        "fp8": ["torchao>=0.10"],                     # HybridParallelPlugin(use_fp8=True): torchao's float8 linears
+        "tensorboard": ["tensorboard>=2.10"],         # examples' --report-to tensorboard (event files)
+    },
     license="Apache-2.0",
 )

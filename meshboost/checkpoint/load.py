@@ -20,11 +20,11 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshboost.checkpoint.atomic import recover
 from meshboost.checkpoint.names import ParamNames
-from meshboost.distributed.param_info import TensorParallelInfo, get_tp_info, replace_keeping_object, shard_from
+from meshboost.distributed.param_info import (
+    TensorParallelInfo, get_tp_info, is_dtensor, replace_keeping_object, shard_from)
 
 _INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _SINGLES = ("model.safetensors", "pytorch_model.bin")
@@ -253,8 +253,9 @@ def _copy_shard(tensor: torch.Tensor, shard: torch.Tensor, name: str, device: to
         value = value.clone()
     if tensor.is_meta:
         replace_keeping_object(tensor, value)
-    elif isinstance(tensor, DTensor):
+    elif is_dtensor(tensor):
         # torch FSDP2 (GeminiPlugin, TorchFSDPPlugin): each rank cuts its own piece, no communication
+        from torch.distributed.tensor import distribute_tensor
         mesh = tensor.device_mesh
         tensor.to_local().copy_(distribute_tensor(value.to(mesh.device_type), mesh, tensor.placements,
                                                   src_data_rank=None).to_local())

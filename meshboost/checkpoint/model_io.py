@@ -15,11 +15,10 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from meshboost.checkpoint import hf_format
 from meshboost.checkpoint.writer import CheckpointWriter, save_roles
-from meshboost.distributed.param_info import full_on_cpu, get_tp_info
+from meshboost.distributed.param_info import full_on_cpu, get_tp_info, is_dtensor
 
 
 def checkpoint_entries(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -75,7 +74,7 @@ def save_model(model: nn.Module, checkpoint: str, mesh=None, shard: bool = False
             # then gathers it over tp.
             source = master_weight(tensor) if master_weight is not None else None
             source = tensor if source is None else source
-            if isinstance(source, DTensor):       # torch FSDP2: every rank of its mesh joins the all-gather
+            if is_dtensor(source):       # torch FSDP2: every rank of its mesh joins the all-gather
                 source = source.detach().to(roles.device).full_tensor()
             if roles.gathers:
                 full = full_on_cpu(source, get_tp_info(tensor), reuse=source is not tensor)

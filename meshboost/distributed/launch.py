@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import functools
 import gc
 import logging
 import os
 import random
+import warnings
 
 import numpy as np
 import torch
@@ -129,7 +131,8 @@ def _elastic_attempt_store(host: str, port, world_size: int, timeout: datetime.t
 
 
 def launch_from_torch(seed: int = 1024, backend: str | None = None,
-                      timeout: datetime.timedelta | float | None = None, verbose: bool = False) -> None:
+                      timeout: datetime.timedelta | float | None = None, verbose: bool = False,
+                      config=None) -> None:
     """Initialise the default process group from the environment `torchrun` sets.
 
     Uses NCCL when CUDA is available and gloo otherwise (or `backend`), binds this process to
@@ -137,8 +140,14 @@ def launch_from_torch(seed: int = 1024, backend: str | None = None,
     timedelta or seconds; default: the MESHBOOST_DIST_TIMEOUT environment variable, else torch's
     10 min for NCCL and 30 min for gloo) bounds every collective: a stalled peer makes the others
     raise `CollectiveTimeout` after it instead of hanging. verbose: rank 0 logs the backend, world
-    size and device once (ColossalAI's keyword).
+    size and device once (ColossalAI's keyword). `config` (older ColossalAI tutorials pass
+    `config={}` or a config file, first positionally) is ignored with a one-time warning, as
+    ColossalAI did when it dropped the argument; a dict or path given as `seed` is taken for it.
     """
+    if isinstance(seed, (dict, str, os.PathLike)):       # launch_from_torch({}) / ("config.py")
+        seed, config = 1024, seed
+    if config is not None:
+        _warn_config_ignored()
     missing = [k for k in _REQUIRED_ENV if k not in os.environ]
     if missing:
         raise RuntimeError(
@@ -148,6 +157,14 @@ def launch_from_torch(seed: int = 1024, backend: str | None = None,
     launch(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), host=os.environ["MASTER_ADDR"],
            port=os.environ["MASTER_PORT"], backend=backend, local_rank=int(os.environ["LOCAL_RANK"]), seed=seed,
            verbose=verbose, timeout=timeout)
+
+
+@functools.cache
+def _warn_config_ignored() -> None:
+    """Once per process: `config=` of older ColossalAI releases has no effect here."""
+    warnings.warn("launch_from_torch(config=...) is ignored: meshboost (like ColossalAI >= 0.3.5) takes the "
+                  "layout from the plugin, e.g. HybridParallelPlugin(tp_size=2); drop the argument", FutureWarning,
+                  stacklevel=3)
 
 
 def group_timeout(group=None) -> datetime.timedelta | None:

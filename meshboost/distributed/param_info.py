@@ -12,6 +12,7 @@ of them re-derives a layout from module types.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -123,6 +124,13 @@ def set_tp_info(param: torch.Tensor, info: TensorParallelInfo) -> None:
 def is_tp_sharded(param: torch.Tensor) -> bool:
     info = get_tp_info(param)
     return info is not None and info.tp_size > 1
+
+
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """A torch DTensor (FSDP2's parameters)? Asked without importing torch.distributed.tensor (half a
+    second of `import meshboost`): until something imported it, no tensor can be one."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def get_pipeline_tie(param: torch.Tensor) -> PipelineTie | None:

@@ -114,6 +114,28 @@ def test_launch_and_booster_take_colossalai_keywords():
         Booster(device="meta")
 
 
+def test_launch_from_torch_ignores_colossalai_config(monkeypatch):
+    """`launch_from_torch(config={})` (older ColossalAI tutorials, keyword or first positional) warns once
+    that the config is ignored, then starts as usual (here: refuses the missing torchrun environment)."""
+    import warnings
+
+    import pytest
+
+    import meshboost
+    launch_module = importlib.import_module("meshboost.distributed.launch")   # the package exports the function
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    launch_module._warn_config_ignored.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for call in (lambda: meshboost.launch_from_torch(config={}), lambda: meshboost.launch_from_torch({}),
+                     lambda: meshboost.launch_from_torch(config="./config.py", seed=3)):
+            with pytest.raises(RuntimeError, match="torchrun"):
+                call()
+    ignored = [w for w in caught if "config=...) is ignored" in str(w.message)]
+    assert len(ignored) == 1 and issubclass(ignored[0].category, FutureWarning), [str(w.message) for w in caught]
+
+
 def test_launch_takes_colossalai_positional_order():
     """ColossalAI's `launch(rank, world_size, host, port, backend, local_rank, seed, verbose)`: the same
     order here, so a positional call means the same; nonsense is refused before any rendezvous."""

@@ -3,30 +3,45 @@
 
 from __future__ import annotations
 
-from typing import Callable
+import importlib
+from collections.abc import Mapping
+from typing import Callable, Iterator
 
 import torch.nn as nn
 
-from meshboost.shardformer.policies.albert import ALBERT_POLICY
 from meshboost.shardformer.policies.base import Policy
-from meshboost.shardformer.policies.bert import BERT_POLICY
-from meshboost.shardformer.policies.blip2 import BLIP2_POLICY
-from meshboost.shardformer.policies.bloom import BLOOM_POLICY
 from meshboost.shardformer.policies.deepseek import deepseek_policy, uses_deepseek_attention
-from meshboost.shardformer.policies.esmc import ESMC_POLICY
-from meshboost.shardformer.policies.falcon import FALCON_POLICY
-from meshboost.shardformer.policies.gpt2 import GPT2_POLICY
 from meshboost.shardformer.policies.gpt_oss import gpt_oss_policy
 from meshboost.shardformer.policies.multimodal import layer_plan, multimodal_policy
-from meshboost.shardformer.policies.opt import OPT_POLICY
-from meshboost.shardformer.policies.t5 import T5_POLICY
 from meshboost.shardformer.policies.tp_plan import policy_from_tp_plan
-from meshboost.shardformer.policies.vit import VIT_POLICY
-from meshboost.shardformer.policies.whisper import WHISPER_POLICY
 
-POLICIES: dict[str, Policy] = {p.name: p for p in (BERT_POLICY, GPT2_POLICY, OPT_POLICY, BLOOM_POLICY, FALCON_POLICY,
-                                                   VIT_POLICY, ALBERT_POLICY, T5_POLICY, WHISPER_POLICY,
-                                                   BLIP2_POLICY, ESMC_POLICY)}
+# model_type -> (module beside this file, the table's name in it). A table's module is imported when a
+# model of its family is looked up, not with meshboost: Falcon's registers transformers' FalconLinear,
+# which imports the family's modeling module (and with it transformers.modeling_utils).
+_TABLES: dict[str, tuple[str, str]] = {
+    "bert": ("bert", "BERT_POLICY"), "gpt2": ("gpt2", "GPT2_POLICY"), "opt": ("opt", "OPT_POLICY"),
+    "bloom": ("bloom", "BLOOM_POLICY"), "falcon": ("falcon", "FALCON_POLICY"), "vit": ("vit", "VIT_POLICY"),
+    "albert": ("albert", "ALBERT_POLICY"), "t5": ("t5", "T5_POLICY"), "whisper": ("whisper", "WHISPER_POLICY"),
+    "blip-2": ("blip2", "BLIP2_POLICY"), "esmc": ("esmc", "ESMC_POLICY"),
+}
+
+
+class _FamilyTables(Mapping):
+    """model_type -> Policy, each family's module imported on first lookup."""
+
+    def __getitem__(self, model_type: str) -> Policy:
+        module, name = _TABLES[model_type]
+        policy = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+        return policy
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_TABLES)
+
+    def __len__(self) -> int:
+        return len(_TABLES)
+
+
+POLICIES: Mapping[str, Policy] = _FamilyTables()
 # Families whose table depends on the config (model_type -> callable(config) -> Policy): DeepSeek's
 # multi-head latent attention combined with the MLP entries of transformers' own plan; GPT-OSS, whose
 # shipped plan splits only the embedding.
