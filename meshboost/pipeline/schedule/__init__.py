@@ -25,6 +25,7 @@ import torch
 
 from meshboost.distributed.inputs import cast_floating
 from meshboost.distributed.p2p import StageComm
+from meshboost.pipeline.generators import generators_in_step
 from meshboost.pipeline.grads import average_grads, sum_tied_grads
 from meshboost.pipeline.normalization import TOKENS, batch_items, microbatch_weights
 from meshboost.pipeline.stage import PipelineStages
@@ -157,7 +158,8 @@ class PipelineSchedule:
             weights = microbatch_weights(microbatches, self.shifted_labels, self.count_group, self.count_size,
                                          total=items)
         step = _Step(self, microbatches, criterion, optimizer, return_loss, return_outputs, weights)
-        with contextlib.nullcontext() if training else torch.no_grad():
+        # stages draw different random numbers (generators.py): every rank leaves the step in one state
+        with generators_in_step(self.comm.device), contextlib.nullcontext() if training else torch.no_grad():
             for kind, chunk, mb in schedule_order(P, stages.pp_rank, M, V, forward_only=not training):
                 step.forward(chunk, mb) if kind == "F" else step.backward(chunk, mb)
         self.comm.wait_sends()
