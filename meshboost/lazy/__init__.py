@@ -11,7 +11,10 @@ the unit is initialised by the model's own init (`_init_weights` of the owning H
 Units go largest first, so the peak is about the larger of (the rank's shards) and (one unit at full
 size plus its shard) plus a fixed overhead; the values do not depend on the layout
 (tp, pp, dp), so every layout starts from the weights the unsharded model gets from the same seed.
-Must not know parallel layers: it reads the tensor-parallel record on each parameter.
+Moves and casts written inside the context (`.to`, `.cpu`, `.cuda`) are `moves.py`'s: recorded there,
+applied here (the shadow initialised in the dtypes the model was built in; a whole materialisation
+moved where the user moved it). Must not know parallel layers: it reads the tensor-parallel record on
+each parameter.
 """
 
 from __future__ import annotations

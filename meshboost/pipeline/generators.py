@@ -58,9 +58,10 @@ def _generators(device: torch.device) -> list:
     if listed is not None and not listed and hasattr(module, "init"):
         module.init()                     # CUDA / XPU fill their generator list lazily
         listed = module.default_generators
+    if not listed:
+        return found + [_ModuleGenerator(module)]
     index = device.index if device.index is not None else module.current_device()
-    found.append(listed[index] if listed else _ModuleGenerator(module))
-    return found
+    return found + [listed[index]]
 
 
 @contextlib.contextmanager

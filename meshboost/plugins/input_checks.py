@@ -142,15 +142,18 @@ def learned_position_limit(model: nn.Module) -> PositionLimit | None:
 
 def check_positions(limit: PositionLimit | None, args: tuple, kwargs: dict) -> None:
     """Refuse a call whose positions run past the learned position embeddings, naming the limit (the
-    unsharded model raises a bare IndexError from the lookup). Pure and on the host: every rank of a
-    replica holds the same inputs and raises alike, before any collective."""
+    unsharded model raises a bare IndexError from the lookup). Pure: every rank of a replica holds the same
+    inputs and raises alike, before any collective. Given position_ids on an accelerator are checked by a
+    device-side assert (no host sync), as the vocab check does."""
     if limit is None:
         return
     positions = kwargs.get("position_ids")
     if torch.is_tensor(positions) and positions.numel():
-        last = int(positions.max())
-        if last < limit.limit:
+        if positions.device.type != "cpu":
+            torch._assert_async(positions.max() < limit.limit, f"position ids must lie below config.{limit.field}="
+                                                               f"{limit.limit} (learned absolute position embeddings)")
             return
+        last = int(positions.max())
         what = f"position id {last}"
     else:
         given = (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args[:1])   # input_ids may come first
@@ -159,12 +162,12 @@ def check_positions(limit: PositionLimit | None, args: tuple, kwargs: dict) -> N
             return
         cache = kwargs.get("past_key_values")
         past = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
-        if past + tokens.shape[1] <= limit.limit:
-            return
+        last = past + tokens.shape[1] - 1
         what = f"a sequence of {tokens.shape[1]} tokens" + (f" after {past} cached ones" if past else "")
-    raise IndexError(f"{what} runs past the model's learned absolute position embeddings (config.{limit.field}="
-                     f"{limit.limit}: positions 0 to {limit.limit - 1}). Truncate or split the inputs to at most "
-                     f"{limit.limit} tokens (tokenizer(..., truncation=True, max_length={limit.limit}))")
+    if last >= limit.limit:
+        raise IndexError(f"{what} runs past the model's learned absolute position embeddings (config.{limit.field}="
+                         f"{limit.limit}: positions 0 to {limit.limit - 1}). Truncate or split the inputs to at most "
+                         f"{limit.limit} tokens (tokenizer(..., truncation=True, max_length={limit.limit}))")
 
 
 def refuse_empty_batch(mesh: ParallelMesh, args: tuple, kwargs: dict) -> None:

@@ -159,8 +159,12 @@ def _body(rank, world, root):
     assert names == [f"model-{k:05d}-of-{len(names):05d}.safetensors" for k in range(1, len(names) + 1)], names
     assert not [f for f in os.listdir(path) if f.startswith(".")], "pp: stage fragments left behind"
     assert_close(_eval_logits(_load(path), batch), ref_logits, msg="pp=2 reload vs single-process reference")
-    with pytest.raises(NotImplementedError, match="shard=True"):
-        pp_booster.save_model(pp_model, path, shard=False)
+    # shard=False over the stages: ColossalAI's one consolidated file (pytorch_model.bin here; the safetensors
+    # form is tests/colossalai_compat/test_script_behaviours.py's), merged by rank 0 from the stages' parts
+    single = path + "-single"
+    pp_booster.save_model(pp_model, single, shard=False)
+    assert sorted(os.listdir(single)) == ["config.json", hf_format.BIN_WEIGHTS_NAME], os.listdir(single)
+    assert_close(_eval_logits(_load(single), batch), ref_logits, msg="pp=2 single-file reload vs reference")
 
     # Checks are pure and raised on every rank before any collective.
     with pytest.raises(ValueError, match="size_per_shard"):

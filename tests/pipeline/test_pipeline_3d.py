@@ -18,6 +18,8 @@ differed, and the next model got other weights on each stage. This module does w
   equals the reference's, by HF name, and the stages together hold every name;
 - T5 in fp16 with ZeRO-1 (fp32 masters partitioned over dp): loss and weights after the step within
   the fp16 tolerance.
+And without processes: `generators_in_step` leaves a stage that drew random numbers and one that
+drew none in one state, the next step in another, and puts the generators back when a step raises.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import transformers
 from meshboost import Booster
 from meshboost.booster.plugin import HybridParallelPlugin
 from meshboost.pipeline import split_microbatches
+from meshboost.pipeline.generators import generators_in_step
 from meshboost.testing import LOSS_ATOL, assert_close, spawn
 from meshboost.testing.compare import gathered
 from meshboost.testing.models import tiny_batch, tiny_config
@@ -121,3 +124,28 @@ def _body_8(rank: int, world_size: int) -> None:
 
 def test_encoder_decoder_tp2_pp2_dp2():
     spawn(_body_8, 8)
+
+
+def test_generators_in_step_end_in_one_state():
+    """A stage that drew random numbers and one that drew none leave a step in the same state; the
+    next step starts from another one; a step that raises is put back too (no processes)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        with generators_in_step(torch.device("cpu")):
+            torch.rand(100)                                   # dropout masks on this stage
+        drew = torch.get_rng_state()
+        torch.manual_seed(7)
+        with generators_in_step(torch.device("cpu")):
+            pass                                              # no random draw on that one
+        assert torch.equal(torch.get_rng_state(), drew)
+        with generators_in_step(torch.device("cpu")):
+            pass
+        assert not torch.equal(torch.get_rng_state(), drew), "the next step must not replay this step's masks"
+        torch.manual_seed(7)
+        try:
+            with generators_in_step(torch.device("cpu")):
+                torch.rand(3)
+                raise RuntimeError("a stage failed")
+        except RuntimeError:
+            pass
+        assert torch.equal(torch.get_rng_state(), drew)
