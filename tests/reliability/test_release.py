@@ -10,12 +10,15 @@ grad-ready hooks, the model/optimizer pairing, LoRA's adapters, expert paralleli
 sequence parallelism's and activation checkpointing's hooks). Freed only at gc.collect(): the model of
 the FSDP2 layouts (TorchFSDPPlugin, GeminiPlugin, zero_stage=3), whose modules torch's fully_shard
 ties into cycles of its own hooks; their optimizer, states, booster, plugin and loader still go at
-once. Also: an optimizer dropped while its model is kept (an eval model) takes its states and masters
+once. The booster-kept round also saves and loads a training checkpoint. Also: an optimizer dropped while its model is kept (an eval model) takes its states and masters
 with it, and the model still trains; a booster kept across rounds (a sweep) keeps no model alive."""
 
 from __future__ import annotations
 
 import gc
+import os
+import shutil
+import tempfile
 import weakref
 
 import torch
@@ -30,6 +33,7 @@ from meshboost.testing.moe import build_causal_lm, causal_batches, moe_config
 from meshboost.testing.models import tiny_config
 
 CHECKPOINT_ALL = PipelineGradientCheckpointConfig(gradient_checkpointing_ratio=1.0)
+CHECKPOINTS = None          # a training-checkpoint folder, the same on every rank (set in the body)
 
 # name -> (plugin factory, tiny model family, LoRA adapters); world 2: each axis on its own
 LAYOUTS = {
@@ -146,10 +150,19 @@ def _check_dropped(name: str, refs: dict, what: str) -> None:
     assert not alive, f"{name} {what}: {len(alive)} objects survive gc.collect(): {sorted(alive)[:6]}"
 
 
+def _checkpoint_round_trip(name: str, booster, model, optimizer, loader) -> None:
+    """A training checkpoint saved and loaded back: the agreement, writer and loader keep nothing."""
+    step = list(LAYOUTS).index(name) + 1
+    booster.save_checkpoint(CHECKPOINTS, model, optimizer, dataloader=loader, step=step, keep_last=1)
+    assert booster.load_checkpoint(CHECKPOINTS, model, optimizer, dataloader=loader) is not None
+
+
 def _drop_all(name: str, keep_booster: bool) -> None:
-    """Drop everything; with `keep_booster`, the booster (and its plugin) first, as a sweep reusing
-    one would: it holds no model."""
+    """Drop everything; with `keep_booster`, after a checkpoint round trip, the booster (and its
+    plugin) last, as a sweep reusing one would: it holds no model."""
     booster, model, optimizer, loader, refs, _ = _boost_and_train(name)
+    if keep_booster:
+        _checkpoint_round_trip(name, booster, model, optimizer, loader)
     del model, optimizer, loader
     if keep_booster:
         kept = {k: refs.pop(k) for k in ("booster", "plugin")}
@@ -176,6 +189,8 @@ def _body(rank, world):
     collecting = gc.isenabled()
     gc.collect()
     gc.disable()         # "at once" means by reference counting alone
+    global CHECKPOINTS
+    CHECKPOINTS = os.path.join(tempfile.gettempdir(), f"meshboost_release_{os.environ['MASTER_PORT']}")
     try:
         for name in LAYOUTS:
             _drop_all(name, keep_booster=False)
@@ -184,6 +199,8 @@ def _body(rank, world):
     finally:
         if collecting:
             gc.enable()
+        if rank == 0:
+            shutil.rmtree(CHECKPOINTS, ignore_errors=True)
 
 
 def test_dropped_models_are_freed():
