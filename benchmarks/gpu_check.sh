@@ -49,8 +49,10 @@ fi
 step "4/5 model FLOPs utilisation"
 if [ "$DRY" = 1 ]; then
   timeout 120 "$PY" benchmarks/gpu_mfu.py --dry-run
+  timeout 120 "$PY" benchmarks/release_check.py --dry-run    # memory before the first boost, after the last drop
 else
   timeout 240 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/gpu_mfu.py
+  timeout 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/release_check.py
 fi
 step "5/5 planner: predicted memory per rank against max_memory_allocated"
 if [ "$DRY" = 1 ]; then

@@ -281,9 +281,12 @@ def _worker(rank: int, world: int, cases: list, outdir: str) -> None:
     import json
 
     import torch.distributed as dist
+
+    from benchmarks.release_check import free_case
     results = []
     for index, family, fields in cases:
         results.append((index, measure_rank(family, fields)))
+        free_case()                        # the next case's max_allocated holds nothing of this one
         dist.barrier()
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
