@@ -181,6 +181,17 @@ def _replicas(mesh: ParallelMesh, ranks: list[int]) -> list[int]:
     return sorted({int((grid == r).nonzero()[0][0]) for r in ranks})
 
 
+def _past_positions(limit: PositionLimit | None, batch) -> IndexError | None:
+    """`check_positions`'s error for a pipeline batch (a dict of model inputs), or None."""
+    if limit is None or not isinstance(batch, dict):
+        return None
+    try:
+        check_positions(limit, (), batch)
+    except IndexError as error:
+        return error
+    return None
+
+
 def refuse_empty_batch(mesh: ParallelMesh, args: tuple, kwargs: dict) -> None:
     """Expert parallelism: each MoE layer exchanges tokens with the ep peers, so a rank whose batch is empty
     (no row: transformers' forward cannot run it, it fails reshaping 0 rows) would leave its peers waiting in
@@ -202,13 +213,16 @@ def refuse_empty_batch(mesh: ParallelMesh, args: tuple, kwargs: dict) -> None:
                          "evenly over the data-parallel replicas. Raised on every data-parallel rank before the forward")
 
 
-def next_pipeline_batch(data_iter, mesh: ParallelMesh, count_items, training: bool) -> tuple[object, float | None]:
+def next_pipeline_batch(data_iter, mesh: ParallelMesh, count_items, training: bool,
+                        position_limit: PositionLimit | None = None) -> tuple[object, float | None]:
     """`next(data_iter)` on every rank of a pipeline step, agreed over the world with one all-reduce
-    of 4 integers (has a batch, labelled items, has labels, its batch is empty), read on the host: every
+    of 5 integers (has a batch, labelled items, has labels, its batch is empty, its positions run past
+    `position_limit`, which the stage holding the position table knows), read on the host: every
     rank has a batch (returns it, with the labelled items of the global batch, or None without labels),
     none has (StopIteration on every rank: the end of an epoch), or some ran out (RuntimeError on
     every rank naming them: the others would wait in the schedule); a batch of 0 rows on some rank
-    (the model cannot run it) is a ValueError on every rank naming them. When `training`, a global batch
+    (the model cannot run it) is a ValueError on every rank naming them, positions past the limit an
+    IndexError on every rank (`check_positions`'s, naming the limit, where it is known). When `training`, a global batch
     whose labels are all ignored raises ValueError on every rank before any forward (evaluated, its
     loss is NaN, the mean over no item). `count_items(batch)`: this rank's labelled items (a
     tensor), or None."""
@@ -217,7 +231,7 @@ def next_pipeline_batch(data_iter, mesh: ParallelMesh, count_items, training: bo
     except StopIteration:
         batch = None
     items = count_items(batch) if batch is not None else None
-    mine = torch.zeros(4, dtype=torch.int64, device=mesh.device)
+    mine = torch.zeros(5, dtype=torch.int64, device=mesh.device)
     mine[0] = int(batch is not None)
     if items is not None:
         mine[1] = items.to(mine.device)
@@ -225,7 +239,9 @@ def next_pipeline_batch(data_iter, mesh: ParallelMesh, count_items, training: bo
     main = _main_input(batch if isinstance(batch, (tuple, list)) else (batch,),
                        batch if isinstance(batch, dict) else {}) if batch is not None else None
     mine[3] = int(main is not None and main.numel() == 0)
-    have, total, labelled, empties = comm.all_reduce(mine.clone(), mesh.world_group).tolist()
+    too_long = _past_positions(position_limit, batch)
+    mine[4] = int(too_long is not None)
+    have, total, labelled, empties, past = comm.all_reduce(mine.clone(), mesh.world_group).tolist()
     if have == 0:
         raise StopIteration
     if have < mesh.world_size:
@@ -239,12 +255,15 @@ def next_pipeline_batch(data_iter, mesh: ParallelMesh, count_items, training: bo
             "batch_size=..., drop_last=True) splits the dataset evenly over the data-parallel replicas) and run the "
             "same number of steps on every rank")
     if empties:
-        flags = comm.all_gather(mine[3:], mesh.world_group, dim=0).tolist()
+        flags = comm.all_gather(mine[3:4], mesh.world_group, dim=0).tolist()
         empty = [r for r, f in enumerate(flags) if f]
         raise ValueError(f"execute_pipeline: the batches of ranks {empty} (data-parallel replicas "
                          f"{_replicas(mesh, empty)}) are empty (0 rows), which the model cannot run, while the other "
                          "replicas' would wait for them in the schedule. Give every replica at least one row "
                          "(plugin.prepare_dataloader(dataset, batch_size=..., drop_last=True)). Nothing was run")
+    if past:
+        raise too_long or IndexError("execute_pipeline: this step's inputs run past the model's learned absolute "
+                                     "position embeddings (the ranks of the first stage name the limit)")
     if labelled < mesh.world_size:
         return batch, None
     if total == 0 and training:
