@@ -426,7 +426,8 @@ class HybridParallelPlugin(Plugin):
             else contextlib.nullcontext()
         # Every rank has a batch (or none: StopIteration everywhere) and the global batch a labelled
         # token, agreed over the world before anything runs; the step waits for the host here anyway.
-        batch, items = next_pipeline_batch(data_iter, self.mesh, pipeline.count_items, training=optimizer is not None)
+        batch, items = next_pipeline_batch(data_iter, self.mesh, pipeline.count_items, training=optimizer is not None,
+                                           position_limit=model.position_limit)
         model.check_same_inputs(batch, immediate=True)
         with local:
             return pipeline.run(batch, criterion, optimizer, return_loss, return_outputs, items=items)

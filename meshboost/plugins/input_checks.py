@@ -170,6 +170,28 @@ def check_positions(limit: PositionLimit | None, args: tuple, kwargs: dict) -> N
                          f"{limit.limit} tokens (tokenizer(..., truncation=True, max_length={limit.limit}))")
 
 
+def _main_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The tensor whose rows are the batch: input_ids, else inputs_embeds, else the first tensor given."""
+    tensors = [kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args, *kwargs.values()]
+    return next((t for t in tensors if torch.is_tensor(t)), None)
+
+
+def _replicas(mesh: ParallelMesh, ranks: list[int]) -> list[int]:
+    grid = mesh.device_mesh.mesh
+    return sorted({int((grid == r).nonzero()[0][0]) for r in ranks})
+
+
+def _past_positions(limit: PositionLimit | None, batch) -> IndexError | None:
+    """`check_positions`'s error for a pipeline batch (a dict of model inputs), or None."""
+    if limit is None or not isinstance(batch, dict):
+        return None
+    try:
+        check_positions(limit, (), batch)
+    except IndexError as error:
+        return error
+    return None
+
+
 def refuse_empty_batch(mesh: ParallelMesh, args: tuple, kwargs: dict) -> None:
     """Expert parallelism: each MoE layer exchanges tokens with the ep peers, so a rank whose batch is empty
     (no row: transformers' forward cannot run it, it fails reshaping 0 rows) would leave its peers waiting in
@@ -177,8 +199,7 @@ def refuse_empty_batch(mesh: ParallelMesh, args: tuple, kwargs: dict) -> None:
     layers sync the host anyway), before the forward: a replica fed an empty batch raises on every rank of
     the group, naming the replicas. (Training it exactly would need the model to run 0 rows, which the
     unsharded model cannot do either.)"""
-    tensors = [kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args, *kwargs.values()]
-    main = next((t for t in tensors if torch.is_tensor(t)), None)
+    main = _main_input(args, kwargs)
     empty = torch.tensor([int(main is not None and main.numel() == 0)], dtype=torch.int32, device=mesh.device)
     flags = comm.all_gather(empty, mesh.dp_group, dim=0).tolist()
     if any(flags):
@@ -192,12 +213,16 @@ def refuse_empty_batch(mesh: ParallelMesh, args: tuple, kwargs: dict) -> None:
                          "evenly over the data-parallel replicas. Raised on every data-parallel rank before the forward")
 
 
-def next_pipeline_batch(data_iter, mesh: ParallelMesh, count_items, training: bool) -> tuple[object, float | None]:
+def next_pipeline_batch(data_iter, mesh: ParallelMesh, count_items, training: bool,
+                        position_limit: PositionLimit | None = None) -> tuple[object, float | None]:
     """`next(data_iter)` on every rank of a pipeline step, agreed over the world with one all-reduce
-    of 3 integers (has a batch, labelled items, has labels), read on the host: every rank
-    has a batch (returns it, with the labelled items of the global batch, or None without labels),
+    of 5 integers (has a batch, labelled items, has labels, its batch is empty, its positions run past
+    `position_limit`, which the stage holding the position table knows), read on the host: every
+    rank has a batch (returns it, with the labelled items of the global batch, or None without labels),
     none has (StopIteration on every rank: the end of an epoch), or some ran out (RuntimeError on
-    every rank naming them: the others would wait in the schedule). When `training`, a global batch
+    every rank naming them: the others would wait in the schedule); a batch of 0 rows on some rank
+    (the model cannot run it) is a ValueError on every rank naming them, positions past the limit an
+    IndexError on every rank (`check_positions`'s, naming the limit, where it is known). When `training`, a global batch
     whose labels are all ignored raises ValueError on every rank before any forward (evaluated, its
     loss is NaN, the mean over no item). `count_items(batch)`: this rank's labelled items (a
     tensor), or None."""
@@ -206,25 +231,39 @@ def next_pipeline_batch(data_iter, mesh: ParallelMesh, count_items, training: bo
     except StopIteration:
         batch = None
     items = count_items(batch) if batch is not None else None
-    mine = torch.zeros(3, dtype=torch.int64, device=mesh.device)
+    mine = torch.zeros(5, dtype=torch.int64, device=mesh.device)
     mine[0] = int(batch is not None)
     if items is not None:
         mine[1] = items.to(mine.device)
         mine[2] = 1
-    have, total, labelled = comm.all_reduce(mine.clone(), mesh.world_group).tolist()
+    main = _main_input(batch if isinstance(batch, (tuple, list)) else (batch,),
+                       batch if isinstance(batch, dict) else {}) if batch is not None else None
+    mine[3] = int(main is not None and main.numel() == 0)
+    too_long = _past_positions(position_limit, batch)
+    mine[4] = int(too_long is not None)
+    have, total, labelled, empties, past = comm.all_reduce(mine.clone(), mesh.world_group).tolist()
     if have == 0:
         raise StopIteration
     if have < mesh.world_size:
         flags = comm.all_gather(mine[:1], mesh.world_group, dim=0).tolist()
         ran_out = [r for r, f in enumerate(flags) if f == 0]
-        grid = mesh.device_mesh.mesh
-        replicas = sorted({int((grid == r).nonzero()[0][0]) for r in ran_out})
+        replicas = _replicas(mesh, ran_out)
         raise RuntimeError(
             f"execute_pipeline: the data iterators of ranks {ran_out} (data-parallel replicas {replicas}) ran out "
             f"while the other {have} ranks still had a batch; every rank of a pipeline step needs one, or the others "
             "wait in the schedule. Give every replica the same number of batches (plugin.prepare_dataloader(dataset, "
             "batch_size=..., drop_last=True) splits the dataset evenly over the data-parallel replicas) and run the "
             "same number of steps on every rank")
+    if empties:
+        flags = comm.all_gather(mine[3:4], mesh.world_group, dim=0).tolist()
+        empty = [r for r, f in enumerate(flags) if f]
+        raise ValueError(f"execute_pipeline: the batches of ranks {empty} (data-parallel replicas "
+                         f"{_replicas(mesh, empty)}) are empty (0 rows), which the model cannot run, while the other "
+                         "replicas' would wait for them in the schedule. Give every replica at least one row "
+                         "(plugin.prepare_dataloader(dataset, batch_size=..., drop_last=True)). Nothing was run")
+    if past:
+        raise too_long or IndexError("execute_pipeline: this step's inputs run past the model's learned absolute "
+                                     "position embeddings (the ranks of the first stage name the limit)")
     if labelled < mesh.world_size:
         return batch, None
     if total == 0 and training:

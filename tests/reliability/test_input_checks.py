@@ -5,7 +5,9 @@
   tp=2 and pp=2 and reach the fp16 trap: steps skip, then FloatingPointError;
 - inputs that differ and hold NaN are reported as differing and as non-finite, naming the ranks;
 - a data-parallel replica whose iterator runs out at pp=2 x dp=2: RuntimeError on every rank naming
-  the ranks, the replica and the fix; every iterator exhausted: StopIteration on every rank;
+  the ranks, the replica and the fix; every iterator exhausted: StopIteration on every rank; a replica
+  fed a batch of 0 rows: ValueError on every rank naming it (issue 37 item 5, through a pipeline), and
+  more positions than GPT-2's n_positions: IndexError on every rank, the first stage's naming the limit;
 - a global batch with no labelled token: ValueError on every rank before the update, weights
   unchanged (tp=2 x dp=2 at optimizer.step(), pp=2 x dp=2 before the schedule); a replica or
   micro-batch without one while the global batch has some stays exact against one process on the
@@ -100,6 +102,22 @@ def _iterator_runs_out(rank):
         booster.execute_pipeline(data, model, criterion, opt)
     with pytest.raises(StopIteration):                      # the end of an epoch everywhere stays the normal end
         booster.execute_pipeline(iter([]), model, criterion, opt)
+    # a replica fed 0 rows (issue 37 item 5's empty batch, through a pipeline): refused on every rank
+    batch = _mine(_lm_batch(seed=3), plugin)
+    if plugin.mesh.dp_rank == 1:
+        batch = {k: v[:0] for k, v in batch.items()}
+    with pytest.raises(ValueError, match=r"the batches of ranks \[2, 3\] \(data-parallel replicas \[1\]\) are "
+                                         r"empty \(0 rows\)"):
+        booster.execute_pipeline(iter([batch]), model, criterion, opt)
+    # more positions than GPT-2's n_positions (issue 37 item 8, through a pipeline): an IndexError on every
+    # rank, the first stage's naming the limit, instead of transformers' bare one there and a hang elsewhere
+    limit = tiny_config("gpt2").n_positions
+    long = _mine(tiny_batch(GPT2, tiny_config("gpt2"), batch=4, seq=limit + 1), plugin)
+    with pytest.raises(IndexError, match="past the model's learned absolute position embeddings") as raised:
+        booster.execute_pipeline(iter([long]), model, criterion, opt)
+    if plugin.mesh.pp_rank == 0:
+        assert f"a sequence of {limit + 1} tokens" in str(raised.value), raised.value
+        assert f"config.n_positions={limit}" in str(raised.value), raised.value
 
 
 def _reference(batches):
