@@ -33,10 +33,10 @@ is put back before each of its units (`restore`): a layer recomputed in backward
 did while other micro-batches run.
 
 Refused with the reason (every rank, before any collective): the tp group's modes with sp_size
-("split_gather", ColossalAI's "ring": sequence.py runs them over tp), packed rows with the cache on, chunked attention, attention implementations
-other than sdpa and eager, heads not divisible by cp (all_to_all), a sequence length not divisible by
-cp (2 cp for ring_attn), models that are not causal LMs, a pipeline criterion other than the model's
-loss (`check_criterion`). Must not know a model family.
+("split_gather", ColossalAI's "ring": sequence.py runs them over tp), packed rows with the cache on,
+chunked attention, attention implementations other than sdpa and eager, heads not divisible by cp
+(all_to_all), a sequence length not divisible by cp (2 cp for ring_attn), models that are not causal
+LMs, a pipeline criterion other than the model's loss (`check_criterion`). Must not know a model family.
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ def is_causal_lm(model: nn.Module) -> bool:
         return True
     # the other listed heads (GPT2LMHeadModel, BertLMHeadModel, multimodal ones): causal when no attention layer
     # says it is not (a vision tower's or an encoder's would)
-    return name in listed and not any(getattr(m, "is_causal", True) is False for m in model.modules() if "Attention" in type(m).__name__)
+    return name in listed and not any(getattr(m, "is_causal", True) is False for m in model.modules()
+                                      if "Attention" in type(m).__name__)
 
 
 def check_context(model: nn.Module, cp_size: int, tp_size: int, mode: str = ALL_TO_ALL) -> str:
