@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -130,7 +129,6 @@ class MixedPrecisionOptimizer(StepRequests, OptimizerWrapper):
     """
 
     dp_partitioned = False      # gradients are replicated over dp (DDP): dp rank 0 counts them
-    _warned_untracked = False   # get_grad_norm() has said once that the norm is not computed
     _update_checks: tuple = ()  # check_before_update's callables, run first in every step()
     _step_reductions: tuple = ()  # average_at_step's (params, group) pairs
 
@@ -420,18 +418,6 @@ class MixedPrecisionOptimizer(StepRequests, OptimizerWrapper):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._release_grads()
-
-    def get_grad_norm(self, norm_type: float = 2.0, **kwargs) -> float | None:
-        """The unscaled global gradient norm of the last step; None before the first step, after a
-        skipped (fp16 overflow) step, and after a step that did not compute it: the norm is computed
-        only when clipping (max_norm > 0) or with track_grad_norm (a warning says so, once)."""
-        if self._grad_norm is None and self._norm_untracked and not self._warned_untracked:
-            self._warned_untracked = True
-            warnings.warn("get_grad_norm() is None: without clipping (max_norm > 0) the step does not compute the "
-                          "gradient norm (it costs a pass over the gradients and an all-reduce). Set "
-                          "optimizer.track_grad_norm = True on every rank (or pass track_grad_norm=True) to "
-                          "compute it on every step", stacklevel=2)
-        return self._grad_norm
 
     def get_loss_scale(self) -> float:
         return self.loss_scale

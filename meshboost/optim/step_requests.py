@@ -1,6 +1,6 @@
-"""ColossalAI's OptimizerWrapper calls that scripts make between backward and step
-(`clip_grad_by_norm`, `clip_grad_by_value`, `scale_loss`, `unscale_grad`), for the wrappers whose
-gradients are final only inside `step()`: mixed precision, ZeRO and FSDP2.
+"""ColossalAI's OptimizerWrapper calls that scripts make around the step (`clip_grad_by_norm`,
+`clip_grad_by_value`, `scale_loss`, `unscale_grad` before it, `get_grad_norm` after it), for the wrappers
+whose gradients are final only inside `step()`: mixed precision, ZeRO and FSDP2.
 
 Why requests: after `booster.backward` a gradient may still be loss-scaled (fp16), unreduced (ZeRO's
 buckets flush at step; expert weights beside DDP average at step) or a shard of the whole (tp, ZeRO,
@@ -15,6 +15,7 @@ Owns: the requests and their checks. Must not touch gradients itself (the step d
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -24,6 +25,7 @@ class StepRequests:
 
     _norm_request: tuple[float, float] | None = None     # (max_norm, norm_type) for the next step
     _value_request: float | None = None                  # |grad| bound for the next step
+    _warned_untracked = False   # get_grad_norm() has said once that the norm is not computed
 
     def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                           *args, **kwargs) -> None:
@@ -64,6 +66,20 @@ class StepRequests:
         if self.scaler is None:
             raise NotImplementedError(f"unscale_grad: precision={self.precision!r} has no loss scale (only fp16 "
                                       "scales the loss); drop the call")
+
+    def get_grad_norm(self, norm_type: float = 2.0, **kwargs) -> float | None:
+        """The unscaled global gradient norm of the last step; None before the first step, after a
+        skipped (fp16 overflow) step, and after a step that did not compute it: the norm is computed
+        only when clipping (max_norm > 0, or a clip_grad_by_norm request) or with track_grad_norm (a
+        warning says so, once). norm_type: ColossalAI's argument, accepted; the norm is the step's own (of
+        the clip's norm_type)."""
+        if self._grad_norm is None and self._norm_untracked and not self._warned_untracked:
+            self._warned_untracked = True
+            warnings.warn("get_grad_norm() is None: without clipping (max_norm > 0) the step does not compute the "
+                          "gradient norm (it costs a pass over the gradients and an all-reduce). Set "
+                          "optimizer.track_grad_norm = True on every rank (or pass track_grad_norm=True) to "
+                          "compute it on every step", stacklevel=2)
+        return self._grad_norm
 
     def _take_norm_request(self) -> tuple[float, float]:
         """(max_norm, norm_type) for this step: a request of clip_grad_by_norm, else the config's."""

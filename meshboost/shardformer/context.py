@@ -84,7 +84,8 @@ def is_causal_lm(model: nn.Module) -> bool:
         return True
     # the other listed heads (GPT2LMHeadModel, BertLMHeadModel, multimodal ones): causal when no attention layer
     # says it is not (a vision tower's or an encoder's would)
-    return name in listed and not any(getattr(m, "is_causal", True) is False for m in model.modules() if "Attention" in type(m).__name__)
+    return name in listed and not any(getattr(m, "is_causal", True) is False for m in model.modules()
+                                      if "Attention" in type(m).__name__)
 
 
 def check_context(model: nn.Module, cp_size: int, tp_size: int, mode: str = ALL_TO_ALL) -> str:

@@ -7,7 +7,9 @@ shows in the weights; Adam's first step would hide it):
 - the boosted optimizer's ColossalAI calls at tp=2, ZeRO-1 over dp=2 and pp=2: `clip_grad_by_norm` clips by
   the global norm (weights after the step equal the clipped reference's), `get_grad_norm()` is the
   reference's norm before clipping on every rank, `clip_grad_by_value` clamps as torch does, `parameters()`,
-  `scale_loss` / `unscale_grad` refused without a loss scale; `booster.checkpoint_io.save_model(shard=False)`
+  `scale_loss` / `unscale_grad` refused without a loss scale, and under fp16 a script's own
+  `scale_loss(loss).backward()` + `unscale_grad()` steps as `booster.backward` does; TorchDDPPlugin's plain
+  wrapper clips at once with torch's routine; `booster.checkpoint_io.save_model(shard=False)`
   at pp=2 writes one file that from_pretrained loads with the stepped weights, and load_model reads it
   at tp=2;
 - sequence_parallelism_mode="ring" (over tp=2, no sp_size) trains as split_gather: the reference's loss
@@ -127,6 +129,44 @@ def _optimizer_calls(rank, world, tmp):
             _check_weights(model, ref_value, "tp2 clip_grad_by_value")
 
 
+def _plain_and_fp16(rank, world):
+    """TorchDDPPlugin's plain wrapper clips at once (torch's clip_grad_norm_, the norm returned); under fp16 a
+    script's own scale_loss().backward(), unscale_grad(), clip_grad_by_norm() give booster.backward's step."""
+    from meshboost.booster.plugin import TorchDDPPlugin
+
+    par, ref, config = _pair()
+    batch = tiny_batch(GPT2, config, batch=4)
+    batch["labels"] = batch["input_ids"].clone()           # equal tokens per replica: DDP's mean is the whole's
+    _, ref_norm = _reference_step(ref, batch, max_norm=0.05)
+    booster = Booster(plugin=TorchDDPPlugin())
+    model, optimizer, *_ = booster.boost(par, torch.optim.SGD(par.parameters(), lr=LR))
+    local = {k: v[2 * rank:2 * rank + 2] for k, v in batch.items()}
+    booster.backward(model(**local).loss, optimizer)
+    norm = optimizer.clip_grad_by_norm(0.05)
+    assert abs(norm.item() - ref_norm) <= 1e-5 * ref_norm and optimizer.get_grad_norm() == norm.item()
+    optimizer.step()
+    for name, p in model.unwrap().named_parameters():
+        assert_close(p, ref.state_dict()[name], msg=f"TorchDDPPlugin clip_grad_by_norm {name}")
+
+    runs = []
+    for own_backward in (False, True):
+        par, _, config = _pair()
+        booster = Booster(plugin=HybridParallelPlugin(tp_size=2, precision="fp16", initial_scale=256))
+        model, optimizer, *_ = booster.boost(par, torch.optim.SGD(par.parameters(), lr=LR))
+        loss = model(**tiny_batch(GPT2, config, batch=2)).loss
+        if own_backward:                                   # as a ColossalAI script may write it
+            optimizer.scale_loss(loss).backward()
+            optimizer.unscale_grad()
+        else:
+            booster.backward(loss, optimizer)
+        optimizer.clip_grad_by_norm(0.05)
+        optimizer.step()
+        runs.append((optimizer.get_grad_norm(), {n: p.detach().clone() for n, p in model.unwrap().named_parameters()}))
+    assert runs[0][0] is not None and runs[0][0] == runs[1][0]
+    for name, p in runs[0][1].items():
+        torch.testing.assert_close(runs[1][1][name], p, rtol=0, atol=0, msg=f"fp16 scale_loss path {name}")
+
+
 def _consolidated_save(booster, model, ref, tmp):
     folder = os.path.join(tmp, "consolidated")
     booster.checkpoint_io.save_model(model, folder, shard=False, use_safetensors=True)
@@ -203,6 +243,7 @@ def _linear1d(rank, world):
 def _body(rank, world, tmp):
     _microbatches(rank, world)
     _optimizer_calls(rank, world, tmp)
+    _plain_and_fp16(rank, world)
     _sequence_modes(rank, world)
     _linear1d(rank, world)
 
