@@ -83,3 +83,17 @@ def test_from_pretrained_inside_the_context_loads_the_checkpoint(tmp_path):
     assert not any(p.is_meta for p in loaded.parameters())
     for name, p in expected.transformer.named_parameters():
         assert torch.equal(loaded.transformer.get_parameter(name), p), name
+
+
+def test_materialised_parameter_keeps_meshboosts_gradient_hooks():
+    """A hook meshboost put on a meta parameter (expert parallelism's 1/ep, the sums over tp) still runs
+    after the parameter gets its values: torch's swap_tensors carries the hook table but leaves it wired
+    to no autograd node, which under LazyInitContext and ep_size=2 doubled every expert gradient (the
+    losses of Adam hid it; the gradient norm and clipping did not)."""
+    from meshboost.distributed.param_info import register_grad_hook, replace_keeping_object
+    param = torch.nn.Parameter(torch.empty(3, device="meta"))
+    register_grad_hook(param, lambda grad: grad * 0.5)
+    with torch.no_grad():
+        replace_keeping_object(param, torch.ones(3))
+    param.sum().backward()
+    assert torch.equal(param.grad, torch.full((3,), 0.5))
