@@ -306,9 +306,17 @@ def full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
 
 def replace_keeping_object(tensor: torch.Tensor, value: torch.Tensor) -> None:
     """Give `tensor` (a meta parameter or buffer) `value`'s storage while keeping the same Python object
-    (an optimizer built before stays valid) and its attributes (this module's tensor-parallel record)."""
+    (an optimizer built before stays valid), its attributes (this module's tensor-parallel record) and
+    the gradient hooks meshboost registered on it (`register_grad_hook`: expert parallelism's 1/ep,
+    the sums over tp), which `swap_tensors` leaves behind with the old storage."""
     attrs = dict(tensor.__dict__)
     replacement = torch.nn.Parameter(value, requires_grad=tensor.requires_grad) \
         if isinstance(tensor, torch.nn.Parameter) else value
     torch.utils.swap_tensors(tensor, replacement)
     tensor.__dict__.update(attrs)
+    if tensor.requires_grad and grad_hooks(tensor):
+        # the old hook table came along but is wired to no autograd node: a fresh one, then meshboost's
+        # recorded hooks (already in the record: registered only)
+        tensor._backward_hooks = None
+        for hook in grad_hooks(tensor):
+            tensor.register_hook(hook)

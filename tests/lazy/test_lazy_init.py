@@ -119,3 +119,17 @@ def test_moves_and_casts_inside_the_context_apply_at_materialisation():
             assert torch.equal(value, tensor), f"{name}: {key} differs from the eagerly moved model"
     # outside the context a module with real tensors moves as torch moves it
     assert LazyInitContext.materialize(_lazy(config)).to(torch.float64).lm_head.weight.dtype == torch.float64
+
+
+def test_materialised_parameter_keeps_meshboosts_gradient_hooks():
+    """A hook meshboost put on a meta parameter (expert parallelism's 1/ep, the sums over tp) still runs
+    after the parameter gets its values: torch's swap_tensors carries the hook table but leaves it wired
+    to no autograd node, which under LazyInitContext and ep_size=2 doubled every expert gradient (the
+    losses of Adam hid it; the gradient norm and clipping did not)."""
+    from meshboost.distributed.param_info import register_grad_hook, replace_keeping_object
+    param = torch.nn.Parameter(torch.empty(3, device="meta"))
+    register_grad_hook(param, lambda grad: grad * 0.5)
+    with torch.no_grad():
+        replace_keeping_object(param, torch.ones(3))
+    param.sum().backward()
+    assert torch.equal(param.grad, torch.full((3,), 0.5))

