@@ -30,10 +30,12 @@ class ConfigSpec:
     world: int
     tp: int = 1
     zero_stage: int = 0
+    solo: bool = False   # one process's run placed in a larger group: rank 0 computes, the others idle at the
+                         # step barrier, so it takes turns step by step with that group's configurations
 
     @property
     def dp(self) -> int:
-        return self.world // self.tp
+        return 1 if self.solo else self.world // self.tp
 
 
 CONFIGS = {c.key: c for c in (
@@ -41,6 +43,7 @@ CONFIGS = {c.key: c for c in (
     ConfigSpec("tp1", "meshboost tp=1", "meshboost", 1, tp=1),
     ConfigSpec("tp2", "meshboost tp=2", "meshboost", 2, tp=2),
     ConfigSpec("dtensor", "DTensor tp=2", "dtensor", 2, tp=2),
+    ConfigSpec("plain2", "plain PyTorch (in the tp=2 group)", "plain", 2, solo=True),
     ConfigSpec("dp2", "meshboost tp=2 dp=2", "meshboost", 4, tp=2),
     ConfigSpec("zero1", "meshboost tp=2 dp=2 ZeRO-1", "meshboost", 4, tp=2, zero_stage=1),
 )}

@@ -32,7 +32,7 @@ from benchmarks.runners import CONFIGS
 from benchmarks.theory import dp_comm_theory, memory_theory, tp_comm_theory
 from meshboost.testing.spawn import free_port
 
-DEFAULT_CONFIGS = "plain,tp1,tp2,dtensor,dp2,zero1"
+DEFAULT_CONFIGS = "plain,tp1,tp2,dtensor,plain2,dp2,zero1"
 LEGEND = """\
 step/fwd+bwd/optim ms: median over timed steps of the slowest rank; cpu ms: CPU time of the busiest rank (the work,
   whatever the scheduler granted). x plain, x DTensor: step-time ratio (< 1 is faster);
@@ -49,24 +49,36 @@ MB = 2 ** 20
 def run_configs(spec: ModelSpec, keys: list[str], warmup: int = 3, steps: int = 10, threads: int = 1) -> list[dict]:
     """Run every configuration in `keys`, one process group per world size; returns one merged
     record per configuration (in `keys` order)."""
+    return run_models([spec], keys, warmup, steps, threads)[0]
+
+
+def run_models(specs: list[ModelSpec], keys: list[str], warmup: int = 3, steps: int = 10,
+               threads: int = 1) -> list[list[dict]]:
+    """`run_configs` for several models with one process group per world size (the models in turn in
+    the same processes); one list of records per model."""
     by_world: dict[int, list[str]] = {}
     for key in keys:
         if key not in CONFIGS:
             raise ValueError(f"--configs: unknown {key!r}; expected some of {sorted(CONFIGS)}")
         by_world.setdefault(CONFIGS[key].world, []).append(key)
-    per_rank: dict[str, list[dict]] = {}
+    per_rank: list[dict[str, list[dict]]] = [{} for _ in specs]
     from benchmarks.harness import worker
     with tempfile.TemporaryDirectory() as outdir:
         for world, group_keys in sorted(by_world.items()):
-            mp.start_processes(worker, args=(world, free_port(), group_keys, spec.as_dict(), max(warmup, 1), steps,
-                                             threads, outdir), nprocs=world, join=True, start_method="spawn")
-            for rank in range(world):
-                with open(os.path.join(outdir, f"world{world}_rank{rank}.json")) as f:
-                    for key, result in json.load(f).items():
-                        per_rank.setdefault(key, []).append(result)
-    records = [merge(spec, CONFIGS[key], per_rank[key]) for key in keys]
-    add_ratios(records)
-    return records
+            mp.start_processes(worker, args=(world, free_port(), group_keys, [s.as_dict() for s in specs],
+                                             max(warmup, 1), steps, threads, outdir),
+                               nprocs=world, join=True, start_method="spawn")
+            for index in range(len(specs)):
+                for rank in range(world):
+                    with open(os.path.join(outdir, f"spec{index}_world{world}_rank{rank}.json")) as f:
+                        for key, result in json.load(f).items():
+                            per_rank[index].setdefault(key, []).append(result)
+    out = []
+    for spec, results in zip(specs, per_rank):
+        records = [merge(spec, CONFIGS[key], results[key]) for key in keys]
+        add_ratios(records)
+        out.append(records)
+    return out
 
 
 def _group_total(summary: dict | None, group: str) -> dict:
@@ -94,11 +106,15 @@ def merge(spec: ModelSpec, config, ranks: list[dict]) -> dict:
     """One configuration's record from its ranks' results."""
     record = {"config": config.label, "key": config.key, "model": spec.as_dict(), "world": config.world,
               "tp": config.tp, "dp": config.dp, "zero_stage": config.zero_stage}
+    ranks = ranks[:1] if config.solo else ranks          # the idle ranks of a solo configuration did nothing
     if "skipped" in ranks[0]:
         return record | {"skipped": ranks[0]["skipped"]}
     steps = [max(r["step_s"][i] for r in ranks) for i in range(len(ranks[0]["step_s"]))]
     fwd_bwd = [max(r["fwd_bwd_s"][i] for r in ranks) for i in range(len(ranks[0]["fwd_bwd_s"]))]
     cpu = [max(r["cpu_s"][i] for r in ranks) for i in range(len(ranks[0]["cpu_s"]))]
+    blocked = [max(r["blocked_s"][i] for r in ranks) for i in range(len(steps))]
+    overlapped = [max(r["overlapped_s"][i] for r in ranks) for i in range(len(steps))]
+    dispatched = [r["dispatched_wait"] for r in ranks if r.get("dispatched_wait")]
     median = statistics.median(steps)
     first = ranks[0]
     # Rank 0's view (every rank of these symmetric configurations sends the same). meshboost rows are
@@ -129,7 +145,13 @@ def merge(spec: ModelSpec, config, ranks: list[dict]) -> dict:
         "loss0": statistics.mean(r["loss0"] for r in ranks),
         "comm_source": source, "comm": comm, "comm_fwd_bwd": phase["fwd_bwd"], "comm_step": phase["step"],
         "witness_fwd_bwd": witness["fwd_bwd"], "witness_step": witness["step"],
-        "comm_debug_mode_calls": first.get("comm_debug_mode_calls"),
+        # seconds per step in collectives, slowest rank: meshboost's timer in the timed steps; for DTensor the
+        # dispatcher's clock in one untimed step (its timer sees no meshboost collective)
+        "wait_blocked_ms_median": 1e3 * (max(d["blocked_s"] for d in dispatched) if dispatched
+                                         else statistics.median(blocked)),
+        "wait_overlapped_ms_median": 1e3 * (max(d["overlapped_s"] for d in dispatched) if dispatched
+                                            else statistics.median(overlapped)),
+        "wait_source": "dispatcher (one untimed step)" if dispatched else "comm.py (timed steps)",
         "witness_calls": sum(g["calls"] for g in merge_summaries(witness["fwd_bwd"], witness["step"]).values()),
         "witness_agrees": source == "dispatcher" or all(_agree(phase[n], witness[n]) for n in phase),
         "wire_bytes_rank0": None if None in wire else sum(wire),
@@ -174,7 +196,10 @@ def add_ratios(records: list[dict]) -> None:
     for r in records:
         if r.get("skipped"):
             continue
-        for name, key in (("vs_plain", "plain"), ("vs_dtensor", "dtensor")):
+        # plain PyTorch placed in this row's own process group (plain2 beside tp=2) pairs step by step
+        plain = "plain2" if "plain2" in ref and ref["plain2"]["world"] == r["world"] and r["key"] != "plain2" \
+            else "plain"
+        for name, key in (("vs_plain", plain), ("vs_dtensor", "dtensor")):
             other = ref.get(key)
             if other is None:
                 r[name] = None
@@ -188,6 +213,24 @@ def add_ratios(records: list[dict]) -> None:
 # -- reporting --------------------------------------------------------------------------------
 def _f(value, fmt="{:.2f}"):
     return "-" if value is None else fmt.format(value)
+
+
+def format_summary(records: list[dict]) -> str:
+    """The step-time ratios the targets name, each from configurations paired step by step where the
+    run has them, and each row's time in collectives."""
+    by_key = {r["key"]: r for r in records if not r.get("skipped")}
+    lines = []
+    for key, name in (("tp2", "vs_dtensor"), ("tp2", "vs_plain"), ("tp1", "vs_plain")):
+        r = by_key.get(key)
+        if r is not None and r.get(name) is not None:
+            other = "DTensor tp=2" if name == "vs_dtensor" else \
+                ("plain (same group)" if "plain2" in by_key and key == "tp2" else "plain")
+            lines.append(f"  {r['config']} / {other}: {r[name]:.3f}"
+                         f"{'' if r[name + '_paired'] else ' (not paired: ratio of medians)'}")
+    for r in by_key.values():
+        lines.append(f"  {r['config']}: collectives per step, blocked {r['wait_blocked_ms_median']:.1f} ms (exposed), "
+                     f"async in flight behind compute {r['wait_overlapped_ms_median']:.1f} ms [{r['wait_source']}]")
+    return "summary:\n" + "\n".join(lines)
 
 
 def format_table(records: list[dict]) -> str:
@@ -271,15 +314,16 @@ def main(argv=None) -> list[dict]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     all_records = []
-    for family in args.model.split(","):
-        spec = ModelSpec(family=family, layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
-                         batch=args.batch, vocab=args.vocab, intermediate=args.intermediate)
-        records = run_configs(spec, args.configs.split(","), args.warmup, args.steps, args.threads)
+    specs = [ModelSpec(family=family, layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
+                       batch=args.batch, vocab=args.vocab, intermediate=args.intermediate)
+             for family in args.model.split(",")]
+    for spec, records in zip(specs, run_models(specs, args.configs.split(","), args.warmup, args.steps, args.threads)):
         print(f"\n== {spec.class_name}: layers={spec.layers} hidden={spec.hidden} heads={spec.heads} seq={spec.seq} "
               f"batch={spec.batch} vocab={spec.vocab} params={records[0].get('num_params', _num_params(spec)):,} "
               f"fp32, {args.steps} timed steps (median), {args.threads} thread(s)/process")
         print(format_table(records))
         print(LEGEND)
+        print(format_summary(records))
         if args.markdown:
             print(format_markdown(records))
         for r in records:

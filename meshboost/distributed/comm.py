@@ -18,13 +18,14 @@ collectives. A group of size 1 (or no process group) makes every function the id
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 
 from meshboost.distributed.launch import TIMEOUT_ENV, group_timeout
-from meshboost.distributed.profiling import record_collective
+from meshboost.distributed.profiling import record_collective, record_wait, timing_waits
 
 # torch >= 2.10 renamed the single-tensor collectives; keep working on older releases too.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -38,9 +39,14 @@ class CollectiveTimeout(RuntimeError):
 
 def run_collective(op: str, group, call):
     """Run `call()`, turning the backend's timeout error into a `CollectiveTimeout` that says which
-    collective over which ranks, and how to change the timeout."""
+    collective over which ranks, and how to change the timeout. The time it blocks the caller goes to
+    the active wait timers (profiling.wait_timer)."""
+    start = time.perf_counter() if timing_waits() else None
     try:
-        return call()
+        out = call()
+        if start is not None:
+            record_wait(time.perf_counter() - start)
+        return out
     except RuntimeError as e:
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
             raise
@@ -113,9 +119,12 @@ class Pending:
 
     def __init__(self, op: str, group, work, finish):
         self.op, self.group, self._work, self._finish = op, group, work, finish
+        self._started = time.perf_counter() if work is not None and timing_waits() else None
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
+            if self._started is not None:       # in flight behind the caller's work until now
+                record_wait(0.0, time.perf_counter() - self._started)
             run_collective(self.op, self.group, self._work.wait)
             self._work = None
         return self._finish()

@@ -2,6 +2,8 @@
 
 Owns: the `comm_counter()` context manager and `record_collective`, which every collective in
 meshboost calls (`distributed/comm.py`, `distributed/p2p.py`, the DDP comm hook);
+`wait_timer()` with `record_wait`, the time the caller spends blocked in collectives and the time
+asynchronous ones stay in flight behind its compute (exposed and hidden communication);
 `dispatched_comm_counter()`, an independent witness that sees every collective passing through
 torch's dispatcher (torch.distributed calls, DDP's reducer and buffer broadcasts, DTensor and
 functional collectives), so meshboost's own accounting can be checked and peers can be measured in
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 _active: list["CommCounter"] = []
+_wait_timers: list["WaitTimer"] = []
 
 
 @dataclass
@@ -101,6 +104,41 @@ def comm_counter(mesh=None, names: dict | None = None):
         yield counter
     finally:
         _active.remove(counter)
+
+
+@dataclass
+class WaitTimer:
+    """Seconds spent in collectives while active. blocked_s: the caller waited (a synchronous
+    collective, or `wait()` on an asynchronous one): exposed communication. overlapped_s: asynchronous
+    collectives in flight between their start and the `wait()` call, while the caller computed: the
+    window in which communication can hide (it hid entirely when the matching wait blocked ~0)."""
+
+    blocked_s: float = 0.0
+    overlapped_s: float = 0.0
+
+
+def timing_waits() -> bool:
+    """True while a `wait_timer()` is active (callers skip reading the clock otherwise)."""
+    return bool(_wait_timers)
+
+
+def record_wait(blocked_s: float, overlapped_s: float = 0.0) -> None:
+    """Tell every active timer that a collective blocked the caller `blocked_s` seconds after being
+    in flight `overlapped_s` seconds behind other work."""
+    for timer in _wait_timers:
+        timer.blocked_s += blocked_s
+        timer.overlapped_s += overlapped_s
+
+
+@contextlib.contextmanager
+def wait_timer():
+    """Time meshboost's collectives inside the block (exposed vs overlapped; see `WaitTimer`)."""
+    timer = WaitTimer()
+    _wait_timers.append(timer)
+    try:
+        yield timer
+    finally:
+        _wait_timers.remove(timer)
 
 
 # -- an independent witness: every collective that passes through torch's dispatcher ------------

@@ -78,6 +78,8 @@ class BlockRegion:
         self._inputs: tuple[weakref.ref, ...] = ()       # the tensors the pre-hook handed the block
         self._split_shape: tuple[int, ...] | None = None  # [batch, local, hidden] of the gathered input
         self._gathered: list[weakref.ref] = []           # gathered outputs of the linears inside
+        self._deferred: tuple[weakref.ref, weakref.ref] | None = None   # (entered input, its DeferredColumns)
+        self._columns: list[weakref.ref] = []            # the column-parallel linears inside (layers.overlap)
 
     def __repr__(self) -> str:
         return f"BlockRegion({self.path!r}, {'gathers' if self.gathers else 'copies'})"
@@ -94,6 +96,26 @@ class BlockRegion:
         """True when `x` is a tensor this region's pre-hook handed the block in its latest call."""
         return any(r() is x for r in self._inputs)
 
+    def add_column(self, module: nn.Module) -> None:
+        """A column-parallel linear inside this block: its weight gradient may be computed while the
+        block's input collective runs (layers/overlap.py)."""
+        self._columns.append(weakref.ref(module))
+
+    def deferred_for(self, x: torch.Tensor):
+        """The `layers.overlap.DeferredColumns` of the latest call when `x` is the input it entered, else None."""
+        if self._deferred is None or self._deferred[0]() is not x:
+            return None
+        return self._deferred[1]()
+
+    def _enter_first(self, x: torch.Tensor, seq_parallel: bool) -> torch.Tensor:
+        """The block's first input through its collective, with the columns' weight gradients deferred
+        to it (the overlap: layers/overlap.py)."""
+        from meshboost.shardformer.layers.overlap import enter_block      # layers import this module
+        columns = [c for c in (r() for r in self._columns) if c is not None]
+        out, deferred = enter_block(x, self.group, seq_parallel, columns)
+        self._deferred = (weakref.ref(out), weakref.ref(deferred))
+        return out
+
     def note_gathered(self, y: torch.Tensor) -> None:
         """A linear inside returned `y` gathered: whole and equal on every rank."""
         if self.gathers:
@@ -104,12 +126,17 @@ class BlockRegion:
         self._gathered = []
 
     def _copy_input(self, module, args, kwargs):
-        """Megatron f once at the block's input: identity forward, one all-reduce of its grad backward."""
-        args = tuple(comm.copy_to_tp(a, self.group) if torch.is_tensor(a) and a.requires_grad else a for a in args)
+        """Megatron f once at the block's input: identity forward, one all-reduce of its grad backward
+        (the first input's overlapped with the weight gradients of the columns inside)."""
+        self._deferred = None
+
+        def enter(t):
+            return comm.copy_to_tp(t, self.group) if self._deferred is not None else self._enter_first(t, False)
+        args = tuple(enter(a) if torch.is_tensor(a) and a.requires_grad else a for a in args)
         for key in self.kwarg_names:
             value = kwargs.get(key)
             if torch.is_tensor(value) and value.requires_grad:
-                kwargs[key] = comm.copy_to_tp(value, self.group)
+                kwargs[key] = enter(value)
         self._enter([t for t in (*args, *kwargs.values()) if torch.is_tensor(t) and t.requires_grad])
         return args, kwargs
 
@@ -118,9 +145,14 @@ class BlockRegion:
         argument, or a keyword in `kwarg_names`) are all-gathered along the sequence (gradient
         reduce-scattered), whether or not they require grad. Other positional tensors (BLOOM passes its
         residual) stay split; a block given no hidden states is refused rather than run on a split input."""
+        self._deferred = None
+
         def gather(t):
-            return comm.gather_from_seq(t, self.group, dim=1) if torch.is_tensor(t) and t.is_floating_point() \
-                and t.dim() == 3 else None
+            if not (torch.is_tensor(t) and t.is_floating_point() and t.dim() == 3):
+                return None
+            if self._deferred is None and t.requires_grad:
+                return self._enter_first(t, True)
+            return comm.gather_from_seq(t, self.group, dim=1)
         done = []
         first = gather(args[0]) if args else None
         if first is not None:

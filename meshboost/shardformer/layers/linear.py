@@ -33,6 +33,7 @@ from meshboost.distributed.param_info import (
     set_tp_info,
     shard_tensor,
 )
+from meshboost.shardformer.layers.overlap import deferred_linear
 from meshboost.shardformer.regions import LinearRole, SequenceLayoutError
 
 
@@ -197,6 +198,8 @@ class ColumnParallelLinear(_ParallelLinearBase):
         super().__init__(weight, bias, group, conv1d)
         self.gather_output = gather_output
         self.role = role if role is not None else LinearRole(applies_f=copy_input, seq_parallel=seq_parallel)
+        if self.role.region is not None:     # its weight gradient may hide the block's input collective
+            self.role.region.add_column(self)
 
     @property
     def copy_input(self) -> bool:
@@ -232,7 +235,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
         elif enters:
             y = _ColumnLinear.apply(x, self.weight, self.bias, self.process_group, role.seq_parallel, self.conv1d)
         else:
-            y = self._matmul(x, self.bias)
+            y = self._block_product(x)
         if self.gather_output:
             y = comm.gather_from_tp(y, self.process_group, dim=-1)
             if role.region is not None:      # whole and equal on every rank: see BlockRegion._split_output
@@ -241,6 +244,14 @@ class ColumnParallelLinear(_ParallelLinearBase):
         if role.outputs is not None:         # this rank's slice of the features: see sharder.split_input_guard
             role.outputs.note(y)
         return y
+
+
+    def _block_product(self, x: torch.Tensor) -> torch.Tensor:
+        """The product on an input that already passed a collective: the block's own input (its weight
+        gradient then computed while the block's collective runs, layers/overlap.py) or any other."""
+        deferred = self.role.region.deferred_for(x) if self.role.region is not None else None
+        y = deferred_linear(x, self.weight, self.bias, deferred, self.conv1d) if deferred is not None else None
+        return self._matmul(x, self.bias) if y is None else y
 
 
 class RowParallelLinear(_ParallelLinearBase):
