@@ -23,6 +23,7 @@ from meshboost.pipeline.normalization import TOKENS
 from meshboost.plugins.router_statistics import GLOBAL, REPLICA
 from meshboost.plugins.router_statistics import check_mode as check_router_statistics
 from meshboost.shardformer import PipelineGradientCheckpointConfig, Policy, ShardConfig
+from meshboost.shardformer.compile import CompileConfig
 from meshboost.shardformer.context import ALL_TO_ALL
 from meshboost.shardformer.context import check_mode as check_context_mode
 
@@ -112,8 +113,12 @@ class HybridParallelConfig:
     # The router's load-balancing loss over dp replicas: "replica" (each replica's own, DDP's semantics) or
     # "global" (routing statistics all-gathered over dp: the whole batch's; plugins/router_statistics.py)
     router_statistics: str = REPLICA
+    # regional compile: each transformer block compiled by torch.compile after sharding (True: the
+    # defaults; shardformer/compile.py, docs/compile.md)
+    compile: CompileConfig | None = None
 
     def __post_init__(self):
+        self.compile = CompileConfig.of(self.compile)
         if self.check_inputs not in CHECK_INPUTS:
             raise ValueError(f"check_inputs={self.check_inputs!r}; expected one of {CHECK_INPUTS}")
         check_router_statistics(self.router_statistics)
@@ -202,8 +207,9 @@ class HybridParallelConfig:
         return self.zero.stage
 
     @classmethod
-    def of(cls, tp_size: int = 1, pp_size: int = 1, zero_stage: int = 0, precision: str = "fp32", ep_size: int = 1):
+    def of(cls, tp_size: int = 1, pp_size: int = 1, zero_stage: int = 0, precision: str = "fp32", ep_size: int = 1,
+           compile=None):
         """The config of the plugin's shortcuts (`HybridParallelPlugin(tp_size=2, ep_size=2, zero_stage=1,
-        precision="fp16")`): every other setting at its default."""
+        precision="fp16", compile=True)`): every other setting at its default."""
         return cls(tp_size=tp_size, ep_size=ep_size, pipeline=PipelineConfig(pp_size),
-                   precision=PrecisionConfig(precision), zero=ZeroConfig(stage=zero_stage))
+                   precision=PrecisionConfig(precision), zero=ZeroConfig(stage=zero_stage), compile=compile)

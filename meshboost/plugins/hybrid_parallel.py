@@ -33,13 +33,9 @@ from meshboost.plugins.ddp_hooks import fp8_refusal, register_counting_allreduce
 from meshboost.plugins.hybrid_zero3 import check_zero3_model, shard_zero3
 from meshboost.plugins.input_checks import ALWAYS, InputCheck, LabelledItemsGuard, next_pipeline_batch
 from meshboost.plugins.router_statistics import GLOBAL, loss_function, with_global_router_loss
-from meshboost.shardformer import (
-    PipelineGradientCheckpointConfig,
-    ShardConfig,
-    ShardFormer,
-    pipeline_layout,
-    uses_causal_lm_loss,
-)
+from meshboost.plugins.speed import apply_compile
+from meshboost.shardformer import (PipelineGradientCheckpointConfig, ShardConfig, ShardFormer, pipeline_layout,
+                                   uses_causal_lm_loss)
 from meshboost.shardformer.context import ContextInputs, check_context, install
 from meshboost.shardformer.layers.expert_parallel import check_expert_parallel, shard_expert_parallel_
 from meshboost.shardformer.lora import lora_dropout, transformers_model
@@ -118,7 +114,7 @@ class HybridParallelModule(ModelWrapper):
         return contextlib.nullcontext()
 
 
-SHORTCUTS = ("tp_size", "pp_size", "zero_stage", "precision", "ep_size")
+SHORTCUTS = ("tp_size", "pp_size", "zero_stage", "precision", "ep_size", "compile")
 
 
 def plugin_config(config, shortcuts: dict, unknown: dict) -> HybridParallelConfig:
@@ -167,9 +163,9 @@ class HybridParallelPlugin(Plugin):
 
     def __init__(self, config: HybridParallelConfig | None = None, *, tp_size: int | None = None,
                  pp_size: int | None = None, zero_stage: int | None = None, precision: str | None = None,
-                 ep_size: int | None = None, **unknown):
+                 ep_size: int | None = None, compile=None, **unknown):
         shortcuts = dict(tp_size=tp_size, pp_size=pp_size, zero_stage=zero_stage, precision=precision,
-                         ep_size=ep_size)
+                         ep_size=ep_size, compile=compile)
         # Every rank must pass the same arguments; one all-gather of a digest says so (or names the
         # difference) before anything that could differ by rank, so no rank is left hanging.
         agree_settings({"config": config, **shortcuts, **unknown}, "HybridParallelPlugin arguments")
@@ -307,6 +303,7 @@ class HybridParallelPlugin(Plugin):
                 register_fp8_allreduce(module, group)
             else:
                 register_counting_allreduce(module, group)
+        apply_compile(hf, self.config.compile, stages, self.config.custom_policy)     # plugins/speed.py
         count = self.config.loss_normalization == TOKENS and stages is None and uses_causal_lm_loss(hf)
         context = None
         if attention is not None:

@@ -93,7 +93,7 @@ def colossalai_config(a: dict) -> HybridParallelConfig:
         ddp=DDPConfig(a["broadcast_buffers"], a["ddp_bucket_cap_mb"], a["find_unused_parameters"],
                       a["check_reduction"], a["gradient_as_bucket_view"], a["static_graph"]),
         gradient_checkpoint=a["gradient_checkpoint_config"], fp8_communication=a["fp8_communication"],
-        check_inputs=a["check_inputs"], loss_normalization=a["loss_normalization"])
+        check_inputs=a["check_inputs"], loss_normalization=a["loss_normalization"], compile=a["compile"])
 
 
 class HybridParallelPlugin(CorePlugin):
@@ -121,6 +121,8 @@ class HybridParallelPlugin(CorePlugin):
     gradient_checkpoint_config: `meshboost.shardformer.PipelineGradientCheckpointConfig`.
     check_inputs ("always" | "first" | "never"), loss_normalization ("tokens" | "microbatch"),
         fp8_communication (CUDA, tp=pp=1, zero 0): as `HybridParallelConfig`.
+    compile (meshboost's, not ColossalAI's): True or a `meshboost.shardformer.compile.CompileConfig`, each
+        transformer block compiled by torch.compile after sharding (docs/compile.md).
     enable_metadata_cache, overlap_p2p: accepted, either value: stage traffic always sends its small
         shape header (shapes may change between steps) and always sends asynchronously.
     scheduler_nodes, dp_outside=False, overlap_allgather, use_fp8, inner_ring_size: refused, saying what
@@ -150,7 +152,7 @@ class HybridParallelPlugin(CorePlugin):
                  cpu_offload: bool = False, communication_dtype: torch.dtype | None = None, scheduler_nodes=None,
                  enable_metadata_cache: bool = True, dp_outside: bool = True, overlap_p2p: bool = True,
                  overlap_allgather: bool = False, fp8_communication: bool = False, use_fp8: bool = False,
-                 inner_ring_size: int | None = None):
+                 inner_ring_size: int | None = None, compile=None):
         keywords = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         # The refusals and the configs' checks below raise per rank: the arguments are agreed first.
         agree_settings(keywords, "HybridParallelPlugin arguments")
