@@ -25,6 +25,7 @@ from meshboost.plugins.router_statistics import check_mode as check_router_stati
 from meshboost.shardformer import PipelineGradientCheckpointConfig, Policy, ShardConfig
 from meshboost.shardformer.compile import CompileConfig
 from meshboost.shardformer.context import ALL_TO_ALL
+from meshboost.shardformer.float8 import Float8Config
 from meshboost.shardformer.context import check_mode as check_context_mode
 
 # Who averages gradients over the data-parallel group; exactly one of them does, decided by `dp_reducer`.
@@ -116,9 +117,13 @@ class HybridParallelConfig:
     # regional compile: each transformer block compiled by torch.compile after sharding (True: the
     # defaults; shardformer/compile.py, docs/compile.md)
     compile: CompileConfig | None = None
+    # float8 training of the linears through torchao (ColossalAI's use_fp8; True: the defaults;
+    # shardformer/float8.py, docs/float8.md)
+    float8: Float8Config | None = None
 
     def __post_init__(self):
         self.compile = CompileConfig.of(self.compile)
+        self.float8 = Float8Config.of(self.float8)
         if self.check_inputs not in CHECK_INPUTS:
             raise ValueError(f"check_inputs={self.check_inputs!r}; expected one of {CHECK_INPUTS}")
         check_router_statistics(self.router_statistics)
@@ -170,6 +175,11 @@ class HybridParallelConfig:
         if self.ep_size > 1 and self.fp8_communication:
             raise NotImplementedError(f"fp8_communication=True with ep_size={self.ep_size}: meshboost compresses only "
                                       "DDP's dense all-reduce without expert parallelism; drop one of them")
+        if self.float8 is not None and (self.tp_size > 1 or self.sp_size > 1):
+            raise NotImplementedError(f"float8 with tp_size={self.tp_size}, sp_size={self.sp_size}: meshboost runs "
+                                      "torchao's float8 linears on whole (unsharded) weights and sequences so far, "
+                                      "where the scales are the whole tensor's; use tp_size=1 and sp_size=1 with "
+                                      "float8 (dp, ZeRO-1/2/3 with float8 all-gather, pp), or drop float8")
         layout = (self.tp_size, self.pipeline.pp_size, stage)
         if self.fp8_communication and layout != (1, 1, 0):
             raise NotImplementedError(f"fp8_communication=True with (tp_size, pp_size, zero_stage)={layout}: meshboost "

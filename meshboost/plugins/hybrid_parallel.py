@@ -33,7 +33,7 @@ from meshboost.plugins.ddp_hooks import fp8_refusal, register_counting_allreduce
 from meshboost.plugins.hybrid_zero3 import check_zero3_model, shard_zero3
 from meshboost.plugins.input_checks import ALWAYS, InputCheck, LabelledItemsGuard, next_pipeline_batch
 from meshboost.plugins.router_statistics import GLOBAL, loss_function, with_global_router_loss
-from meshboost.plugins.speed import apply_compile
+from meshboost.plugins.speed import apply_compile, apply_float8
 from meshboost.shardformer import (PipelineGradientCheckpointConfig, ShardConfig, ShardFormer, pipeline_layout,
                                    uses_causal_lm_loss)
 from meshboost.shardformer.context import ContextInputs, check_context, install
@@ -267,6 +267,7 @@ class HybridParallelPlugin(Plugin):
                 raise NotImplementedError(f"sp_size={self.config.sp_size}: {type(hf).__name__} does not compute its "
                                           "causal-LM loss through transformers' loss_function; use sp_size=1")
         ShardFormer(self.shard_config).optimize(hf, self.config.custom_policy)
+        apply_float8(hf, self.config.float8, self.mesh.device.type, self.dp_reducer == FSDP, optimizer)   # speed.py
         if self.ep_size > 1:        # after tp, which cut inside the experts: now split the experts over ep
             shard_expert_parallel_(hf, self.mesh.group("ep"), self.ep_size, self.mesh.ep_rank)
         stages = self._build_stages(hf, optimizer) if self.pp_size > 1 else None

@@ -1,5 +1,6 @@
-"""The speed features HybridParallelPlugin composes at their points of `configure`: regional compile
-(shardformer/compile.py) on the blocks this rank runs.
+"""The speed features HybridParallelPlugin composes at their points of `configure`: float8 linears
+(shardformer/float8.py) right after sharding, regional compile (shardformer/compile.py) on the blocks
+this rank runs once everything else is in place.
 
 Owns: finding those blocks (this rank's pipeline layers, or every layer list of the model's pipeline
 layout) and handing them over. Must not compile or convert anything itself.
@@ -12,6 +13,7 @@ import torch.nn as nn
 from meshboost.pipeline import get_layout
 from meshboost.shardformer import pipeline_layout
 from meshboost.shardformer.compile import CompileConfig, compile_blocks
+from meshboost.shardformer.float8 import Float8Config, convert_float8
 
 
 def transformer_blocks(model: nn.Module, stages=None, custom_policy=None) -> list[nn.Module]:
@@ -33,3 +35,11 @@ def apply_compile(model: nn.Module, config: CompileConfig | None, stages=None, c
     """Compile `model`'s blocks when `config` says so (after sharding, staging, casting and wrapping)."""
     if config is not None:
         compile_blocks(model, transformer_blocks(model, stages, custom_policy), config)
+
+
+def apply_float8(model: nn.Module, config: Float8Config | None, device_type: str, fully_sharded: bool,
+                 optimizer=None) -> None:
+    """Swap `model`'s linears for torchao's float8 ones when `config` says so (after tp sharding, before
+    staging and FSDP2, whose all-gather then moves float8)."""
+    if config is not None:
+        convert_float8(model, config, device_type, fsdp_all_gather=fully_sharded, optimizer=optimizer)

@@ -48,7 +48,7 @@ def _context(a: dict) -> tuple[int, str | None, dict]:
     return 1, None, shard
 
 
-def _refuse_unsupported(scheduler_nodes, dp_outside, overlap_allgather, use_fp8, inner_ring_size) -> None:
+def _refuse_unsupported(scheduler_nodes, dp_outside, overlap_allgather, inner_ring_size) -> None:
     """ColossalAI keywords meshboost does not implement: refused (pure, the same on every rank) with the
     meshboost way to get what they are for."""
     if scheduler_nodes is not None:
@@ -62,8 +62,6 @@ def _refuse_unsupported(scheduler_nodes, dp_outside, overlap_allgather, use_fp8,
                                   "inside optimizer.step(), not during the next forward; drop the argument (training "
                                   "is the same); overlap_communication=True overlaps the gradient reduce-scatter with "
                                   "backward")
-    if use_fp8:
-        raise NotImplementedError("use_fp8=True (fp8 matmuls) is not supported; train with precision='bf16' or 'fp16'")
     if inner_ring_size is not None:
         raise NotImplementedError(f"inner_ring_size={inner_ring_size}: ColossalAI's double ring (an inner ring of "
                                   "ring attention inside each node) is not in meshboost; sequence_parallelism_mode="
@@ -73,8 +71,7 @@ def _refuse_unsupported(scheduler_nodes, dp_outside, overlap_allgather, use_fp8,
 
 def colossalai_config(a: dict) -> HybridParallelConfig:
     """ColossalAI's HybridParallelPlugin keywords (`a`, every one of them) as meshboost's config."""
-    _refuse_unsupported(a["scheduler_nodes"], a["dp_outside"], a["overlap_allgather"], a["use_fp8"],
-                        a["inner_ring_size"])
+    _refuse_unsupported(a["scheduler_nodes"], a["dp_outside"], a["overlap_allgather"], a["inner_ring_size"])
     sp_size, sp_mode, sequence = _context(a)
     sharding = ShardConfig(**sequence, **{k: a[k] for k in (
         "enable_tensor_parallelism", "parallel_output", "make_vocab_size_divisible_by", "enable_flash_attention",
@@ -93,7 +90,8 @@ def colossalai_config(a: dict) -> HybridParallelConfig:
         ddp=DDPConfig(a["broadcast_buffers"], a["ddp_bucket_cap_mb"], a["find_unused_parameters"],
                       a["check_reduction"], a["gradient_as_bucket_view"], a["static_graph"]),
         gradient_checkpoint=a["gradient_checkpoint_config"], fp8_communication=a["fp8_communication"],
-        check_inputs=a["check_inputs"], loss_normalization=a["loss_normalization"], compile=a["compile"])
+        check_inputs=a["check_inputs"], loss_normalization=a["loss_normalization"], compile=a["compile"],
+        float8=a["use_fp8"])
 
 
 class HybridParallelPlugin(CorePlugin):
@@ -125,7 +123,9 @@ class HybridParallelPlugin(CorePlugin):
         transformer block compiled by torch.compile after sharding (docs/compile.md).
     enable_metadata_cache, overlap_p2p: accepted, either value: stage traffic always sends its small
         shape header (shapes may change between steps) and always sends asynchronously.
-    scheduler_nodes, dp_outside=False, overlap_allgather, use_fp8, inner_ring_size: refused, saying what
+    use_fp8: True or a `meshboost.shardformer.float8.Float8Config`: torchao's float8 linears (tp_size=1;
+        docs/float8.md).
+    scheduler_nodes, dp_outside=False, overlap_allgather, inner_ring_size: refused, saying what
         to use (docs/colossalai.md).
 
     ColossalAI's views are attributes: `pg_mesh` (meshboost.cluster.ProcessGroupMesh, axes dp_axis=0,
