@@ -68,6 +68,9 @@ def _run_layout(what, config: HybridParallelConfig, pieces: int, save_to=None):
     inner = model.unwrap()
     assert any(isinstance(m, Float8Linear) for m in inner.modules()), what
     assert not isinstance(inner.get_output_embeddings(), Float8Linear), f"{what}: the LM head is float8"
+    if config.zero.stage == 3:       # FSDP2 gathers the float8 casts (torchao's weight wrapper inside the shards)
+        weight = inner.model.layers[0].mlp.up_proj.weight
+        assert type(weight.to_local()).__name__ == "WeightWithDynamicFloat8CastTensor", (what, type(weight))
     mesh = plugin.mesh
     for step, batch in enumerate(batches):
         mine = {k: v.chunk(mesh.dp_size)[mesh.dp_rank] for k, v in batch.items()}
@@ -79,7 +82,7 @@ def _run_layout(what, config: HybridParallelConfig, pieces: int, save_to=None):
         assert abs(loss.item() - ref[step]) <= 1e-5 * abs(ref[step]), f"{what} step {step}: {loss.item()} vs {ref[step]}"
     if save_to is not None:          # the checkpoint holds the weights in their own dtype, not float8
         from safetensors.torch import load_file
-        booster.save_model(model, save_to, shard=True)
+        booster.save_model(model, save_to, shard=True, use_safetensors=True)
         dist.barrier()
         saved = {}
         for name in os.listdir(save_to):
