@@ -17,6 +17,7 @@ setup(
     packages=find_packages(include=["meshboost", "meshboost.*"]),
     python_requires=">=3.10",
     install_requires=requirements("requirements.txt"),
-    extras_require={"lora": ["peft>=0.13"]},          # booster.enable_lora
+    # lora: booster.enable_lora; fp8: float8 training (Float8Config / use_fp8=True, torchao's float8 linears)
+    extras_require={"lora": ["peft>=0.13"], "fp8": ["torchao>=0.10"]},
     license="Apache-2.0",
 )

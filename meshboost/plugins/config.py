@@ -118,7 +118,7 @@ class HybridParallelConfig:
     # defaults; shardformer/compile.py, docs/compile.md)
     compile: CompileConfig | None = None
     # float8 training of the linears through torchao (ColossalAI's use_fp8; True: the defaults;
-    # shardformer/float8.py, docs/float8.md)
+    # shardformer/float8.py, docs/compile.md)
     float8: Float8Config | None = None
 
     def __post_init__(self):
