@@ -1,6 +1,7 @@
 """Regional compile (`compile=True`, shardformer/compile.py) under every layout, against the unsharded
 eager model: one process group of 2, the layouts looped inside it. Each layout trains 3 steps of a tiny
-model (fp32) whose per-step loss must equal the eager single-process run's within 1e-4 relative; the
+model (fp32) whose per-step loss must equal the eager single-process run's within 1e-4 relative, and its
+weights after the last step (gathered) the eager run's; the
 blocks run eagerly on the first step and compiled from the second, where identical blocks share ONE
 graph (dynamo's `unique_graphs` grows by one for the whole stack, not one per layer) and the third step
 compiles nothing (no recompile after the second step). The loop uses the "aot_eager" backend (dynamo
@@ -19,7 +20,7 @@ from meshboost.plugins import HybridParallelConfig, HybridParallelPlugin
 from meshboost.shardformer import ShardConfig
 from meshboost.shardformer.compile import CompileConfig, draws_dropout
 from meshboost.testing import spawn
-from meshboost.testing.compare import booster_step
+from meshboost.testing.compare import booster_step, gathered
 from meshboost.testing.models import build_model, tiny_config
 from meshboost.testing.moe import build_causal_lm, moe_config
 
@@ -60,7 +61,14 @@ def _reference(build, batches):
         loss.backward()
         opt.step(), opt.zero_grad()
         losses.append(loss.item())
-    return losses
+    return losses, dict(model.named_parameters())
+
+
+def _check_weights(what, model, expected: dict) -> None:
+    """Every weight this rank holds (its stages'), gathered from its shards, equals the eager run's."""
+    for name, p in model.unwrap().named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else gathered(p)      # FSDP2's DTensor, or tp / ep
+        torch.testing.assert_close(full, expected[name].detach(), rtol=1e-4, atol=1e-5, msg=f"{what}: {name}")
 
 
 def _graphs() -> int:
@@ -72,7 +80,7 @@ def _run_layout(what, build, config: HybridParallelConfig, graphs_per_stack: int
     torch._dynamo.reset()
     model = build()
     batches = _batches(model.config)
-    ref = _reference(build, batches)
+    ref, ref_weights = _reference(build, batches)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, eps=1e-4)
     plugin = HybridParallelPlugin(config)
     booster = Booster(plugin=plugin)
@@ -88,6 +96,7 @@ def _run_layout(what, build, config: HybridParallelConfig, graphs_per_stack: int
         got = loss.item()
         assert abs(got - ref[step]) <= 1e-4 * abs(ref[step]), f"{what} step {step}: {got} vs eager {ref[step]}"
         seen.append(_graphs() - base)
+    _check_weights(what, model, ref_weights)
     # each block's first call eager (a pipeline's later micro-batches of step 1 are compiled), then the
     # stack compiled once (identical blocks share the graph), and step 3 compiles nothing
     if graphs_per_stack is not None:
