@@ -45,6 +45,7 @@ class Float8Config:
             raise TypeError(f"Float8Config(filter={self.filter!r}): pass a function (module, name) -> bool")
         if self.emulate not in (None, True, False):
             raise ValueError(f"Float8Config(emulate={self.emulate!r}); expected None, True or False")
+        torchao_float8()            # a missing torchao is said when the config is built, before any collective
 
     @classmethod
     def of(cls, value) -> "Float8Config | None":

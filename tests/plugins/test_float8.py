@@ -131,4 +131,4 @@ def test_float8_conversion_and_refusals(monkeypatch):
     assert copy.deepcopy(Float8Config()) == Float8Config()
     monkeypatch.setitem(sys.modules, "torchao.float8", None)          # torchao missing: say how to install it
     with pytest.raises(ImportError, match=r"pip install meshboost\[fp8\]"):
-        convert_float8(model, Float8Config(), "cpu")
+        HybridParallelConfig(float8=True)
