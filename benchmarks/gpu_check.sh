@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One command for a CUDA machine (issue 15): installs what is missing, runs the suite's CUDA tests (a
 # world of one over NCCL; tensor parallelism over NCCL with 2+ GPUs), then measures model FLOPs
-# utilisation of a ~1B-parameter Llama in bf16 (flash attention, fused norms) at tp=1, printing
-# tokens/s, MFU and peak memory, and last the planner's predicted memory per rank against
+# utilisation side by side (issue 41; benchmarks/gpu_mfu.py, each row its own process): plain PyTorch
+# (autocast; bf16), meshboost eager, + compile, + compile + float8, for a 0.94B Llama at 8 x 2048 and a
+# 3.1B one at 4 x 2048, printing ms/step, tokens/s, MFU (datasheet and measured matmul rate), peak memory
+# and the loss after 10 steps, and last the planner's predicted memory per rank against
 # torch.cuda.max_memory_allocated (benchmarks/plan_accuracy.py --cuda: the cases whose world fits the
 # GPUs). Budget: under 9 minutes on one H100/H200.
 #
@@ -46,12 +48,12 @@ else
   echo "skipped: $GPUS GPU(s); needs 2"
 fi
 
-step "4/5 model FLOPs utilisation"
+step "4/5 model FLOPs utilisation: plain PyTorch, meshboost eager, + compile, + compile + float8 (0.94B, 3B)"
 if [ "$DRY" = 1 ]; then
-  timeout 120 "$PY" benchmarks/gpu_mfu.py --dry-run
+  timeout 240 "$PY" benchmarks/gpu_mfu.py --dry-run
   timeout 120 "$PY" benchmarks/release_check.py --dry-run    # memory before the first boost, after the last drop
 else
-  timeout 240 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/gpu_mfu.py
+  timeout 420 "$PY" benchmarks/gpu_mfu.py --row-timeout 120
   timeout 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/release_check.py
 fi
 step "5/5 planner: predicted memory per rank against max_memory_allocated"

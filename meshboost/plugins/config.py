@@ -23,7 +23,9 @@ from meshboost.pipeline.normalization import TOKENS
 from meshboost.plugins.router_statistics import GLOBAL, REPLICA
 from meshboost.plugins.router_statistics import check_mode as check_router_statistics
 from meshboost.shardformer import PipelineGradientCheckpointConfig, Policy, ShardConfig
+from meshboost.shardformer.compile import CompileConfig
 from meshboost.shardformer.context import ALL_TO_ALL
+from meshboost.shardformer.float8 import Float8Config
 from meshboost.shardformer.context import check_mode as check_context_mode
 
 # Who averages gradients over the data-parallel group; exactly one of them does, decided by `dp_reducer`.
@@ -112,8 +114,16 @@ class HybridParallelConfig:
     # The router's load-balancing loss over dp replicas: "replica" (each replica's own, DDP's semantics) or
     # "global" (routing statistics all-gathered over dp: the whole batch's; plugins/router_statistics.py)
     router_statistics: str = REPLICA
+    # regional compile: each transformer block compiled by torch.compile after sharding (True: the
+    # defaults; shardformer/compile.py, docs/compile.md)
+    compile: CompileConfig | None = None
+    # float8 training of the linears through torchao (ColossalAI's use_fp8; True: the defaults;
+    # shardformer/float8.py, docs/compile.md)
+    float8: Float8Config | None = None
 
     def __post_init__(self):
+        self.compile = CompileConfig.of(self.compile)
+        self.float8 = Float8Config.of(self.float8)
         if self.check_inputs not in CHECK_INPUTS:
             raise ValueError(f"check_inputs={self.check_inputs!r}; expected one of {CHECK_INPUTS}")
         check_router_statistics(self.router_statistics)
@@ -165,6 +175,11 @@ class HybridParallelConfig:
         if self.ep_size > 1 and self.fp8_communication:
             raise NotImplementedError(f"fp8_communication=True with ep_size={self.ep_size}: meshboost compresses only "
                                       "DDP's dense all-reduce without expert parallelism; drop one of them")
+        if self.float8 is not None and (self.tp_size > 1 or self.sp_size > 1):
+            raise NotImplementedError(f"float8 with tp_size={self.tp_size}, sp_size={self.sp_size}: meshboost runs "
+                                      "torchao's float8 linears on whole (unsharded) weights and sequences so far, "
+                                      "where the scales are the whole tensor's; use tp_size=1 and sp_size=1 with "
+                                      "float8 (dp, ZeRO-1/2/3 with float8 all-gather, pp), or drop float8")
         layout = (self.tp_size, self.pipeline.pp_size, stage)
         if self.fp8_communication and layout != (1, 1, 0):
             raise NotImplementedError(f"fp8_communication=True with (tp_size, pp_size, zero_stage)={layout}: meshboost "
@@ -202,8 +217,9 @@ class HybridParallelConfig:
         return self.zero.stage
 
     @classmethod
-    def of(cls, tp_size: int = 1, pp_size: int = 1, zero_stage: int = 0, precision: str = "fp32", ep_size: int = 1):
+    def of(cls, tp_size: int = 1, pp_size: int = 1, zero_stage: int = 0, precision: str = "fp32", ep_size: int = 1,
+           compile=None):
         """The config of the plugin's shortcuts (`HybridParallelPlugin(tp_size=2, ep_size=2, zero_stage=1,
-        precision="fp16")`): every other setting at its default."""
+        precision="fp16", compile=True)`): every other setting at its default."""
         return cls(tp_size=tp_size, ep_size=ep_size, pipeline=PipelineConfig(pp_size),
-                   precision=PrecisionConfig(precision), zero=ZeroConfig(stage=zero_stage))
+                   precision=PrecisionConfig(precision), zero=ZeroConfig(stage=zero_stage), compile=compile)

@@ -34,13 +34,9 @@ from meshboost.plugins.hybrid_zero3 import check_zero3_model, shard_zero3
 from meshboost.plugins import input_checks
 from meshboost.plugins.input_checks import ALWAYS, InputCheck, LabelledItemsGuard, next_pipeline_batch
 from meshboost.plugins.router_statistics import GLOBAL, loss_function, with_global_router_loss
-from meshboost.shardformer import (
-    PipelineGradientCheckpointConfig,
-    ShardConfig,
-    ShardFormer,
-    pipeline_layout,
-    uses_causal_lm_loss,
-)
+from meshboost.plugins.speed import apply_compile, apply_float8
+from meshboost.shardformer import (PipelineGradientCheckpointConfig, ShardConfig, ShardFormer, pipeline_layout,
+                                   uses_causal_lm_loss)
 from meshboost.shardformer.context import ContextInputs, check_context, install
 from meshboost.shardformer.layers.expert_parallel import check_expert_parallel, shard_expert_parallel_
 from meshboost.shardformer.lora import lora_dropout, transformers_model
@@ -123,7 +119,7 @@ class HybridParallelModule(ModelWrapper):
         return contextlib.nullcontext()
 
 
-SHORTCUTS = ("tp_size", "pp_size", "zero_stage", "precision", "ep_size")
+SHORTCUTS = ("tp_size", "pp_size", "zero_stage", "precision", "ep_size", "compile")
 
 
 def plugin_config(config, shortcuts: dict, unknown: dict) -> HybridParallelConfig:
@@ -172,9 +168,9 @@ class HybridParallelPlugin(Plugin):
 
     def __init__(self, config: HybridParallelConfig | None = None, *, tp_size: int | None = None,
                  pp_size: int | None = None, zero_stage: int | None = None, precision: str | None = None,
-                 ep_size: int | None = None, **unknown):
+                 ep_size: int | None = None, compile=None, **unknown):
         shortcuts = dict(tp_size=tp_size, pp_size=pp_size, zero_stage=zero_stage, precision=precision,
-                         ep_size=ep_size)
+                         ep_size=ep_size, compile=compile)
         # Every rank must pass the same arguments; one all-gather of a digest says so (or names the
         # difference) before anything that could differ by rank, so no rank is left hanging.
         agree_settings({"config": config, **shortcuts, **unknown}, "HybridParallelPlugin arguments")
@@ -276,6 +272,7 @@ class HybridParallelPlugin(Plugin):
                 raise NotImplementedError(f"sp_size={self.config.sp_size}: {type(hf).__name__} does not compute its "
                                           "causal-LM loss through transformers' loss_function; use sp_size=1")
         ShardFormer(self.shard_config).optimize(hf, self.config.custom_policy)
+        apply_float8(hf, self.config.float8, self.mesh.device.type, self.dp_reducer == FSDP, optimizer)   # speed.py
         if self.ep_size > 1:        # after tp, which cut inside the experts: now split the experts over ep
             shard_expert_parallel_(hf, self.mesh.group("ep"), self.ep_size, self.mesh.ep_rank)
         stages = self._build_stages(hf, optimizer) if self.pp_size > 1 else None
@@ -312,6 +309,7 @@ class HybridParallelPlugin(Plugin):
                 register_fp8_allreduce(module, group)
             else:
                 register_counting_allreduce(module, group)
+        apply_compile(hf, self.config.compile, stages, self.config.custom_policy)     # plugins/speed.py
         count = self.config.loss_normalization == TOKENS and stages is None and uses_causal_lm_loss(hf)
         context = None
         if attention is not None:

@@ -103,21 +103,30 @@ def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)) or "Norm" in type(module).__name__
 
 
-def _classify(record: _LayerRecord, tp_size: int, path: str, decided: dict, module, args, kwargs):
+class _Replicated:
+    """A module with replicated parameters in a sequence-parallel layer: whether its gradient is partial
+    (summed over tp), decided at its first call by the pre-hook `handle`, which then removes itself, so
+    later calls (and torch.compile's graphs of the layer) see no per-module state."""
+
+    partial: bool | None = None
+    handle = None
+
+
+def _classify(record: _LayerRecord, tp_size: int, path: str, decided: _Replicated, module, args, kwargs):
     """Pre-hook, first call only, of a module with replicated parameters in a sequence-parallel layer:
     fed this rank's chunk of the sequence (outside the gathered blocks) it must be a normalization,
     whose gradient is then partial (summed over tp); fed the whole sequence (inside a block, after the
     gather) its gradient is whole already. Anything else fed the chunk (an attention or a mixer the
     plan leaves whole) would mix only this rank's tokens, and a length that is neither is ambiguous:
     both refused before they run."""
-    if id(module) in decided:
+    if decided.partial is not None:
         return
     t = next((a for a in (*args, *kwargs.values()) if torch.is_tensor(a) and a.is_floating_point()), None)
     length, local = (t.shape[SEQ_DIM] if t is not None and t.dim() > SEQ_DIM else None), record.local
     if local is not None and length == local and _is_norm(module):
-        decided[id(module)] = True
+        decided.partial = True
     elif local is not None and length == local * tp_size:
-        decided[id(module)] = False
+        decided.partial = False
     elif local is not None and length == local:
         raise SequenceLayoutError(
             f"sequence parallelism: {path} ({type(module).__name__}) has parameters the tensor-parallel plan leaves "
@@ -128,13 +137,13 @@ def _classify(record: _LayerRecord, tp_size: int, path: str, decided: dict, modu
         raise SequenceLayoutError(f"sequence parallelism: {path} ({type(module).__name__}) was fed a sequence of "
                                   f"length {length} where its layer's chunk is {local} of {whole}; meshboost cannot "
                                   "tell whether its gradient is partial. Use enable_sequence_parallelism=False")
+    decided.handle.remove()
 
 
-def _replicated_grad(group, module_id: int, decided: dict, grad: torch.Tensor) -> torch.Tensor:
+def _replicated_grad(group, decided: _Replicated, grad: torch.Tensor) -> torch.Tensor:
     """Gradient hook of a replicated parameter in a sequence-parallel layer: summed over tp when its
-    module (`id(module)`: the hook, held by the module's own parameter, must not hold the module) was
-    fed this rank's chunk of the sequence (see `_classify`)."""
-    return comm.all_reduce(grad.clone(), group) if decided[module_id] else grad
+    module was fed this rank's chunk of the sequence (see `_classify`)."""
+    return comm.all_reduce(grad.clone(), group) if decided.partial else grad
 
 
 def install(model: nn.Module, layers_path: str, group, tp_size: int) -> None:
@@ -142,7 +151,6 @@ def install(model: nn.Module, layers_path: str, group, tp_size: int) -> None:
     layers = model.base_model.get_submodule(layers_path)
     prefix = next((n for n, m in model.named_modules() if m is layers), layers_path)
     layers[0].register_forward_pre_hook(partial(_split_sequence, group, tp_size), with_kwargs=True)
-    decided: dict[int, bool] = {}
     for i, layer in enumerate(layers):
         record = _LayerRecord()
         # after the split on layer 0; after the pipeline's received hidden states, which it prepends
@@ -158,9 +166,11 @@ def install(model: nn.Module, layers_path: str, group, tp_size: int) -> None:
             if not params:
                 continue
             path = f"{prefix}.{i}.{name}" if name else f"{prefix}.{i}"
-            module.register_forward_pre_hook(partial(_classify, record, tp_size, path, decided), with_kwargs=True)
+            decided = _Replicated()
+            decided.handle = module.register_forward_pre_hook(partial(_classify, record, tp_size, path, decided),
+                                                              with_kwargs=True)
             for p in params:
-                register_grad_hook(p, partial(_replicated_grad, group, id(module), decided))
+                register_grad_hook(p, partial(_replicated_grad, group, decided))
     layers[len(layers) - 1].register_forward_hook(partial(_gather_sequence, group))
     model.register_forward_pre_hook(_refuse_hidden_states_output, with_kwargs=True)
 

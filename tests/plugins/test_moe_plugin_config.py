@@ -27,7 +27,7 @@ COLOSSALAI_MOE_KEYWORDS = """tp_size pp_size ep_size sp_size precision zero_stag
     num_layers_per_stage gradient_checkpoint_config enable_metadata_cache make_vocab_size_divisible_by moe_dp_outside
     overlap_p2p overlap_allgather fp8_communication use_fp8""".split()
 # keyword-only: moe_tp_size (ColossalAI's MoE tests pass it), and meshboost's own settings
-EXTRA_KEYWORDS = ["moe_tp_size", "check_inputs", "loss_normalization"]
+EXTRA_KEYWORDS = ["moe_tp_size", "check_inputs", "loss_normalization", "compile"]
 
 PARAMETERS = {k: p for k, p in inspect.signature(MoeHybridParallelPlugin.__init__).parameters.items() if k != "self"}
 DEFAULTS = {k: p.default for k, p in PARAMETERS.items()} | {"tp_size": 1, "pp_size": 1, "ep_size": 1}
@@ -105,7 +105,7 @@ def test_refusals_name_the_keyword_and_the_fix():
         ({"ep_size": 2.0}, ValueError, r"ep_size=2.0 must be a positive integer"),
         ({"ep_size": 2, "zero_stage": 3}, NotImplementedError, r"ep_size=2 with zero_stage=3"),
         ({"sp_size": 2}, NotImplementedError, r"sp_size=2"),
-        ({"use_fp8": True}, NotImplementedError, r"use_fp8=True"),
+        ({"use_fp8": True, "tp_size": 2}, NotImplementedError, r"float8 with tp_size=2.*use tp_size=1"),
         ({"overlap_allgather": True}, NotImplementedError, r"overlap_allgather=True"),
         ({"scheduler_nodes": []}, NotImplementedError, r"scheduler_nodes="),
     ]

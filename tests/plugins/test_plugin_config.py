@@ -21,6 +21,8 @@ from meshboost.plugins import (
 )
 from meshboost.plugins.hybrid_parallel import plugin_config
 from meshboost.shardformer import Policy
+from meshboost.shardformer.compile import CompileConfig
+from meshboost.shardformer.float8 import Float8Config
 
 DEFAULTS = {k: p.default for k, p in inspect.signature(ColossalAIPlugin.__init__).parameters.items()
             if k != "self"}
@@ -74,13 +76,15 @@ CHANGES = {
     "cpu_offload": (True, {"zero_stage": 1}, "zero.cpu_offload"),
     "communication_dtype": (torch.bfloat16, {"zero_stage": 1}, "zero.communication_dtype"),
     "fp8_communication": (True, {}, "fp8_communication"),
+    "use_fp8": (Float8Config(recipe="rowwise"), {}, "float8"),
+    "compile": (CompileConfig(backend="aot_eager"), {}, "compile"),
 }
 # keywords valid only together: changed together, each into its own field
 JOINT = {("pp_style", "num_model_chunks"): (("interleaved", 2), {"pp_size": 2, "num_microbatches": 2},
                                             ("pipeline.pp_style", "pipeline.num_model_chunks"))}
 # accepted with either value (no effect), or refused: test_plugin_attributes.py checks both
 NO_FIELD = {"enable_metadata_cache", "overlap_p2p", "sp_size", "scheduler_nodes", "dp_outside", "overlap_allgather",
-            "use_fp8", "inner_ring_size"}
+            "inner_ring_size"}
 
 
 def _field(config, path):
@@ -94,7 +98,8 @@ def _leaves(config, prefix=""):
     out = {}
     for name in getattr(config, "__dataclass_fields__", {}):
         value = getattr(config, name)
-        if hasattr(value, "__dataclass_fields__") and not isinstance(value, (Policy, PipelineGradientCheckpointConfig)):
+        if hasattr(value, "__dataclass_fields__") and not isinstance(value, (Policy, PipelineGradientCheckpointConfig, Float8Config,
+                                                                               CompileConfig)):
             out.update(_leaves(value, f"{prefix}{name}."))
         else:
             out[f"{prefix}{name}"] = value

@@ -50,7 +50,7 @@ def _context(a: dict) -> tuple[int, str | None, dict]:
     return 1, None, shard
 
 
-def _refuse_unsupported(scheduler_nodes, dp_outside, overlap_allgather, use_fp8, inner_ring_size) -> None:
+def _refuse_unsupported(scheduler_nodes, dp_outside, overlap_allgather, inner_ring_size) -> None:
     """ColossalAI keywords meshboost does not implement: refused (pure, the same on every rank) with the
     meshboost way to get what they are for."""
     if scheduler_nodes is not None:
@@ -64,8 +64,6 @@ def _refuse_unsupported(scheduler_nodes, dp_outside, overlap_allgather, use_fp8,
                                   "inside optimizer.step(), not during the next forward; drop the argument (training "
                                   "is the same); overlap_communication=True overlaps the gradient reduce-scatter with "
                                   "backward")
-    if use_fp8:
-        raise NotImplementedError("use_fp8=True (fp8 matmuls) is not supported; train with precision='bf16' or 'fp16'")
     if inner_ring_size is not None:
         raise NotImplementedError(f"inner_ring_size={inner_ring_size}: ColossalAI's double ring (an inner ring of "
                                   "ring attention inside each node) is not in meshboost; sequence_parallelism_mode="
@@ -75,8 +73,7 @@ def _refuse_unsupported(scheduler_nodes, dp_outside, overlap_allgather, use_fp8,
 
 def colossalai_config(a: dict) -> HybridParallelConfig:
     """ColossalAI's HybridParallelPlugin keywords (`a`, every one of them) as meshboost's config."""
-    _refuse_unsupported(a["scheduler_nodes"], a["dp_outside"], a["overlap_allgather"], a["use_fp8"],
-                        a["inner_ring_size"])
+    _refuse_unsupported(a["scheduler_nodes"], a["dp_outside"], a["overlap_allgather"], a["inner_ring_size"])
     sp_size, sp_mode, sequence = _context(a)
     sharding = ShardConfig(**sequence, **{k: a[k] for k in (
         "enable_tensor_parallelism", "parallel_output", "make_vocab_size_divisible_by", "enable_flash_attention",
@@ -95,7 +92,8 @@ def colossalai_config(a: dict) -> HybridParallelConfig:
         ddp=DDPConfig(a["broadcast_buffers"], a["ddp_bucket_cap_mb"], a["find_unused_parameters"],
                       a["check_reduction"], a["gradient_as_bucket_view"], a["static_graph"]),
         gradient_checkpoint=a["gradient_checkpoint_config"], fp8_communication=a["fp8_communication"],
-        check_inputs=a["check_inputs"], loss_normalization=a["loss_normalization"])
+        check_inputs=a["check_inputs"], loss_normalization=a["loss_normalization"], compile=a["compile"],
+        float8=a["use_fp8"])
 
 
 class HybridParallelPlugin(CorePlugin):
@@ -123,9 +121,13 @@ class HybridParallelPlugin(CorePlugin):
     gradient_checkpoint_config: `meshboost.shardformer.PipelineGradientCheckpointConfig`.
     check_inputs ("always" | "first" | "never"), loss_normalization ("tokens" | "microbatch"),
         fp8_communication (CUDA, tp=pp=1, zero 0): as `HybridParallelConfig`.
+    compile (meshboost's, not ColossalAI's): True or a `meshboost.shardformer.compile.CompileConfig`, each
+        transformer block compiled by torch.compile after sharding (docs/compile.md).
     enable_metadata_cache, overlap_p2p: accepted, either value: stage traffic always sends its small
         shape header (shapes may change between steps) and always sends asynchronously.
-    scheduler_nodes, dp_outside=False, overlap_allgather, use_fp8, inner_ring_size: refused, saying what
+    use_fp8: True or a `meshboost.shardformer.float8.Float8Config`: torchao's float8 linears (tp_size=1;
+        docs/compile.md).
+    scheduler_nodes, dp_outside=False, overlap_allgather, inner_ring_size: refused, saying what
         to use (docs/colossalai.md).
 
     ColossalAI's views are attributes: `pg_mesh` (meshboost.cluster.ProcessGroupMesh, axes dp_axis=0,
@@ -152,7 +154,7 @@ class HybridParallelPlugin(CorePlugin):
                  cpu_offload: bool = False, communication_dtype: torch.dtype | None = None, scheduler_nodes=None,
                  enable_metadata_cache: bool = True, dp_outside: bool = True, overlap_p2p: bool = True,
                  overlap_allgather: bool = False, fp8_communication: bool = False, use_fp8: bool = False,
-                 inner_ring_size: int | None = None):
+                 inner_ring_size: int | None = None, compile=None):
         keywords = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         # The refusals and the configs' checks below raise per rank: the arguments are agreed first.
         agree_settings(keywords, "HybridParallelPlugin arguments")

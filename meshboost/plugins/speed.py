@@ -1,0 +1,45 @@
+"""The speed features HybridParallelPlugin composes at their points of `configure`: float8 linears
+(shardformer/float8.py) right after sharding, regional compile (shardformer/compile.py) on the blocks
+this rank runs once everything else is in place.
+
+Owns: finding those blocks (this rank's pipeline layers, or every layer list of the model's pipeline
+layout) and handing them over. Must not compile or convert anything itself.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from meshboost.pipeline import get_layout
+from meshboost.shardformer import pipeline_layout
+from meshboost.shardformer.compile import CompileConfig, compile_blocks
+from meshboost.shardformer.float8 import Float8Config, convert_float8
+
+
+def transformer_blocks(model: nn.Module, stages=None, custom_policy=None) -> list[nn.Module]:
+    """The transformer blocks of `model` this rank runs: its stages' layers, or every layer of the
+    layout's layer lists (the same lists the pipeline cuts)."""
+    if stages is not None:
+        return [stages.kept[i] for i in sorted(stages.kept)]
+    try:
+        layout = get_layout(model, pipeline_layout(model, custom_policy))
+    except (ValueError, NotImplementedError) as e:
+        raise NotImplementedError(f"compile=True: meshboost compiles each transformer block and cannot find the "
+                                  f"blocks of {type(model).__name__} ({e}); pass a custom_policy with a "
+                                  "pipeline_layout naming its layer list, or compile=False") from e
+    base = getattr(model, "base_model", model)
+    return [layer for segment in layout.segments for layer in base.get_submodule(segment.layers)]
+
+
+def apply_compile(model: nn.Module, config: CompileConfig | None, stages=None, custom_policy=None) -> None:
+    """Compile `model`'s blocks when `config` says so (after sharding, staging, casting and wrapping)."""
+    if config is not None:
+        compile_blocks(model, transformer_blocks(model, stages, custom_policy), config)
+
+
+def apply_float8(model: nn.Module, config: Float8Config | None, device_type: str, fully_sharded: bool,
+                 optimizer=None) -> None:
+    """Swap `model`'s linears for torchao's float8 ones when `config` says so (after tp sharding, before
+    staging and FSDP2, whose all-gather then moves float8)."""
+    if config is not None:
+        convert_float8(model, config, device_type, fsdp_all_gather=fully_sharded, optimizer=optimizer)

@@ -1,0 +1,113 @@
+"""float8 training through torchao (ColossalAI's `use_fp8=True`): the model's linears swapped for
+torchao's `Float8Linear` (`convert_to_float8_training`), whose matmuls run on float8 casts of their
+inputs, weights and output gradients with dynamic scales (tensorwise: one per tensor; rowwise: one per
+row), the weights themselves staying in the working precision.
+
+Owns: `Float8Config` (the recipe and which linears) and `convert_float8`, which swaps the chosen linears
+of an unsharded (tp_size=1) model, leaves the LM head and every linear whose dimensions torchao cannot
+run in float8 (not multiples of 16) in high precision, listing the latter once, and, when FSDP2 shards the
+weights (zero_stage=3), makes its all-gather move float8 (`enable_fsdp_float8_all_gather`), pointing the
+user's optimizer at the weights torchao then wraps. On a device without float8 matmuls (CPU) torchao
+emulates them (`emulate=True`: the same casts and scales, the products in high precision). Must not
+implement float8 arithmetic itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from meshboost.shardformer.optimizations import say
+
+RECIPES = ("tensorwise", "rowwise")
+# torchao's float8 matmul needs both dimensions of a weight to be multiples of this
+FLOAT8_MULTIPLE = 16
+
+
+@dataclass(frozen=True)
+class Float8Config:
+    """float8 training of the model's linears (torchao, `pip install meshboost[fp8]`)."""
+
+    # "tensorwise": one scale per tensor (float8 all-gather under zero_stage=3); "rowwise": one per row
+    recipe: str = "tensorwise"
+    # which linears, as filter(module, fully-qualified name) -> bool; None: every nn.Linear but the LM head
+    filter: Callable[[nn.Module, str], bool] | None = None
+    # None: torchao's emulation where the device has no float8 matmul (CPU), real float8 on CUDA
+    emulate: bool | None = None
+
+    def __post_init__(self):
+        if self.recipe not in RECIPES:
+            raise ValueError(f"Float8Config(recipe={self.recipe!r}); expected one of {RECIPES}")
+        if self.filter is not None and not callable(self.filter):
+            raise TypeError(f"Float8Config(filter={self.filter!r}): pass a function (module, name) -> bool")
+        if self.emulate not in (None, True, False):
+            raise ValueError(f"Float8Config(emulate={self.emulate!r}); expected None, True or False")
+        torchao_float8()            # a missing torchao is said when the config is built, before any collective
+
+    @classmethod
+    def of(cls, value) -> "Float8Config | None":
+        """The config for the plugin's `float8=` / ColossalAI's `use_fp8=`: True, False / None, or a config."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        raise TypeError(f"float8={value!r}: pass True, False or a meshboost.shardformer.float8.Float8Config")
+
+
+def torchao_float8():
+    """torchao's float8 training module, or an error saying how to install it."""
+    try:
+        import torchao.float8 as float8
+    except ImportError as e:
+        raise ImportError("float8 training (use_fp8=True / Float8Config) runs on torchao's float8 linears, and torchao "
+                          f"is not importable ({e}); install it with `pip install meshboost[fp8]` (or `pip install "
+                          "torchao`), or train without float8") from e
+    return float8
+
+
+def linear_config(config: Float8Config, device_type: str, fsdp_all_gather: bool):
+    """torchao's `Float8LinearConfig` for `config` on `device_type`."""
+    float8 = torchao_float8()
+    base = float8.Float8LinearConfig.from_recipe_name(config.recipe)
+    emulate = device_type != "cuda" if config.emulate is None else config.emulate
+    return dataclasses.replace(base, emulate=emulate,
+                               enable_fsdp_float8_all_gather=fsdp_all_gather and config.recipe == "tensorwise")
+
+
+def convert_float8(model: nn.Module, config: Float8Config, device_type: str, fsdp_all_gather: bool = False,
+                   optimizer=None) -> list[str]:
+    """Swap the chosen linears of `model` (in place) for torchao's float8 ones; returns the names of those
+    left in high precision because torchao cannot run their dimensions in float8 (logged once)."""
+    float8 = torchao_float8()
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    left: list[str] = []
+
+    def chosen(module: nn.Module, name: str) -> bool:
+        skipped = module is head if config.filter is None else not config.filter(module, name)
+        if skipped:
+            return False
+        if module.in_features % FLOAT8_MULTIPLE or module.out_features % FLOAT8_MULTIPLE:
+            left.append(f"{name} ({module.in_features}->{module.out_features})")
+            return False
+        return True
+
+    before = dict(model.named_parameters())
+    float8.convert_to_float8_training(model, module_filter_fn=chosen,
+                                      config=linear_config(config, device_type, fsdp_all_gather))
+    if left:
+        say("meshboost: float8: %d linear(s) stay in high precision, their dimensions not multiples of %d: %s",
+            len(left), FLOAT8_MULTIPLE, ", ".join(left))
+    if optimizer is not None:        # float8 all-gather wraps the weights in new parameters: point the optimizer at them
+        moved = {id(p): q for name, q in model.named_parameters() if (p := before.get(name)) is not None and p is not q}
+        for group in optimizer.param_groups:
+            group["params"] = [moved.get(id(p), p) for p in group["params"]]
+        for old_id, new in moved.items():
+            old = next((p for p in optimizer.state if id(p) == old_id), None)
+            if old is not None:
+                optimizer.state[new] = optimizer.state.pop(old)
+    return left
