@@ -20,6 +20,7 @@ from meshboost.optim import PrecisionConfig, ZeroConfig
 from meshboost.pipeline import PipelineConfig
 from meshboost.pipeline.normalization import MODES as NORMALIZATIONS
 from meshboost.pipeline.normalization import TOKENS
+from meshboost.plugins.router_bias import check_rate
 from meshboost.plugins.router_statistics import GLOBAL, REPLICA
 from meshboost.plugins.router_statistics import check_mode as check_router_statistics
 from meshboost.shardformer import PipelineGradientCheckpointConfig, Policy, ShardConfig
@@ -112,6 +113,9 @@ class HybridParallelConfig:
     # The router's load-balancing loss over dp replicas: "replica" (each replica's own, DDP's semantics) or
     # "global" (routing statistics all-gathered over dp: the whole batch's; plugins/router_statistics.py)
     router_statistics: str = REPLICA
+    # DeepSeek-V3's auxiliary-loss-free balancing: every step each router's e_score_correction_bias moves by
+    # rate * sign(mean load - expert load) over the global batch (0: off; plugins/router_bias.py)
+    moe_router_bias_update_rate: float = 0.0
 
     def __post_init__(self):
         if self.check_inputs not in CHECK_INPUTS:
@@ -139,6 +143,7 @@ class HybridParallelConfig:
             raise TypeError(f"gradient_checkpoint_config={self.gradient_checkpoint!r}: pass a "
                             "meshboost.shardformer.PipelineGradientCheckpointConfig")
         self.fp8_communication = bool(self.fp8_communication)
+        self.moe_router_bias_update_rate = check_rate(self.moe_router_bias_update_rate)
         self._check_combinations()
 
     def _check_combinations(self) -> None:

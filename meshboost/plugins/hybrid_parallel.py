@@ -33,6 +33,8 @@ from meshboost.plugins.ddp_hooks import fp8_refusal, register_counting_allreduce
 from meshboost.plugins.hybrid_zero3 import check_zero3_model, shard_zero3
 from meshboost.plugins import input_checks
 from meshboost.plugins.input_checks import ALWAYS, InputCheck, LabelledItemsGuard, next_pipeline_batch
+from meshboost.plugins.router_bias import RouterBiasBalancer
+from meshboost.plugins.router_bias import check_model as check_router_bias
 from meshboost.plugins.router_statistics import GLOBAL, loss_function, with_global_router_loss
 from meshboost.shardformer import (
     PipelineGradientCheckpointConfig,
@@ -264,6 +266,7 @@ class HybridParallelPlugin(Plugin):
         checkpointed = self._checkpointed_layers(hf)          # pure: raises on every rank alike
         if self.ep_size > 1:
             check_expert_parallel(hf, self.ep_size)           # pure: raises on every rank alike
+        check_router_bias(hf, self.config.moe_router_bias_update_rate)      # pure
         attention = None
         if self.config.sp_size > 1:                              # pure: raises on every rank alike
             attention = check_context(hf, self.config.sp_size, self.tp_size, self.config.sp_mode)
@@ -327,6 +330,10 @@ class HybridParallelPlugin(Plugin):
             optimizer.check_before_update(boosted.items_guard)     # no labelled token: refuse the update
         if stages is not None:
             boosted.pipeline = self._build_schedule(stages, context)
+        if self.config.moe_router_bias_update_rate > 0 and optimizer is not None:   # this stage's routers
+            balancer = RouterBiasBalancer(hf, self.config.moe_router_bias_update_rate,
+                                          self.mesh.group(*self.mesh.dims.grad_axes()))
+            optimizer.check_before_update(balancer.step)     # first in every step(), on every rank
         return boosted, optimizer, criterion, dataloader, lr_scheduler
 
     def _reductions(self, model: nn.Module) -> list[tuple[list, object]]:
