@@ -207,8 +207,10 @@ class HybridParallelConfig:
         return self.zero.stage
 
     @classmethod
-    def of(cls, tp_size: int = 1, pp_size: int = 1, zero_stage: int = 0, precision: str = "fp32", ep_size: int = 1):
+    def of(cls, tp_size: int = 1, pp_size: int = 1, zero_stage: int = 0, precision: str = "fp32", ep_size: int = 1,
+           moe_router_bias_update_rate: float = 0.0):
         """The config of the plugin's shortcuts (`HybridParallelPlugin(tp_size=2, ep_size=2, zero_stage=1,
         precision="fp16")`): every other setting at its default."""
         return cls(tp_size=tp_size, ep_size=ep_size, pipeline=PipelineConfig(pp_size),
-                   precision=PrecisionConfig(precision), zero=ZeroConfig(stage=zero_stage))
+                   precision=PrecisionConfig(precision), zero=ZeroConfig(stage=zero_stage),
+                   moe_router_bias_update_rate=moe_router_bias_update_rate)

@@ -125,7 +125,7 @@ class HybridParallelModule(ModelWrapper):
         return contextlib.nullcontext()
 
 
-SHORTCUTS = ("tp_size", "pp_size", "zero_stage", "precision", "ep_size")
+SHORTCUTS = ("tp_size", "pp_size", "zero_stage", "precision", "ep_size", "moe_router_bias_update_rate")
 
 
 def plugin_config(config, shortcuts: dict, unknown: dict) -> HybridParallelConfig:
@@ -174,9 +174,9 @@ class HybridParallelPlugin(Plugin):
 
     def __init__(self, config: HybridParallelConfig | None = None, *, tp_size: int | None = None,
                  pp_size: int | None = None, zero_stage: int | None = None, precision: str | None = None,
-                 ep_size: int | None = None, **unknown):
+                 ep_size: int | None = None, moe_router_bias_update_rate: float | None = None, **unknown):
         shortcuts = dict(tp_size=tp_size, pp_size=pp_size, zero_stage=zero_stage, precision=precision,
-                         ep_size=ep_size)
+                         ep_size=ep_size, moe_router_bias_update_rate=moe_router_bias_update_rate)
         # Every rank must pass the same arguments; one all-gather of a digest says so (or names the
         # difference) before anything that could differ by rank, so no rank is left hanging.
         agree_settings({"config": config, **shortcuts, **unknown}, "HybridParallelPlugin arguments")
