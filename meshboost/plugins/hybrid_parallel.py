@@ -33,8 +33,7 @@ from meshboost.plugins.ddp_hooks import fp8_refusal, register_counting_allreduce
 from meshboost.plugins.hybrid_zero3 import check_zero3_model, shard_zero3
 from meshboost.plugins import input_checks
 from meshboost.plugins.input_checks import ALWAYS, InputCheck, LabelledItemsGuard, next_pipeline_batch
-from meshboost.plugins.router_bias import RouterBiasBalancer
-from meshboost.plugins.router_bias import check_model as check_router_bias
+from meshboost.plugins.router_bias import check_model as check_router_bias, install as install_router_bias
 from meshboost.plugins.router_statistics import GLOBAL, loss_function, with_global_router_loss
 from meshboost.shardformer import (
     PipelineGradientCheckpointConfig,
@@ -330,10 +329,7 @@ class HybridParallelPlugin(Plugin):
             optimizer.check_before_update(boosted.items_guard)     # no labelled token: refuse the update
         if stages is not None:
             boosted.pipeline = self._build_schedule(stages, context)
-        if self.config.moe_router_bias_update_rate > 0 and optimizer is not None:   # this stage's routers
-            balancer = RouterBiasBalancer(hf, self.config.moe_router_bias_update_rate,
-                                          self.mesh.group(*self.mesh.dims.grad_axes()))
-            optimizer.check_before_update(balancer.step)     # first in every step(), on every rank
+        install_router_bias(hf, optimizer, self.config.moe_router_bias_update_rate, self.mesh)   # plugins/router_bias.py
         return boosted, optimizer, criterion, dataloader, lr_scheduler
 
     def _reductions(self, model: nn.Module) -> list[tuple[list, object]]:
