@@ -51,7 +51,7 @@ def _body(rank, world_size):
         assert any(b.abs().sum() > 0 for b in biases.values())      # the update happened
         for layout in (dict(ep_size=2), dict(tp_size=2), dict(pipeline=PipelineConfig(2, num_microbatches=2))):
             cfg = HybridParallelConfig(**layout, moe_router_bias_update_rate=RATE)
-            _, model, _ = train_boosted(config, batches, cfg, losses, params, f"{family} {layout}")
+            booster, model, _ = train_boosted(config, batches, cfg, losses, params, f"{family} {layout}")
             got = {n: b for n, b in model.unwrap().named_buffers() if n.endswith("e_score_correction_bias")}
             assert got.keys() <= biases.keys()      # a pipeline stage holds its own layers' routers
             held = torch.tensor([len(got)])
@@ -59,6 +59,22 @@ def _body(rank, world_size):
             assert held.item() >= len(biases), f"{family} {layout}: routers held {held.item()} of {len(biases)}"
             for n, b in got.items():
                 torch.testing.assert_close(b, biases[n], rtol=0, atol=1e-7, msg=f"{family} {layout} {n}")
+            if "ep_size" in layout:          # the updated biases travel in the HF folder save_model writes
+                _check_saved(booster, model, biases, f"{family} {layout}")
+
+
+def _check_saved(booster, model, biases, what):
+    import tempfile
+
+    import transformers
+    folder = tempfile.mkdtemp() if torch.distributed.get_rank() == 0 else None
+    box = [folder]
+    torch.distributed.broadcast_object_list(box, src=0)
+    booster.save_model(model, box[0], shard=True)
+    torch.distributed.barrier()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(box[0])
+    for n, b in biases.items():
+        torch.testing.assert_close(loaded.get_buffer(n), b, rtol=0, atol=1e-7, msg=f"{what} saved {n}")
 
 
 def test_router_bias_update():
