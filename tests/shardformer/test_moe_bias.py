@@ -44,6 +44,11 @@ def _whole_with_bias(config, batches):
 
 
 def _body(rank, world_size):
+    from meshboost.booster import Booster
+    plain = build_causal_lm(moe_config("qwen3_moe"))          # no correction bias: refused at boost, every rank
+    with pytest.raises(ValueError, match="moe_router_bias_update_rate=0.01: Qwen3MoeForCausalLM has no router"):
+        Booster(plugin=HybridParallelPlugin(ep_size=2, moe_router_bias_update_rate=RATE)).boost(
+            plain, torch.optim.AdamW(plain.parameters()))
     for family in ("deepseek_v3", "glm4_moe"):
         config = moe_config(family)
         batches = causal_batches(config, steps=3)
