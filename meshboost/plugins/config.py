@@ -20,6 +20,7 @@ from meshboost.optim import PrecisionConfig, ZeroConfig
 from meshboost.pipeline import PipelineConfig
 from meshboost.pipeline.normalization import MODES as NORMALIZATIONS
 from meshboost.pipeline.normalization import TOKENS
+from meshboost.plugins.router_bias import check_rate
 from meshboost.plugins.router_statistics import GLOBAL, REPLICA
 from meshboost.plugins.router_statistics import check_mode as check_router_statistics
 from meshboost.shardformer import PipelineGradientCheckpointConfig, Policy, ShardConfig
@@ -120,6 +121,9 @@ class HybridParallelConfig:
     # float8 training of the linears through torchao (ColossalAI's use_fp8; True: the defaults;
     # shardformer/float8.py, docs/compile.md)
     float8: Float8Config | None = None
+    # DeepSeek-V3's auxiliary-loss-free balancing: every step each router's e_score_correction_bias moves by
+    # rate * sign(mean load - expert load) over the global batch (0: off; plugins/router_bias.py)
+    moe_router_bias_update_rate: float = 0.0
 
     def __post_init__(self):
         self.compile = CompileConfig.of(self.compile)
@@ -149,6 +153,7 @@ class HybridParallelConfig:
             raise TypeError(f"gradient_checkpoint_config={self.gradient_checkpoint!r}: pass a "
                             "meshboost.shardformer.PipelineGradientCheckpointConfig")
         self.fp8_communication = bool(self.fp8_communication)
+        self.moe_router_bias_update_rate = check_rate(self.moe_router_bias_update_rate)
         self._check_combinations()
 
     def _check_combinations(self) -> None:
@@ -218,8 +223,9 @@ class HybridParallelConfig:
 
     @classmethod
     def of(cls, tp_size: int = 1, pp_size: int = 1, zero_stage: int = 0, precision: str = "fp32", ep_size: int = 1,
-           compile=None):
+           compile=None, moe_router_bias_update_rate: float = 0.0):
         """The config of the plugin's shortcuts (`HybridParallelPlugin(tp_size=2, ep_size=2, zero_stage=1,
         precision="fp16", compile=True)`): every other setting at its default."""
         return cls(tp_size=tp_size, ep_size=ep_size, pipeline=PipelineConfig(pp_size),
-                   precision=PrecisionConfig(precision), zero=ZeroConfig(stage=zero_stage), compile=compile)
+                   precision=PrecisionConfig(precision), zero=ZeroConfig(stage=zero_stage), compile=compile,
+                   moe_router_bias_update_rate=moe_router_bias_update_rate)

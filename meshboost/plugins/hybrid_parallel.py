@@ -33,6 +33,7 @@ from meshboost.plugins.ddp_hooks import fp8_refusal, register_counting_allreduce
 from meshboost.plugins.hybrid_zero3 import check_zero3_model, shard_zero3
 from meshboost.plugins import input_checks
 from meshboost.plugins.input_checks import ALWAYS, InputCheck, LabelledItemsGuard, next_pipeline_batch
+from meshboost.plugins.router_bias import check_model as check_router_bias, install as install_router_bias
 from meshboost.plugins.router_statistics import GLOBAL, loss_function, with_global_router_loss
 from meshboost.plugins.speed import apply_compile, apply_float8
 from meshboost.shardformer import (PipelineGradientCheckpointConfig, ShardConfig, ShardFormer, pipeline_layout,
@@ -119,7 +120,7 @@ class HybridParallelModule(ModelWrapper):
         return contextlib.nullcontext()
 
 
-SHORTCUTS = ("tp_size", "pp_size", "zero_stage", "precision", "ep_size", "compile")
+SHORTCUTS = ("tp_size", "pp_size", "zero_stage", "precision", "ep_size", "compile", "moe_router_bias_update_rate")
 
 
 def plugin_config(config, shortcuts: dict, unknown: dict) -> HybridParallelConfig:
@@ -168,9 +169,10 @@ class HybridParallelPlugin(Plugin):
 
     def __init__(self, config: HybridParallelConfig | None = None, *, tp_size: int | None = None,
                  pp_size: int | None = None, zero_stage: int | None = None, precision: str | None = None,
-                 ep_size: int | None = None, compile=None, **unknown):
+                 ep_size: int | None = None, compile=None, moe_router_bias_update_rate: float | None = None,
+                 **unknown):
         shortcuts = dict(tp_size=tp_size, pp_size=pp_size, zero_stage=zero_stage, precision=precision,
-                         ep_size=ep_size, compile=compile)
+                         ep_size=ep_size, compile=compile, moe_router_bias_update_rate=moe_router_bias_update_rate)
         # Every rank must pass the same arguments; one all-gather of a digest says so (or names the
         # difference) before anything that could differ by rank, so no rank is left hanging.
         agree_settings({"config": config, **shortcuts, **unknown}, "HybridParallelPlugin arguments")
@@ -260,6 +262,7 @@ class HybridParallelPlugin(Plugin):
         checkpointed = self._checkpointed_layers(hf)          # pure: raises on every rank alike
         if self.ep_size > 1:
             check_expert_parallel(hf, self.ep_size)           # pure: raises on every rank alike
+        check_router_bias(hf, self.config.moe_router_bias_update_rate)      # pure
         attention = None
         if self.config.sp_size > 1:                              # pure: raises on every rank alike
             attention = check_context(hf, self.config.sp_size, self.tp_size, self.config.sp_mode)
@@ -325,6 +328,7 @@ class HybridParallelPlugin(Plugin):
             optimizer.check_before_update(boosted.items_guard)     # no labelled token: refuse the update
         if stages is not None:
             boosted.pipeline = self._build_schedule(stages, context)
+        install_router_bias(hf, optimizer, self.config.moe_router_bias_update_rate, self.mesh)   # plugins/router_bias.py
         return boosted, optimizer, criterion, dataloader, lr_scheduler
 
     def _reductions(self, model: nn.Module) -> list[tuple[list, object]]:

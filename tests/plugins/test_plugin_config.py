@@ -61,6 +61,7 @@ CHANGES = {
     "zero_bucket_size_in_m": (1, {}, "zero.reduce_bucket_size"),
     "check_inputs": ("first", {}, "check_inputs"),
     "loss_normalization": ("microbatch", {}, "loss_normalization"),
+    "moe_router_bias_update_rate": (1e-3, {}, "moe_router_bias_update_rate"),
     "enable_flash_attention": (True, {}, "sharding.enable_flash_attention"),
     "enable_fused_normalization": (True, {}, "sharding.enable_fused_normalization"),
     "enable_jit_fused": (True, {}, "sharding.enable_jit_fused"),

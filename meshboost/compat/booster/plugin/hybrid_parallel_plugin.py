@@ -93,7 +93,7 @@ def colossalai_config(a: dict) -> HybridParallelConfig:
                       a["check_reduction"], a["gradient_as_bucket_view"], a["static_graph"]),
         gradient_checkpoint=a["gradient_checkpoint_config"], fp8_communication=a["fp8_communication"],
         check_inputs=a["check_inputs"], loss_normalization=a["loss_normalization"], compile=a["compile"],
-        float8=a["use_fp8"])
+        float8=a["use_fp8"], moe_router_bias_update_rate=a["moe_router_bias_update_rate"])
 
 
 class HybridParallelPlugin(CorePlugin):
@@ -119,6 +119,7 @@ class HybridParallelPlugin(CorePlugin):
     find_unused_parameters, ddp_bucket_cap_mb, broadcast_buffers, check_reduction, gradient_as_bucket_view,
         static_graph: `DDPConfig` (torch DDP, used when dp > 1 without ZeRO or pipeline).
     gradient_checkpoint_config: `meshboost.shardformer.PipelineGradientCheckpointConfig`.
+    moe_router_bias_update_rate (keyword-only, Megatron's name): DeepSeek-V3's bias update, docs/moe.md.
     check_inputs ("always" | "first" | "never"), loss_normalization ("tokens" | "microbatch"),
         fp8_communication (CUDA, tp=pp=1, zero 0): as `HybridParallelConfig`.
     compile (meshboost's, not ColossalAI's): True or a `meshboost.shardformer.compile.CompileConfig`, each
@@ -154,7 +155,7 @@ class HybridParallelPlugin(CorePlugin):
                  cpu_offload: bool = False, communication_dtype: torch.dtype | None = None, scheduler_nodes=None,
                  enable_metadata_cache: bool = True, dp_outside: bool = True, overlap_p2p: bool = True,
                  overlap_allgather: bool = False, fp8_communication: bool = False, use_fp8: bool = False,
-                 inner_ring_size: int | None = None, compile=None):
+                 inner_ring_size: int | None = None, compile=None, *, moe_router_bias_update_rate: float = 0.0):
         keywords = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         # The refusals and the configs' checks below raise per rank: the arguments are agreed first.
         agree_settings(keywords, "HybridParallelPlugin arguments")

@@ -111,7 +111,8 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
                  enable_metadata_cache: bool = True, make_vocab_size_divisible_by: int = 64,
                  moe_dp_outside: bool = True, overlap_p2p: bool = True, overlap_allgather: bool = False,
                  fp8_communication: bool = False, use_fp8: bool = False, *, moe_tp_size: int | None = None,
-                 check_inputs: str = "always", loss_normalization: str = "tokens", compile=None):
+                 check_inputs: str = "always", loss_normalization: str = "tokens", compile=None,
+                 moe_router_bias_update_rate: float = 0.0):
         keywords = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         # The refusals and the configs' checks below raise per rank: the arguments are agreed first.
         agree_settings(keywords, "MoeHybridParallelPlugin arguments")

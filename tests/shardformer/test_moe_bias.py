@@ -1,0 +1,104 @@
+"""DeepSeek-V3's auxiliary-loss-free bias update (`moe_router_bias_update_rate`) against one process: the
+reference trains the unsharded model on the whole global batch, counts each router's top-k loads with its
+own hook and applies bias += rate * sign(mean - load) after every step; the boosted run (ep=2, tp=2) must
+give the same losses, weights and biases after 3 steps. A rate on a model without biases is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshboost.pipeline import PipelineConfig
+from meshboost.plugins import HybridParallelConfig, HybridParallelPlugin
+from meshboost.testing import spawn
+from meshboost.testing.moe import LR, EPS, build_causal_lm, causal_batches, moe_config, train_boosted
+
+RATE = 1e-2
+
+
+def _whole_with_bias(config, batches):
+    """One process: AdamW on the whole batches, then every router's bias moved by the loads it routed."""
+    model = build_causal_lm(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    gates = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+    loads = {id(g): torch.zeros(g.e_score_correction_bias.numel()) for g in gates}
+
+    def count(module, args, out):           # the router's selected expert ids: (logits, weights, ids)
+        loads[id(module)] += torch.bincount(out[2].reshape(-1), minlength=loads[id(module)].numel()).float()
+    hooks = [g.register_forward_hook(count) for g in gates]
+    losses = []
+    for b in batches:
+        loss = model(**b).loss
+        loss.backward()
+        opt.step(), opt.zero_grad()
+        with torch.no_grad():
+            for g in gates:
+                load = loads[id(g)]
+                g.e_score_correction_bias += RATE * torch.sign(load.mean() - load)
+                load.zero_()
+        losses.append(loss.item())
+    for h in hooks:
+        h.remove()
+    return losses, dict(model.named_parameters()), {n: b.clone() for n, b in model.named_buffers()
+                                                    if n.endswith("e_score_correction_bias")}
+
+
+def _body(rank, world_size):
+    from meshboost.booster import Booster
+    plain = build_causal_lm(moe_config("qwen3_moe"))          # no correction bias: refused at boost, every rank
+    with pytest.raises(ValueError, match="moe_router_bias_update_rate=0.01: Qwen3MoeForCausalLM has no router"):
+        Booster(plugin=HybridParallelPlugin(ep_size=2, moe_router_bias_update_rate=RATE)).boost(
+            plain, torch.optim.AdamW(plain.parameters()))
+    for family in ("deepseek_v3", "glm4_moe"):
+        config = moe_config(family)
+        batches = causal_batches(config, steps=3)
+        losses, params, biases = _whole_with_bias(config, batches)
+        assert any(b.abs().sum() > 0 for b in biases.values())      # the update happened
+        for layout in (dict(ep_size=2), dict(tp_size=2), dict(pipeline=PipelineConfig(2, num_microbatches=2))):
+            cfg = HybridParallelConfig(**layout, moe_router_bias_update_rate=RATE)
+            booster, model, _ = train_boosted(config, batches, cfg, losses, params, f"{family} {layout}")
+            got = {n: b for n, b in model.unwrap().named_buffers() if n.endswith("e_score_correction_bias")}
+            assert got.keys() <= biases.keys()      # a pipeline stage holds its own layers' routers
+            held = torch.tensor([len(got)])
+            torch.distributed.all_reduce(held)
+            assert held.item() >= len(biases), f"{family} {layout}: routers held {held.item()} of {len(biases)}"
+            for n, b in got.items():
+                torch.testing.assert_close(b, biases[n], rtol=0, atol=1e-7, msg=f"{family} {layout} {n}")
+            if "ep_size" in layout:          # the updated biases travel in the HF folder save_model writes
+                _check_saved(booster, model, biases, f"{family} {layout}")
+
+
+def _check_saved(booster, model, biases, what):
+    import tempfile
+
+    import transformers
+    folder = tempfile.mkdtemp() if torch.distributed.get_rank() == 0 else None
+    box = [folder]
+    torch.distributed.broadcast_object_list(box, src=0)
+    booster.save_model(model, box[0], shard=True)
+    torch.distributed.barrier()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(box[0])
+    for n, b in biases.items():
+        torch.testing.assert_close(loaded.get_buffer(n), b, rtol=0, atol=1e-7, msg=f"{what} saved {n}")
+
+
+def test_router_bias_update():
+    spawn(_body, 2)
+
+
+def test_flat_keywords():
+    from meshboost.booster.plugin.hybrid_parallel_plugin import colossalai_config
+    from meshboost.booster.plugin.moe_hybrid_parallel_plugin import MoeHybridParallelPlugin
+    import inspect
+    assert "moe_router_bias_update_rate" in inspect.signature(MoeHybridParallelPlugin.__init__).parameters
+    assert "moe_router_bias_update_rate" in inspect.signature(HybridParallelPlugin.__init__).parameters
+    assert HybridParallelConfig.of(moe_router_bias_update_rate=RATE).moe_router_bias_update_rate == RATE
+
+
+def test_rate_without_correction_bias_refused():
+    config = moe_config("qwen3_moe")
+    from meshboost.plugins.router_bias import check_model
+    with pytest.raises(ValueError, match="moe_router_bias_update_rate=0.01: Qwen3MoeForCausalLM has no router"):
+        check_model(build_causal_lm(config), RATE)
+    with pytest.raises(ValueError, match="moe_router_bias_update_rate=-1"):
+        HybridParallelConfig(moe_router_bias_update_rate=-1)
