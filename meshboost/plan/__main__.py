@@ -17,26 +17,45 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from meshboost.plan.cost import CostConstants
 from meshboost.plan.layout import parse_layout
 from meshboost.plan.model import parse_overrides
+from meshboost.plan.advice import nothing_fits
 from meshboost.plan.planner import GIB, MEMORY_KEYS, Planner, _default_batching
 
 
+EXAMPLE = """example (Llama-2-7B on one node of 8 80 GiB GPUs; then one layout of the table explained):
+  python -m meshboost.plan --model llama --set hidden_size=4096,intermediate_size=11008,num_hidden_layers=32,\\
+      num_attention_heads=32,num_key_value_heads=32,vocab_size=32000,max_position_embeddings=4096 \\
+      --gpus 8 --memory-gb 80 --seq 4096 --global-batch 64
+  python -m meshboost.plan --model llama --set ... --layout tp=2,pp=1,dp=4,zero=1,bf16,mb=2x8,ckpt
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's conventions (exit status 2) with every error on one line: `meshboost.plan: error: ...`."""
+
+    def error(self, message):
+        self.exit(2, f"meshboost.plan: error: {' '.join(str(message).split())}\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m meshboost.plan", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="python -m meshboost.plan", description=__doc__.split("\n\n")[0], epilog=EXAMPLE,
+                        formatter_class=_Formatter)
     p.add_argument("--model", default=None, help="HF model folder, config.json path, or model type (llama, gpt2, ...)")
     p.add_argument("--set", default="", help="config overrides key=value,key=value")
     p.add_argument("--architecture", default=None, help="transformers class (default: the config's, else causal LM)")
-    p.add_argument("--gpus", type=int, default=8)
-    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus", type=int, default=8, help="devices in the world")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (each holds gpus / nodes devices)")
     p.add_argument("--memory-gb", type=float, default=80.0, help="device memory in GiB")
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--global-batch", type=int, default=8)
-    p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
-    p.add_argument("--layout", default=None, help="explain one layout: tp=2,pp=2,zero=1,mb=4,ckpt=1,...")
+    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
+    p.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step")
+    p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"), help="training precision")
+    p.add_argument("--layout", default=None, help="explain one layout: tp=2,pp=2,zero=1,mb=4,ckpt=1,... or a table "
+                   "row (tp=2,pp=1,dp=4,zero=1,bf16,mb=2x8,ckpt)")
     p.add_argument("--top", type=int, default=10, help="rows of the ranking to print (table output)")
     p.add_argument("--all", action="store_true", help="also list layouts that do not fit")
     p.add_argument("--json", action="store_true", help="print a JSON list of estimates")
@@ -48,8 +67,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action="store_true",
                    help="measure flop/s, collective bandwidths and latencies, overheads on this machine and print them")
     p.add_argument("--calibration", default=None, metavar="FILE", help="with --calibrate: write the constants here")
-    p.add_argument("--world", type=int, default=2, help="with --calibrate: processes to spawn (default 2)")
+    p.add_argument("--world", type=int, default=2, help="with --calibrate: processes to spawn")
     return p
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown after each option; the example kept as written."""
+
+
+def _check_numbers(parser, args) -> None:
+    """The numbers argparse's types let through that no plan can use (one-line errors, exit 2)."""
+    for flag, value in (("--top", args.top), ("--world", args.world)):
+        if value < 1:
+            parser.error(f"{flag} {value}: pass 1 or more")
+    for flag, value in (("--flops", args.flops), ("--intra-bw", args.intra_bw), ("--inter-bw", args.inter_bw)):
+        if value is not None and not value > 0:
+            parser.error(f"{flag} {value:g}: pass a positive rate (or leave it out for the constants' own)")
+    for flag, path in (("--constants", args.constants),):
+        if path is not None and not os.path.isfile(path):
+            parser.error(f"{flag} {path}: no such file (write one with --calibrate --calibration {path})")
 
 
 def _constants(args) -> CostConstants:
@@ -114,27 +150,48 @@ def main(argv=None) -> int:
             print(f"written to {args.calibration} (read it with --constants {args.calibration})", file=sys.stderr)
         return 0
     if args.model is None:
-        parser.error("--model is required (unless --calibrate)")
-    planner = Planner(args.model, parse_overrides(args.set), architecture=args.architecture, gpus=args.gpus,
-                      nodes=args.nodes, memory_gb=args.memory_gb, seq=args.seq, global_batch=args.global_batch,
-                      precision=args.precision, constants=_constants(args))
+        parser.error("--model is required (unless --calibrate): an HF model folder, its config.json, or a model type")
+    _check_numbers(parser, args)
+    try:
+        planner = Planner(args.model, parse_overrides(args.set), architecture=args.architecture, gpus=args.gpus,
+                          nodes=args.nodes, memory_gb=args.memory_gb, seq=args.seq, global_batch=args.global_batch,
+                          precision=args.precision, constants=_constants(args))
+    except (ValueError, TypeError, NotImplementedError, OSError) as exc:
+        parser.error(str(exc))
     if args.layout is not None:
         try:
             layout = parse_layout(args.layout, precision=args.precision, **_default_batching(planner, args.layout))
             estimate = planner.explain(layout)
         except (ValueError, NotImplementedError, TypeError) as exc:
-            print(f"refused: {type(exc).__name__}: {exc}", file=sys.stderr)
-            return 2
+            parser.error(f"--layout {args.layout}: refused: {type(exc).__name__}: {exc}")
         print(json.dumps([estimate.as_dict()], indent=1) if args.json else _explained(estimate, planner.constants))
         return 0
-    estimates, refused = planner.rank(include_unfit=args.all)
+    return _ranking(parser, args, planner)
+
+
+def _ranking(parser, args, planner) -> int:
+    estimates, refused = planner.rank(include_unfit=True)
+    fitting = [e for e in estimates if e.fits]
+    shown = estimates if args.all else fitting
+    if not fitting and estimates:
+        advice = nothing_fits(planner, estimates)
+        if not args.json:
+            print("\n".join(advice.lines(planner)))
+        else:
+            print(json.dumps([], indent=1))
+        parser.error(f"no layout fits --memory-gb {args.memory_gb:g} on --gpus {args.gpus}: the smallest, "
+                     f"{advice.smallest.layout.describe()}, needs {advice.need_gib(planner):.2f} GiB per device; "
+                     f"fix: {advice.fix(planner)}")
+    if not estimates:
+        reasons = sorted({why for _, why in refused})
+        parser.error(f"every one of {len(refused)} layouts is refused, e.g. {reasons[0] if reasons else '?'}")
     if args.json:
-        print(json.dumps([e.as_dict() for e in estimates], indent=1))
+        print(json.dumps([e.as_dict() for e in shown], indent=1))
         return 0
     print(f"{type(planner.config).__name__} ({planner.cls.__name__}), {planner.num_layers} layers, "
           f"{args.gpus} GPUs of {args.memory_gb:g} GiB, seq {args.seq}, global batch {args.global_batch}: "
-          f"{len([e for e in estimates if e.fits])} layouts fit, {len(refused)} refused")
-    print(_table(estimates[:args.top]))
+          f"{len(fitting)} layouts fit, {len(refused)} refused")
+    print(_table(shown[:args.top]))
     print(f"cost constants: {planner.constants.source}")
     return 0
 

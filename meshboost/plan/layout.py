@@ -63,7 +63,7 @@ class Layout:
         return asdict(self)
 
     def describe(self) -> str:
-        ckpt = ",ckpt" if self.checkpointing else ""
+        ckpt = (",ckpt" if self.checkpointing else "") + (",offload" if self.cpu_offload else "")
         ep = f",ep={self.ep}" if self.ep > 1 else ""
         ep += f",chunks={self.num_model_chunks}" if self.num_model_chunks > 1 else ""
         ep += f",sp={self.sp}({self.sp_mode})" if self.sp > 1 else ",sp=split_gather" if self.sequence_parallel else ""
@@ -75,23 +75,59 @@ KEYS = {"tp": int, "pp": int, "dp": int, "ep": int, "sp": int, "sp_mode": str, "
         "microbatches": int, "mb": int, "microbatch_size": int, "checkpointing": bool, "ckpt": bool,
         "cpu_offload": bool, "offload": bool, "chunks": int, "num_model_chunks": int}
 ALIASES = {"mb": "microbatches", "ckpt": "checkpointing", "offload": "cpu_offload", "chunks": "num_model_chunks"}
+FLAGS = ("ckpt", "checkpointing", "offload", "cpu_offload")     # a bare name means =1 (describe() writes them so)
+
+
+def layout_fields(text: str) -> dict:
+    """The fields `text` names, in `--layout`'s syntax or `Layout.describe()`'s (so a table row is
+    accepted back): key=value items, a bare precision (`bf16`), bare flags (`ckpt`, `offload`),
+    `mb=MxS` (micro-batches x their size), `sp=N(mode)` and `sp=split_gather`."""
+    out: dict = {}
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, sep, raw = (part.strip() for part in item.partition("="))
+        if not sep and key in PRECISIONS:
+            out["precision"] = key
+            continue
+        if not sep and key in FLAGS:
+            key, raw = key, "1"
+        elif not sep or key not in KEYS:
+            raise ValueError(f"--layout item {item!r}: expected key=value with key in {sorted(KEYS)}, a precision "
+                             f"({', '.join(PRECISIONS)}) or a flag ({', '.join(FLAGS)})")
+        out.update(_field(key, raw, item))
+    return out
+
+
+def _field(key: str, raw: str, item: str) -> dict:
+    """One item's fields (the describe() forms of mb and sp included)."""
+    if key == "mb" and "x" in raw:
+        count, _, size = raw.partition("x")
+        return {"microbatches": _number(count, item, 1), "microbatch_size": _number(size, item, 1)}
+    if key == "sp" and raw == SPLIT_GATHER:
+        return {"sp_mode": SPLIT_GATHER}
+    if key == "sp" and raw.endswith(")") and "(" in raw:
+        size, _, mode = raw[:-1].partition("(")
+        return {"sp": _number(size, item, 1), "sp_mode": mode}
+    kind = KEYS[key]
+    if kind is bool:
+        if raw.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            raise ValueError(f"--layout item {item!r}: expected {key}=1 or {key}=0")
+        return {ALIASES.get(key, key): raw.lower() in ("1", "true", "yes", "on")}
+    return {ALIASES.get(key, key): _number(raw, item, 0 if key == "zero" else 1) if kind is int else raw}
+
+
+def _number(raw: str, item: str, low: int) -> int:
+    if not raw.strip().isdigit() or int(raw) < low:
+        raise ValueError(f"--layout item {item!r}: {raw!r} is not a whole number >= {low}")
+    return int(raw)
 
 
 def parse_layout(text: str, **defaults) -> Layout:
-    """'tp=2,pp=2,zero=1,ckpt=1' -> a Layout (unnamed fields from `defaults`, then Layout's)."""
-    values = dict(defaults)
-    for item in text.split(","):
-        if not item.strip():
-            continue
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or key not in KEYS:
-            raise ValueError(f"--layout item {item!r}: expected key=value with key in {sorted(KEYS)}")
-        kind = KEYS[key]
-        raw = raw.strip()
-        value = raw.lower() in ("1", "true", "yes", "on") if kind is bool else kind(raw)
-        values[ALIASES.get(key, key)] = value
-    return Layout(**values)
+    """'tp=2,pp=2,zero=1,ckpt=1' (or a table row's 'tp=2,pp=1,dp=4,zero=1,bf16,mb=1x8,ckpt') -> a Layout
+    (unnamed fields from `defaults`, then Layout's)."""
+    return Layout(**{**defaults, **layout_fields(text)})
 
 
 def plugin_config(layout: Layout):

@@ -45,8 +45,10 @@ def _value(text: str):
 
 def load_config(model: str, overrides: dict | None = None):
     """The transformers config for `model`: a folder holding config.json, a config.json file, or a
-    model type (`llama`, `gpt2`, ...) built with `AutoConfig.for_model`. Never downloads."""
-    from transformers import AutoConfig, PretrainedConfig
+    model type (`llama`, `gpt2`, ...) built with `AutoConfig.for_model`. Never downloads. A path that
+    does not exist, a model type transformers does not know, corrupt JSON and a field of the wrong type
+    raise a one-line ValueError naming the value and the fix."""
+    from transformers import PretrainedConfig
 
     overrides = dict(overrides or {})
     if isinstance(model, PretrainedConfig):
@@ -56,14 +58,58 @@ def load_config(model: str, overrides: dict | None = None):
         return config
     path = os.path.join(model, "config.json") if os.path.isdir(model) else model
     if os.path.isfile(path):
-        with open(path) as f:
-            raw = json.load(f)
+        raw = _read_json(path)
         model_type = raw.pop("model_type", None)
         if model_type is None:
-            raise ValueError(f"{path} has no model_type; cannot tell which transformers config to build")
+            raise ValueError(f"{path} has no model_type; cannot tell which transformers config to build "
+                             "(add \"model_type\": \"llama\" or the like to it)")
         raw.update(overrides)
-        return AutoConfig.for_model(model_type, **raw)
-    return AutoConfig.for_model(model, **overrides)
+        return _for_model(_known_type(model_type, f"{path}'s model_type"), raw, path)
+    if os.sep in model or model.endswith(".json") or os.path.isdir(model):
+        where = f"{model} holds no config.json" if os.path.isdir(model) else f"no such file: {model}"
+        raise ValueError(f"--model {model}: {where}; pass an HF model folder, its config.json, or a model type "
+                         "(llama, gpt2, ...)")
+    return _for_model(_known_type(model, f"--model {model}"), overrides, "--set")
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); "
+                         "fix the file (or pass a model type with --set overrides)") from None
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} holds a JSON {type(raw).__name__}, not an object of config fields")
+    return raw
+
+
+def _known_type(model_type, what: str) -> str:
+    """`model_type` if transformers knows it, else a ValueError with the closest names (not the list)."""
+    import difflib
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
+        return model_type
+    close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(close)}?" if close else "see transformers' CONFIG_MAPPING for the model types"
+    raise ValueError(f"{what}: {model_type!r} is not a model type transformers knows; {hint}")
+
+
+def _for_model(model_type: str, fields: dict, source: str):
+    """`AutoConfig.for_model`, its field errors (a str where an int belongs, ...) on one line."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except (TypeError, ValueError, StrictDataclassError) as exc:
+        detail = " ".join(str(exc).split())
+        raise ValueError(f"{model_type} config from {source} refused by transformers: {detail}; "
+                         "fix that field's value") from None
 
 
 def model_class(config, architecture: str | None = None):

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from meshboost.plan import activations, cost, emulate, memory, params, sharded
+from meshboost.plan.checks import check_cluster, check_sequence
 from meshboost.plan.layout import (
     Layout,
     enumerate_layouts,
@@ -70,12 +71,12 @@ class Planner:
                  nodes: int = 1, memory_gb: float = 80.0, seq: int = 2048, global_batch: int = 8,
                  precision: str = "bf16", headroom: float = 0.9, constants: cost.CostConstants | None = None,
                  make_vocab_size_divisible_by: int = 64):
+        check_cluster(gpus, nodes, memory_gb, global_batch)
         self.config = load_config(model, overrides)
         self.cls = model_class(self.config, architecture)
         self.meta = build_meta_model(self.config, architecture)
+        check_sequence(self.meta, seq)
         self.gpus, self.nodes = gpus, nodes
-        if gpus % nodes:
-            raise ValueError(f"--gpus {gpus} is not divisible by --nodes {nodes}")
         self.gpus_per_node = gpus // nodes
         self.memory_bytes = memory_gb * GIB
         self.seq, self.global_batch, self.precision = seq, global_batch, precision
@@ -379,17 +380,17 @@ def _default_batching(planner: Planner, text: str) -> dict:
     """dp, micro-batches and micro-batch size a --layout leaves out: dp from the world, micro-batches of
     one sequence (or as many as the given micro-batch size leaves), so that dp x microbatches x
     microbatch_size is the global batch."""
-    from meshboost.plan.layout import parse_layout
+    from meshboost.plan.layout import layout_fields, parse_layout
 
     given = parse_layout(text)
-    named = {item.split("=")[0].strip() for item in text.split(",") if "=" in item}
+    named = set(layout_fields(text))
     out = {}
     dp = given.dp
     if "dp" not in named:
         dp = max(1, planner.gpus // (given.tp * given.pp * given.sp))
         out["dp"] = dp
     per_replica = max(1, planner.global_batch // dp)
-    if named & {"microbatches", "mb"}:
+    if "microbatches" in named:
         if "microbatch_size" not in named:
             out["microbatch_size"] = max(1, per_replica // given.microbatches)
     else:
