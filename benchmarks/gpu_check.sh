@@ -53,8 +53,8 @@ if [ "$DRY" = 1 ]; then
   timeout 240 "$PY" benchmarks/gpu_mfu.py --dry-run
   timeout 120 "$PY" benchmarks/release_check.py --dry-run    # memory before the first boost, after the last drop
 else
-  timeout 420 "$PY" benchmarks/gpu_mfu.py --row-timeout 120
   timeout 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/release_check.py
+  timeout 420 "$PY" benchmarks/gpu_mfu.py --row-timeout 120
 fi
 step "5/5 planner: predicted memory per rank against max_memory_allocated"
 if [ "$DRY" = 1 ]; then
