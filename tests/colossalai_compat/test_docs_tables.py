@@ -73,7 +73,7 @@ def test_docs_keyword_tables_match_the_plugins(heading):
 
 def test_configs_md_counts_the_shortcuts():
     text = (DOCS / "configs.md").read_text()
-    words = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six"}
+    words = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight"}
     assert f"The {words[len(SHORTCUTS)]} shortcuts" in text
     for name in SHORTCUTS:
         assert f"`{name}`" in text.split(f"The {words[len(SHORTCUTS)]} shortcuts", 1)[1].split("\n\n", 1)[0]
