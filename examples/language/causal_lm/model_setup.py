@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 # --model-config FAMILY --size SIZE: transformers config fields (random weights; no download).
 SIZES = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -56,8 +58,14 @@ def build_model(args, config):
     from transformers import AutoModelForCausalLM
 
     from meshboost.lazy import LazyInitContext
-    with LazyInitContext(seed=args.seed):
+    if args.lora:
+        # peft's adapters on a LazyInitContext model still leave a meta tensor behind at tp > 1 ("Tensor
+        # on device meta is not on the expected device"): with --lora the base is built whole, seeded.
+        torch.manual_seed(args.seed)
         model = AutoModelForCausalLM.from_config(config)
+    else:
+        with LazyInitContext(seed=args.seed):
+            model = AutoModelForCausalLM.from_config(config)
     if args.checkpointing:
         model.gradient_checkpointing_enable()
     return model
