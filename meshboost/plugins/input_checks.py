@@ -132,7 +132,10 @@ def learned_position_limit(model: nn.Module) -> PositionLimit | None:
     limit, width = getattr(text, "max_position_embeddings", None), getattr(text, "hidden_size", None)
     if not isinstance(limit, int) or not hasattr(model, "get_input_embeddings"):
         return None
-    words = model.get_input_embeddings()
+    try:
+        words = model.get_input_embeddings()
+    except NotImplementedError:     # transformers' default raises for some composites (BLIP-2)
+        return None
     for module in model.modules():
         if (isinstance(module, nn.Embedding) and module is not words and module.num_embeddings == limit
                 and width in (None, module.embedding_dim)):
