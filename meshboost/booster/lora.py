@@ -47,7 +47,8 @@ def require_peft():
     try:
         import peft
     except ImportError as e:
-        raise ImportError("LoRA needs HuggingFace peft: pip install peft (or pip install meshboost[lora])") from e
+        raise ImportError("LoRA needs HuggingFace peft: pip install peft (or pip install -e '.[lora]' from a "
+                          "meshboost clone)") from e
     return peft
 
 

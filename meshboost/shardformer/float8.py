@@ -29,7 +29,7 @@ FLOAT8_MULTIPLE = 16
 
 @dataclass(frozen=True)
 class Float8Config:
-    """float8 training of the model's linears (torchao, `pip install meshboost[fp8]`)."""
+    """float8 training of the model's linears (torchao: `pip install torchao`, or the `fp8` extra from a clone)."""
 
     # "tensorwise": one scale per tensor (float8 all-gather under zero_stage=3); "rowwise": one per row
     recipe: str = "tensorwise"
@@ -65,8 +65,8 @@ def torchao_float8():
         import torchao.float8 as float8
     except ImportError as e:
         raise ImportError("float8 training (use_fp8=True / Float8Config) runs on torchao's float8 linears, and torchao "
-                          f"is not importable ({e}); install it with `pip install meshboost[fp8]` (or `pip install "
-                          "torchao`), or train without float8") from e
+                          f"is not importable ({e}); install it with `pip install torchao` (or `pip install -e "
+                          "'.[fp8]'` from a meshboost clone), or train without float8") from e
     return float8
 
 

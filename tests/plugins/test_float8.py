@@ -130,5 +130,5 @@ def test_float8_conversion_and_refusals(monkeypatch):
     assert HybridParallelConfig(float8=True).float8 == Float8Config()
     assert copy.deepcopy(Float8Config()) == Float8Config()
     monkeypatch.setitem(sys.modules, "torchao.float8", None)          # torchao missing: say how to install it
-    with pytest.raises(ImportError, match=r"pip install meshboost\[fp8\]"):
+    with pytest.raises(ImportError, match=r"pip install torchao"):
         HybridParallelConfig(float8=True)
