@@ -235,6 +235,10 @@ def comm_per_step(layout, hidden: int, layers_held: int, first: bool, last: bool
     for axis in ("tp", "pp", "sp"):
         if getattr(layout, axis) > 1:
             out[axis].append(("all_gather", calls * INPUT_CHECK_BYTES * getattr(layout, axis)))
+    if layout.ep > 1 and layout.pp == 1 and layout.dp > 1:
+        # refuse_empty_batch: one int32 per dp rank, all-gathered over dp per forward call (the counter
+        # files dp's group under ep when the two hold the same ranks)
+        out["ep" if layout.dp == layout.ep else "dp"].append(("all_gather", m * 4 * layout.dp))
     if layout.pp > 1:
         # interleaved: every chunk sends on, but the last rank's last chunk (forward) and the first
         # rank's first chunk (backward)
@@ -243,8 +247,8 @@ def comm_per_step(layout, hidden: int, layers_held: int, first: bool, last: bool
         forward = (v - (1 if last else 0)) * m * (boundary + P2P_HEADER_BYTES)
         backward = (v - (1 if first else 0)) * m * boundary
         out["pp"].append(("send", forward + backward))
-        # next_pipeline_batch's agreement over the world: 3 int64 per step (the world group's label)
-        out["pp"].append(("all_reduce", 24))
+        # next_pipeline_batch's agreement over the world: 5 int64 per step (the world group's label)
+        out["pp"].append(("all_reduce", 40))
         out["pp"].append(("broadcast", 4))       # the step's loss (fp32) from the last stage to every stage
         if tied_numel:
             out["pp"].append(("all_reduce", tied_numel * w))
