@@ -109,7 +109,9 @@ class BlockRegion:
 
     def _enter_first(self, x: torch.Tensor, seq_parallel: bool) -> torch.Tensor:
         """The block's first input through its collective, with the columns' weight gradients deferred
-        to it (the overlap: layers/overlap.py)."""
+        to it (the overlap: layers/overlap.py). Not under torch.compile: the per-call record and its
+        weak references would be per-layer guards (a recompile per block); compiled blocks take the
+        plain collective and autograd's own weight gradients."""
         from meshboost.shardformer.layers.overlap import enter_block      # layers import this module
         columns = [c for c in (r() for r in self._columns) if c is not None]
         out, deferred = enter_block(x, self.group, seq_parallel, columns)
@@ -130,8 +132,12 @@ class BlockRegion:
         (the first input's overlapped with the weight gradients of the columns inside)."""
         self._deferred = None
 
+        overlap = not torch.compiler.is_compiling()     # see _enter_first
+
         def enter(t):
-            return comm.copy_to_tp(t, self.group) if self._deferred is not None else self._enter_first(t, False)
+            if self._deferred is not None or not overlap:
+                return comm.copy_to_tp(t, self.group)
+            return self._enter_first(t, False)
         args = tuple(enter(a) if torch.is_tensor(a) and a.requires_grad else a for a in args)
         for key in self.kwarg_names:
             value = kwargs.get(key)
@@ -150,7 +156,7 @@ class BlockRegion:
         def gather(t):
             if not (torch.is_tensor(t) and t.is_floating_point() and t.dim() == 3):
                 return None
-            if self._deferred is None and t.requires_grad:
+            if self._deferred is None and t.requires_grad and not torch.compiler.is_compiling():
                 return self._enter_first(t, True)
             return comm.gather_from_seq(t, self.group, dim=1)
         done = []

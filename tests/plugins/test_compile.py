@@ -117,8 +117,9 @@ def _layouts(rank, world):
         ("dp=2 ZeRO-2", _llama(), HybridParallelConfig(zero=ZeroConfig(stage=2), compile=EAGER), 1),
         ("dp=2 ZeRO-3", _llama(), HybridParallelConfig(zero=ZeroConfig(stage=3), compile=EAGER), 1),
         ("cp=2", _llama(), HybridParallelConfig(sp_size=2, compile=EAGER), 1),
-        # frozen embeddings: the first block's input needs no gradient, the others' do (two graphs, for 3 blocks)
-        ("tp=2 LoRA", _llama(layers=3, lora=True), HybridParallelConfig(tp_size=2, compile=EAGER), 2),
+        # LoRA: the adapters reach their layer through weak methods (a dropped model is freed at once, issue
+        # 37), which dynamo breaks the graph on: several graphs per block, but still none after step 2
+        ("tp=2 LoRA", _llama(layers=3, lora=True), HybridParallelConfig(tp_size=2, compile=EAGER), None),
         ("tp=2 activation checkpointing", _llama(checkpointing=True), HybridParallelConfig(tp_size=2,
                                                                                           compile=EAGER), 1),
         ("ep=2 ZeRO-1", _moe, HybridParallelConfig(ep_size=2, zero=ZeroConfig(stage=1), compile=EAGER), None),

@@ -249,6 +249,11 @@ class ColumnParallelLinear(_ParallelLinearBase):
     def _block_product(self, x: torch.Tensor) -> torch.Tensor:
         """The product on an input that already passed a collective: the block's own input (its weight
         gradient then computed while the block's collective runs, layers/overlap.py) or any other."""
+        # Under torch.compile (regional compile, shardformer/compile.py) the plain product: the overlap's
+        # per-call identity check on the block's region would become a per-layer guard (a recompile per
+        # block); the block's input node then finds nothing deferred and autograd computes the weight grad.
+        if torch.compiler.is_compiling():
+            return self._matmul(x, self.bias)
         deferred = self.role.region.deferred_for(x) if self.role.region is not None else None
         y = deferred_linear(x, self.weight, self.bias, deferred, self.conv1d) if deferred is not None else None
         return self._matmul(x, self.bias) if y is None else y
