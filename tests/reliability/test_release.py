@@ -191,6 +191,11 @@ def _body(rank, world):
     gc.disable()         # "at once" means by reference counting alone
     global CHECKPOINTS
     CHECKPOINTS = os.path.join(tempfile.gettempdir(), f"meshboost_release_{os.environ['MASTER_PORT']}")
+    # Build each family once outside the tracked frames: its transformers modules are imported on first
+    # use (meshboost imports no family eagerly), and an import that keeps a caught exception keeps the
+    # traceback's frames, the caller's locals included: that would be transformers' import, not a leak
+    for family in sorted({family for _, family, _ in LAYOUTS.values()}):
+        build_causal_lm(_config(family))
     try:
         for name in LAYOUTS:
             _drop_all(name, keep_booster=False)
