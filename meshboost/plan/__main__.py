@@ -138,6 +138,10 @@ def _explained(e, constants=None) -> str:
 def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    # A bad input is one line: transformers' config warnings (token ids outside a --set vocabulary, ...)
+    # are not the planner's to print, and they come only on a process's first config, so not always.
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
     if args.calibrate:
         from dataclasses import asdict
 
