@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from meshboost.shardformer.optimizations import say
+from meshboost.shardformer.shard_config import switch_config
 from meshboost.shardformer.rng import get_tp_rank_rng, remove_tp_rank_rng
 
 # torch.compile's modes (None: its default)
@@ -63,13 +64,7 @@ class CompileConfig:
     @classmethod
     def of(cls, value) -> "CompileConfig | None":
         """The config for the plugin's `compile=` argument: True (the defaults), False / None (off), or a config."""
-        if value is None or value is False:
-            return None
-        if value is True:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        raise TypeError(f"compile={value!r}: pass True, False or a meshboost.shardformer.CompileConfig")
+        return switch_config(cls, value, "compile")
 
     def kwargs(self) -> dict:
         out = dict(backend=self.backend, fullgraph=self.fullgraph, dynamic=self.dynamic)

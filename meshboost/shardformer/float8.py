@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from meshboost.shardformer.optimizations import say
+from meshboost.shardformer.shard_config import switch_config
 
 RECIPES = ("tensorwise", "rowwise")
 # torchao's float8 matmul needs both dimensions of a weight to be multiples of this
@@ -50,13 +51,7 @@ class Float8Config:
     @classmethod
     def of(cls, value) -> "Float8Config | None":
         """The config for the plugin's `float8=` / ColossalAI's `use_fp8=`: True, False / None, or a config."""
-        if value is None or value is False:
-            return None
-        if value is True:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        raise TypeError(f"float8={value!r}: pass True, False or a meshboost.shardformer.float8.Float8Config")
+        return switch_config(cls, value, "float8")
 
 
 def torchao_float8():

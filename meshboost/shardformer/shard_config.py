@@ -139,3 +139,16 @@ class PipelineGradientCheckpointConfig:
         stages = self.num_stages or 1
         chunks = self.num_model_chunks or 1
         return self.layers_to_checkpoint(model_chunk_id * stages + stage, num_layers, stages * chunks)
+
+
+def switch_config(cls, value, keyword: str):
+    """A plugin switch that takes True (`cls()`, the defaults), False / None (off) or a `cls` instance:
+    `compile=` (CompileConfig), `float8=` / ColossalAI's `use_fp8=` (Float8Config)."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    raise TypeError(f"{keyword}={value!r}: pass True, False or a {cls.__module__}.{cls.__name__}")
+
