@@ -26,49 +26,19 @@ import contextlib
 
 import torch
 
+from meshboost.distributed.generators import device_generators
+
 # The reseed is drawn below 2**32: the CPU generator reads only the low 32 bits of a seed, and a
 # seed this small carries none of the top-bit tags with which shardformer/rng.py marks its
 # per-rank streams, so the rank is on the shared stream again.
 _SEED_RANGE = 1 << 32
 
 
-class _ModuleGenerator:
-    """A device module without a `default_generators` list (MPS): its state and seed functions."""
-
-    def __init__(self, module):
-        self.module = module
-
-    def get_state(self) -> torch.Tensor:
-        return self.module.get_rng_state()
-
-    def set_state(self, state: torch.Tensor) -> None:
-        self.module.set_rng_state(state)
-
-    def manual_seed(self, seed: int) -> None:
-        self.module.manual_seed(seed)
-
-
-def _generators(device: torch.device) -> list:
-    """The CPU generator, and the generator of `device` when it is an accelerator."""
-    found = [torch.default_generator]
-    if device.type in ("cpu", "meta"):
-        return found
-    module = torch.get_device_module(device.type)
-    listed = getattr(module, "default_generators", None)
-    if listed is not None and not listed and hasattr(module, "init"):
-        module.init()                     # CUDA / XPU fill their generator list lazily
-        listed = module.default_generators
-    if not listed:
-        return found + [_ModuleGenerator(module)]
-    index = device.index if device.index is not None else module.current_device()
-    return found + [listed[index]]
-
-
 @contextlib.contextmanager
 def generators_in_step(device: torch.device):
     """Run a pipeline step; afterwards this rank's generators (CPU and `device`'s) are in the state
     every rank that began it in the same state ends in (see the module docstring)."""
-    generators = _generators(device)
+    generators = device_generators(device)
     saved = [(g, g.get_state()) for g in generators]
     try:
         yield

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from meshboost.distributed.generators import device_generators
 from meshboost.shardformer.layers import ColumnParallelLinear, ColumnSubsetLinear, RowParallelLinear
 
 _ENTROPY_BITS = 40          # random bits per per-rank seed (the CPU generator uses the low 32 of a seed)
@@ -44,22 +45,6 @@ REGION, HELD = "region", "held"
 
 def _stream_of(seed: int) -> str | None:
     return {_REGION_TAG: REGION, _HELD_TAG: HELD}.get(seed >> _ENTROPY_BITS)
-
-
-class _ModuleGenerator:
-    """A device whose module has no `default_generators` list (MPS): its seed and state functions."""
-
-    def __init__(self, module):
-        self.module = module
-
-    def get_state(self) -> torch.Tensor:
-        return self.module.get_rng_state()
-
-    def set_state(self, state: torch.Tensor) -> None:
-        self.module.set_rng_state(state)
-
-    def manual_seed(self, seed: int) -> None:
-        self.module.manual_seed(seed)
 
 
 def _environment_device() -> torch.device:
@@ -101,16 +86,8 @@ class TPRankRNG:
 
     def _device_generators(self, device: torch.device | None) -> list:
         device = _environment_device() if device is None else device
-        if device.type == "cpu" or device.type == "meta":
-            return [torch.default_generator]
         if device not in self._generators:
-            module = torch.get_device_module(device.type)
-            index = device.index if device.index is not None else module.current_device()
-            if not getattr(module, "default_generators", True) and hasattr(module, "init"):
-                module.init()            # CUDA / XPU fill their generator list lazily
-            listed = getattr(module, "default_generators", None)
-            self._generators[device] = [torch.default_generator,
-                                        listed[index] if listed else _ModuleGenerator(module)]
+            self._generators[device] = device_generators(device)
         return self._generators[device]
 
     # -- moving between streams ---------------------------------------------------------------
