@@ -58,14 +58,9 @@ def build_model(args, config):
     from transformers import AutoModelForCausalLM
 
     from meshboost.lazy import LazyInitContext
-    if args.lora:
-        # peft's adapters on a LazyInitContext model still leave a meta tensor behind at tp > 1 ("Tensor
-        # on device meta is not on the expected device"): with --lora the base is built whole, seeded.
-        torch.manual_seed(args.seed)
+    # with --lora too: enable_lora builds the adapters on meta as well, and boost initialises them (peft's init)
+    with LazyInitContext(seed=args.seed):
         model = AutoModelForCausalLM.from_config(config)
-    else:
-        with LazyInitContext(seed=args.seed):
-            model = AutoModelForCausalLM.from_config(config)
     if args.checkpointing:
         model.gradient_checkpointing_enable()
     return model
