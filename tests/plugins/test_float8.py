@@ -111,6 +111,8 @@ def _layouts(rank, world, folder):
                 pieces=2, save_to=folder)
     _run_layout("tp=2, tensorwise, scales over the tp group", HybridParallelConfig(tp_size=2, float8=tensorwise),
                 pieces=1, save_to=folder + "_tp")
+    _run_layout("tp=2 + compile", HybridParallelConfig(tp_size=2, float8=tensorwise,
+                                                       compile=CompileConfig(backend="aot_eager")), pieces=1)
     _run_layout("pp=2 1f1b", HybridParallelConfig(pipeline=PipelineConfig(2, num_microbatches=2), float8=tensorwise),
                 pieces=2)
     _run_layout("dp=2 ZeRO-2 + compile", HybridParallelConfig(zero=ZeroConfig(stage=2), float8=tensorwise,
