@@ -11,6 +11,7 @@ parameters and the base weights frozen ones. Must not shard, reduce or write ten
 
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -22,6 +23,7 @@ from meshboost.booster.wrappers import ModelWrapper, unwrap_model
 from meshboost.checkpoint.atomic import AtomicTarget
 from meshboost.checkpoint.writer import agree, save_roles
 from meshboost.distributed.param_info import full_on_cpu, get_tp_info
+from meshboost.lazy import LazyInitContext, lazy_seed, set_initializer
 from meshboost.shardformer.lora import is_peft_module
 
 _WRAPPED = re.compile(r"\.(base_layer|original_module|modules_to_save\.[^.]+)\.")
@@ -78,13 +80,69 @@ def enable_lora(plugin, model: nn.Module, pretrained_dir: str | None, lora_confi
                              "pretrained_dir= a folder saved by save_lora_as_pretrained / PeftModel.save_pretrained")
         if not isinstance(lora_config, peft.LoraConfig):
             raise TypeError(f"lora_config must be a peft.LoraConfig, got {type(lora_config).__name__}")
+        seed = lazy_seed(model)
+        if seed is not None:
+            return _lazy_adapters(peft, model, lora_config, seed)
         return peft.get_peft_model(model, lora_config)
     if lora_config is not None:
         raise ValueError("pass lora_config or pretrained_dir, not both: the adapter folder carries its own config")
+    if lazy_seed(model) is not None:
+        raise NotImplementedError("booster.enable_lora(pretrained_dir=...) on a model built under LazyInitContext: "
+                                  "the saved adapters would be loaded into meta tensors and lost; build the base "
+                                  "model eagerly (or with from_pretrained) to continue training saved adapters")
     if not os.path.isfile(os.path.join(pretrained_dir, "adapter_config.json")):
         raise FileNotFoundError(f"pretrained_dir={pretrained_dir!r} holds no adapter_config.json; pass a folder "
                                 "written by booster.save_lora_as_pretrained or PeftModel.save_pretrained")
     return _load_adapters(peft, model, pretrained_dir)
+
+
+def _lazy_adapters(peft, model: nn.Module, lora_config, seed: int) -> nn.Module:
+    """New adapters on a model still on meta (LazyInitContext): peft builds them inside the context too
+    (its own init runs on meta and is lost, and it moves the adapters to their base layer's device), so
+    each adapter module records peft's init for `boost` to apply with the base weights: A as
+    `nn.Linear`'s default (or gaussian, std 1/r), B zero. Inits that read the base weights (PiSSA, OLoRA,
+    LoftQ, ...) or add other tensors (DoRA, LoRA on embeddings or packed parameters) are refused, on every
+    rank alike, before any collective."""
+    init = lora_config.init_lora_weights
+    if init not in (True, "gaussian") or lora_config.use_dora:
+        raise NotImplementedError(f"LoraConfig(init_lora_weights={init!r}, use_dora={lora_config.use_dora}) on a "
+                                  "model built under LazyInitContext: that init reads the base weights, which are "
+                                  "not materialised before boost; use init_lora_weights=True or 'gaussian' without "
+                                  "DoRA, or build the base model eagerly")
+    before = {id(p) for p in model.parameters()}
+    with LazyInitContext(seed=seed):
+        peft_model = peft.get_peft_model(model, lora_config)
+    inits = {}
+    for module in peft_model.modules():
+        for adapter in getattr(module, "lora_A", {}).values() if isinstance(module, peft.tuners.lora.LoraLayer) else ():
+            inits[adapter] = _init_lora_a_gaussian if init == "gaussian" else _init_lora_a
+        for adapter in getattr(module, "lora_B", {}).values() if isinstance(module, peft.tuners.lora.LoraLayer) else ():
+            inits[adapter] = _init_zero
+    covered = {id(p) for m in inits for p in m.parameters()}
+    other = [n for n, p in peft_model.named_parameters() if id(p) not in before and id(p) not in covered]
+    if other:
+        raise NotImplementedError(f"LoRA on a model built under LazyInitContext: {other[0]} is an adapter tensor "
+                                  "meshboost cannot initialise lazily (only the linear lora_A / lora_B of "
+                                  "target_modules); drop its target, or build the base model eagerly")
+    for adapter, fn in inits.items():
+        set_initializer(adapter, fn)
+    return peft_model
+
+
+def _init_lora_a(linear: nn.Module) -> None:
+    """peft's default init of A (the LoRA paper's: as `nn.Linear` initialises its weight)."""
+    nn.init.kaiming_uniform_(linear.weight, a=math.sqrt(5))
+
+
+def _init_lora_a_gaussian(linear: nn.Module) -> None:
+    """peft's init_lora_weights='gaussian' for A: normal with std 1/r (r: A's output features)."""
+    nn.init.normal_(linear.weight, std=1 / linear.out_features)
+
+
+def _init_zero(module: nn.Module) -> None:
+    """peft's init of B: zero, so the adapted model starts equal to its base."""
+    for p in module.parameters(recurse=False):
+        nn.init.zeros_(p)
 
 
 def _load_adapters(peft, model: nn.Module, pretrained_dir: str) -> nn.Module:

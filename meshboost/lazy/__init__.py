@@ -13,7 +13,9 @@ size plus its shard) plus a fixed overhead; the values do not depend on the layo
 (tp, pp, dp), so every layout starts from the weights the unsharded model gets from the same seed.
 Moves and casts written inside the context (`.to`, `.cpu`, `.cuda`) are `moves.py`'s: recorded there,
 applied here (the shadow initialised in the dtypes the model was built in; a whole materialisation
-moved where the user moved it). Must not know parallel layers: it reads the tensor-parallel record on
+moved where the user moved it). A module added after the model (peft's adapters, built by
+`booster.enable_lora` inside a context of the same seed) carries its own init in its record
+(`set_initializer`), applied after the model's. Must not know parallel layers: it reads the tensor-parallel record on
 each parameter.
 """
 
@@ -21,7 +23,8 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -43,6 +46,9 @@ class LazyInit:
     but torch's `Parameter.__deepcopy__` drops a parameter's."""
 
     seed: int
+    # a module added after the model was built (peft's adapters) initialises itself with this instead of
+    # the model's init, which never touches it; a module-level function, so deep copies share it
+    init: Callable[[nn.Module], None] | None = None
 
 
 class LazyInitContext:
@@ -112,6 +118,15 @@ def _load_pretrained_for_real(device: torch.device):
     return restore
 
 
+def set_initializer(module: nn.Module, init: Callable[[nn.Module], None]) -> None:
+    """Say how `module` (built under a LazyInitContext after its model, e.g. an adapter) is initialised at
+    materialisation: `init(module)` on its full-size CPU shadow, after the model's own init."""
+    record = module.__dict__.get(RECORD_ATTR)
+    if record is None:
+        raise ValueError(f"{type(module).__name__} was not built under a LazyInitContext: it has nothing to initialise")
+    module.__dict__[RECORD_ATTR] = replace(record, init=init)
+
+
 def lazy_seed(model: nn.Module) -> int | None:
     """The init seed of a model built under `LazyInitContext` (or a deep copy of one): every parameter
     still on meta and every module holding parameters built there; else None."""
@@ -178,14 +193,22 @@ def _owners(root: nn.Module) -> dict[str, object]:
 
 
 def _init(shadow: nn.Module, path: str, owners: dict) -> None:
-    """Post-order over the shadow (children first, as transformers initialises)."""
+    """Post-order over the shadow (children first, as transformers initialises); modules whose record
+    names their own init get it after, untouched by the model's."""
+    own = []
     for name, module in reversed(list(shadow.named_modules())):
         full = f"{path}.{name}" if name else path
+        record = module.__dict__.get(RECORD_ATTR)
+        if record is not None and record.init is not None:
+            own.append((module, record.init))
+            continue
         fn = owners.get(full)
         if fn is not None:
             fn(module)
         elif hasattr(module, "reset_parameters"):
             module.reset_parameters()
+    for module, init in own:
+        init(module)
 
 
 @torch.no_grad()
@@ -222,4 +245,4 @@ def materialize(model: nn.Module, original: nn.Module, device: torch.device, see
         raise RuntimeError(f"LazyInitContext: {left[:3]} found no initialiser in the model as built")
 
 
-__all__ = ["LazyInitContext", "lazy_seed", "materialize"]
+__all__ = ["LazyInitContext", "lazy_seed", "materialize", "set_initializer"]

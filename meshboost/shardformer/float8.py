@@ -4,7 +4,10 @@ inputs, weights and output gradients with dynamic scales (tensorwise: one per te
 row), the weights themselves staying in the working precision.
 
 Owns: `Float8Config` (the recipe and which linears) and `convert_float8`, which swaps the chosen linears
-of an unsharded (tp_size=1) model, leaves the LM head and every linear whose dimensions torchao cannot
+of a model for float8 ones (under tensor parallelism: gives each chosen column- or row-parallel linear a
+`Float8Product`, whose casts use the whole tensor's scale: the amax of a sharded input, weight or output
+gradient all-reduced (MAX) over the tp group by torchao's own `reduce_amax`, so every element is cast as
+on one process), leaves the LM head and every linear whose dimensions torchao cannot
 run in float8 (not multiples of 16) in high precision, listing the latter once, and, when FSDP2 shards the
 weights (zero_stage=3), makes its all-gather move float8 (`enable_fsdp_float8_all_gather`), pointing the
 user's optimizer at the weights torchao then wraps. On a device without float8 matmuls (CPU) torchao
@@ -18,6 +21,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 
 from meshboost.shardformer.optimizations import say
@@ -74,6 +78,83 @@ def linear_config(config: Float8Config, device_type: str, fsdp_all_gather: bool)
                                enable_fsdp_float8_all_gather=fsdp_all_gather and config.recipe == "tensorwise")
 
 
+@dataclass(frozen=True)
+class _TPGroup:
+    """What torchao's `reduce_amax` asks of a device mesh: the group its all-reduce runs over."""
+
+    group: object
+
+    def get_group(self):
+        return self.group
+
+
+@dataclass(frozen=True)
+class Float8Product:
+    """The tensorwise float8 product of a tensor-parallel linear, as torchao's `Float8Linear` computes it
+    on the whole tensors: input and weight cast to float8 before torchao's matmul, each with the scale of
+    the whole tensor (the amax all-reduced over the tp group where this rank holds a shard: the weight
+    always, the input of a row-parallel linear), and, for a column-parallel linear, whose output
+    features are split, the output gradient cast the same way before torchao's backward reads it. A
+    replicated piece's own amax is the whole one's. Already-cast arguments are taken as they are by
+    torchao's matmul (its `tensor_already_casted_to_fp8`); tensorwise casts serve forward and backward."""
+
+    config: object               # torchao's Float8LinearConfig
+    mm_config: object            # torchao's LinearMMConfig, from a Float8Linear built on meta
+    group: _TPGroup
+    input_sharded: bool
+    output_sharded: bool
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+        c = self.config
+        x8 = _cast(x, c.cast_config_input.target_dtype, self, "INPUT", self.input_sharded)
+        w8 = _cast(weight, c.cast_config_weight.target_dtype, self, "WEIGHT", True)
+        y = matmul_with_hp_or_float8_args.apply(x8, w8.t(), self.mm_config, c)
+        if self.output_sharded:
+            y = _GradOutputToFloat8.apply(y, self)
+        return y if bias is None else y + bias.to(y.dtype)
+
+
+def _cast(t: torch.Tensor, dtype, product: Float8Product, role: str, sharded: bool):
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+    return hp_tensor_to_float8_dynamic(t, dtype, product.mm_config, reduce_amax=sharded,
+                                       gemm_input_role=GemmInputRole[role], device_mesh=product.group,
+                                       round_scales_to_power_of_2=product.config.round_scales_to_power_of_2)
+
+
+class _GradOutputToFloat8(torch.autograd.Function):
+    """Forward: identity. Backward: the output gradient of a column-parallel float8 product (this rank's
+    slice of the features) cast with the whole gradient's scale, for torchao's backward to use as is."""
+
+    @staticmethod
+    def forward(ctx, y, product):
+        ctx.product = product
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        p = ctx.product
+        return _cast(grad, p.config.cast_config_grad_output.target_dtype, p, "GRAD_OUTPUT", True), None
+
+
+def _tensor_parallel_products(model: nn.Module, chosen: Callable, config) -> int:
+    """Give each chosen column- or row-parallel linear of `model` its Float8Product; returns how many."""
+    from meshboost.shardformer.layers.linear import ColumnParallelLinear, RowParallelLinear
+    torchao_float8()
+    from torchao.float8.float8_linear import Float8Linear
+    mm_config = Float8Linear(16, 16, bias=False, device="meta", config=config).linear_mm_config
+    count = 0
+    for name, module in model.named_modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and chosen(module, name):
+            row = isinstance(module, RowParallelLinear)
+            # a column-parallel output is this rank's features (gathered after the product, if at all)
+            module.product = Float8Product(config, mm_config, _TPGroup(module.process_group), input_sharded=row,
+                                           output_sharded=not row)
+            count += 1
+    return count
+
+
 def convert_float8(model: nn.Module, config: Float8Config, device_type: str, fsdp_all_gather: bool = False,
                    optimizer=None) -> list[str]:
     """Swap the chosen linears of `model` (in place) for torchao's float8 ones; returns the names of those
@@ -92,8 +173,9 @@ def convert_float8(model: nn.Module, config: Float8Config, device_type: str, fsd
         return True
 
     before = dict(model.named_parameters())
-    float8.convert_to_float8_training(model, module_filter_fn=chosen,
-                                      config=linear_config(config, device_type, fsdp_all_gather))
+    torchao_config = linear_config(config, device_type, fsdp_all_gather)
+    _tensor_parallel_products(model, chosen, torchao_config)       # sharded linears (tp > 1): none at tp=1
+    float8.convert_to_float8_training(model, module_filter_fn=chosen, config=torchao_config)
     if left:
         say("meshboost: float8: %d linear(s) stay in high precision, their dimensions not multiples of %d: %s",
             len(left), FLOAT8_MULTIPLE, ", ".join(left))

@@ -3,6 +3,7 @@ steps. It must finish, write a sane metrics.json, and save an HF folder that `fr
 loads in a plain process and that reproduces the run's own validation accuracy. Offline, a GLUE
 task must fail at once with a message naming the offline alternatives."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -51,6 +52,23 @@ def _check_reproduces(model, tokenizer, accuracy: float, what: str) -> None:
     assert abs(got - accuracy) <= 1.0 / EVAL, f"{what}: accuracy {got} vs the run's own {accuracy}"
 
 
+def _check_step_records(out: Path, metrics: dict) -> None:
+    """metrics.jsonl (examples/common/train_log.py, as the causal-LM script writes it): one record per
+    optimizer step whose losses average to metrics.json's train_loss, the schedule's learning rate (linear
+    warm-up over ceil(0.1 x 4) = 1 step, then decay), the global gradient norm, the tokens under the
+    attention mask; TensorBoard event files beside it when tensorboard is installed."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), records
+    assert np.mean([r["loss"] for r in records]) == pytest.approx(metrics["final"]["train_loss"], rel=1e-6)
+    assert [r["lr"] for r in records] == pytest.approx([0.0] + [1e-4 * (STEPS - s) / (STEPS - 1)
+                                                               for s in range(1, STEPS)])
+    for r in records:
+        assert r["grad_norm"] > 0 and 0 < r["tokens"] <= 8 * MAX_LEN and r["tokens_per_s"] > 0, r
+        assert r["mfu"] is None and r["allocated_mib"] is None and r["peak_mib"] > 0 and "loss_scale" not in r, r
+    if importlib.util.find_spec("tensorboard") is not None:
+        assert list((out / "tensorboard").glob("events.out.tfevents.*")), "no TensorBoard events"
+
+
 def test_finetune_tp2_end_to_end(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -71,6 +89,7 @@ def test_finetune_tp2_end_to_end(tmp_path):
     assert metrics["train_samples_per_s"] > 0 and metrics["train_time_s"] > 0
     assert 0.5 < metrics["majority_baseline"] < 0.9
     assert metrics["targets"]["missed"] == []
+    _check_step_records(out, metrics)
 
     # The saved folder loads with plain HF tools and reproduces the run's validation accuracy.
     from transformers import AutoModelForSequenceClassification, AutoTokenizer

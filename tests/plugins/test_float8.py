@@ -4,7 +4,10 @@ looped inside. torchao emulates float8 on this CPU (the same casts and scales). 
 replica and each micro-batch scales its own activations, so the one-process reference runs the same
 pieces of the batch one after another and averages their losses (gradient accumulation): the per-step
 losses then agree to accumulation order, and a ZeRO-3 checkpoint (float8 all-gather) holds fp32 weights
-equal to the reference's after the last step."""
+equal to the reference's after the last step. At tp=2 (tensorwise) each sharded input, weight and output
+gradient is cast with the whole tensor's scale (amax all-reduced over the tp group): the losses and the
+saved weights equal one process's to accumulation order (with each rank's own scale, step 1's loss is off by
+7e-5 relative; with the output gradient's own scale, step 2's)."""
 
 import copy
 import os
@@ -18,8 +21,9 @@ from meshboost import Booster
 from meshboost.optim import ZeroConfig
 from meshboost.pipeline import PipelineConfig
 from meshboost.plugins import HybridParallelConfig, HybridParallelPlugin
+from meshboost.shardformer import ShardConfig
 from meshboost.shardformer.compile import CompileConfig
-from meshboost.shardformer.float8 import Float8Config, convert_float8
+from meshboost.shardformer.float8 import Float8Config, Float8Product, convert_float8
 from meshboost.testing import spawn
 from meshboost.testing.compare import booster_step
 from meshboost.testing.models import build_model, tiny_config
@@ -66,7 +70,10 @@ def _run_layout(what, config: HybridParallelConfig, pieces: int, save_to=None):
     booster = Booster(plugin=plugin)
     model, opt, *_ = booster.boost(model, opt)
     inner = model.unwrap()
-    assert any(isinstance(m, Float8Linear) for m in inner.modules()), what
+    if config.tp_size > 1:           # parallel linears keep their class and compute through a Float8Product
+        assert sum(isinstance(getattr(m, "product", None), Float8Product) for m in inner.modules()) == 14, what
+    else:
+        assert any(isinstance(m, Float8Linear) for m in inner.modules()), what
     assert not isinstance(inner.get_output_embeddings(), Float8Linear), f"{what}: the LM head is float8"
     if config.zero.stage == 3:       # FSDP2 gathers the float8 casts (torchao's weight wrapper inside the shards)
         weight = inner.model.layers[0].mlp.up_proj.weight
@@ -102,6 +109,10 @@ def _layouts(rank, world, folder):
     _run_layout("dp=2 ZeRO-3, tensorwise, float8 all-gather", HybridParallelConfig(zero=ZeroConfig(stage=3),
                                                                                    float8=tensorwise),
                 pieces=2, save_to=folder)
+    _run_layout("tp=2, tensorwise, scales over the tp group", HybridParallelConfig(tp_size=2, float8=tensorwise),
+                pieces=1, save_to=folder + "_tp")
+    _run_layout("tp=2 + compile", HybridParallelConfig(tp_size=2, float8=tensorwise,
+                                                       compile=CompileConfig(backend="aot_eager")), pieces=1)
     _run_layout("pp=2 1f1b", HybridParallelConfig(pipeline=PipelineConfig(2, num_microbatches=2), float8=tensorwise),
                 pieces=2)
     _run_layout("dp=2 ZeRO-2 + compile", HybridParallelConfig(zero=ZeroConfig(stage=2), float8=tensorwise,
@@ -125,8 +136,13 @@ def test_float8_conversion_and_refusals(monkeypatch):
                      "model.layers.1.self_attn.q_proj": "Float8Linear", "model.layers.1.self_attn.k_proj": "Linear"}
     with pytest.raises(ValueError, match="recipe='blockwise'"):
         Float8Config(recipe="blockwise")
-    with pytest.raises(NotImplementedError, match="float8 with tp_size=2.*use tp_size=1"):
-        HybridParallelConfig(tp_size=2, float8=True)
+    with pytest.raises(NotImplementedError, match="float8 \\(recipe='rowwise'\\) with tp_size=2.*tensorwise"):
+        HybridParallelConfig(tp_size=2, float8=Float8Config(recipe="rowwise"))
+    with pytest.raises(NotImplementedError, match="enable_sequence_parallelism=True.*without sequence"):
+        HybridParallelConfig(tp_size=2, sharding=ShardConfig(enable_sequence_parallelism=True), float8=True)
+    with pytest.raises(NotImplementedError, match="sp_size=2"):
+        HybridParallelConfig(sp_size=2, float8=True)
+    assert HybridParallelConfig(tp_size=2, float8=True).float8 == Float8Config()
     assert HybridParallelConfig(float8=True).float8 == Float8Config()
     assert copy.deepcopy(Float8Config()) == Float8Config()
     monkeypatch.setitem(sys.modules, "torchao.float8", None)          # torchao missing: say how to install it

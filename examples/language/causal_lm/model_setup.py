@@ -1,7 +1,7 @@
 """Model and plugin set-up for the causal-LM example: the config (`--model` or `--model-config` x
 `--size`), the model built under `LazyInitContext` (each rank initialises only its shards at `boost`),
 the plugin the layout flags describe (ColossalAI's keywords, `meshboost.booster.plugin`) or the one
-meshboost's planner picks (`--plugin auto`), and the flops per token MFU is measured against.
+meshboost's planner picks (`--plugin auto`); the flops per token are examples/common/train_loop.py's.
 
 Flags whose features other parts of meshboost may not have yet (--fp8, --compile, --dp-replicate,
 --lora-experts) are passed on as the plugin's or peft's keywords, never emulated: where this meshboost
@@ -10,9 +10,6 @@ refuses them, its refusal is what the script prints.
 
 from __future__ import annotations
 
-import os
-
-import torch
 
 # --model-config FAMILY --size SIZE: transformers config fields (random weights; no download).
 SIZES = {
@@ -58,14 +55,9 @@ def build_model(args, config):
     from transformers import AutoModelForCausalLM
 
     from meshboost.lazy import LazyInitContext
-    if args.lora:
-        # peft's adapters on a LazyInitContext model still leave a meta tensor behind at tp > 1 ("Tensor
-        # on device meta is not on the expected device"): with --lora the base is built whole, seeded.
-        torch.manual_seed(args.seed)
+    # with --lora too: enable_lora builds the adapters on meta as well, and boost initialises them (peft's init)
+    with LazyInitContext(seed=args.seed):
         model = AutoModelForCausalLM.from_config(config)
-    else:
-        with LazyInitContext(seed=args.seed):
-            model = AutoModelForCausalLM.from_config(config)
     if args.checkpointing:
         model.gradient_checkpointing_enable()
     return model
@@ -148,26 +140,3 @@ def describe_plan(best, memory_gb: float) -> str:
     return (f"--plugin auto: the planner chose {best.layout.describe()}; predicted peak per rank "
             f"{mem['total'] / gib:.3f} GiB of {memory_gb} GiB (weights {mem['weights'] / gib:.3f}, activations "
             f"{mem['activations'] / gib:.3f})")
-
-
-def flops_per_token(model) -> float:
-    """Training flops per token, 6 x the parameters a token passes through: every dense weight, and of
-    each experts module the top-k share (the embedding's lookup is not a matmul and is left out)."""
-    from meshboost.shardformer.layers.expert_parallel import experts_modules
-    config = model.config
-    experts = {id(p) for _, m in experts_modules(model) for p in m.parameters()}
-    embedding = {id(p) for p in model.get_input_embeddings().parameters()}
-    total = sum(p.numel() for p in model.parameters() if id(p) not in experts and id(p) not in embedding)
-    if experts:
-        n_experts = next(getattr(config, f) for f in ("num_experts", "num_local_experts", "n_routed_experts")
-                         if isinstance(getattr(config, f, None), int))
-        top_k = getattr(config, "num_experts_per_tok")
-        expert_params = sum(p.numel() for _, m in experts_modules(model) for p in m.parameters())
-        total += expert_params * top_k / n_experts
-    return 6.0 * total
-
-
-def local_threads() -> int:
-    """This process's share of the machine's cores (N processes on a node)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

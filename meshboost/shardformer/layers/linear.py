@@ -116,13 +116,15 @@ class _ParallelLinearBase(nn.Module):
         self.process_group = group
         self.conv1d = conv1d
         self.adapter: Adapter | None = None
+        # float8 training (shardformer/float8.py): product(x, weight [out, in], bias) in place of F.linear
+        self.product: Callable | None = None
         out_dim = 1 if conv1d else 0
         self.out_features = weight.shape[out_dim]
         self.in_features = weight.shape[1 - out_dim]
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weight = self.weight.t() if self.conv1d else self.weight
-        return F.linear(x, weight, bias)
+        return F.linear(x, weight, bias) if self.product is None else self.product(x, weight, bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} (local), "
@@ -227,11 +229,13 @@ class ColumnParallelLinear(_ParallelLinearBase):
         enters = role.applies_f and not role.covered(x) and comm.is_parallel(self.process_group)
         if enters and role.seq_parallel:
             _check_sequence_layout(x)
-        if self.adapter is not None and self.adapter.active():
+        adapted = self.adapter is not None and self.adapter.active()
+        if adapted or self.product is not None:
             # one f (or sequence all-gather) for the base and the adapter: their input gradients are summed
-            # by the same all-reduce; the base's product then runs without the fused backward's overlap
+            # by the same all-reduce; the base's product (a float8 one too) runs without the fused backward
             x = _enter_parallel_region(x, self.process_group, role.seq_parallel) if enters else x
-            y = self._matmul(x, self.bias) + self.adapter.compute(x).to(x.dtype)
+            y = self._matmul(x, self.bias)
+            y = y + self.adapter.compute(x).to(x.dtype) if adapted else y
         elif enters:
             y = _ColumnLinear.apply(x, self.weight, self.bias, self.process_group, role.seq_parallel, self.conv1d)
         else:
@@ -252,7 +256,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
         # Under torch.compile (regional compile, shardformer/compile.py) the plain product: the overlap's
         # per-call identity check on the block's region would become a per-layer guard (a recompile per
         # block); the block's input node then finds nothing deferred and autograd computes the weight grad.
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or self.product is not None:     # float8: torchao's backward
             return self._matmul(x, self.bias)
         deferred = self.role.region.deferred_for(x) if self.role.region is not None else None
         y = deferred_linear(x, self.weight, self.bias, deferred, self.conv1d) if deferred is not None else None
