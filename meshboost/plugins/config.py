@@ -202,10 +202,6 @@ class HybridParallelConfig:
                                  "sp_size > 1 (the ranks the sequence is split over), or no mode")
             return
         self.sp_mode = check_context_mode(self.sp_mode or ALL_TO_ALL)
-        if stage == 3:
-            raise NotImplementedError(f"sp_size={self.sp_size} with zero_stage=3: context parallelism composes with tp, "
-                                      "pp, dp, ep and ZeRO-1/2 so far (FSDP2 would have to reduce over dp x cp); use "
-                                      "zero_stage=1 or 2, or sp_size=1")
         if self.sharding.enable_sequence_parallelism:
             raise ValueError(f"sp_size={self.sp_size} with enable_sequence_parallelism=True (split_gather over the tp "
                              "group): the all_to_all mode splits the sequence over its own ranks; turn one off")

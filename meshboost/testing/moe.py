@@ -10,6 +10,7 @@ import copy
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 import transformers as tfm
 
 from meshboost.distributed.param_info import gather_tensor, get_tp_info
@@ -144,6 +145,8 @@ def train_boosted(config, batches, plugin_config, ref_losses, ref_params, what, 
         local = p.detach() if dtype == torch.float32 else opt.master_weight(p)
         if local is None:                       # not replica 0 (its whole tp and ep group skips alike)
             continue
+        if isinstance(local, DTensor):          # ZeRO-3 (FSDP2): the dp shards gathered (a collective)
+            local = local.full_tensor()
         assert_close(gather_tensor(local, get_tp_info(p)).float(), ref_params[n].detach(), dtype=dtype,
                      msg=f"{what} weight {n}")
     return booster, model, opt

@@ -3,11 +3,11 @@
 same weights (per-step loss within 2e-5 relative in fp32, every weight gathered after the last step):
 
 - Llama with grouped-query attention (2 kv heads) at sp=2 (x dp=2), sp=4 (kv heads fewer than sp:
-  repeated), tp=2 x sp=2 (its save reloaded by `from_pretrained`), sp=2 with ZeRO-1 and ZeRO-2; Qwen2 at
+  repeated), tp=2 x sp=2 (its save reloaded by `from_pretrained`), sp=2 with ZeRO-1, ZeRO-2 and ZeRO-3 (FSDP2 over dp x cp, its save reloaded too); Qwen2 at
   sp=2; Qwen3-MoE at tp=2 x sp=2, sp=2 x ep=2 and (ring_attn, ZeRO-1) sp=2 x ep=2; ColossalAI's
   keywords (enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all", sp_size=2);
 - the ring_attn mode (keys and values all-gathered, the zig-zag split) at sp=2, sp=4, tp=2 x sp=2 and
-  with ZeRO-1;
+  with ZeRO-1 and ZeRO-3;
 - with pipeline stages: sp=2 x pp=2 (1F1B), ring_attn sp=2 x pp=2 with ZeRO-1, interleaved chunks with
   every layer recomputed, on micro-batches that mask differently; eval through the schedule; a criterion
   other than the model's loss refused;
@@ -53,7 +53,9 @@ def _ring(rank):
                                 ("sp4", HybridParallelConfig(sp_size=4, sp_mode="ring_attn")),
                                 ("tp2 sp2", HybridParallelConfig(tp_size=2, sp_size=2, sp_mode="ring_attn")),
                                 ("sp2 dp2 zero1", HybridParallelConfig(sp_size=2, sp_mode="ring_attn",
-                                                                       zero=ZeroConfig(stage=1)))):
+                                                                       zero=ZeroConfig(stage=1))),
+                                ("sp2 dp2 zero3", HybridParallelConfig(sp_size=2, sp_mode="ring_attn",
+                                                                       zero=ZeroConfig(stage=3)))):
         train_boosted(config, batches, plugin_config, ref_losses, ref_params, f"llama ring_attn {what}")
 
 
@@ -65,10 +67,11 @@ def _layouts(rank):
                                 ("sp4 (kv heads repeated)", HybridParallelConfig(sp_size=4)),
                                 ("tp2 sp2", HybridParallelConfig(tp_size=2, sp_size=2)),
                                 ("sp2 dp2 zero1", HybridParallelConfig(sp_size=2, zero=ZeroConfig(stage=1))),
-                                ("sp2 dp2 zero2", HybridParallelConfig(sp_size=2, zero=ZeroConfig(stage=2)))):
+                                ("sp2 dp2 zero2", HybridParallelConfig(sp_size=2, zero=ZeroConfig(stage=2))),
+                                ("sp2 dp2 zero3", HybridParallelConfig(sp_size=2, zero=ZeroConfig(stage=3)))):
         booster, model, _ = train_boosted(config, batches, plugin_config, ref_losses, ref_params, f"llama {what}")
-        if what == "tp2 sp2":            # one writer per stage: the cp ranks hold the same weights
-            folder = os.path.join(tempfile.gettempdir(), f"meshboost_cp_{os.environ.get('MASTER_PORT', '0')}")
+        if what in ("tp2 sp2", "sp2 dp2 zero3"):   # zero3: FSDP2 shards over dp x cp, gathered on save            # one writer per stage: the cp ranks hold the same weights
+            folder = os.path.join(tempfile.gettempdir(), f"meshboost_cp_{what[:3]}_{os.environ.get('MASTER_PORT', '0')}")
             booster.save_model(model, folder, shard=True)
             dist.barrier()
             reloaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -247,8 +250,6 @@ def test_context_parallel_refusals():
         HybridParallelConfig(sp_size=2, sp_mode="ulysses")
     with pytest.raises(ValueError, match="sequence_parallelism_mode='all_to_all' with sp_size=1 splits nothing"):
         HybridParallelConfig(sp_mode="all_to_all")
-    with pytest.raises(NotImplementedError, match="sp_size=2 with zero_stage=3"):
-        HybridParallelConfig(sp_size=2, zero=ZeroConfig(stage=3))
     from meshboost.shardformer import ShardConfig
     with pytest.raises(ValueError, match="enable_sequence_parallelism=True \\(split_gather"):
         HybridParallelConfig(sp_size=2, sharding=ShardConfig(enable_sequence_parallelism=True))
