@@ -102,6 +102,13 @@ def check_context(model: nn.Module, cp_size: int, tp_size: int, mode: str = ALL_
         raise NotImplementedError(f"sp_size={cp_size}: {name} runs attn_implementation={implementation!r}; the "
                                   f"all_to_all mode wraps {WRAPPED}: build the model with attn_implementation='sdpa'")
     layer_types = set(getattr(text, "layer_types", None) or ())
+    # Gated DeltaNet and Mamba mixers carry a state along the sequence: run on a chunk they would start
+    # from a zero state, a silently wrong result; A_log is the decay both kinds hold (Falcon-H1 says "hybrid")
+    recurrent = sorted({type(m).__name__ for m in model.modules() if "A_log" in m._parameters})
+    if recurrent:
+        raise NotImplementedError(f"sp_size={cp_size}: {name} has recurrent mixers ({', '.join(recurrent)}) whose "
+                                  "state runs along the whole sequence; context parallelism does not pass that state "
+                                  "between sequence chunks yet; use sp_size=1 (tp_size splits these models)")
     if getattr(text, "attention_chunk_size", None) or layer_types - {"full_attention", "sliding_attention"}:
         raise NotImplementedError(f"sp_size={cp_size}: {name} has chunked or other attention layers "
                                   f"(attention_chunk_size={getattr(text, 'attention_chunk_size', None)}, layer_types="
