@@ -262,9 +262,13 @@ def test_context_parallel_refusals():
     chunked = build_causal_lm(moe_config("llama4_text"))
     with pytest.raises(NotImplementedError, match="chunked or other attention layers"):
         check_context(chunked, 2, 1)
+    from meshboost.shardformer.recurrent import recurrent_mixers, whole_mixers
     from meshboost.testing.sweep import tiny_config as sweep_config
     for model_type in ("qwen3_next", "falcon_h1"):    # Gated DeltaNet; Mamba beside attention in every layer
         recurrent = build_causal_lm(sweep_config(model_type))
+        # found by their decay, and (nothing split yet) reported whole, as the sweep's "ok (replicated: ...)" says
+        assert whole_mixers(recurrent) == recurrent_mixers(recurrent) == [{"qwen3_next": "Qwen3NextGatedDeltaNet",
+                                                                          "falcon_h1": "FalconH1Mixer"}[model_type]]
         with pytest.raises(NotImplementedError, match="recurrent mixers .* does not pass that state"):
             check_context(recurrent, 2, 1)
     with pytest.raises(NotImplementedError, match="causal LMs"):
