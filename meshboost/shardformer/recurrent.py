@@ -30,6 +30,13 @@ def whole_mixers(model: nn.Module) -> list[str]:
                    if DECAY in m._parameters and not is_tp_sharded(m._parameters[DECAY])})
 
 
+def replicated_note(model: nn.Module) -> str:
+    """What the sweep adds to an exact verdict when mixers stay whole ("" when none do): a model whose recurrence
+    runs whole on every rank is "ok (replicated: ...)" in docs/models.md, never a plain "ok". Pure."""
+    whole = whole_mixers(model)
+    return f"replicated: {', '.join(whole)} whole on every rank" if whole else ""
+
+
 def refuse_context(model: nn.Module, cp_size: int) -> None:
     """Raise, naming the mixers and the fix, when `model` has recurrent mixers. Pure."""
     mixers = recurrent_mixers(model)
