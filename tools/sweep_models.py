@@ -145,7 +145,10 @@ per-layer lists kept consistent) with the inputs it needs (images, patch grids, 
 at tp=2 on 2 processes and compared with the unsharded model on a padded batch. **ok**: loss and eval outputs within 1e-5 and every gathered gradient within the fp32
 tolerance. **refused**: a clear error, before anything changed (or at the first call, see above).
 **not run**: the model itself cannot be built or run unsharded (its reason is given): nothing was
-compared, nothing is claimed. **FAIL**: a number differs; such a type is listed with what differs in
+compared, nothing is claimed. **ok (replicated: ...)**: exact as ok, but the named recurrent mixers
+(Gated DeltaNet, Mamba: modules holding `A_log`, `shardformer/recurrent.py`) keep their per-head decay
+whole, so their recurrence, convolution and activations run whole on every rank; context parallelism
+refuses these models. **FAIL**: a number differs; such a type is listed with what differs in
 the test (`KNOWN_FAIL`), a defect to fix.
 The **ep=2** column (types with packed MoE experts; empty for the others and the ones not run):
 the same tiny model with its experts split over the 2 ranks by expert parallelism instead of tensor
