@@ -34,7 +34,7 @@ did while other micro-batches run.
 
 Refused with the reason (every rank, before any collective): the tp group's modes with sp_size
 ("split_gather", ColossalAI's "ring": sequence.py runs them over tp), packed rows with the cache on (in
-eval, or use_cache=True passed; a training call builds none), chunked attention, attention
+eval, or use_cache=True passed; a training call builds none), chunked attention, recurrent mixers, attention
 implementations other than sdpa and eager, heads not divisible by cp (all_to_all), a sequence length
 not divisible by cp (2 cp for ring_attn), models that are not causal LMs, a pipeline criterion other
 than the model's loss (`check_criterion`). Must not know a model family.
@@ -50,6 +50,7 @@ import torch.nn as nn
 
 from meshboost.distributed import comm
 from meshboost.distributed.inputs import count_items
+from meshboost.shardformer.recurrent import refuse_context
 
 ALL_TO_ALL = "all_to_all"
 RING_ATTN = "ring_attn"
@@ -102,6 +103,7 @@ def check_context(model: nn.Module, cp_size: int, tp_size: int, mode: str = ALL_
         raise NotImplementedError(f"sp_size={cp_size}: {name} runs attn_implementation={implementation!r}; the "
                                   f"all_to_all mode wraps {WRAPPED}: build the model with attn_implementation='sdpa'")
     layer_types = set(getattr(text, "layer_types", None) or ())
+    refuse_context(model, cp_size)       # layer_types alone misses Falcon-H1 ("hybrid") and untyped stacks
     if getattr(text, "attention_chunk_size", None) or layer_types - {"full_attention", "sliding_attention"}:
         raise NotImplementedError(f"sp_size={cp_size}: {name} has chunked or other attention layers "
                                   f"(attention_chunk_size={getattr(text, 'attention_chunk_size', None)}, layer_types="

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from meshboost.distributed.param_info import gather_tensor, get_tp_info
-from meshboost.shardformer import ShardConfig, ShardFormer
+from meshboost.shardformer import ShardConfig, ShardFormer, recurrent
 from meshboost.shardformer.layers.expert_parallel import experts_modules, shard_expert_parallel_
 from meshboost.shardformer.layers.linear import SequenceLayoutError
 from meshboost.shardformer.sharder import UncoveredParameterError, plan_root
@@ -441,7 +441,7 @@ def _check_sharded(model_type: str, cls: str, shrink_head_dim: bool, reference: 
                     problems.append(f"grad {name}")
         if problems:
             return Verdict(model_type, cls, "FAIL", "; ".join(problems[:4]))
-        return Verdict(model_type, cls, "ok")
+        return Verdict(model_type, cls, "ok", recurrent.replicated_note(par))     # never a plain ok when replicated
     except (UncoveredParameterError, SequenceLayoutError) as e:            # a clear refusal, at the first call
         return Verdict(model_type, cls, "refused", f"at the first call: {str(e).splitlines()[0][:200]}")
     except Exception as e:  # noqa: BLE001 - meshboost accepted the model, then it broke: a defect

@@ -18,7 +18,8 @@ same weights (per-step loss within 2e-5 relative in fp32, every weight gathered 
   model's;
 - refusals: a sequence length not divisible by the split on every rank before any collective;
   the tp group's modes with sp_size ("ring", "split_gather"), chunked attention, heads not dividing
-  over sp, non-causal models and implementations the mode cannot wrap (pure checks).
+  over sp, recurrent mixers (Qwen3-Next's Gated DeltaNet, Falcon-H1's Mamba: no state passing between
+  chunks), non-causal models and implementations the mode cannot wrap (pure checks).
 One process group, the layouts looped inside."""
 
 import copy
@@ -262,6 +263,15 @@ def test_context_parallel_refusals():
     chunked = build_causal_lm(moe_config("llama4_text"))
     with pytest.raises(NotImplementedError, match="chunked or other attention layers"):
         check_context(chunked, 2, 1)
+    from meshboost.shardformer.recurrent import recurrent_mixers, whole_mixers
+    from meshboost.testing.sweep import tiny_config as sweep_config
+    for model_type in ("qwen3_next", "falcon_h1"):    # Gated DeltaNet; Mamba beside attention in every layer
+        recurrent = build_causal_lm(sweep_config(model_type))
+        # found by their decay, and (nothing split yet) reported whole, as the sweep's "ok (replicated: ...)" says
+        assert whole_mixers(recurrent) == recurrent_mixers(recurrent) == [{"qwen3_next": "Qwen3NextGatedDeltaNet",
+                                                                          "falcon_h1": "FalconH1Mixer"}[model_type]]
+        with pytest.raises(NotImplementedError, match="recurrent mixers .* does not pass that state"):
+            check_context(recurrent, 2, 1)
     with pytest.raises(NotImplementedError, match="causal LMs"):
         check_context(build_model("BertModel", tiny_config("bert")), 2, 1)
     llama.config._attn_implementation = "flex_attention"
