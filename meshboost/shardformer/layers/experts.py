@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from weakref import WeakKeyDictionary
 
 import torch
 import torch.nn as nn
@@ -28,7 +29,6 @@ from meshboost.distributed.param_info import register_grad_hook
 from meshboost.shardformer.layers.linear import shard_parameter_, sum_grad_over_tp
 
 UP_PARAMS = ("gate_up_proj", "up_proj")     # [gate; up] packed, or up alone (experts without a gate)
-_TP_ATTR = "_meshboost_tp_experts"
 
 
 @dataclass
@@ -49,15 +49,19 @@ class TensorParallelExperts:
         return _reduce_output(self.group, self.bias_name, module, args, kwargs, output)
 
 
+# The one owner of "which experts modules carry tensor-parallel hooks": a registry keyed weakly by
+# module, so the record is typed, nothing is set on the module on the side, and a dropped model is freed.
+_TP_EXPERTS: WeakKeyDictionary[nn.Module, TensorParallelExperts] = WeakKeyDictionary()
+
+
 def take_tp_hooks(module: nn.Module) -> TensorParallelExperts | None:
     """Remove the tensor-parallel hooks `shard_experts_` put on `module` and return them, for a caller
     that runs them itself (expert parallelism: around the local experts, after the dispatch); None
     when the module's experts are not tensor-parallel."""
-    state = getattr(module, _TP_ATTR, None)
+    state = _TP_EXPERTS.pop(module, None)
     if state is not None:
         for handle in state.handles:
             handle.remove()
-        delattr(module, _TP_ATTR)
     return state
 
 
@@ -164,7 +168,7 @@ def shard_experts_(module: nn.Module, group, interleaved: bool = False) -> None:
     handles = (module.register_forward_pre_hook(partial(_copy_inputs, group), with_kwargs=True),
                module.register_forward_hook(partial(_reduce_output, group, down_bias if has_bias else None),
                                             with_kwargs=True))
-    setattr(module, _TP_ATTR, TensorParallelExperts(group, down_bias if has_bias else None, handles))
+    _TP_EXPERTS[module] = TensorParallelExperts(group, down_bias if has_bias else None, handles)
 
 
 def _copy_inputs(group, module, args, kwargs):
