@@ -264,7 +264,7 @@ def test_context_parallel_refusals():
     with pytest.raises(NotImplementedError, match="chunked or other attention layers"):
         check_context(chunked, 2, 1)
     from meshboost.shardformer.recurrent import recurrent_mixers, whole_mixers
-    from meshboost.testing.sweep import tiny_config as sweep_config
+    from meshboost.testing.tiny_configs import tiny_config as sweep_config
     for model_type in ("qwen3_next", "falcon_h1"):    # Gated DeltaNet; Mamba beside attention in every layer
         recurrent = build_causal_lm(sweep_config(model_type))
         # found by their decay, and (nothing split yet) reported whole, as the sweep's "ok (replicated: ...)" says
