@@ -6,7 +6,8 @@ memory.py; ZeRO's CPU offload (masters and states in host memory, the copies eac
 
 from meshboost.optim.grad_norm import clip_coefficient, counted_here, global_grad_norm
 from meshboost.optim.grad_scaler import DynamicGradScaler, GradScalerConfig
-from meshboost.optim.mixed_precision import PRECISION_DTYPES, MixedPrecisionOptimizer, PrecisionConfig, precision_of
+from meshboost.optim.mixed_precision import MixedPrecisionOptimizer
+from meshboost.optim.precision import PRECISION_DTYPES, PrecisionConfig, precision_of
 from meshboost.optim.wrapper import OptimizerWrapper
 from meshboost.optim.zero import ZeroConfig, ZeroOptimizer, bucket_elements
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+from meshboost.optim.precision import PRECISION_DTYPES
 
 
 def _bytes(tensors, seen: dict, skip_scalars: bool = False) -> int:
@@ -77,7 +77,7 @@ def memory_theory(num_params: int, tp_size: int = 1, dp_size: int = 1, zero_stag
     overlap_communication reduce-scatters during backward and frees the full gradients, so after
     backward it holds only its partition, as ZeRO-2 does (it still needs the full ones while backward
     runs, and ZeRO-2 with pipeline parallelism until the schedule is done)."""
-    w = _BYTES[precision]
+    w = PRECISION_DTYPES[precision].itemsize
     shard = num_params / tp_size
     partition = dp_size if zero_stage > 0 else 1
     out = {"working_weights": w * shard,

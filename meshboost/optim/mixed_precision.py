@@ -37,9 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -49,56 +47,12 @@ from meshboost.distributed import comm
 from meshboost.distributed.param_info import full_shape
 from meshboost.optim import state as fmt
 from meshboost.optim.grad_norm import clip_coefficient, counted_here, global_grad_norm
-from meshboost.optim.grad_scaler import DynamicGradScaler, GradScalerConfig
+from meshboost.optim.grad_scaler import DynamicGradScaler
+from meshboost.optim.precision import PrecisionConfig, precision_config
 from meshboost.optim.step_requests import StepRequests
 from meshboost.optim.wrapper import OptimizerWrapper
 
-PRECISION_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
 logger = logging.getLogger("meshboost.optim")
-
-
-def precision_of(dtype: torch.dtype) -> str | None:
-    """The precision name of `dtype` (the inverse of PRECISION_DTYPES), None for a dtype meshboost does
-    not train in."""
-    return next((name for name, d in PRECISION_DTYPES.items() if d == dtype), None)
-
-
-def check_precision(precision: str) -> torch.dtype:
-    if precision not in PRECISION_DTYPES:
-        raise ValueError(f"precision={precision!r}; expected one of {tuple(PRECISION_DTYPES)}")
-    return PRECISION_DTYPES[precision]
-
-
-@dataclass
-class PrecisionConfig:
-    """Working precision and the step's numerics, checked when built (before any collective)."""
-
-    precision: str = "fp32"       # working weights: "fp32" | "fp16" (loss-scaled) | "bf16"; masters are fp32
-    max_norm: float = 0.0         # clip by the global gradient norm when > 0
-    norm_type: float = 2.0        # 2.0 or float("inf")
-    scaler: GradScalerConfig = field(default_factory=GradScalerConfig)    # fp16's dynamic loss scale
-
-    def __post_init__(self):
-        check_precision(self.precision)
-        if not isinstance(self.max_norm, (int, float)) or self.max_norm < 0:
-            raise ValueError(f"max_norm={self.max_norm!r} must be >= 0 (0 disables clipping)")
-        if not isinstance(self.norm_type, (int, float)) or not (self.norm_type > 0 or math.isinf(self.norm_type)):
-            raise ValueError(f"norm_type={self.norm_type!r} must be positive (2.0 or float('inf'))")
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return PRECISION_DTYPES[self.precision]
-
-
-def _precision_config(config) -> PrecisionConfig:
-    """`config`, or the defaults for None; a precision name or anything else is refused with the fix."""
-    if config is None:
-        return PrecisionConfig()
-    if not isinstance(config, PrecisionConfig):
-        hint = f"PrecisionConfig({config!r})" if isinstance(config, str) else "PrecisionConfig(...)"
-        raise TypeError(f"the optimizer wrapper takes a meshboost.optim.PrecisionConfig, got {config!r}; pass {hint}")
-    return config
 
 
 def _copy_into_master(master: torch.Tensor, value: torch.Tensor | None, like: torch.Tensor) -> None:
@@ -136,7 +90,7 @@ class MixedPrecisionOptimizer(StepRequests, OptimizerWrapper):
                  track_grad_norm: bool = False):
         super().__init__(optim)
         self.verbose, self.track_grad_norm = bool(verbose), bool(track_grad_norm)
-        self.config = _precision_config(config)
+        self.config = precision_config(config)
         self.mesh, self.working_dtype = mesh, self.config.dtype
         self.scaler = DynamicGradScaler(self.config.scaler) if self.config.precision == "fp16" else None
         self._grad_norm: float | None = None

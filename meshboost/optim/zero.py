@@ -41,13 +41,8 @@ from meshboost.distributed import comm
 from meshboost.distributed.ownership import remove_when_freed, weak_method
 from meshboost.optim import state as fmt
 from meshboost.optim.grad_norm import counted_here
-from meshboost.optim.mixed_precision import (
-    PRECISION_DTYPES,
-    MixedPrecisionOptimizer,
-    PrecisionConfig,
-    _copy_into_master,
-    _precision_config,
-)
+from meshboost.optim.mixed_precision import MixedPrecisionOptimizer, _copy_into_master
+from meshboost.optim.precision import PRECISION_DTYPES, PrecisionConfig, precision_config
 from meshboost.optim.offload import HostStaging, master_device
 from meshboost.optim.zero_bucket import ZeroBucket, plan_buckets
 
@@ -120,7 +115,7 @@ class ZeroOptimizer(MixedPrecisionOptimizer):
         if not zc.partitioned_by_optimizer:
             raise ValueError(f"ZeroConfig(stage={zc.stage}): ZeroOptimizer implements stages "
                              f"{ZeroConfig.OPTIMIZER_STAGES} (stage 3 is torch FSDP2's: HybridParallelPlugin(zero_stage=3))")
-        working = _precision_config(precision).dtype
+        working = precision_config(precision).dtype
         # fp32 masters, or (master_weights=False) slices in the working dtype: the inner step then runs
         # in half precision, as ColossalAI's master_weights=False does.
         self.master_dtype = torch.float32 if zc.master_weights else working
