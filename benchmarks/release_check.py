@@ -24,7 +24,7 @@ CASES = {                       # name -> plugin (built after launch)
     "TorchDDPPlugin fp32": lambda p: p.TorchDDPPlugin(),
     "LowLevelZeroPlugin stage 2 bf16": lambda p: p.LowLevelZeroPlugin(stage=2, precision="bf16"),
     "HybridParallelPlugin ZeRO-1 bf16": lambda p: p.HybridParallelPlugin(zero_stage=1, precision="bf16"),
-    "TorchFSDPPlugin fp32": lambda p: p.TorchFSDPPlugin(),
+    "FSDPPlugin (ZeRO-3) fp32": lambda p: p.FSDPPlugin(),
 }
 
 

@@ -3,7 +3,7 @@
 Owns: the engine's settings (precision and clipping, resharding, CPU offload, mixed-precision dtypes,
 how the model is cut into `fully_shard` units, kernel switches) and the FSDP2 policies they make.
 Every check is pure: the same error on every rank, before any collective. Must not know any
-plugin's keyword arguments (plugins/fsdp_config.py maps ColossalAI's onto this), build groups or
+plugin's keyword arguments (compat/booster/plugin/fsdp_keywords.py maps ColossalAI's onto this), build groups or
 touch a model.
 """
 

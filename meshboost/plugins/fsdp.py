@@ -1,11 +1,12 @@
-"""GeminiPlugin and TorchFSDPPlugin: ZeRO-3 data parallelism on torch FSDP2 (`fully_shard`).
+"""FSDPPlugin: ZeRO-3 data parallelism on torch FSDP2 (`fully_shard`), from one typed `FSDPConfig`
+(ColossalAI's GeminiPlugin and TorchFSDPPlugin are compat's subclasses, their keywords mapped onto it).
 
 Owns: the wiring only. Weights, gradients and optimizer states are sharded over every rank (a
 dp-only mesh) by the FSDP2 engine (meshboost.fsdp), one unit per transformer layer
 (`fsdp_wrap.transformer_layers`) plus the root; mixed precision is FSDP2's MixedPrecisionPolicy (fp32
 sharded weights are the masters), CPU offload its CPUOffloadPolicy; the step (fp16 loss scale,
 clipping by the global norm over the shards) is `FSDPOptimizer`'s. ColossalAI's keyword arguments map
-onto the engine's `FSDPConfig` (`fsdp_config.py`, the table in docs/fsdp.md). Must not implement
+onto the engine's `FSDPConfig` in compat (`booster/plugin/fsdp_keywords.py`, the table in docs/fsdp.md). Must not implement
 sharding, reduction or checkpoint formats: meshboost.fsdp, meshboost.optim and meshboost.checkpoint do.
 """
 
@@ -17,7 +18,7 @@ from meshboost.booster import ModelWrapper, OptimizerWrapper, Plugin
 from meshboost.distributed import ParallelMesh
 from meshboost.distributed.agreement import agree_settings
 from meshboost.fsdp import FSDPConfig, apply_fsdp, boost_optimizer, is_sharded, no_gradient_sync, prepare, reshard_all
-from meshboost.plugins.fsdp_config import gemini_config, settings, torch_fsdp_config
+from meshboost.optim import PrecisionConfig
 from meshboost.plugins.fsdp_wrap import transformer_layers
 from meshboost.shardformer import ShardConfig, ShardFormer
 
@@ -41,10 +42,40 @@ class FSDPModel(ModelWrapper):
         return reshard_all(super().unwrap())
 
 
-class FSDPPluginBase(Plugin):
-    """What GeminiPlugin and TorchFSDPPlugin share: build from an `FSDPConfig` over a dp-only mesh."""
+def plugin_config(config, precision: str | None, unknown: dict) -> FSDPConfig:
+    """The plugin's one config: `config`, or `FSDPConfig(PrecisionConfig(precision))` for the shortcut
+    (pure: the same error on every rank)."""
+    if unknown:
+        raise TypeError(f"FSDPPlugin() got {', '.join(sorted(unknown))}: meshboost.plugins.FSDPPlugin takes "
+                        "config=meshboost.fsdp.FSDPConfig(...) (or the shortcut precision=...); ColossalAI's GeminiPlugin "
+                        "and TorchFSDPPlugin keywords are taken by those classes at ColossalAI's path, "
+                        "`from meshboost.booster.plugin import GeminiPlugin, TorchFSDPPlugin` (docs/fsdp.md)")
+    if config is None:
+        return FSDPConfig(PrecisionConfig(precision)) if precision is not None else FSDPConfig()
+    if not isinstance(config, FSDPConfig):
+        raise TypeError(f"FSDPPlugin(config={config!r}): pass a meshboost.fsdp.FSDPConfig, or the shortcut "
+                        "precision=...")
+    if precision is not None:
+        raise ValueError(f"FSDPPlugin(config=..., precision={precision!r}): set it inside the config "
+                         "(FSDPConfig(precision=PrecisionConfig(...))), not beside it")
+    return config
+
+
+class FSDPPlugin(Plugin):
+    """ZeRO-3 data parallelism over every rank on torch FSDP2, built from `config` (`FSDPConfig`: precision
+    and the fp16 scaler, reshard_after_forward, cpu offload, wrap policy, prefetch, kernels; each documented
+    on the config). `FSDPPlugin(precision="bf16")` is `FSDPPlugin(FSDPConfig(PrecisionConfig("bf16")))`.
+    ColossalAI's GeminiPlugin and TorchFSDPPlugin (their keyword signatures) are compat's subclasses of
+    this class, mapping their keywords onto the config (docs/fsdp.md has the table).
+    """
 
     config: FSDPConfig
+
+    def __init__(self, config: FSDPConfig | None = None, *, precision: str | None = None, **unknown):
+        # Every rank must pass the same arguments; one all-gather of a digest says so (or names the
+        # difference) before anything that could differ by rank, so no rank is left hanging.
+        agree_settings({"config": config, "precision": precision, **unknown}, f"{type(self).__name__} arguments")
+        self._build(plugin_config(config, precision, unknown))
 
     def _build(self, config: FSDPConfig) -> None:
         self.config = config
@@ -82,71 +113,3 @@ class FSDPPluginBase(Plugin):
         if not isinstance(model, FSDPModel):
             raise TypeError("no_sync needs the model returned by booster.boost(...)")
         return model.no_sync()
-
-
-class GeminiPlugin(FSDPPluginBase):
-    """ColossalAI's GeminiPlugin (ZeRO-3 with chunked placement) on torch FSDP2, over every rank.
-
-    Honoured: precision ("fp16" loss-scaled, "bf16", and "fp32"), initial_scale ... max_scale (the fp16
-    loss scaler; meshboost adds max_skips_at_min_scale), max_norm / norm_type (global-norm clipping),
-    placement_policy="static" with offload_optim_frac / offload_param_frac 0.0 or 1.0 (FSDP2's
-    CPUOffloadPolicy: weights, gradients and the optimizer step on the CPU), shard_param_frac 1.0
-    (ZeRO-3) or 0.0 (weights kept gathered from forward to backward), pin_memory, force_outputs_fp32,
-    max_prefetch (forward all-gathers issued ahead), enable_gradient_accumulation (always possible;
-    `booster.no_sync` too), strict_ddp_mode, verbose, and the kernel switches enable_flash_attention,
-    enable_fused_normalization, enable_jit_fused, enable_all_optimization (meshboost.shardformer).
-    Refused with the meshboost way named: tp_size > 1, extra_dp_size > 1, placement_policy="auto" and
-    its knobs, chunk settings, fractional offload, master_weights=False, enable_async_reduce=False,
-    fp8, sequence parallelism. docs/fsdp.md has the table.
-    """
-
-    def __init__(self, chunk_config_dict: dict | None = None, chunk_init_device=None, placement_policy: str = "static",
-                 enable_gradient_accumulation: bool = False, max_prefetch: int = 0, shard_param_frac: float = 1.0,
-                 offload_optim_frac: float = 0.0, offload_param_frac: float = 0.0,
-                 warmup_non_model_data_ratio: float = 0.8, steady_cuda_cap_ratio: float = 0.9,
-                 precision: str = "fp16", master_weights: bool = True, pin_memory: bool = False,
-                 force_outputs_fp32: bool = False, strict_ddp_mode: bool = False, search_range_m: int = 32,
-                 hidden_dim: int | None = None, min_chunk_size_m: float = 32, memstats=None,
-                 gpu_margin_mem_ratio: float = 0.0, initial_scale: float = 2**16, min_scale: float = 1,
-                 growth_factor: float = 2, backoff_factor: float = 0.5, growth_interval: int = 1000,
-                 hysteresis: int = 2, max_scale: float = 2**32, max_norm: float = 0.0, norm_type: float = 2.0,
-                 tp_size: int = 1, extra_dp_size: int = 1, enable_all_optimization: bool = False,
-                 enable_fused_normalization: bool = False, enable_flash_attention: bool = False,
-                 enable_sequence_parallelism: bool = False, enable_jit_fused: bool = False,
-                 enable_async_reduce: bool = True, use_fp8: bool = False, verbose: bool = False,
-                 fp8_communication: bool = False, max_skips_at_min_scale: int = 50):
-        args = {k: v for k, v in locals().items() if k != "self"}
-        # Every rank must pass the same arguments; one all-gather of a digest says so (or names the
-        # difference) before anything that could differ by rank, so no rank is left hanging.
-        agree_settings(settings(args), "GeminiPlugin arguments")
-        self._build(gemini_config(args))
-
-    @property
-    def tp_size(self) -> int:
-        return 1
-
-
-class TorchFSDPPlugin(FSDPPluginBase):
-    """ColossalAI's TorchFSDPPlugin (FSDP1's arguments) on torch FSDP2, over every rank.
-
-    sharding_strategy: FULL_SHARD (default) or SHARD_GRAD_OP (weights kept gathered from forward to
-    backward); mixed_precision: FSDP1's MixedPrecision (param_dtype -> compute dtype, float16 with
-    meshboost's dynamic loss scaler; reduce_dtype; buffer_dtype: floating buffers cast at boost) or
-    FSDP2's MixedPrecisionPolicy; None trains in fp32. cpu_offload: CPUOffload(offload_params=True),
-    CPUOffloadPolicy() or True. auto_wrap_policy: an FSDP1 policy (None: one unit per transformer
-    layer). backward_prefetch: None or BACKWARD_PRE (FSDP2's own). ignored_modules, sync_module_states
-    as in FSDP1. meshboost adds max_norm / norm_type (global-norm clipping over the shards) and the
-    fp16 loss scaler's initial_scale ... max_skips_at_min_scale. Refused with the way out named:
-    process groups smaller than the world, NO_SHARD / hybrid strategies, BACKWARD_POST,
-    param_init_fn, fp8_communication. docs/fsdp.md has the table.
-    """
-
-    def __init__(self, process_group=None, sharding_strategy=None, cpu_offload=None, auto_wrap_policy=None,
-                 backward_prefetch=None, mixed_precision=None, ignored_modules=None, param_init_fn=None,
-                 sync_module_states: bool = False, fp8_communication: bool = False, max_norm: float = 0.0,
-                 norm_type: float = 2.0, initial_scale: float = 2**16, min_scale: float = 1, growth_factor: float = 2,
-                 backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2,
-                 max_scale: float = 2**32, max_skips_at_min_scale: int = 50):
-        args = {k: v for k, v in locals().items() if k != "self"}
-        agree_settings(settings(args), "TorchFSDPPlugin arguments")
-        self._build(torch_fsdp_config(args))

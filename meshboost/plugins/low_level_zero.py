@@ -1,13 +1,15 @@
 """LowLevelZeroPlugin: data parallelism with ZeRO stage 1 or 2 and no model parallelism.
 
 Owns: the wiring only (a dp-only mesh, device placement, the working-dtype cast of weights and
-floating-point inputs, the ZeroOptimizer around the user's optimizer), and the answer to every
-keyword ColossalAI's LowLevelZeroPlugin takes: honoured, or refused before any collective with the
-meshboost way to get the same. The optimizer is the very ZeroOptimizer that
+floating-point inputs, the ZeroOptimizer around the user's optimizer), built from one typed
+`LowLevelZeroConfig`. ColossalAI's 23 keywords are compat's (compat/booster/plugin/low_level_zero_plugin.py),
+mapped onto this config. The optimizer is the very ZeroOptimizer that
 HybridParallelPlugin(zero_stage=...) uses; nothing here reduces, scales, clips or offloads by itself.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -16,7 +18,7 @@ from meshboost.booster import ModelWrapper, OptimizerWrapper, Plugin
 from meshboost.distributed import ParallelMesh
 from meshboost.distributed.agreement import agree_settings
 from meshboost.distributed.inputs import cast_floating
-from meshboost.optim import GradScalerConfig, PrecisionConfig, ZeroConfig, ZeroOptimizer, bucket_elements
+from meshboost.optim import PrecisionConfig, ZeroConfig, ZeroOptimizer
 
 
 class LowLevelZeroModel(ModelWrapper):
@@ -32,74 +34,95 @@ class LowLevelZeroModel(ModelWrapper):
         return self.module(*cast_floating(args, self.input_dtype), **cast_floating(kwargs, self.input_dtype))
 
 
-def _refuse_unsupported(overlap_allgather, fp8_communication, use_fp8, extra_dp_size) -> None:
-    """ColossalAI keywords meshboost does not implement: refused (pure, the same on every rank) with the
-    meshboost way to get what they are for."""
-    if overlap_allgather:
-        raise NotImplementedError(
-            "overlap_allgather=True is not supported: meshboost all-gathers the updated shards inside "
-            "optimizer.step() (one all-gather per bucket over dp), not lazily during the next forward. Drop the "
-            "argument (training is the same); overlap_communication=True overlaps the gradient reduce-scatter "
-            "with backward")
-    if use_fp8:
-        raise NotImplementedError("use_fp8=True (fp8 matmuls) is not supported; train with precision='bf16' or "
-                                  "'fp16'")
-    if fp8_communication:
-        raise NotImplementedError("fp8_communication=True is not supported; communication_dtype=torch.bfloat16 "
-                                  "(or torch.float16) reduce-scatters the gradients in 16 bits")
-    if not isinstance(extra_dp_size, int) or isinstance(extra_dp_size, bool) or extra_dp_size < 1:
-        raise ValueError(f"extra_dp_size={extra_dp_size!r} must be a positive integer (1: partition over every rank)")
-    if extra_dp_size > 1:
-        raise NotImplementedError(
-            f"extra_dp_size={extra_dp_size} (ZeRO partitioned within groups of world/extra_dp_size ranks and "
-            "replicated across them) is not supported: meshboost's LowLevelZeroPlugin partitions masters and "
-            "optimizer states over every rank (1/world of them per rank). Use extra_dp_size=1")
+@dataclass(frozen=True)
+class LowLevelZeroConfig:
+    """What LowLevelZeroPlugin builds, checked when constructed (before any collective).
+
+    zero: `ZeroConfig` with stage 1 (optimizer states and fp32 masters partitioned over every rank) or 2
+        (gradients too), buckets, overlap, offload, communication dtype, master weights.
+    precision: `PrecisionConfig` (working precision, clipping, fp16's loss scale); fp16 by default, as
+        ColossalAI's plugin.
+    cast_inputs: cast floating-point inputs to the working dtype (fp16/bf16) on every call.
+    verbose: rank 0 logs skipped fp16 steps (logger "meshboost.optim", INFO).
+    """
+
+    zero: ZeroConfig = field(default_factory=lambda: ZeroConfig(stage=1))
+    precision: PrecisionConfig = field(default_factory=lambda: PrecisionConfig("fp16"))
+    cast_inputs: bool = True
+    verbose: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.zero, ZeroConfig) or not isinstance(self.precision, PrecisionConfig):
+            raise TypeError(f"LowLevelZeroConfig(zero={self.zero!r}, precision={self.precision!r}): pass "
+                            "zero=meshboost.optim.ZeroConfig(stage=1 or 2) and precision=meshboost.optim.PrecisionConfig(...)")
+        if not self.zero.partitioned_by_optimizer:      # a valid stage (the config says), not this plugin's
+            raise ValueError(f"stage={self.zero.stage!r}; LowLevelZeroPlugin supports ZeRO stage 1 or 2 "
+                             "(use TorchDDPPlugin for plain data parallelism, HybridParallelPlugin(zero_stage=3) "
+                             "for ZeRO-3)")
+
+    @classmethod
+    def of(cls, stage: int = 1, precision: str = "fp16") -> LowLevelZeroConfig:
+        """The config of the plugin's shortcuts (`LowLevelZeroPlugin(stage=2, precision="bf16")`)."""
+        return cls(zero=ZeroConfig(stage=stage), precision=PrecisionConfig(precision))
+
+
+SHORTCUTS = ("stage", "precision")
+
+
+def plugin_config(config, shortcuts: dict, unknown: dict) -> LowLevelZeroConfig:
+    """The plugin's one config: `config`, or `LowLevelZeroConfig.of(**shortcuts)` (pure: the same error on
+    every rank)."""
+    if unknown:
+        raise TypeError(f"LowLevelZeroPlugin() got {', '.join(sorted(unknown))}: meshboost.plugins.LowLevelZeroPlugin "
+                        f"takes config=LowLevelZeroConfig(...) (or the shortcuts {', '.join(SHORTCUTS)}); ColossalAI's "
+                        "keywords are taken by `from meshboost.booster.plugin import LowLevelZeroPlugin`, ColossalAI's "
+                        "path, which maps them onto the config (docs/colossalai.md)")
+    given = {k: v for k, v in shortcuts.items() if v is not None}
+    if config is None:
+        return LowLevelZeroConfig.of(**given)
+    if not isinstance(config, LowLevelZeroConfig):
+        raise TypeError(f"LowLevelZeroPlugin(config={config!r}): pass a meshboost.plugins.LowLevelZeroConfig, or "
+                        "the shortcuts stage=..., precision=...")
+    if given:
+        raise ValueError(f"LowLevelZeroPlugin(config=..., {', '.join(f'{k}={v!r}' for k, v in given.items())}): set "
+                         "these inside the config (LowLevelZeroConfig(zero=ZeroConfig(stage=...), "
+                         "precision=PrecisionConfig(...))), not beside it")
+    return config
 
 
 class LowLevelZeroPlugin(Plugin):
-    """ZeRO data parallelism over every rank. The keywords are ColossalAI's, in its order:
-
-    stage: 1 (optimizer states and fp32 masters partitioned) or 2 (gradients too).
-    precision: "fp16" (loss-scaled) | "bf16" | "fp32". initial_scale ... max_scale (and the keyword-only
-        max_skips_at_min_scale): the fp16 loss scaler. max_norm / norm_type: global-norm clipping when
-        max_norm > 0 (norm_type 2.0 or inf). (`meshboost.optim.PrecisionConfig`)
-    reduce_bucket_size_in_m: bucket size in millions of elements; communication_dtype: dtype of the
-        gradient reduce-scatter (None: the working dtype); overlap_communication: reduce-scatter buckets
-        from gradient hooks during backward; cpu_offload: fp32 master shards and optimizer states in CPU
-        memory, the inner step on the CPU (gradient shard down, updated shard up each step);
-        master_weights=False: no fp32 masters, the inner optimizer steps working-dtype shards.
-        (`meshboost.optim.ZeroConfig`, docs/precision_and_zero.md)
-    verbose: rank 0 logs skipped fp16 steps (logger "meshboost.optim", INFO).
-    cast_inputs: cast floating-point inputs to the working dtype (fp16/bf16) on every call.
-    overlap_allgather, fp8_communication, use_fp8, extra_dp_size > 1: refused with the alternative
-        (`_refuse_unsupported`).
+    """ZeRO data parallelism over every rank, built from `config` (`LowLevelZeroConfig`: the `ZeroConfig`,
+    the `PrecisionConfig`, cast_inputs, verbose). `LowLevelZeroPlugin(stage=2, precision="bf16")` is
+    `LowLevelZeroPlugin(LowLevelZeroConfig.of(...))`. ColossalAI's keywords (its 23, in its order) are
+    taken by the class at ColossalAI's path, `meshboost.booster.plugin.LowLevelZeroPlugin` (compat),
+    which maps them onto this config.
     """
 
-    def __init__(self, stage: int = 1, precision: str = "fp16", initial_scale: float = 2**16,
-                 min_scale: float = 1, growth_factor: float = 2, backoff_factor: float = 0.5,
-                 growth_interval: int = 1000, hysteresis: int = 2, max_scale: float = 2**32,
-                 max_norm: float = 0.0, norm_type: float = 2.0, reduce_bucket_size_in_m: int = 12,
-                 communication_dtype: torch.dtype | None = None, overlap_communication: bool = True,
-                 overlap_allgather: bool = False, cpu_offload: bool = False, master_weights: bool = True,
-                 verbose: bool = False, cast_inputs: bool = True, fp8_communication: bool = False,
-                 use_fp8: bool = False, extra_dp_size: int = 1, *, max_skips_at_min_scale: int = 50):
+    def __init__(self, config: LowLevelZeroConfig | None = None, *, stage: int | None = None,
+                 precision: str | None = None, **unknown):
+        shortcuts = dict(stage=stage, precision=precision)
         # Every rank must pass the same arguments; one all-gather of a digest says so (or names the
         # difference) before anything that could differ by rank, so no rank is left hanging.
-        agree_settings({k: v for k, v in locals().items() if k != "self"}, "LowLevelZeroPlugin arguments")
+        agree_settings({"config": config, **shortcuts, **unknown}, "LowLevelZeroPlugin arguments")
         # -- pure checks first: every rank raises the same error before any collective ----------
-        _refuse_unsupported(overlap_allgather, fp8_communication, use_fp8, extra_dp_size)
-        self.precision_config = PrecisionConfig(precision, max_norm, norm_type, GradScalerConfig(
-            initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale,
-            max_skips_at_min_scale))
-        self.zero_config = ZeroConfig(stage, overlap_communication, bucket_elements(reduce_bucket_size_in_m,
-                                                                                    "reduce_bucket_size_in_m"),
-                                      cpu_offload, communication_dtype, master_weights)
-        if not self.zero_config.partitioned_by_optimizer:      # a valid stage (the config says), not this plugin's
-            raise ValueError(f"stage={stage!r}; LowLevelZeroPlugin supports ZeRO stage 1 or 2 "
-                             "(use TorchDDPPlugin for plain data parallelism, HybridParallelPlugin(zero_stage=3) "
-                             "for ZeRO-3)")
-        self.verbose, self.cast_inputs = bool(verbose), bool(cast_inputs)
+        self.config = plugin_config(config, shortcuts, unknown)
         self.mesh = ParallelMesh(tp_size=1, pp_size=1)                  # collective: after the checks
+
+    @property
+    def precision_config(self) -> PrecisionConfig:
+        return self.config.precision
+
+    @property
+    def zero_config(self) -> ZeroConfig:
+        return self.config.zero
+
+    @property
+    def verbose(self) -> bool:
+        return self.config.verbose
+
+    @property
+    def cast_inputs(self) -> bool:
+        return self.config.cast_inputs
 
     @property
     def precision(self) -> str:

@@ -35,39 +35,49 @@ COLOSSALAI_DDP_KEYWORDS = """broadcast_buffers bucket_cap_mb find_unused_paramet
     gradient_as_bucket_view static_graph fp8_communication""".split()
 
 
+# ColossalAI's plugin -> the core plugin its keyword constructor maps onto (and ColossalAI's views it adds)
+COMPAT_SUBCLASSES = {"HybridParallelPlugin": ("HybridParallelPlugin", set()),
+                     "LowLevelZeroPlugin": ("LowLevelZeroPlugin", set()),
+                     "GeminiPlugin": ("FSDPPlugin", {"tp_size"}), "TorchFSDPPlugin": ("FSDPPlugin", set())}
+
+
 def test_plugin_paths_are_meshboost_plugins():
-    from meshboost.booster.plugin import HybridParallelPlugin, LowLevelZeroPlugin, Plugin, TorchDDPPlugin
+    from meshboost.booster.plugin import Plugin, TorchDDPPlugin
     from meshboost.booster.plugin.dp_plugin_base import DPPluginBase
     from meshboost.booster.plugin.plugin_base import Plugin as BasePlugin
 
-    # ColossalAI's flat keywords: compat's subclass of the core plugin, adding only its constructor
-    assert issubclass(HybridParallelPlugin, meshboost.plugins.HybridParallelPlugin)
-    assert {k for k in vars(HybridParallelPlugin) if not k.startswith("_")} == set()   # no behaviour of its own
-    assert "__init__" in vars(HybridParallelPlugin)
-    assert LowLevelZeroPlugin is meshboost.plugins.LowLevelZeroPlugin
+    # ColossalAI's keyword signatures: compat's subclass of a core plugin (which takes a typed config),
+    # adding only its constructor and ColossalAI's views
+    for name, (core, views) in COMPAT_SUBCLASSES.items():
+        served = getattr(importlib.import_module("meshboost.booster.plugin"), name)
+        assert served is not getattr(meshboost.plugins, core) and issubclass(served, getattr(meshboost.plugins, core))
+        assert {k for k in vars(served) if not k.startswith("_")} == views, name     # no behaviour of its own
+        assert "__init__" in vars(served)
+        assert getattr(importlib.import_module(f"meshboost.booster.plugin.{PLUGIN_MODULES[name]}"), name) is served
+        assert not hasattr(meshboost.plugins, name) or getattr(meshboost.plugins, name) is not served
     assert TorchDDPPlugin is meshboost.plugins.TorchDDPPlugin
+    assert importlib.import_module("meshboost.booster.plugin.torch_ddp_plugin").TorchDDPPlugin is TorchDDPPlugin
     assert Plugin is BasePlugin is meshboost.booster.Plugin is DPPluginBase
-    for name in ("HybridParallelPlugin", "LowLevelZeroPlugin", "TorchDDPPlugin"):
+    for name in ("HybridParallelPlugin", "LowLevelZeroPlugin", "TorchDDPPlugin", "FSDPPlugin"):
         assert issubclass(getattr(meshboost.plugins, name), DPPluginBase)
-    for name, module in PLUGIN_MODULES.items():
-        if not hasattr(meshboost.plugins, name):
-            continue                                  # being added: its absence is tested below
-        sub = importlib.import_module(f"meshboost.booster.plugin.{module}")
-        served = HybridParallelPlugin if name == "HybridParallelPlugin" else getattr(meshboost.plugins, name)
-        assert getattr(sub, name) is served
-        assert getattr(importlib.import_module("meshboost.booster.plugin"), name) is served
 
 
-def test_a_plugin_meshboost_lacks_says_what_to_use(monkeypatch):
+def test_core_plugins_refuse_colossalai_keywords():
+    """The core plugins take typed configs (and a few shortcuts); a ColossalAI keyword names compat's path."""
+    with pytest.raises(TypeError, match="meshboost.booster.plugin import LowLevelZeroPlugin"):
+        meshboost.plugins.LowLevelZeroPlugin(stage=2, initial_scale=2**5)
+    with pytest.raises(TypeError, match="GeminiPlugin, TorchFSDPPlugin"):
+        meshboost.plugins.FSDPPlugin(placement_policy="static")
+    with pytest.raises(ValueError, match="stage 1 or 2"):
+        meshboost.plugins.LowLevelZeroConfig.of(stage=3)
+
+
+def test_a_plugin_meshboost_lacks_says_so(monkeypatch):
     import meshboost.booster.plugin as paths
 
-    monkeypatch.delattr(meshboost.plugins, "GeminiPlugin", raising=False)
-    with pytest.raises(ImportError, match="GeminiPlugin is not available.*LowLevelZeroPlugin"):
-        from meshboost.booster.plugin import GeminiPlugin  # noqa: F401
-    monkeypatch.delitem(sys.modules, "meshboost.booster.plugin.gemini_plugin", raising=False)
-    monkeypatch.delattr(paths, "gemini_plugin", raising=False)
-    with pytest.raises(ImportError, match="GeminiPlugin is not available"):
-        importlib.import_module("meshboost.booster.plugin.gemini_plugin")
+    monkeypatch.delattr(meshboost.plugins, "TorchDDPPlugin", raising=False)
+    with pytest.raises(ImportError, match="TorchDDPPlugin is not available"):
+        from meshboost.booster.plugin import TorchDDPPlugin  # noqa: F401
     assert not hasattr(paths, "NoSuchPlugin")
 
 

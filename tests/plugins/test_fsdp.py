@@ -28,8 +28,8 @@ from torch.distributed.tensor import DTensor
 
 from meshboost import Booster
 from meshboost.optim.memory import memory_breakdown
-from meshboost.plugins import GeminiPlugin, TorchFSDPPlugin
-from meshboost.plugins.fsdp_config import FSDPConfig
+from meshboost.booster.plugin import GeminiPlugin, TorchFSDPPlugin
+from meshboost.fsdp import FSDPConfig
 from meshboost.plugins.fsdp_optimizer import FSDPOptimizer
 from meshboost.plugins.fsdp_wrap import shard_units
 from meshboost.testing import LOSS_ATOL, spawn

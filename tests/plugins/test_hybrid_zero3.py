@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from meshboost import Booster
 from meshboost.distributed.param_info import gather_tensor, get_tp_info
 from meshboost.booster.plugin import HybridParallelPlugin
-from meshboost.plugins import GeminiPlugin
+from meshboost.booster.plugin import GeminiPlugin
 from meshboost.plugins.fsdp_optimizer import FSDPOptimizer
 from meshboost.testing import LOSS_ATOL, spawn
 from meshboost.testing.compare import train_reference

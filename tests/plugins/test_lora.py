@@ -22,7 +22,8 @@ import torch.distributed as dist
 from meshboost import Booster
 from meshboost.optim.memory import memory_breakdown
 from meshboost.booster.plugin import HybridParallelPlugin
-from meshboost.plugins import GeminiPlugin, LowLevelZeroPlugin, TorchDDPPlugin
+from meshboost.booster.plugin import GeminiPlugin
+from meshboost.plugins import LowLevelZeroPlugin, TorchDDPPlugin
 from meshboost.testing import spawn
 from meshboost.testing.models import VOCAB, build_model, tiny_config
 

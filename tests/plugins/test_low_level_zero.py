@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from meshboost import Booster
 from meshboost.optim import ZeroOptimizer
-from meshboost.plugins import LowLevelZeroPlugin
+from meshboost.booster.plugin import LowLevelZeroPlugin
 from meshboost.testing import LOSS_ATOL, assert_close, spawn
 from meshboost.testing.compare import train_reference
 from meshboost.testing.models import build_model, tiny_config

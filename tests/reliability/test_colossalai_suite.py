@@ -40,7 +40,7 @@ from meshboost.booster.plugin.dp_plugin_base import DPPluginBase
 from meshboost.distributed.param_info import gather_tensor, get_tp_info
 from meshboost.lazy import LazyInitContext, lazy_seed
 from meshboost.booster.plugin import HybridParallelPlugin
-from meshboost.plugins import LowLevelZeroPlugin, TorchDDPPlugin, TorchFSDPPlugin
+from meshboost.booster.plugin import LowLevelZeroPlugin, TorchDDPPlugin, TorchFSDPPlugin
 from meshboost.shardformer import ShardConfig
 from meshboost.testing import LOSS_ATOL, assert_close, spawn
 from meshboost.testing.compare import booster_step, gathered

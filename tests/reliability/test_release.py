@@ -26,8 +26,9 @@ import torch
 from meshboost import Booster
 from meshboost.booster.plugin import HybridParallelPlugin as ColossalAIPlugin
 from meshboost.booster.plugin.moe_hybrid_parallel_plugin import MoeHybridParallelPlugin
-from meshboost.plugins import (GeminiPlugin, HybridParallelConfig, HybridParallelPlugin, LowLevelZeroPlugin,
-                               PipelineGradientCheckpointConfig, TorchDDPPlugin, TorchFSDPPlugin, ZeroConfig)
+from meshboost.booster.plugin import GeminiPlugin, TorchFSDPPlugin
+from meshboost.plugins import (HybridParallelConfig, HybridParallelPlugin, LowLevelZeroPlugin,
+                               PipelineGradientCheckpointConfig, TorchDDPPlugin, ZeroConfig)
 from meshboost.testing import spawn
 from meshboost.testing.moe import build_causal_lm, causal_batches, moe_config
 from meshboost.testing.models import tiny_config

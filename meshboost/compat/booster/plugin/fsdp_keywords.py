@@ -1,5 +1,6 @@
-"""The mapping of ColossalAI's GeminiPlugin / TorchFSDPPlugin keyword arguments onto the FSDP2
-engine's `FSDPConfig` (meshboost/fsdp/config.py, which checks its own fields).
+"""ColossalAI's path `booster.plugin.fsdp_keywords` (meshboost's own: the mapping of ColossalAI's GeminiPlugin /
+TorchFSDPPlugin keyword arguments onto the FSDP2 engine's `FSDPConfig`, meshboost/fsdp/config.py, which
+checks its own fields; the core's `meshboost.plugins.FSDPPlugin` takes that config).
 
 Owns: `gemini_config` / `torch_fsdp_config`, which honour every ColossalAI keyword that has a
 meaning on top of torch FSDP2 and refuse the others with a message naming what to use instead
@@ -23,6 +24,7 @@ from meshboost.fsdp import FSDPConfig
 from meshboost.optim import GradScalerConfig, PrecisionConfig, precision_of
 
 logger = logging.getLogger("meshboost.plugins")
+
 
 def _refuse(name: str, value, why_and_fix: str, error=ValueError):
     raise error(f"{name}={value!r}: {why_and_fix}")
