@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from meshboost.booster import OptimizerWrapper
-from meshboost.fsdp import is_sharded, shard_tensor_parallel
+from meshboost.fsdp import StepSharding, is_sharded, shard_tensor_parallel
 from meshboost.optim import PrecisionConfig
 from meshboost.plugins.fsdp_wrap import transformer_layers
 
@@ -36,8 +36,22 @@ def check_zero3_model(model: nn.Module, optimizer, on_meta: bool) -> None:
                          "model's; build it on the model you boost")
 
 
-def shard_zero3(model: nn.Module, optimizer, mesh, precision: PrecisionConfig) -> tuple[list[nn.Module], object]:
-    """Shard the tensor-parallel `model` (on the mesh's device, fp32) over dp with FSDP2, in place, one
-    unit per transformer layer plus the root; move the user's `optimizer` onto the new parameters and
-    wrap it in `FSDPOptimizer`. Returns (the FSDP units, children first; the boosted optimizer or None)."""
-    return shard_tensor_parallel(model, optimizer, mesh, precision, transformer_layers(model))
+def shard_zero3(model: nn.Module, optimizer, mesh, precision: PrecisionConfig, stages=None,
+                reshard_after_forward: bool | None = None) -> tuple[object, StepSharding | None]:
+    """Shard the tensor-parallel `model` (on the mesh's device, fp32; with pipeline `stages`, this rank's
+    cut of it) over dp with FSDP2, in place, one unit per transformer layer it holds plus the root; move
+    the user's `optimizer` onto the new parameters and wrap it in `FSDPOptimizer`. With stages, the
+    weights the pipeline ties across stages are pointed at their sharded replacements and the
+    returned `StepSharding` is what the schedule calls around each step. reshard_after_forward: None
+    is True without stages and False with them (each stage gathers once per step, not per micro-batch).
+    Returns (the boosted optimizer or None, the StepSharding or None)."""
+    if reshard_after_forward is None:
+        reshard_after_forward = stages is None
+    names = {id(p): n for n, p in model.named_parameters()}
+    _, optimizer = shard_tensor_parallel(model, optimizer, mesh, precision, transformer_layers(model),
+                                         reshard_after_forward)
+    if stages is None:
+        return optimizer, None
+    sharded = dict(model.named_parameters())
+    stages.ties = [(ranks, [sharded[names[id(p)]] for p in params]) for ranks, params in stages.ties]
+    return optimizer, StepSharding(model)
