@@ -1,10 +1,13 @@
-"""ZeRO-3 under tensor parallelism: HybridParallelPlugin(tp_size=T, zero_stage=3), composed.
+"""ZeRO-3 composed with the other axes: HybridParallelPlugin(zero_stage=3) with tp, cp, pp and ep.
 
 Owns: what the plugin accepts for zero_stage=3 (models and optimizers it cannot shard are refused
-here; pipeline stages with the other settings, in config.py) and the call into the FSDP2 engine
+here; the combinations of settings, in config.py) and the call into the FSDP2 engine
 (`meshboost.fsdp.shard_tensor_parallel`, which shards the tensor-parallel model over dp and carries
-its records and gradient hooks) with the model's transformer layers as units. Must not shard,
-reduce or move records itself: meshboost.fsdp and meshboost.distributed.param_info do.
+its records and gradient hooks; expert-parallel experts over their own replicas, `fsdp/wrap.py`) with
+the transformer layers the model (or this pipeline rank's cut of it) holds as units; with pipeline
+stages, pointing the pipeline's tied weights at FSDP2's parameters and handing the schedule its
+`StepSharding` (`fsdp/pipeline.py`). Must not shard, reduce or move records itself: meshboost.fsdp and
+meshboost.distributed.param_info do.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ step gathered from its shards (1e-5):
   reduce-scatters it once (the dispatcher counts them); with `reshard_after_forward=True` the same
   numbers, with more all-gathers. GPT-2 at pp=2 (its embedding tied to the LM head across the two
   stages: the reduced shards summed over the stage group); LoRA at pp=2 (adapters trained, the frozen
-  base sharded); bf16 1F1B against the fp32 run (bf16 tolerance).
+  base sharded); bf16 1F1B against the fp32 run (bf16 tolerance). Each pipeline run starts with a
+  forward-only step, whose loss is the first step's.
 * ep=2 x dp=4, Qwen3-MoE: the experts DTensors over edp (the 2 dp ranks holding the same experts), the
   router and the attention over all 4 dp ranks; GLM-4-MoE (shared experts and a dense first layer:
   dense); ep=2 x pp=2; ColossalAI's `MoeHybridParallelPlugin(ep_size=2, zero_stage=3)`.
@@ -77,7 +78,8 @@ def _reference(model, batches):
 
 
 def _step(booster, plugin, model, opt, batch) -> float:
-    """One step on this replica's share of `batch`; returns the global batch's token-mean loss."""
+    """One step on this replica's share of `batch` (opt None: a forward-only pipeline step); returns the
+    global batch's token-mean loss."""
     mesh = plugin.mesh
     mine = {k: v.chunk(mesh.dp_size)[mesh.dp_rank] for k, v in batch.items()}
     if plugin.pp_size > 1:      # each replica reports its own token mean: weigh it by its tokens
@@ -119,6 +121,9 @@ def _train(config, make_model, batches, ref, what, plugin=None, dtype=torch.floa
     ref_losses, ref_grads, ref_weights = ref
     plugin, booster, model, opt = _boost(config, make_model(), plugin)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
+    if plugin.pp_size > 1:      # an evaluation step first: it leaves nothing gathered that training would misuse
+        got = _step(booster, plugin, model, None, batches[0])
+        assert abs(got - ref_losses[0]) <= tol * abs(ref_losses[0]), f"{what} eval: {got} vs {ref_losses[0]}"
     for step, batch in enumerate(batches):
         got = _step(booster, plugin, model, opt, batch)
         assert abs(got - ref_losses[step]) <= tol * abs(ref_losses[step]), f"{what} step {step}: {got} vs " \
