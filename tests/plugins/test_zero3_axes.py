@@ -8,12 +8,13 @@ step gathered from its shards (1e-5):
   the stage's dp ranks, and one step (2 micro-batches) all-gathers each FSDP2 unit once and
   reduce-scatters it once (the dispatcher counts them); with `reshard_after_forward=True` the same
   numbers, with more all-gathers. GPT-2 at pp=2 (its embedding tied to the LM head across the two
-  stages: the reduced shards summed over the stage group); LoRA at pp=2 (adapters trained, the frozen
+  stages: the reduced shards summed over the stage group), clipped by the global norm (equal to one
+  process's within 1e-5, as for the clipped ep runs); LoRA at pp=2 (adapters trained, the frozen
   base sharded); bf16 1F1B against the fp32 run (bf16 tolerance). Each pipeline run starts with a
   forward-only step, whose loss is the first step's.
 * ep=2 x dp=4, Qwen3-MoE: the experts DTensors over edp (the 2 dp ranks holding the same experts), the
-  router and the attention over all 4 dp ranks; GLM-4-MoE (shared experts and a dense first layer:
-  dense); ep=2 x pp=2; ColossalAI's `MoeHybridParallelPlugin(ep_size=2, zero_stage=3)`.
+  router and the attention over all 4 dp ranks, clipped; GLM-4-MoE (shared experts and a dense first layer:
+  dense); ep=2 x pp=2; tp=2 x ep=2 (tensor parallelism inside the experts, edp=1); ColossalAI's `MoeHybridParallelPlugin(ep_size=2, zero_stage=3)`.
 * checkpoints: pp=2 ZeRO-3's save reloads by `from_pretrained` bitwise and continues at tp=2 (model and
   optimizer) as the one process does; ep=2 ZeRO-3's continues at ep=1; `save_checkpoint` /
   `load_checkpoint` resume bitwise at pp=2 and at ep=2.
@@ -47,11 +48,11 @@ LLAMA = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_h
              max_position_embeddings=64, intermediate_size=64, use_cache=False, tie_word_embeddings=False)
 
 
-def _zero3(pp=1, chunks=1, ep=1, precision="fp32", **kwargs) -> HybridParallelConfig:
+def _zero3(pp=1, chunks=1, ep=1, precision="fp32", max_norm=0.0, **kwargs) -> HybridParallelConfig:
     pipeline = PipelineConfig(pp_size=pp, num_microbatches=2, num_model_chunks=chunks,
                               pp_style="interleaved" if chunks > 1 else "1f1b") if pp > 1 else PipelineConfig()
     return HybridParallelConfig(ep_size=ep, pipeline=pipeline, zero=ZeroConfig(stage=3),
-                                precision=PrecisionConfig(precision), **kwargs)
+                                precision=PrecisionConfig(precision, max_norm=max_norm), **kwargs)
 
 
 def _whole(tensor: torch.Tensor, param) -> torch.Tensor:
@@ -61,10 +62,11 @@ def _whole(tensor: torch.Tensor, param) -> torch.Tensor:
     return gather_tensor(local, get_tp_info(param)).float()
 
 
-def _reference(model, batches):
-    """One process on the whole batches: (losses, first step's gradients, weights after the last step)."""
+def _reference(model, batches, max_norm=0.0):
+    """One process on the whole batches: (losses, first step's gradients, weights after the last step,
+    each step's gradient norm before clipping to `max_norm` when > 0)."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    losses, grads = [], None
+    losses, grads, norms = [], None, []
     for batch in batches:
         loss = model(**batch).loss
         loss.backward()
@@ -72,9 +74,11 @@ def _reference(model, batches):
             # by every name (GPT-2's LM head is its embedding: a pipeline's last stage holds it as lm_head)
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)
                      if p.grad is not None}
+        if max_norm:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
         opt.step(), opt.zero_grad()
         losses.append(loss.item())
-    return losses, grads, {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
+    return losses, grads, {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}, norms
 
 
 def _step(booster, plugin, model, opt, batch) -> float:
@@ -118,7 +122,7 @@ def _weights(model) -> dict:
 def _train(config, make_model, batches, ref, what, plugin=None, dtype=torch.float32):
     """Boost a fresh model under `config` (or `plugin`), train on `batches` and check losses, the first
     step's gradients and the last weights against `ref` = `_reference(...)`. Returns the boosted run."""
-    ref_losses, ref_grads, ref_weights = ref
+    ref_losses, ref_grads, ref_weights, ref_norms = ref
     plugin, booster, model, opt = _boost(config, make_model(), plugin)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     if plugin.pp_size > 1:      # an evaluation step first: it leaves nothing gathered that training would misuse
@@ -132,6 +136,10 @@ def _train(config, make_model, batches, ref, what, plugin=None, dtype=torch.floa
             grads = {n: _whole(p.grad, p) for n, p in model.unwrap().named_parameters() if p.grad is not None}
             _check(grads, ref_grads, f"{what} gradient", dtype)
         opt.step(), opt.zero_grad()
+        if ref_norms:               # clipped: the global norm over stages, shards and ties, as one process's
+            assert ref_norms[step] > plugin.config.precision.max_norm, f"{what}: the case must clip"
+            assert abs(opt.get_grad_norm() - ref_norms[step]) <= 1e-5 * ref_norms[step], \
+                f"{what} step {step}: grad norm {opt.get_grad_norm()} vs {ref_norms[step]}"
     _check(_weights(model), ref_weights, f"{what} weight", dtype)
     return plugin, booster, model, opt
 
@@ -176,7 +184,8 @@ def _pipeline_models(rank, world):
     def gpt2():
         torch.manual_seed(0)
         return tfm.GPT2LMHeadModel(copy.deepcopy(config)).float()
-    _train(_zero3(pp=2), gpt2, batches, _reference(gpt2(), batches), "GPT-2 tied across stages, pp=2 ZeRO-3")
+    _train(_zero3(pp=2, max_norm=0.05), gpt2, batches, _reference(gpt2(), batches, max_norm=0.05),
+           "GPT-2 tied across stages, pp=2 ZeRO-3, clipped")
 
     def lora():
         base = _llama()
@@ -199,8 +208,9 @@ def _experts(rank, world):
         config = moe_config(family)
         batches = causal_batches(config, STEPS)
         make = lambda: build_causal_lm(config)          # noqa: E731
-        ref = _reference(make(), batches)
-        _, _, model, _ = _train(_zero3(ep=2), make, batches, ref, f"{family} ep=2 x dp=4 ZeRO-3")
+        ref = _reference(make(), batches, max_norm=0.05)
+        what = f"{family} ep=2 x dp=4 ZeRO-3, clipped"
+        _, _, model, _ = _train(_zero3(ep=2, max_norm=0.05), make, batches, ref, what)
         for n, p in model.unwrap().named_parameters():
             axes = p.device_mesh.mesh_dim_names
             if ".experts." in n:        # 4 experts: 2 on each ep rank, 1 on each of their 2 edp ranks
@@ -212,6 +222,7 @@ def _experts(rank, world):
     make = lambda: build_causal_lm(config)              # noqa: E731
     ref = _reference(make(), batches)
     _train(_zero3(ep=2, pp=2), make, batches, ref, "qwen3_moe ep=2 x pp=2 ZeRO-3")
+    _train(_zero3(ep=2, tp_size=2), make, batches, ref, "qwen3_moe tp=2 x ep=2 ZeRO-3 (edp=1)")
     plugin = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, zero_stage=3)
     _train(None, make, batches, ref, "MoeHybridParallelPlugin(ep_size=2, zero_stage=3)", plugin=plugin)
 
@@ -227,7 +238,7 @@ def _saved_and_continued(rank, make, save_config, load_config, batches, cls, wha
     the gathered weights; a fresh model under `load_config` loads both and its second step matches
     the one process's two steps."""
     folder = _folder(rank)
-    ref_losses, _, ref_weights = _reference(make(), batches)
+    ref_losses, _, ref_weights, _ = _reference(make(), batches)
     plugin, booster, model, opt = _boost(save_config, make())
     _step(booster, plugin, model, opt, batches[0])
     opt.step(), opt.zero_grad()
