@@ -10,7 +10,9 @@ step gathered from its shards (1e-5):
   numbers, with more all-gathers. GPT-2 at pp=2 (its embedding tied to the LM head across the two
   stages: the reduced shards summed over the stage group), clipped by the global norm (equal to one
   process's within 1e-5, as for the clipped ep runs); LoRA at pp=2 (adapters trained, the frozen
-  base sharded); bf16 1F1B against the fp32 run (bf16 tolerance). Each pipeline run starts with a
+  base sharded); bf16 and fp16 (loss-scaled) 1F1B against the fp32 run (their tolerances); tp=2 x pp=2,
+  sp=2 x pp=2 (context parallelism: sharded over dp x cp) and pp=2 with activation checkpointing
+  (recomputed inside the gathered step). Each pipeline run starts with a
   forward-only step, whose loss is the first step's.
 * ep=2 x dp=4, Qwen3-MoE: the experts DTensors over edp (the 2 dp ranks holding the same experts), the
   router and the attention over all 4 dp ranks, clipped; GLM-4-MoE (shared experts and a dense first layer:
@@ -133,7 +135,8 @@ def _train(config, make_model, batches, ref, what, plugin=None, dtype=torch.floa
         assert abs(got - ref_losses[step]) <= tol * abs(ref_losses[step]), f"{what} step {step}: {got} vs " \
                                                                             f"{ref_losses[step]}"
         if step == 0:
-            grads = {n: _whole(p.grad, p) for n, p in model.unwrap().named_parameters() if p.grad is not None}
+            scale = opt.get_loss_scale() if dtype == torch.float16 else 1.0     # fp16: scaled until the step
+            grads = {n: _whole(p.grad, p) / scale for n, p in model.unwrap().named_parameters() if p.grad is not None}
             _check(grads, ref_grads, f"{what} gradient", dtype)
         opt.step(), opt.zero_grad()
         if ref_norms:               # clipped: the global norm over stages, shards and ties, as one process's
@@ -197,8 +200,14 @@ def _pipeline_models(rank, world):
                             "LoRA pp=2 ZeRO-3")
     frozen = [(n, p) for n, p in model.unwrap().named_parameters() if "lora_" not in n]
     assert frozen and all(isinstance(p, DTensor) and not p.requires_grad and p.grad is None for _, p in frozen)
-    _train(_zero3(pp=2, precision="bf16"), _llama, llama_batches, _reference(_llama(), llama_batches),
-           "bf16 pp=2 ZeRO-3", dtype=torch.bfloat16)
+    ref = _reference(_llama(), llama_batches)
+    for precision, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        _train(_zero3(pp=2, precision=precision), _llama, llama_batches, ref, f"{precision} pp=2 ZeRO-3", dtype=dtype)
+    from meshboost.shardformer import PipelineGradientCheckpointConfig
+    recompute = PipelineGradientCheckpointConfig(gradient_checkpointing_ratio=1.0)
+    for what, kwargs in (("tp=2 x pp=2", dict(tp_size=2)), ("sp=2 x pp=2 (all_to_all)", dict(sp_size=2)),
+                         ("pp=2 x dp=2, activation checkpointing", dict(gradient_checkpoint=recompute))):
+        _train(_zero3(pp=2, **kwargs), _llama, llama_batches, ref, f"{what} ZeRO-3")
 
 
 def _experts(rank, world):
