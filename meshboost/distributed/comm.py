@@ -203,7 +203,10 @@ def all_reduce_grads(params: list, group, average: bool) -> None:
     for p in params:
         if p.grad is not None and id(p) not in seen:
             seen.add(id(p))
-            by_dtype[p.grad.dtype].append(p.grad)
+            # an FSDP2 gradient (a DTensor shard, zero_stage=3 with pp ties): its local piece, laid out alike on
+            # every rank of `group` (the same parameter, sharded over the same dp size)
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            by_dtype[grad.dtype].append(grad)
     for grads in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in grads])
         all_reduce(flat, group)

@@ -53,15 +53,18 @@ def _carry_grad_hooks(model: nn.Module, hooked: set[str]) -> None:
 
 
 def shard_tensor_parallel(model: nn.Module, optimizer, mesh, precision: PrecisionConfig,
-                          layers: Layers) -> tuple[list[nn.Module], object]:
+                          layers: Layers, reshard_after_forward: bool = True) -> tuple[list[nn.Module], object]:
     """Shard the tensor-parallel `model` (on the mesh's device, fp32) over dp with FSDP2, in place,
     one unit per module of `layers`; move the user's `optimizer` onto the new parameters and wrap it
-    in `FSDPOptimizer`. Returns (the FSDP units, children first; the boosted optimizer or None)."""
+    in `FSDPOptimizer`. reshard_after_forward: FSDP2's (False keeps each unit gathered from its forward
+    until its backward is done: a pipeline stage gathers once per step). Returns (the FSDP units,
+    children first; the boosted optimizer or None)."""
     names = {id(p): n for n, p in model.named_parameters()}          # the optimizer's, before FSDP2 swaps them
     # The records each parameter carries (tp_info, pipeline ties, gradient hooks): FSDP2's new parameters lack them.
     records = {n: records_of(p) for n, p in model.named_parameters()}
     # compute in the plugin's precision, gradients reduce-scattered in fp32 (the masters' dtype)
-    units = apply_fsdp(model, FSDPConfig(precision=precision), mesh, layers)
+    config = FSDPConfig(precision=precision, reshard_after_forward=reshard_after_forward)
+    units = apply_fsdp(model, config, mesh, layers)
     for n, p in model.named_parameters():
         attach_records(p, records[n])
     _carry_grad_hooks(model, {n for n, p in model.named_parameters() if grad_hooks(p)})

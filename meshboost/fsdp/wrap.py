@@ -86,10 +86,31 @@ def prepare(model: nn.Module, config: FSDPConfig, mesh) -> None:
                     setattr(module, name, buf.to(config.buffer_dtype))
 
 
+def replica_units(model: nn.Module, mesh, ignored: set[int]) -> list[tuple[nn.Module, tuple[str, ...]]]:
+    """(module, axes) for every module holding parameters whose gradient the mesh averages over other
+    axes than the dense weights' (expert-parallel experts: over edp, the dp ranks holding the same
+    experts), children first: each becomes a unit of its own sharded over those axes, before the
+    layers around it (whose units then skip its parameters), as torchtitan shards its experts. Pure: a
+    module mixing kinds is refused on every rank alike."""
+    dense, out = mesh.dims.grad_axes(), []
+    for name, module in model.named_modules():
+        axes = {mesh.reduction_axes(p) for p in module.parameters(recurse=False) if id(p) not in ignored}
+        if axes <= {dense}:
+            continue
+        if len(axes) > 1:
+            raise NotImplementedError(f"zero_stage=3: {name or type(module).__name__} holds parameters averaged over "
+                                      f"different mesh axes {sorted(axes)}; FSDP2 shards a module's own parameters "
+                                      "over one mesh. Use zero_stage 1 or 2 for this model")
+        out.append((module, axes.pop()))
+    return out[::-1]
+
+
 def apply_fsdp(model: nn.Module, config: FSDPConfig, mesh, layers: Layers) -> list[nn.Module]:
-    """Shard `model` in place with FSDP2 over the data-parallel mesh: every unit (`shard_units`),
+    """Shard `model` in place with FSDP2 over the data-parallel mesh: the modules whose weights
+    other replicas average (`replica_units`, each over its own axes), every unit (`shard_units`),
     then the root. Returns the units (children first). The parameters become new objects (DTensors)."""
     ignored_params = {p for m in config.ignored_modules for p in m.parameters()}
+    own_axes = replica_units(model, mesh, {id(p) for p in ignored_params})
     units = shard_units(model, config, {id(p) for p in ignored_params}, layers)
     kinds, root_kind = sorted({type(u).__name__ for u in units}), type(model).__name__   # before FSDP renames them
     # the dense weights' data-parallel axes (the mesh's answer: dp today, dp x cp with a context axis)
@@ -99,6 +120,9 @@ def apply_fsdp(model: nn.Module, config: FSDPConfig, mesh, layers: Layers) -> li
         common["offload_policy"] = offload
     # None: FSDP2's default, free gathered weights after forward except at the root (needed first in backward).
     reshard = None if config.reshard_after_forward else False
+    for unit, axes in own_axes:
+        fully_shard(unit, reshard_after_forward=reshard, mp_policy=config.mp_policy(root=False),
+                    **{**common, "mesh": mesh.submesh(*axes)})
     for unit in units:
         fully_shard(unit, reshard_after_forward=reshard, mp_policy=config.mp_policy(root=False), **common)
     fully_shard(model, reshard_after_forward=reshard, mp_policy=config.mp_policy(root=True), **common)
@@ -111,7 +135,7 @@ def apply_fsdp(model: nn.Module, config: FSDPConfig, mesh, layers: Layers) -> li
                        "forward %s, prefetch %d", len(units), kinds, root_kind, mesh.dp_size,
                        config.precision.precision, config.cpu_offload,
                        config.reshard_after_forward, config.forward_prefetch)
-    return units
+    return [unit for unit, _ in own_axes] + units
 
 
 def move_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], model: nn.Module) -> None:

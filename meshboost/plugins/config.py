@@ -124,6 +124,10 @@ class HybridParallelConfig:
     # DeepSeek-V3's auxiliary-loss-free balancing: every step each router's e_score_correction_bias moves by
     # rate * sign(mean load - expert load) over the global batch (0: off; plugins/router_bias.py)
     moe_router_bias_update_rate: float = 0.0
+    # zero_stage=3: free each unit's gathered weights after its forward (FSDP2's reshard_after_forward). None:
+    # True without pipeline parallelism; False with it, so a stage gathers its weights once per step, not once
+    # per micro-batch (meshboost/fsdp/pipeline.py)
+    reshard_after_forward: bool | None = None
 
     def __post_init__(self):
         self.compile = CompileConfig.of(self.compile)
@@ -158,11 +162,9 @@ class HybridParallelConfig:
 
     def _check_combinations(self) -> None:
         stage, zero = self.zero.stage, self.zero
-        if stage == 3 and self.pipeline.pp_size > 1:
-            raise NotImplementedError(
-                f"zero_stage=3 with pp_size={self.pipeline.pp_size}: FSDP2 would gather and reduce every weight "
-                "once per micro-batch on each stage (ColossalAI's HybridParallelPlugin allows zero_stage 0, 1, 2 "
-                "only); use pp_size=1 with zero_stage=3, or zero_stage=1 with pipeline parallelism")
+        if self.reshard_after_forward is not None and stage != 3:
+            raise ValueError(f"reshard_after_forward={self.reshard_after_forward} is FSDP2's setting, but "
+                             f"zero_stage={stage!r}; set zero_stage=3, or leave reshard_after_forward=None")
         if zero.communication_dtype not in (None, self.precision.dtype) and not zero.partitioned_by_optimizer:
             raise ValueError(f"communication_dtype={zero.communication_dtype} sets the dtype of ZeRO's gradient "
                              f"reduce-scatter, but zero_stage={stage!r} (DDP and the pipeline reduce in the working "
@@ -173,10 +175,6 @@ class HybridParallelConfig:
             raise NotImplementedError(f"router_statistics='global' with pp_size={self.pipeline.pp_size}: each stage "
                                       "holds only its layers' router logits; use router_statistics='replica' with "
                                       "pipeline parallelism")
-        if self.ep_size > 1 and stage == 3:
-            raise NotImplementedError(f"ep_size={self.ep_size} with zero_stage=3: FSDP2 would shard the expert-parallel "
-                                      "experts over every dp rank, across their ep split; use zero_stage 0, 1 or 2 with "
-                                      "expert parallelism")
         if self.ep_size > 1 and self.fp8_communication:
             raise NotImplementedError(f"fp8_communication=True with ep_size={self.ep_size}: meshboost compresses only "
                                       "DDP's dense all-reduce without expert parallelism; drop one of them")

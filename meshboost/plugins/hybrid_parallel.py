@@ -285,8 +285,10 @@ class HybridParallelPlugin(Plugin):
             materialize(model, original, self.mesh.device, lazy)
         if not on_meta:
             model = model.to(self.mesh.device)  # in place: the optimizer's parameters stay the same objects
-        if self.dp_reducer == FSDP:     # FSDP2 over dp: its fp32 shards are the masters; compute dtype by its policy
-            _, optimizer = shard_zero3(model, optimizer, self.mesh, self.config.precision)
+        sharding = None                 # FSDP2 over dp: its fp32 shards are the masters; compute dtype by its policy
+        if self.dp_reducer == FSDP:     # with stages: the cut HF model is the root the schedule runs
+            optimizer, sharding = shard_zero3(stages.model if stages else model, optimizer, self.mesh,
+                                              self.config.precision, stages, self.config.reshard_after_forward)
         else:
             if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
                 optimizer = self._wrap_optimizer(optimizer)  # fp32 masters from the fp32 weights, before the cast
@@ -327,7 +329,7 @@ class HybridParallelPlugin(Plugin):
         if boosted.items_guard is not None and isinstance(optimizer, MixedPrecisionOptimizer):
             optimizer.check_before_update(boosted.items_guard)     # no labelled token: refuse the update
         if stages is not None:
-            boosted.pipeline = self._build_schedule(stages, context)
+            boosted.pipeline = self._build_schedule(stages, context, sharding)
         install_router_bias(hf, optimizer, self.config.moe_router_bias_update_rate, self.mesh)   # plugins/router_bias.py
         return boosted, optimizer, criterion, dataloader, lr_scheduler
 
@@ -396,7 +398,7 @@ class HybridParallelPlugin(Plugin):
         prune_optimizer(optimizer.unwrap() if isinstance(optimizer, OptimizerWrapper) else optimizer, model)
         return stages
 
-    def _build_schedule(self, stages, context: ContextInputs | None = None) -> PipelineSchedule:
+    def _build_schedule(self, stages, context: ContextInputs | None = None, sharding=None) -> PipelineSchedule:
         cfg = self.config.pipeline
         # collective: every rank builds the group of each set of pp ranks sharing a weight, in the same order
         tied = [(self.mesh.stage_group(ranks), params) for ranks, params in stages.ties]
@@ -405,7 +407,7 @@ class HybridParallelPlugin(Plugin):
                                 cfg.microbatch_size, reductions=reductions, tied=tied,
                                 loss_normalization=self.config.loss_normalization, count_group=self.mesh.dp_group,
                                 count_size=self.mesh.dp_size, shifted_labels=uses_causal_lm_loss(stages.model),
-                                input_dtype=self.config.precision.dtype, context=context)
+                                input_dtype=self.config.precision.dtype, context=context, sharding=sharding)
 
     def execute_pipeline(self, data_iter, model, criterion, optimizer=None, return_loss: bool = True,
                          return_outputs: bool = False) -> dict:

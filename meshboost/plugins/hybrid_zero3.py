@@ -1,10 +1,13 @@
-"""ZeRO-3 under tensor parallelism: HybridParallelPlugin(tp_size=T, zero_stage=3), composed.
+"""ZeRO-3 composed with the other axes: HybridParallelPlugin(zero_stage=3) with tp, cp, pp and ep.
 
 Owns: what the plugin accepts for zero_stage=3 (models and optimizers it cannot shard are refused
-here; pipeline stages with the other settings, in config.py) and the call into the FSDP2 engine
+here; the combinations of settings, in config.py) and the call into the FSDP2 engine
 (`meshboost.fsdp.shard_tensor_parallel`, which shards the tensor-parallel model over dp and carries
-its records and gradient hooks) with the model's transformer layers as units. Must not shard,
-reduce or move records itself: meshboost.fsdp and meshboost.distributed.param_info do.
+its records and gradient hooks; expert-parallel experts over their own replicas, `fsdp/wrap.py`) with
+the transformer layers the model (or this pipeline rank's cut of it) holds as units; with pipeline
+stages, pointing the pipeline's tied weights at FSDP2's parameters and handing the schedule its
+`StepSharding` (`fsdp/pipeline.py`). Must not shard, reduce or move records itself: meshboost.fsdp and
+meshboost.distributed.param_info do.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from meshboost.booster import OptimizerWrapper
-from meshboost.fsdp import is_sharded, shard_tensor_parallel
+from meshboost.fsdp import StepSharding, is_sharded, shard_tensor_parallel
 from meshboost.optim import PrecisionConfig
 from meshboost.plugins.fsdp_wrap import transformer_layers
 
@@ -36,8 +39,22 @@ def check_zero3_model(model: nn.Module, optimizer, on_meta: bool) -> None:
                          "model's; build it on the model you boost")
 
 
-def shard_zero3(model: nn.Module, optimizer, mesh, precision: PrecisionConfig) -> tuple[list[nn.Module], object]:
-    """Shard the tensor-parallel `model` (on the mesh's device, fp32) over dp with FSDP2, in place, one
-    unit per transformer layer plus the root; move the user's `optimizer` onto the new parameters and
-    wrap it in `FSDPOptimizer`. Returns (the FSDP units, children first; the boosted optimizer or None)."""
-    return shard_tensor_parallel(model, optimizer, mesh, precision, transformer_layers(model))
+def shard_zero3(model: nn.Module, optimizer, mesh, precision: PrecisionConfig, stages=None,
+                reshard_after_forward: bool | None = None) -> tuple[object, StepSharding | None]:
+    """Shard the tensor-parallel `model` (on the mesh's device, fp32; with pipeline `stages`, this rank's
+    cut of it) over dp with FSDP2, in place, one unit per transformer layer it holds plus the root; move
+    the user's `optimizer` onto the new parameters and wrap it in `FSDPOptimizer`. With stages, the
+    weights the pipeline ties across stages are pointed at their sharded replacements and the
+    returned `StepSharding` is what the schedule calls around each step. reshard_after_forward: None
+    is True without stages and False with them (each stage gathers once per step, not per micro-batch).
+    Returns (the boosted optimizer or None, the StepSharding or None)."""
+    if reshard_after_forward is None:
+        reshard_after_forward = stages is None
+    names = {id(p): n for n, p in model.named_parameters()}
+    _, optimizer = shard_tensor_parallel(model, optimizer, mesh, precision, transformer_layers(model),
+                                         reshard_after_forward)
+    if stages is None:
+        return optimizer, None
+    sharded = dict(model.named_parameters())
+    stages.ties = [(ranks, [sharded[names[id(p)]] for p in params]) for ranks, params in stages.ties]
+    return optimizer, StepSharding(model)

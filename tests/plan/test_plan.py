@@ -66,11 +66,12 @@ def test_invalid_layout_gives_the_plugins_message(capsys):
     from meshboost.pipeline import PipelineConfig
     from meshboost.plugins.config import HybridParallelConfig
 
-    with pytest.raises(NotImplementedError) as plugin:
-        HybridParallelConfig(pipeline=PipelineConfig(pp_size=2, num_microbatches=4), zero=ZeroConfig(stage=3))
-    code, _, err = _run(capsys, "--layout", "pp=2,zero=3,mb=4,dp=4")
+    with pytest.raises(ValueError) as plugin:      # (zero=3 with a pipeline runs since issue 40)
+        HybridParallelConfig(pipeline=PipelineConfig(pp_size=2, num_microbatches=4),
+                             zero=ZeroConfig(stage=3, cpu_offload=True))
+    code, _, err = _run(capsys, "--layout", "pp=2,zero=3,mb=4,dp=4,offload")
     assert code == 2
-    assert " ".join(str(plugin.value).split()) in err            # zero=3 with a pipeline: the plugin's refusal ...
+    assert " ".join(str(plugin.value).split()) in err            # zero=3 with cpu offload: the plugin's refusal ...
     code, _, err = _run(capsys, "--layout", "tp=3")
     assert code == 2 and "not divisible by tp_size=3" in err      # ... and the sharder's own check
     # sequence splits: the plugin's, the context split's and split_gather's own messages
@@ -86,8 +87,8 @@ def test_invalid_layout_gives_the_plugins_message(capsys):
     assert code == 2 and "context parallelism runs causal LMs" in err
     # a layout the plugin itself refuses: its message, word for word
     from meshboost.plan.layout import Layout, plugin_config
-    with pytest.raises(NotImplementedError) as planned:
-        plugin_config(Layout(pp=2, zero=3, microbatches=4))
+    with pytest.raises(ValueError) as planned:
+        plugin_config(Layout(pp=2, zero=3, microbatches=4, cpu_offload=True))
     assert str(planned.value) == str(plugin.value)
 
 

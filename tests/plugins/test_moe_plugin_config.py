@@ -103,7 +103,6 @@ def test_refusals_name_the_keyword_and_the_fix():
         ({"ep_size": 0}, ValueError, r"ep_size=0 must be a positive integer"),
         ({"ep_size": True}, ValueError, r"ep_size=True must be a positive integer"),
         ({"ep_size": 2.0}, ValueError, r"ep_size=2.0 must be a positive integer"),
-        ({"ep_size": 2, "zero_stage": 3}, NotImplementedError, r"ep_size=2 with zero_stage=3"),
         ({"sp_size": 2}, NotImplementedError, r"sp_size=2"),
         ({"use_fp8": True, "tp_size": 2, "enable_sequence_parallelism": True, "sequence_parallelism_mode": "split_gather"},
          NotImplementedError, r"float8 \(recipe='tensorwise'\) with tp_size=2.*without sequence"),

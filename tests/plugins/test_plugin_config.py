@@ -153,8 +153,9 @@ def test_each_setting_is_validated_once_in_its_config():
     for stage in (0, 3):
         with pytest.raises(ValueError, match="cpu_offload=True.*set zero_stage=1 or 2"):
             ZeroConfig(stage=stage, cpu_offload=True)
-    with pytest.raises(NotImplementedError, match="zero_stage=3 with pp_size=2"):
-        HybridParallelConfig(pipeline=PipelineConfig(2, num_microbatches=2), zero=ZeroConfig(3))
+    HybridParallelConfig(pipeline=PipelineConfig(2, num_microbatches=2), zero=ZeroConfig(3))   # test_zero3_axes.py
+    with pytest.raises(ValueError, match="reshard_after_forward=False is FSDP2's setting, but zero_stage=1"):
+        HybridParallelConfig(zero=ZeroConfig(1), reshard_after_forward=False)
     with pytest.raises(ValueError, match="communication_dtype=torch.bfloat16.*zero_stage=0"):
         HybridParallelConfig(zero=ZeroConfig(communication_dtype=torch.bfloat16))
     HybridParallelConfig(precision=PrecisionConfig("bf16"), zero=ZeroConfig(communication_dtype=torch.bfloat16))

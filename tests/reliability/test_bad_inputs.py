@@ -21,6 +21,7 @@ wrong number or a hang: one process group of 4 ranks runs the whole matrix (issu
   range on one ep rank, one replica fed an empty batch (refused on every data-parallel rank); context
   parallelism: sp_size not dividing the world, a sequence length the split cannot cut, cp ranks fed
   different batches.
+- ZeRO-3: `reshard_after_forward` without zero_stage=3, a module mixing expert and dense weights under ep.
 - LoRA: enable_lora twice, an adapter folder whose rank or target modules differ from its weights, and
   at tp=2 adapters the layout cannot shard exactly (on the vocab-parallel embedding, modules_to_save on
   the LM head, DoRA, lora_dropout on a column under sequence parallelism), lora_dropout with context
@@ -329,6 +330,28 @@ def _lora_inputs(rank, world, root):
             booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
 
 
+def _zero3_layouts(rank, world):
+    """ZeRO-3 with pp and ep (issue 40): FSDP2's reshard_after_forward without zero_stage=3, and a module
+    holding expert weights beside dense ones (FSDP2 shards a module's own weights over one mesh), each
+    raised on every rank before any collective."""
+    from meshboost.distributed.param_info import EXPERT, GradReduction, set_grad_reduction
+    from meshboost.fsdp.wrap import replica_units
+    from meshboost.optim import ZeroConfig
+    from meshboost.plugins import HybridParallelConfig
+    from meshboost.plugins import HybridParallelPlugin as CorePlugin
+
+    with pytest.raises(ValueError, match="reshard_after_forward=False is FSDP2's setting, but zero_stage=1; set "
+                                         "zero_stage=3"):
+        HybridParallelConfig(zero=ZeroConfig(stage=1), reshard_after_forward=False)
+    mesh = CorePlugin(HybridParallelConfig(ep_size=2, zero=ZeroConfig(stage=3))).mesh
+    mixed = torch.nn.Module()
+    mixed.experts, mixed.dense = torch.nn.Parameter(torch.zeros(2, 4)), torch.nn.Parameter(torch.zeros(4))
+    set_grad_reduction(mixed.experts, GradReduction(EXPERT))
+    with pytest.raises(NotImplementedError, match=r"zero_stage=3: Module holds parameters averaged over different "
+                                                  r"mesh axes \[\('dp',\), \('edp',\)\]"):
+        replica_units(mixed, mesh, set())
+
+
 def _body(rank, world, root):
     _lora_inputs(rank, world, root)
     _ids_and_labels_out_of_range(rank, world)
@@ -340,6 +363,7 @@ def _body(rank, world, root):
     _messages(rank, world, root)
     _untied_embeddings_resume(rank, world, root)
     _expert_and_context_layouts(rank, world)
+    _zero3_layouts(rank, world)
 
 
 def test_bad_inputs_end_in_clear_errors(tmp_path):

@@ -181,7 +181,6 @@ def test_expert_parallel_layouts():
 
 
 def test_expert_parallel_config_refusals():
-    with pytest.raises(NotImplementedError, match="ep_size=2 with zero_stage=3"):
-        HybridParallelConfig(ep_size=2, zero=ZeroConfig(stage=3))
+    HybridParallelConfig(ep_size=2, zero=ZeroConfig(stage=3))     # runs: tests/plugins/test_zero3_axes.py
     with pytest.raises(ValueError, match="ep_size=0 must be a positive integer"):
         HybridParallelConfig(ep_size=0)

@@ -110,13 +110,13 @@ class PipelineSchedule:
     weights over dp, expert weights over their own replicas); empty when something else reduces them
     (the plugin decides, see `meshboost.plugins.config.dp_reducer`). tied: (group of the pipeline
     ranks holding a tied weight, the tied weights this rank holds) pairs, e.g. GPT-2's embedding and
-    LM head on the first and last stage.
+    LM head on the first and last stage. sharding: zero_stage=3's hooks around the step (below).
     """
 
     def __init__(self, stages: PipelineStages, comm: StageComm, num_microbatches: int | None = None,
                  microbatch_size: int | None = None, reductions=(), tied=(),
                  loss_normalization: str = TOKENS, count_group=None, count_size: int = 1, shifted_labels: bool = False,
-                 input_dtype: torch.dtype | None = None, context=None):
+                 input_dtype: torch.dtype | None = None, context=None, sharding=None):
         self.stages, self.comm = stages, comm
         self.num_microbatches, self.microbatch_size = num_microbatches, microbatch_size
         self.reductions, self.tied = list(reductions), list(tied)
@@ -128,6 +128,9 @@ class PipelineSchedule:
         # sp_size > 1: a `ContextInputs` (shardformer/context.py) cuts each micro-batch into this cp rank's
         # piece of every sequence and turns the last stage's output into the whole sequences' loss
         self.context = context
+        # zero_stage=3: FSDP2's `StepSharding` (meshboost/fsdp/pipeline.py): gradients kept unreduced and
+        # weights gathered through the step, reduce-scattered and resharded once at its end
+        self.sharding = sharding
 
     def count_items(self, batch) -> torch.Tensor | None:
         """The labelled items of this rank's `batch` that mode "tokens" normalises by (None without
@@ -158,11 +161,15 @@ class PipelineSchedule:
             weights = microbatch_weights(microbatches, self.shifted_labels, self.count_group, self.count_size,
                                          total=items)
         step = _Step(self, microbatches, criterion, optimizer, return_loss, return_outputs, weights)
+        if self.sharding is not None:
+            self.sharding.begin(training)
         # stages draw different random numbers (generators.py): every rank leaves the step in one state
         with generators_in_step(self.comm.device), contextlib.nullcontext() if training else torch.no_grad():
             for kind, chunk, mb in schedule_order(P, stages.pp_rank, M, V, forward_only=not training):
                 step.forward(chunk, mb) if kind == "F" else step.backward(chunk, mb)
         self.comm.wait_sends()
+        if self.sharding is not None:     # before the tied sums: they add the reduced shards
+            self.sharding.finish(training)
         if training:
             for group, params in self.tied:
                 sum_tied_grads(params, group)

@@ -213,7 +213,10 @@ class _ExpertParallelForward:
         back = comm.all_to_all(out, self.group, send_sizes, recv_sizes)
         back = back[torch.argsort(order)].view(tokens, k, -1)         # each (token, slot) pair in place again
         combined = (back * weights.reshape(tokens, k, 1).to(back.dtype)).sum(dim=1)
-        return combined.to(hidden.dtype).reshape(shape)
+        combined = combined.to(hidden.dtype)
+        # not a view when the shape is already right: FSDP2 (zero_stage=3) hooks its unit's outputs for
+        # backward, and a view's hook would be lost to an in-place op on it
+        return combined if combined.shape == shape else combined.reshape(shape)
 
     def _refuse(self, ids: torch.Tensor, flags: list[int]) -> None:
         ranks = [r for r, f in enumerate(flags) if f]

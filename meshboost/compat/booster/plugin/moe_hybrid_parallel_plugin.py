@@ -66,7 +66,7 @@ def moe_colossalai_config(a: dict) -> HybridParallelConfig:
     _refuse_moe(a["tp_size"], a["moe_tp_size"], a["moe_dp_outside"], a["enable_sequence_parallelism"],
                 a["sequence_parallelism_mode"])
     shared = {**_HYBRID_DEFAULTS, **{k: v for k, v in a.items() if k not in MOE_KEYWORDS}}
-    # replace() validates again, the combinations with ep_size included (ep with ZeRO-3, with fp8, ...)
+    # replace() validates again, the combinations with ep_size included (ep with fp8, ...)
     return dataclasses.replace(colossalai_config(shared), ep_size=a["ep_size"])
 
 
