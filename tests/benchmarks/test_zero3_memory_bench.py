@@ -1,6 +1,5 @@
-"""benchmarks/zero3_memory.py at its tiny size, one spawn of 4: under HSDP 2x2 and tp=2 x 2 replicas every
-rank's weights, gradients and AdamW moments are within 3% of parameters / (dp_shard x tp) (x4 bytes, x8
-for the moments), and the bytes of one step's all-gathers and reduce-scatters over the shard axis and the
+"""benchmarks/zero3_memory.py at its tiny size, one spawn of 4: under HSDP 2x2 every rank's weights,
+gradients and AdamW moments are within 3% of parameters / (dp_shard x tp) (x4 bytes, x8 for the moments), and the bytes of one step's all-gathers and reduce-scatters over the shard axis and the
 all-reduce over the replicas equal the formula exactly (the benchmark's own checks)."""
 
 from __future__ import annotations
@@ -14,8 +13,8 @@ from benchmarks.zero3_memory import main  # noqa: E402
 
 
 def test_zero3_memory_benchmark_matches_its_formulas():
-    runs = main(["--tiny", "--layouts", "hsdp2x2", "tp2rep2", "--seq", "8"])
-    assert [r["layout"] for r in runs] == ["hsdp2x2", "tp2rep2"]
+    runs = main(["--tiny", "--layouts", "hsdp2x2", "--seq", "8"])      # the other layouts: docs/benchmarks.md
+    assert [r["layout"] for r in runs] == ["hsdp2x2"]
     for run in runs:
         assert run["memory_within_3pct"] and run["traffic_matches_formula"], run
         for r in run["ranks"]:
