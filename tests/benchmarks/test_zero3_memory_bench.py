@@ -1,6 +1,7 @@
 """benchmarks/zero3_memory.py at its tiny size, one spawn of 4: under HSDP 2x2 every rank's weights,
-gradients and AdamW moments are within 3% of parameters / (dp_shard x tp) (x4 bytes, x8 for the moments), and the bytes of one step's all-gathers and reduce-scatters over the shard axis and the
-all-reduce over the replicas equal the formula exactly (the benchmark's own checks)."""
+gradients and AdamW moments are within 3% of parameters / (dp_shard x tp) (x4 bytes, x8 for the moments),
+and the bytes of one step's all-gathers and reduce-scatters over the shard axis and the all-reduce over the
+replicas equal the formula exactly (the benchmark's own checks)."""
 
 from __future__ import annotations
 
