@@ -61,7 +61,8 @@ class FSDPOptimizer(MixedPrecisionOptimizer):
     @torch.no_grad()
     def _master_grads(self) -> list[tuple[torch.Tensor, bool]]:
         """This rank's shard of every gradient (FSDP2 reduce-scattered and averaged them over dp). Who
-        counts it in the norm is `counted_here`'s rule: a dp shard (a DTensor) on every dp rank, an
+        counts it in the norm is `counted_here`'s rule: a dp shard (a DTensor) on every dp rank (under
+        HSDP on the first replica group's only: `first_replica`), an
         ignored module's whole parameter on dp rank 0 only; under tensor parallelism (the parameter's
         record, HybridParallelPlugin zero_stage=3) a tp shard on every tp rank and a weight replicated
         over tp on tp rank 0 only."""
