@@ -41,6 +41,17 @@ def test_parallel_dims_are_the_one_answer_for_sizes():
     assert (cp.dp, cp.mesh_axes, cp.shape, cp.grad_axes()) == (2, ("dp", "pp", "cp", "tp"), (2, 1, 2, 2), ("dp", "cp"))
     with pytest.raises(ValueError, match="ep_size=3 does not divide the data-parallel size 4"):
         ParallelDims.of_world(8, tp=2, ep=3)
+    # HSDP factors dp as (dp_replicate, dp_shard): ZeRO-3 shards inside a group, replicates across groups
+    hsdp = ParallelDims.of_world(8, tp=2, dp_replicate=2)
+    assert (hsdp.dp, hsdp.dp_shard, hsdp.mesh_axes, hsdp.shape) == (4, 2, ("dp_replicate", "dp_shard", "pp", "tp"),
+                                                                      (2, 2, 1, 2))
+    assert hsdp.grad_axes() == ("dp",) and hsdp.shard_axes() == (("dp_replicate",), ("dp_shard",))
+    assert ParallelDims.of_world(8, cp=2, dp_replicate=2).shard_axes() == (("dp_replicate",), ("dp_shard", "cp"))
+    assert dims.shard_axes() == ((), ("dp",)) and dims.dp_shard == dims.dp
+    with pytest.raises(ValueError, match="dp_replicate_size=3 does not divide the data-parallel size 4"):
+        ParallelDims.of_world(8, tp=2, dp_replicate=3)
+    with pytest.raises(NotImplementedError, match="dp_replicate_size=2 with ep_size=2"):
+        ParallelDims.of_world(8, ep=2, dp_replicate=2)
 
 
 def test_launch_from_torch_needs_torchrun_env(monkeypatch):

@@ -13,7 +13,11 @@ adjacent (on one node when tp <= GPUs per node) and its all-reduces stay on the 
 expert parallelism (ep > 1) the data-parallel axis is factored as (edp, ep), ep inner: dp rank
 d = edp_rank * ep + ep_rank. The ep ranks of one (pp, tp) coordinate split the experts and exchange
 tokens; the edp ranks hold the same experts (the experts' own data-parallel replicas); "dp" is the
-two flattened, over which dense weights are averaged as before.
+two flattened, over which dense weights are averaged as before. With hybrid sharding (HSDP,
+dp_replicate > 1) the data-parallel axis is factored as (dp_replicate, dp_shard), dp_shard inner: dp rank
+d = replica * dp_shard + shard rank, so one replica group's shard ranks are adjacent (on one node when it
+fits there) and only the replicas' gradient all-reduce crosses nodes. FSDP2 gets the 2-D (replicate,
+shard) mesh (`fsdp_mesh`); everyone else still sees "dp", the two flattened.
 
 Adding an axis (torchtitan's `ParallelDims` is the model): a field of `ParallelDims`, its place in
 `ORDER`, and, when parameters' gradients are averaged over it, its entry in `GRAD_AXES`: a context
@@ -37,12 +41,29 @@ from meshboost.distributed.param_info import DENSE, EXPERT, grad_reduction
 
 AXES = ("dp", "pp", "tp")
 EXPERT_AXES = ("edp", "ep", "pp", "tp")     # the DeviceMesh's dimensions when ep > 1 ("dp" = edp x ep)
+HSDP_AXES = ("dp_replicate", "dp_shard")    # the DeviceMesh's dp dimensions when dp_replicate > 1
 
 
 def check_mesh_shape(world_size: int, tp_size: int, pp_size: int, dp_size: int | None = None,
-                     ep_size: int = 1, cp_size: int = 1) -> int:
+                     ep_size: int = 1, cp_size: int = 1, dp_replicate: int = 1) -> int:
     """Validate the factors and return dp_size. Pure: raises the same error on every rank."""
-    for name, value in (("tp_size", tp_size), ("pp_size", pp_size), ("ep_size", ep_size), ("sp_size", cp_size)):
+    dp_size = _check_dp(world_size, tp_size, pp_size, dp_size, ep_size, cp_size, dp_replicate)
+    if dp_size % dp_replicate:
+        raise ValueError(f"dp_replicate_size={dp_replicate} does not divide the data-parallel size {dp_size} (world_size="
+                         f"{world_size} / (tp_size={tp_size} x pp_size={pp_size} x sp_size={cp_size})): HSDP splits the "
+                         f"dp ranks into dp_replicate_size groups that each shard the model; choose a divisor of "
+                         f"{dp_size}, or launch a multiple of {tp_size * pp_size * cp_size * dp_replicate} processes")
+    if dp_replicate > 1 and ep_size > 1:
+        raise NotImplementedError(f"dp_replicate_size={dp_replicate} with ep_size={ep_size}: the data-parallel axis is "
+                                  "factored either into HSDP's (replicate, shard) groups or into the experts' (edp, "
+                                  "ep), not both yet; use dp_replicate_size=1 with expert parallelism")
+    return dp_size
+
+
+def _check_dp(world_size: int, tp_size: int, pp_size: int, dp_size: int | None, ep_size: int, cp_size: int,
+              dp_replicate: int) -> int:
+    for name, value in (("tp_size", tp_size), ("pp_size", pp_size), ("ep_size", ep_size), ("sp_size", cp_size),
+                        ("dp_replicate_size", dp_replicate)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer")
     if cp_size > 1:                 # the context ranks sit beside tp: check them first, naming sp_size
@@ -85,6 +106,7 @@ class ParallelDims:
     tp: int = 1
     ep: int = 1          # experts split over this many of the dp ranks (ep divides dp)
     cp: int = 1          # context parallelism: the sequence split over this many ranks (ColossalAI's sp_size)
+    dp_replicate: int = 1   # HSDP: dp = dp_replicate x dp_shard; ZeRO-3 shards inside a replica group
 
     ORDER = AXES                                  # outermost first; the DeviceMesh's names at ep == 1
     # kind of parameter -> the axes its gradient is averaged over (its data-parallel replicas)
@@ -92,8 +114,9 @@ class ParallelDims:
 
     @classmethod
     def of_world(cls, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None,
-                 ep: int = 1, cp: int = 1) -> "ParallelDims":
-        return cls(dp=check_mesh_shape(world_size, tp, pp, dp, ep, cp), pp=pp, tp=tp, ep=ep, cp=cp)
+                 ep: int = 1, cp: int = 1, dp_replicate: int = 1) -> "ParallelDims":
+        return cls(dp=check_mesh_shape(world_size, tp, pp, dp, ep, cp, dp_replicate), pp=pp, tp=tp, ep=ep, cp=cp,
+                   dp_replicate=dp_replicate)
 
     @property
     def edp(self) -> int:
@@ -101,10 +124,16 @@ class ParallelDims:
         return self.dp // self.ep
 
     @property
+    def dp_shard(self) -> int:
+        """The ranks of one HSDP replica group, over which ZeRO-3 shards (dp itself without HSDP)."""
+        return self.dp // self.dp_replicate
+
+    @property
     def mesh_axes(self) -> tuple[str, ...]:
         """The DeviceMesh's dimension names, outermost first: (dp, pp, tp); dp as (edp, ep) at ep > 1;
-        a context axis cp between pp and tp at cp > 1 (its all-to-alls stay near tp's links)."""
-        dp = ("edp", "ep") if self.ep > 1 else ("dp",)
+        a context axis cp between pp and tp at cp > 1 (its all-to-alls stay near tp's links); dp as
+        (dp_replicate, dp_shard) at dp_replicate > 1."""
+        dp = ("edp", "ep") if self.ep > 1 else HSDP_AXES if self.dp_replicate > 1 else ("dp",)
         return (*dp, "pp", *(("cp",) if self.cp > 1 else ()), "tp")
 
     @property
@@ -115,8 +144,8 @@ class ParallelDims:
         """The number of ranks along `axes` together (one axis, or several flattened)."""
         out = 1
         for axis in axes:
-            if axis not in (*AXES, *EXPERT_AXES, "cp"):
-                raise ValueError(f"axis={axis!r}; expected one of {(*AXES, 'edp', 'ep', 'cp')}")
+            if axis not in (*AXES, *EXPERT_AXES, *HSDP_AXES, "cp"):
+                raise ValueError(f"axis={axis!r}; expected one of {(*AXES, 'edp', 'ep', 'cp', *HSDP_AXES)}")
             out *= getattr(self, axis)
         return out
 
@@ -127,6 +156,14 @@ class ParallelDims:
             raise ValueError(f"parameter kind {kind!r}; this mesh reduces {sorted(self.GRAD_AXES)}")
         return (*self.GRAD_AXES[kind], "cp") if self.cp > 1 else self.GRAD_AXES[kind]
 
+    def shard_axes(self, kind: str = DENSE) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(replicate axes, shard axes) of a `kind` parameter under ZeRO-3: its gradient axes, with dp
+        split into HSDP's replicas and shard ranks at dp_replicate > 1 (no replicate axis otherwise)."""
+        axes = self.grad_axes(kind)
+        if self.dp_replicate == 1:
+            return (), axes
+        return ("dp_replicate",), tuple(a for axis in axes for a in (("dp_shard",) if axis == "dp" else (axis,)))
+
 
 class ParallelMesh:
     """A named (dp, pp, tp) mesh over all ranks of the default process group; `dims` holds the sizes.
@@ -136,7 +173,7 @@ class ParallelMesh:
     """
 
     def __init__(self, tp_size: int = 1, pp_size: int = 1, dp_size: int | None = None,
-                 device_type: str | None = None, ep_size: int = 1, cp_size: int = 1):
+                 device_type: str | None = None, ep_size: int = 1, cp_size: int = 1, dp_replicate_size: int = 1):
         if not dist.is_initialized():
             raise RuntimeError("ParallelMesh needs an initialised process group: call "
                                "meshboost.launch_from_torch() first")
@@ -145,10 +182,11 @@ class ParallelMesh:
         # Before anything that could differ by rank: ranks with different shapes would build different
         # groups and hang in torch's group creation.
         agree_settings({"tp_size": tp_size, "pp_size": pp_size, "dp_size": dp_size, "device_type": device_type,
-                        "ep_size": ep_size, "cp_size": cp_size}, "mesh shape (ParallelMesh arguments)")
+                        "ep_size": ep_size, "cp_size": cp_size, "dp_replicate_size": dp_replicate_size},
+                       "mesh shape (ParallelMesh arguments)")
         self.world_size = dist.get_world_size()
         self.dims = ParallelDims.of_world(self.world_size, tp=tp_size, pp=pp_size, dp=dp_size, ep=ep_size,
-                                          cp=cp_size)
+                                          cp=cp_size, dp_replicate=dp_replicate_size)
         # The device every tensor this mesh's collectives touch lives on (launch bound cuda:LOCAL_RANK).
         self.device: torch.device = current if current.type == device_type else torch.device(device_type)
         # Every group inherits the default group's timeout (launch_from_torch(timeout=...)); torch would
@@ -160,9 +198,14 @@ class ParallelMesh:
         self._coordinate = dict(zip(self.dims.mesh_axes, self.device_mesh.get_coordinate()))
         if self.dims.ep > 1:          # dp rank = edp rank * ep + ep rank
             self._coordinate["dp"] = self._coordinate["edp"] * self.dims.ep + self._coordinate["ep"]
+        elif self.dims.dp_replicate > 1:            # dp rank = replica * dp_shard + shard rank
+            self._coordinate["dp"] = self._coordinate["dp_replicate"] * self.dims.dp_shard + self._coordinate["dp_shard"]
+            self._coordinate.update(edp=self._coordinate["dp"], ep=0)
         else:
             self._coordinate.update(edp=self._coordinate["dp"], ep=0)
         self._coordinate.setdefault("cp", 0)
+        self._coordinate.setdefault("dp_replicate", 0)
+        self._coordinate.setdefault("dp_shard", self._coordinate["dp"])
         self._stage_groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         self._flattened: dict[tuple[str, ...], DeviceMesh] = {}
         self._reductions: dict[tuple[str, ...], tuple[dist.ProcessGroup, int, int]] = {}
@@ -239,7 +282,16 @@ class ParallelMesh:
         names = self.dims.mesh_axes
         if self.dims.ep > 1:                          # dp is (edp, ep) flattened
             axes = tuple(a for axis in axes for a in (("edp", "ep") if axis == "dp" else (axis,)))
+        elif self.dims.dp_replicate > 1:              # dp (and edp, the same ranks) is (dp_replicate, dp_shard)
+            axes = tuple(dict.fromkeys(a for axis in axes for a in (HSDP_AXES if axis in ("dp", "edp") else (axis,))))
+            if "ep" in axes:
+                raise ValueError("the ep axis has one rank at ep_size=1 (no expert parallelism): ask for the "
+                                 "axes without it")
         else:
+            if "dp_replicate" in axes:
+                raise ValueError("the dp_replicate axis has one rank at dp_replicate_size=1 (no HSDP): ask for the "
+                                 "axes without it")
+            axes = tuple("dp" if axis == "dp_shard" else axis for axis in axes)
             if "ep" in axes:
                 raise ValueError("the ep axis has one rank at ep_size=1 (no expert parallelism): ask for the "
                                  "axes without it")
@@ -257,6 +309,18 @@ class ParallelMesh:
             self._flattened[axes] = self.device_mesh[axes]._flatten("_".join(axes),
                                                                     backend_override=override.get(axes[0]))
         return self._flattened[axes]
+
+    def fsdp_mesh(self, kind: str = DENSE) -> DeviceMesh:
+        """The DeviceMesh FSDP2 shards a `kind` parameter over: its gradient axes flattened into one
+        dimension, or at dp_replicate > 1 the 2-D (replicate, shard) mesh of HSDP (the shard axes
+        flattened into one: dp_shard, with cp when there is a context axis)."""
+        replicate, shard = self.dims.shard_axes(kind)
+        if not replicate:
+            return self.submesh(*shard)
+        if len(shard) == 1:
+            return self.device_mesh[(*replicate, *shard)]
+        # torch deprecates slicing a flattened dimension from the root mesh: join the two 1-D meshes instead
+        return DeviceMesh._concatenate([self.submesh(*replicate), self.submesh(*shard)])
 
     # -- who reduces what: the parameter's record, answered here ---------------------------------
     def reduction_axes(self, param: torch.Tensor) -> tuple[str, ...]:

@@ -36,6 +36,13 @@ def local_piece(full: torch.Tensor, like: DTensor) -> torch.Tensor:
     return distribute_tensor(full.to(mesh.device_type), mesh, like.placements, src_data_rank=None).to_local()
 
 
+def first_replica(t: DTensor) -> bool:
+    """True on the first rank of every mesh dimension `t` is replicated over (HSDP's replica groups
+    hold the same shards: only the first counts them in the norm, so each piece is counted once)."""
+    return all(t.device_mesh.get_local_rank(dim) == 0 for dim, placement in enumerate(t.placements)
+               if placement.is_replicate())
+
+
 class FSDPOptimizer(MixedPrecisionOptimizer):
     """The user's `optim`, whose param groups hold the FSDP2 sharded parameters, stepped with
     MixedPrecisionOptimizer's order, with its `PrecisionConfig` (whose precision is FSDP2's
@@ -54,7 +61,8 @@ class FSDPOptimizer(MixedPrecisionOptimizer):
     @torch.no_grad()
     def _master_grads(self) -> list[tuple[torch.Tensor, bool]]:
         """This rank's shard of every gradient (FSDP2 reduce-scattered and averaged them over dp). Who
-        counts it in the norm is `counted_here`'s rule: a dp shard (a DTensor) on every dp rank, an
+        counts it in the norm is `counted_here`'s rule: a dp shard (a DTensor) on every dp rank (under
+        HSDP on the first replica group's only: `first_replica`), an
         ignored module's whole parameter on dp rank 0 only; under tensor parallelism (the parameter's
         record, HybridParallelPlugin zero_stage=3) a tp shard on every tp rank and a weight replicated
         over tp on tp rank 0 only."""
@@ -64,7 +72,8 @@ class FSDPOptimizer(MixedPrecisionOptimizer):
                 if p.grad is None:
                     continue
                 sharded = isinstance(p.grad, DTensor)
-                out.append((p.grad.to_local() if sharded else p.grad, counted_here(p, self.mesh, sharded)))
+                counted = counted_here(p, self.mesh, sharded) and (not sharded or first_replica(p.grad))
+                out.append((p.grad.to_local() if sharded else p.grad, counted))
         return out
 
     def grad_bytes(self) -> int:

@@ -113,8 +113,9 @@ def apply_fsdp(model: nn.Module, config: FSDPConfig, mesh, layers: Layers) -> li
     own_axes = replica_units(model, mesh, {id(p) for p in ignored_params})
     units = shard_units(model, config, {id(p) for p in ignored_params}, layers)
     kinds, root_kind = sorted({type(u).__name__ for u in units}), type(model).__name__   # before FSDP renames them
-    # the dense weights' data-parallel axes (the mesh's answer: dp today, dp x cp with a context axis)
-    common = dict(mesh=mesh.submesh(*mesh.dims.grad_axes()), ignored_params=ignored_params or None)
+    # the dense weights' data-parallel axes (the mesh's answer: dp, dp x cp with a context axis; with HSDP the 2-D
+    # (replicate, shard) mesh, on which FSDP2 shards over the second and all-reduces gradients over the first)
+    common = dict(mesh=mesh.fsdp_mesh(), ignored_params=ignored_params or None)
     offload = config.offload_policy()
     if offload is not None:
         common["offload_policy"] = offload

@@ -54,6 +54,28 @@ def dp_reducer(dp_size: int, pp_size: int, zero_stage: int) -> str:
     return PIPELINE if pp_size > 1 else DDP
 
 
+def check_replicate(dp_replicate_size, zero_stage: int, cpu_offload: bool, pp_size: int, ep_size: int) -> None:
+    """What HSDP (dp_replicate_size > 1) composes with; pure, the same error on every rank. Whether it
+    divides dp is the mesh's check (it knows the world size)."""
+    if not isinstance(dp_replicate_size, int) or isinstance(dp_replicate_size, bool) or dp_replicate_size < 1:
+        raise ValueError(f"dp_replicate_size={dp_replicate_size!r} must be a positive integer (1: no HSDP)")
+    if dp_replicate_size == 1:
+        return
+    if cpu_offload:
+        raise NotImplementedError(f"dp_replicate_size={dp_replicate_size} with cpu_offload=True: HSDP is FSDP2's "
+                                  "zero_stage=3, which HybridParallelPlugin keeps on the device (cpu_offload is ZeRO-1/2's "
+                                  "host copy of the states); drop cpu_offload, or use dp_replicate_size=1")
+    if zero_stage != 3:
+        raise NotImplementedError(f"dp_replicate_size={dp_replicate_size} with zero_stage={zero_stage}: HSDP shards "
+                                  "weights, gradients and optimizer states inside a replica group and all-reduces "
+                                  "gradients across groups, which meshboost does with FSDP2; use zero_stage=3, or "
+                                  "dp_replicate_size=1 (ZeRO-1/2 shard the states over every dp rank)")
+    if pp_size > 1 or ep_size > 1:
+        raise NotImplementedError(f"dp_replicate_size={dp_replicate_size} with pp_size={pp_size}, ep_size={ep_size}: "
+                                  "HSDP composes with tensor and context parallelism (tp_size, sp_size); use "
+                                  "dp_replicate_size=1 with pipeline or expert parallelism")
+
+
 @dataclass
 class DDPConfig:
     """Arguments passed to `torch.nn.parallel.DistributedDataParallel` (see its documentation)."""
@@ -94,6 +116,9 @@ class HybridParallelConfig:
     # "all_to_all" (Ulysses, shardformer/context.py; the default with sp_size > 1)
     sp_size: int = 1
     sp_mode: str | None = None
+    # HSDP (zero_stage=3): the data-parallel ranks split into dp_replicate_size replica groups; FSDP2 shards
+    # weights, gradients and states inside a group and all-reduces gradients across groups (docs/fsdp.md)
+    dp_replicate_size: int = 1
     sharding: ShardConfig = field(default_factory=ShardConfig)      # its process group is set from the mesh
     custom_policy: Policy | None = None                             # instead of the family's table
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
@@ -137,7 +162,7 @@ class HybridParallelConfig:
         check_router_statistics(self.router_statistics)
         if self.loss_normalization not in NORMALIZATIONS:
             raise ValueError(f"loss_normalization={self.loss_normalization!r}; expected one of {NORMALIZATIONS}")
-        for name in ("tp_size", "ep_size", "sp_size"):
+        for name in ("tp_size", "ep_size", "sp_size", "dp_replicate_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -165,6 +190,7 @@ class HybridParallelConfig:
         if self.reshard_after_forward is not None and stage != 3:
             raise ValueError(f"reshard_after_forward={self.reshard_after_forward} is FSDP2's setting, but "
                              f"zero_stage={stage!r}; set zero_stage=3, or leave reshard_after_forward=None")
+        check_replicate(self.dp_replicate_size, stage, zero.cpu_offload, self.pipeline.pp_size, self.ep_size)
         if zero.communication_dtype not in (None, self.precision.dtype) and not zero.partitioned_by_optimizer:
             raise ValueError(f"communication_dtype={zero.communication_dtype} sets the dtype of ZeRO's gradient "
                              f"reduce-scatter, but zero_stage={stage!r} (DDP and the pipeline reduce in the working "
@@ -220,9 +246,9 @@ class HybridParallelConfig:
 
     @classmethod
     def of(cls, tp_size: int = 1, pp_size: int = 1, zero_stage: int = 0, precision: str = "fp32", ep_size: int = 1,
-           compile=None, moe_router_bias_update_rate: float = 0.0):
+           compile=None, moe_router_bias_update_rate: float = 0.0, dp_replicate_size: int = 1):
         """The config of the plugin's shortcuts (`HybridParallelPlugin(tp_size=2, ep_size=2, zero_stage=1,
         precision="fp16", compile=True)`): every other setting at its default."""
         return cls(tp_size=tp_size, ep_size=ep_size, pipeline=PipelineConfig(pp_size),
                    precision=PrecisionConfig(precision), zero=ZeroConfig(stage=zero_stage), compile=compile,
-                   moe_router_bias_update_rate=moe_router_bias_update_rate)
+                   moe_router_bias_update_rate=moe_router_bias_update_rate, dp_replicate_size=dp_replicate_size)

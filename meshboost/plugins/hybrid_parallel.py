@@ -120,7 +120,8 @@ class HybridParallelModule(ModelWrapper):
         return contextlib.nullcontext()
 
 
-SHORTCUTS = ("tp_size", "pp_size", "zero_stage", "precision", "ep_size", "compile", "moe_router_bias_update_rate")
+SHORTCUTS = ("tp_size", "pp_size", "zero_stage", "precision", "ep_size", "compile", "moe_router_bias_update_rate",
+             "dp_replicate_size")
 
 
 def plugin_config(config, shortcuts: dict, unknown: dict) -> HybridParallelConfig:
@@ -170,9 +171,10 @@ class HybridParallelPlugin(Plugin):
     def __init__(self, config: HybridParallelConfig | None = None, *, tp_size: int | None = None,
                  pp_size: int | None = None, zero_stage: int | None = None, precision: str | None = None,
                  ep_size: int | None = None, compile=None, moe_router_bias_update_rate: float | None = None,
-                 **unknown):
+                 dp_replicate_size: int | None = None, **unknown):
         shortcuts = dict(tp_size=tp_size, pp_size=pp_size, zero_stage=zero_stage, precision=precision,
-                         ep_size=ep_size, compile=compile, moe_router_bias_update_rate=moe_router_bias_update_rate)
+                         ep_size=ep_size, compile=compile, moe_router_bias_update_rate=moe_router_bias_update_rate,
+                         dp_replicate_size=dp_replicate_size)
         # Every rank must pass the same arguments; one all-gather of a digest says so (or names the
         # difference) before anything that could differ by rank, so no rank is left hanging.
         agree_settings({"config": config, **shortcuts, **unknown}, "HybridParallelPlugin arguments")
@@ -185,7 +187,7 @@ class HybridParallelPlugin(Plugin):
         pc = config.pipeline
         # collective: after the checks
         self.mesh = ParallelMesh(tp_size=config.tp_size, pp_size=pc.pp_size, ep_size=config.ep_size,
-                                 cp_size=config.sp_size)
+                                 cp_size=config.sp_size, dp_replicate_size=config.dp_replicate_size)
         self.shard_config = dataclasses.replace(config.sharding, tensor_parallel_process_group=self.mesh.tp_group)
         # the replicas of a dense weight: dp, times the cp ranks (each saw other pieces of the sequences)
         self.dp_reducer = dp_reducer(self.mesh.size(*self.mesh.dims.grad_axes()), pc.pp_size, config.zero.stage)

@@ -1,4 +1,5 @@
-"""The causal-LM example end to end, tiny, with torchrun: tp=2, ep=2 (Qwen3-MoE) and sp=2 with --pack.
+"""The causal-LM example end to end, tiny, with torchrun: tp=2, ep=2 (Qwen3-MoE), HSDP (--zero 3 --dp-replicate 2)
+and sp=2 with --pack.
 Each run must write one metrics.jsonl record per step whose loss and gradient norm equal a one-process
 run of the same script on the same global batches (the weights come from LazyInitContext's
 layout-independent init, so every layout starts from the same model); at tp=2 a run interrupted after a
@@ -91,6 +92,15 @@ def test_ep2_matches_one_process(tmp_path):
     got = _run(tmp_path / "ep", 2, *args, "--ep", "2", "--batch-size", "4")
     _check_records(got, 3)
     _same_stream(got, _run(tmp_path / "ref", 1, *args, "--batch-size", "8"), "ep=2")
+
+
+def test_hsdp_matches_one_process(tmp_path):
+    """--zero 3 --dp-replicate 2 (HSDP: FSDP2 on the (replicate, shard) mesh) on 2 ranks: each replica's batch
+    of 4 against one process's 8."""
+    args = ["--model-config", "llama", "--max-steps", "3", "--report-to", "jsonl"]
+    got = _run(tmp_path / "hsdp", 2, *args, "--zero", "3", "--dp-replicate", "2", "--batch-size", "4")
+    _check_records(got, 3)
+    _same_stream(got, _run(tmp_path / "ref", 1, *args, "--batch-size", "8"), "hsdp")
 
 
 def test_sp2_packed_matches_one_process(tmp_path):

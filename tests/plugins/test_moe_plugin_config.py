@@ -27,7 +27,8 @@ COLOSSALAI_MOE_KEYWORDS = """tp_size pp_size ep_size sp_size precision zero_stag
     num_layers_per_stage gradient_checkpoint_config enable_metadata_cache make_vocab_size_divisible_by moe_dp_outside
     overlap_p2p overlap_allgather fp8_communication use_fp8""".split()
 # keyword-only: moe_tp_size (ColossalAI's MoE tests pass it), and meshboost's own settings
-EXTRA_KEYWORDS = ["moe_tp_size", "check_inputs", "loss_normalization", "compile", "moe_router_bias_update_rate"]
+EXTRA_KEYWORDS = ["moe_tp_size", "check_inputs", "loss_normalization", "compile", "moe_router_bias_update_rate",
+                  "dp_replicate_size"]
 
 PARAMETERS = {k: p for k, p in inspect.signature(MoeHybridParallelPlugin.__init__).parameters.items() if k != "self"}
 DEFAULTS = {k: p.default for k, p in PARAMETERS.items()} | {"tp_size": 1, "pp_size": 1, "ep_size": 1}

@@ -62,6 +62,7 @@ CHANGES = {
     "check_inputs": ("first", {}, "check_inputs"),
     "loss_normalization": ("microbatch", {}, "loss_normalization"),
     "moe_router_bias_update_rate": (1e-3, {}, "moe_router_bias_update_rate"),
+    "dp_replicate_size": (2, {"zero_stage": 3}, "dp_replicate_size"),
     "enable_flash_attention": (True, {}, "sharding.enable_flash_attention"),
     "enable_fused_normalization": (True, {}, "sharding.enable_fused_normalization"),
     "enable_jit_fused": (True, {}, "sharding.enable_jit_fused"),

@@ -20,7 +20,7 @@ wrong number or a hang: one process group of 4 ranks runs the whole matrix (issu
 - expert parallelism: ep_size not dividing dp or the experts, ep on a dense model, an expert id out of
   range on one ep rank, one replica fed an empty batch (refused on every data-parallel rank); context
   parallelism: sp_size not dividing the world, a sequence length the split cannot cut, cp ranks fed
-  different batches.
+  different batches; HSDP: dp_replicate_size not dividing dp, below 1, with ZeRO-1/2, cpu_offload, pp or ep.
 - ZeRO-3: `reshard_after_forward` without zero_stage=3, a module mixing expert and dense weights under ep.
 - LoRA: enable_lora twice, an adapter folder whose rank or target modules differ from its weights, and
   at tp=2 adapters the layout cannot shard exactly (on the vocab-parallel embedding, modules_to_save on
@@ -280,6 +280,32 @@ def _expert_and_context_layouts(rank, world):
         model(input_ids=ids, labels=ids)
 
 
+def _hsdp_layouts(rank, world):
+    """HSDP's bad layouts (dp_replicate_size): each a clear error naming the value and the fix, on every rank,
+    before any collective but the argument agreement (the world is 4: dp = 4 without tp)."""
+    from meshboost.booster.plugin import MoeHybridParallelPlugin
+
+    rows = [
+        (dict(dp_replicate_size=3, zero_stage=3), ValueError,
+         r"dp_replicate_size=3 does not divide the data-parallel size 4 .*choose a divisor of 4"),
+        (dict(dp_replicate_size=2, tp_size=2, sp_size=2, zero_stage=3, enable_sequence_parallelism=True,
+              sequence_parallelism_mode="all_to_all"), ValueError, "dp_replicate_size=2 does not divide the "
+         "data-parallel size 1"),
+        (dict(dp_replicate_size=0, zero_stage=3), ValueError, "dp_replicate_size=0 must be a positive integer"),
+        (dict(dp_replicate_size=2, zero_stage=1), NotImplementedError, "dp_replicate_size=2 with zero_stage=1.*use "
+         "zero_stage=3"),
+        (dict(dp_replicate_size=2, zero_stage=3, cpu_offload=True), NotImplementedError,
+         "dp_replicate_size=2 with cpu_offload=True.*drop cpu_offload"),
+        (dict(dp_replicate_size=2, zero_stage=3, pp_size=2, num_microbatches=2), NotImplementedError,
+         "dp_replicate_size=2 with pp_size=2.*use dp_replicate_size=1 with pipeline"),
+    ]
+    for kwargs, error, match in rows:
+        with pytest.raises(error, match=match):
+            HybridParallelPlugin(**{"tp_size": 1, **kwargs})
+    with pytest.raises(NotImplementedError, match="dp_replicate_size=2 with pp_size=1, ep_size=2"):
+        MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, zero_stage=3, dp_replicate_size=2)
+
+
 def _lora_inputs(rank, world, root):
     """LoRA's bad inputs, each a clear error on every rank before any collective: enable_lora twice, an
     adapter folder whose rank or target modules differ from its weights (peft alone warns and trains
@@ -364,6 +390,7 @@ def _body(rank, world, root):
     _untied_embeddings_resume(rank, world, root)
     _expert_and_context_layouts(rank, world)
     _zero3_layouts(rank, world)
+    _hsdp_layouts(rank, world)
 
 
 def test_bad_inputs_end_in_clear_errors(tmp_path):

@@ -170,7 +170,9 @@ def main(argv=None) -> int:
                 and mesh.cp_rank == 0)
     log = print if reporter else (lambda *a, **k: None)
     predicted = planned.memory_bytes_per_rank["total"] / 2**30 if planned is not None else None
-    log(f"layout: tp={mesh.tp_size} pp={mesh.pp_size} dp={mesh.dp_size} ep={args.ep} sp={args.sp}"
+    log(f"layout: tp={mesh.tp_size} pp={mesh.pp_size} dp={mesh.dp_size}"
+        + (f" (HSDP: {mesh.dims.dp_replicate} replicas of {mesh.dims.dp_shard})" if mesh.dims.dp_replicate > 1 else "")
+        + f" ep={args.ep} sp={args.sp}"
         f"{'(' + args.sp_mode + ')' if args.sp > 1 or args.sp_mode == 'split_gather' else ''} zero={args.zero} "
         f"{args.precision}" + (f"; predicted peak per rank {predicted:.3f} GiB" if predicted is not None else "")
         + f" | {type(model.unwrap()).__name__}, {len(rows)} rows of {args.seq} tokens, batch {args.batch_size} x "

@@ -19,7 +19,7 @@ from meshboost.distributed.agreement import agree_settings
 from meshboost.optim import GradScalerConfig, PrecisionConfig, ZeroConfig, bucket_elements
 from meshboost.pipeline import PipelineConfig
 from meshboost.plugins import HybridParallelPlugin as CorePlugin
-from meshboost.plugins.config import DDPConfig, HybridParallelConfig
+from meshboost.plugins.config import DDPConfig, HybridParallelConfig, check_replicate
 from meshboost.plugins.hybrid_parallel import HybridParallelModule
 from meshboost.shardformer import PipelineGradientCheckpointConfig, Policy, ShardConfig
 
@@ -74,6 +74,8 @@ def _refuse_unsupported(scheduler_nodes, dp_outside, overlap_allgather, inner_ri
 def colossalai_config(a: dict) -> HybridParallelConfig:
     """ColossalAI's HybridParallelPlugin keywords (`a`, every one of them) as meshboost's config."""
     _refuse_unsupported(a["scheduler_nodes"], a["dp_outside"], a["overlap_allgather"], a["inner_ring_size"])
+    # before ZeroConfig, whose cpu_offload refusal at zero_stage=3 would point away from HSDP
+    check_replicate(a["dp_replicate_size"], a["zero_stage"], a["cpu_offload"], a["pp_size"], 1)
     sp_size, sp_mode, sequence = _context(a)
     sharding = ShardConfig(**sequence, **{k: a[k] for k in (
         "enable_tensor_parallelism", "parallel_output", "make_vocab_size_divisible_by", "enable_flash_attention",
@@ -93,7 +95,8 @@ def colossalai_config(a: dict) -> HybridParallelConfig:
                       a["check_reduction"], a["gradient_as_bucket_view"], a["static_graph"]),
         gradient_checkpoint=a["gradient_checkpoint_config"], fp8_communication=a["fp8_communication"],
         check_inputs=a["check_inputs"], loss_normalization=a["loss_normalization"], compile=a["compile"],
-        float8=a["use_fp8"], moe_router_bias_update_rate=a["moe_router_bias_update_rate"])
+        float8=a["use_fp8"], moe_router_bias_update_rate=a["moe_router_bias_update_rate"],
+        dp_replicate_size=a["dp_replicate_size"])
 
 
 class HybridParallelPlugin(CorePlugin):
@@ -120,6 +123,8 @@ class HybridParallelPlugin(CorePlugin):
         static_graph: `DDPConfig` (torch DDP, used when dp > 1 without ZeRO or pipeline).
     gradient_checkpoint_config: `meshboost.shardformer.PipelineGradientCheckpointConfig`.
     moe_router_bias_update_rate (keyword-only, Megatron's name): DeepSeek-V3's bias update, docs/moe.md.
+    dp_replicate_size (keyword-only, meshboost's, torchtitan's name): HSDP with zero_stage=3, the dp ranks
+        split into this many replica groups, each sharding the model (docs/fsdp.md).
     check_inputs ("always" | "first" | "never"), loss_normalization ("tokens" | "microbatch"),
         fp8_communication (CUDA, tp=pp=1, zero 0): as `HybridParallelConfig`.
     compile (meshboost's, not ColossalAI's): True or a `meshboost.shardformer.compile.CompileConfig`, each
@@ -155,7 +160,8 @@ class HybridParallelPlugin(CorePlugin):
                  cpu_offload: bool = False, communication_dtype: torch.dtype | None = None, scheduler_nodes=None,
                  enable_metadata_cache: bool = True, dp_outside: bool = True, overlap_p2p: bool = True,
                  overlap_allgather: bool = False, fp8_communication: bool = False, use_fp8: bool = False,
-                 inner_ring_size: int | None = None, compile=None, *, moe_router_bias_update_rate: float = 0.0):
+                 inner_ring_size: int | None = None, compile=None, *, moe_router_bias_update_rate: float = 0.0,
+                 dp_replicate_size: int = 1):
         keywords = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         # The refusals and the configs' checks below raise per rank: the arguments are agreed first.
         agree_settings(keywords, "HybridParallelPlugin arguments")

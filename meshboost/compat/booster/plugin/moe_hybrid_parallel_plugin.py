@@ -85,6 +85,8 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
     zero_stage=2 and overlap_communication=True are honoured, not turned into stage 1 without overlap as
         ColossalAI does: meshboost's expert-parallel forward gives an expert that received no token a zero
         gradient (never none), so every rank's reducer sees the same buckets and ZeRO-2 cannot hang.
+    dp_replicate_size (keyword-only): HSDP with zero_stage=3, as HybridParallelPlugin's (refused with
+        ep_size > 1 for now).
     enable_sequence_parallelism=True needs sequence_parallelism_mode="split_gather" spelled out
         or "all_to_all" with sp_size spelled out (ColossalAI's MoE and hybrid plugins default differently).
 
@@ -112,7 +114,7 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
                  moe_dp_outside: bool = True, overlap_p2p: bool = True, overlap_allgather: bool = False,
                  fp8_communication: bool = False, use_fp8: bool = False, *, moe_tp_size: int | None = None,
                  check_inputs: str = "always", loss_normalization: str = "tokens", compile=None,
-                 moe_router_bias_update_rate: float = 0.0):
+                 moe_router_bias_update_rate: float = 0.0, dp_replicate_size: int = 1):
         keywords = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         # The refusals and the configs' checks below raise per rank: the arguments are agreed first.
         agree_settings(keywords, "MoeHybridParallelPlugin arguments")
