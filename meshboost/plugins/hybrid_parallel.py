@@ -275,7 +275,7 @@ class HybridParallelPlugin(Plugin):
                 raise NotImplementedError(f"sp_size={self.config.sp_size}: {type(hf).__name__} does not compute its "
                                           "causal-LM loss through transformers' loss_function; use sp_size=1")
         ShardFormer(self.shard_config).optimize(hf, self.config.custom_policy)
-        apply_float8(hf, self.config.float8, self.mesh.device.type, self.dp_reducer == FSDP, optimizer)   # speed.py
+        apply_float8(hf, self.config.float8, self.mesh, self.dp_reducer == FSDP, optimizer)   # speed.py
         if self.ep_size > 1:        # after tp, which cut inside the experts: now split the experts over ep
             shard_expert_parallel_(hf, self.mesh.group("ep"), self.ep_size, self.mesh.ep_rank)
         stages = self._build_stages(hf, optimizer) if self.pp_size > 1 else None

@@ -13,7 +13,7 @@ import torch.nn as nn
 from meshboost.pipeline import get_layout
 from meshboost.shardformer import pipeline_layout
 from meshboost.shardformer.compile import CompileConfig, compile_blocks
-from meshboost.shardformer.float8 import Float8Config, convert_float8
+from meshboost.shardformer.float8 import Float8Config, ShardGroups, convert_float8
 
 
 def transformer_blocks(model: nn.Module, stages=None, custom_policy=None) -> list[nn.Module]:
@@ -37,9 +37,13 @@ def apply_compile(model: nn.Module, config: CompileConfig | None, stages=None, c
         compile_blocks(model, transformer_blocks(model, stages, custom_policy), config)
 
 
-def apply_float8(model: nn.Module, config: Float8Config | None, device_type: str, fully_sharded: bool,
-                 optimizer=None) -> None:
+def apply_float8(model: nn.Module, config: Float8Config | None, mesh, fully_sharded: bool, optimizer=None) -> None:
     """Swap `model`'s linears for torchao's float8 ones when `config` says so (after tp sharding, before
-    staging and FSDP2, whose all-gather then moves float8)."""
-    if config is not None:
-        convert_float8(model, config, device_type, fsdp_all_gather=fully_sharded, optimizer=optimizer)
+    staging and FSDP2, whose all-gather then moves float8), their amaxes agreed over the tp and cp ranks
+    that hold the other pieces of their tensors."""
+    if config is None:
+        return
+    cp = mesh.cp_size > 1
+    groups = ShardGroups(tp=mesh.tp_group if mesh.tp_size > 1 else None, cp=mesh.group("cp") if cp else None,
+                         cp_tp=mesh.group("cp", "tp") if cp and mesh.tp_size > 1 else None)
+    convert_float8(model, config, mesh.device.type, fsdp_all_gather=fully_sharded, optimizer=optimizer, groups=groups)
