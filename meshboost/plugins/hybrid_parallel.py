@@ -35,7 +35,7 @@ from meshboost.plugins import input_checks
 from meshboost.plugins.input_checks import ALWAYS, InputCheck, LabelledItemsGuard, next_pipeline_batch
 from meshboost.plugins.router_bias import check_model as check_router_bias, install as install_router_bias
 from meshboost.plugins.router_statistics import GLOBAL, loss_function, with_global_router_loss
-from meshboost.plugins.speed import apply_compile, apply_float8
+from meshboost.plugins.speed import apply_compile, apply_float8, to_device
 from meshboost.shardformer import (PipelineGradientCheckpointConfig, ShardConfig, ShardFormer, pipeline_layout,
                                    uses_causal_lm_loss)
 from meshboost.shardformer.context import ContextInputs, check_context, install
@@ -284,7 +284,7 @@ class HybridParallelPlugin(Plugin):
         if lazy is not None:
             materialize(model, original, self.mesh.device, lazy)
         if not on_meta:
-            model = model.to(self.mesh.device)  # in place: the optimizer's parameters stay the same objects
+            model = to_device(model, self.mesh.device)  # in place, records kept (speed.py): the same parameters
         if self.dp_reducer == FSDP:     # FSDP2 over dp: its fp32 shards are the masters; compute dtype by its policy
             _, optimizer = shard_zero3(model, optimizer, self.mesh, self.config.precision)
         else:

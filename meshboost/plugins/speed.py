@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from meshboost.distributed.param_info import attach_records, records_of
 from meshboost.pipeline import get_layout
 from meshboost.shardformer import pipeline_layout
 from meshboost.shardformer.compile import CompileConfig, compile_blocks
@@ -43,7 +44,18 @@ def apply_float8(model: nn.Module, config: Float8Config | None, mesh, fully_shar
     that hold the other pieces of their tensors."""
     if config is None:
         return
-    cp = mesh.cp_size > 1
-    groups = ShardGroups(tp=mesh.tp_group if mesh.tp_size > 1 else None, cp=mesh.group("cp") if cp else None,
-                         cp_tp=mesh.group("cp", "tp") if cp and mesh.tp_size > 1 else None)
+    cp, tp = mesh.cp_size > 1, mesh.tp_size > 1
+    groups = ShardGroups(tp=mesh.tp_group if tp else None, cp=mesh.group("cp") if cp else None,
+                         weights=mesh.group(*mesh.dims.grad_axes(), "tp") if fully_sharded and tp else None)
     convert_float8(model, config, mesh.device.type, fsdp_all_gather=fully_sharded, optimizer=optimizer, groups=groups)
+
+
+def to_device(model: nn.Module, device) -> nn.Module:
+    """`model.to(device)`, in place, keeping meshboost's parameter records: for a tensor-subclass parameter
+    (torchao's float8 all-gather wrapper, ZeRO-3 under tp) torch swaps in a new tensor's contents, its
+    attributes included, which would drop the tp record that checkpoints and the grad norm read."""
+    records = {name: records_of(p) for name, p in model.named_parameters()}
+    model = model.to(device)
+    for name, p in model.named_parameters():
+        attach_records(p, records[name])
+    return model

@@ -3,16 +3,18 @@ torchao's `Float8Linear` (`convert_to_float8_training`), whose matmuls run on fl
 inputs, weights and output gradients with dynamic scales (tensorwise: one per tensor; rowwise: one per
 row), the weights themselves staying in the working precision.
 
-Owns: `Float8Config` (the recipe and which linears) and `convert_float8`, which swaps the chosen linears
-of a model for float8 ones (under tensor parallelism: gives each chosen column- or row-parallel linear a
-`Float8Product`, whose casts use the whole tensor's scale: the amax of a sharded input, weight or output
-gradient all-reduced (MAX) over the tp group by torchao's own `reduce_amax`, so every element is cast as
-on one process), leaves the LM head and every linear whose dimensions torchao cannot
-run in float8 (not multiples of 16) in high precision, listing the latter once, and, when FSDP2 shards the
-weights (zero_stage=3), makes its all-gather move float8 (`enable_fsdp_float8_all_gather`), pointing the
-user's optimizer at the weights torchao then wraps. On a device without float8 matmuls (CPU) torchao
-emulates them (`emulate=True`: the same casts and scales, the products in high precision). Must not
-implement float8 arithmetic itself.
+Owns: `Float8Config` (the recipe and which linears), `ShardGroups` (the tp / cp groups a rank's
+tensors are split over) and `convert_float8`, which swaps the chosen linears of a model for float8 ones:
+torchao's own swap on one process or over dp / pp; under tensor parallelism each chosen column- or
+row-parallel linear gets a `Float8Product` (float8_parallel.py: every cast uses the whole tensor's scale,
+its amax agreed over the ranks holding the other pieces along the scale's axis); under context
+parallelism every chosen plain linear becomes a `ScaledFloat8Linear` (token amaxes agreed over cp). It
+leaves the LM head and every linear whose dimensions (under tp: this rank's shard's) torchao cannot run
+in float8 (not multiples of 16) in high precision, listing the latter once, and, when FSDP2 shards the
+weights (zero_stage=3, tensorwise), makes its all-gather move float8 (`enable_fsdp_float8_all_gather`;
+under tp with the whole weight's scale), pointing the user's optimizer at the weights torchao then wraps.
+On a device without float8 matmuls (CPU) torchao emulates them (`emulate=True`: the same casts and
+scales, the products in high precision). Must not implement float8 arithmetic itself.
 """
 
 from __future__ import annotations
@@ -81,17 +83,19 @@ def linear_config(config: Float8Config, device_type: str, fsdp_all_gather: bool)
 @dataclass(frozen=True)
 class ShardGroups:
     """The groups a rank's tensors are split over, for float8's amaxes: tp (the features of the parallel
-    linears), cp (the tokens, context parallelism) and both flattened into one."""
+    linears), cp (the tokens, context parallelism); never both (HybridParallelConfig refuses float8 with
+    tp_size > 1 and sp_size > 1)."""
 
     tp: object = None
     cp: object = None
-    cp_tp: object = None
+    # ZeRO-3 under tp: the ranks holding the dp and tp pieces of a weight (its whole amax for FSDP2's float8 all-gather)
+    weights: object = None
 
     def over(self, axes: frozenset):
-        """The group an amax along dims split over `axes` ({"tp"}, {"cp"}, both, or none: None) is agreed over."""
+        """The group an amax along dims split over `axes` ({"tp"}, {"cp"}, or none: None) is agreed over."""
         if not axes:
             return None
-        group = self.cp_tp if len(axes) == 2 else getattr(self, next(iter(axes)))
+        group = getattr(self, next(iter(axes))) if len(axes) == 1 else None
         if group is None:
             raise ValueError(f"float8: an amax must be agreed over {sorted(axes)} and no group was given for it")
         return group
@@ -101,20 +105,25 @@ def _sharded_products(model: nn.Module, chosen: Callable, config, groups: ShardG
     """Give each chosen column- or row-parallel linear of `model` its Float8Product and, under context
     parallelism (groups.cp: every linear is fed this rank's part of the tokens), swap each chosen plain
     linear for a ScaledFloat8Linear; without it torchao converts the plain ones itself."""
-    from meshboost.shardformer.float8_parallel import Float8Product, ScaledFloat8Linear
+    from meshboost.shardformer.float8_parallel import Float8Product, ScaledFloat8Linear, gather_weights_in_float8
     from meshboost.shardformer.layers.linear import ColumnParallelLinear, RowParallelLinear
     from torchao.float8.float8_linear import Float8Linear
     from torchao.float8.float8_linear_utils import swap_linear_layers
     mm_config = Float8Linear(16, 16, bias=False, device="meta", config=config).linear_mm_config
     tokens_split = groups.cp is not None
+    parallel = []
     for name, module in model.named_modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and chosen(module, name):
             row = isinstance(module, RowParallelLinear)
             # a column-parallel output is this rank's features (gathered after the product, if at all); under
             # sequence parallelism its input is gathered (and a row's output reduce-scattered) around the
             # product, so the product's tokens are whole
-            module.product = Float8Product.build(config, mm_config, dataclasses.replace(groups, tp=module.process_group),
-                                                 row=row, column=not row, tokens_split=tokens_split)
+            own = dataclasses.replace(groups, tp=module.process_group)
+            module.product = Float8Product.build(config, mm_config, own, row=row, column=not row,
+                                                 tokens_split=tokens_split)
+            parallel.append(module)
+    if parallel and config.enable_fsdp_float8_all_gather:         # ZeRO-3, tensorwise
+        model.register_forward_pre_hook(gather_weights_in_float8(parallel, config, mm_config, groups.weights))
     if not tokens_split:
         torchao_float8().convert_to_float8_training(model, module_filter_fn=chosen, config=config)
         return

@@ -3,16 +3,18 @@ when this rank holds only a piece of an input, weight or output gradient.
 
 Owns: `Float8Product`, the float8 product a tensor-parallel linear (shardformer/layers/linear.py, its
 `product`) or a linear fed this rank's part of the sequence under context parallelism (`ScaledFloat8Linear`)
-computes in place of `F.linear` (over float8.py's `ShardGroups`). Every
+computes in place of `F.linear` (over float8.py's `ShardGroups`), and, under ZeRO-3, the whole weight's
+scale for FSDP2's float8 all-gather of a tensor-parallel weight (`gather_weights_in_float8`). Every
 float8 cast of torchao's three products (forward; input gradient; weight gradient) takes its amax along
 some dims of its operand (tensorwise: all of them; rowwise: along one, a scale per row or per column);
 where one of those dims is split over ranks (features over tp, tokens over cp), the amax is all-reduced
 (MAX) over those ranks by torchao's own `reduce_amax`, so every element is cast with the scale one
 process would use. A dim split over no rank needs nothing: each rank's rows are whole.
 
-Imports torchao: float8.py loads it only when a model is converted. Must not implement float8 arithmetic: the casts, scales and matmuls are torchao's
-(`hp_tensor_to_float8_dynamic`, its float8 tensor's `mm`); this file only says over which ranks each
-amax is taken, and runs torchao's three products in its order (`matmul_with_hp_or_float8_args`).
+Imports torchao: float8.py loads it only when a model is converted. Must not implement float8
+arithmetic: the casts, scales and matmuls are torchao's (`hp_tensor_to_float8_dynamic`, its float8
+tensor's `mm`); this file only says over which ranks each amax is taken, and runs torchao's three
+products in its order (`matmul_with_hp_or_float8_args`).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
 from torchao.float8.float8_linear import Float8Linear
 from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
 from torchao.float8.float8_training_tensor import GemmInputRole
+from torchao.float8.float8_utils import amax_to_scale
+from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-from meshboost.shardformer.float8 import ShardGroups
 
 # torchao's six casts (its Float8LinearConfig's `cast_config_<name>`): the operand each casts and the dim
 # its rowwise scale is taken along (torchao's `get_maybe_axiswise_dim` arguments in its matmul). Operands:
@@ -62,10 +65,11 @@ class Float8Product:
     reductions: tuple            # ((cast name, _Group | None), ...) in CASTS' order
 
     @classmethod
-    def build(cls, config, mm_config, groups: ShardGroups, row: bool = False, column: bool = False,
+    def build(cls, config, mm_config, groups, row: bool = False, column: bool = False,
               tokens_split: bool = False) -> "Float8Product":
-        """row: the input features (and weight columns) are split over tp; column: the output features
-        (weight rows, output gradient columns); tokens_split: the tokens, over cp."""
+        """groups: float8.py's ShardGroups (not imported: float8.py loads this file). row: the input
+        features (and weight columns) are split over tp; column: the output features (weight rows, output
+        gradient columns); tokens_split: the tokens, over cp."""
         tp_in, tp_out, seq = ("tp" if row else None), ("tp" if column else None), ("cp" if tokens_split else None)
         split = {"input": (seq, tp_in), "weight_t": (tp_in, tp_out), "grad_output": (seq, tp_out)}
         reductions = []
@@ -133,3 +137,41 @@ class ScaledFloat8Linear(Float8Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x, self.weight, self.bias)
+
+
+def gather_weights_in_float8(modules: list, config, mm_config, group) -> "WeightScales":
+    """Make FSDP2 all-gather the weights of the tensor-parallel `modules` in float8 (ZeRO-3 under tp): each
+    weight becomes torchao's float8 all-gather wrapper (its records carried over), cast by FSDP2 before
+    the all-gather with the scale `WeightScales` (a forward pre-hook of the model, returned) sets, the
+    whole weight's: its amax agreed over `group`, the ranks holding its dp and tp pieces. torchao's own
+    wrapper would reduce over FSDP2's dp mesh only: one tp shard's scale."""
+    from meshboost.distributed.param_info import attach_records, records_of
+    for module in modules:
+        old = module.weight
+        wrapped = WeightWithDynamicFloat8CastTensor(old.data, mm_config, config.cast_config_weight.target_dtype)
+        module.weight = torch.nn.Parameter(wrapped, requires_grad=old.requires_grad)
+        attach_records(module.weight, records_of(old))
+    return WeightScales(tuple(modules), group, config.cast_config_weight.target_dtype)
+
+
+@dataclass(frozen=True)
+class WeightScales:
+    """Forward pre-hook of a model whose tensor-parallel float8 weights FSDP2 gathers in float8: before any
+    unit all-gathers, each weight's scale from the amax of the whole weight (this rank's dp shard of its tp
+    shard, MAX-reduced over every dp and tp rank in one all-reduce), handed to torchao's wrapper as the
+    scale its pre-all-gather cast uses (`_precomputed_scale`, torchao's field for exactly this, which its
+    `precompute_float8_dynamic_scale_for_fsdp` fills the same way over dp alone)."""
+
+    modules: tuple
+    group: object
+    dtype: torch.dtype
+
+    @torch.no_grad()
+    def __call__(self, model, args):
+        from meshboost.distributed import comm
+        # the DTensor shard FSDP2 casts before its all-gather (to_local() may hand out another object)
+        pieces = [getattr(m.weight, "_local_tensor", m.weight) for m in self.modules]
+        amax = torch.stack([p._tensor.abs().max() if p.numel() else p._tensor.new_zeros(()) for p in pieces])
+        comm.all_reduce(amax, self.group, op=torch.distributed.ReduceOp.MAX)
+        for piece, scale in zip(pieces, amax_to_scale(amax, self.dtype)):
+            piece._precomputed_scale = scale

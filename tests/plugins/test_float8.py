@@ -82,7 +82,7 @@ def _run_layout(what, config: HybridParallelConfig, pieces: int, save_to=None):
     else:
         assert any(isinstance(m, Float8Linear) for m in inner.modules()), what
     assert not isinstance(inner.get_output_embeddings(), Float8Linear), f"{what}: the LM head is float8"
-    if config.zero.stage == 3:       # FSDP2 gathers the float8 casts (torchao's weight wrapper inside the shards)
+    if config.zero.stage == 3 and config.float8.recipe == "tensorwise":   # FSDP2 gathers float8 (torchao's wrapper)
         weight = inner.model.layers[0].mlp.up_proj.weight
         assert type(weight.to_local()).__name__ == "WeightWithDynamicFloat8CastTensor", (what, type(weight))
     mesh = plugin.mesh
@@ -216,8 +216,9 @@ def _layouts(rank, world, folder):
                 pieces=2, save_to=folder)
     _run_layout("tp=2, tensorwise, scales over the tp group", HybridParallelConfig(tp_size=2, float8=tensorwise),
                 pieces=1, save_to=folder + "_tp")
-    _run_layout("tp=2 + compile", HybridParallelConfig(tp_size=2, float8=tensorwise,
-                                                       compile=CompileConfig(backend="aot_eager")), pieces=1)
+    _run_layout("tp=2 ZeRO-3 + compile", HybridParallelConfig(tp_size=2, zero=ZeroConfig(stage=3), float8=tensorwise,
+                                                              compile=CompileConfig(backend="aot_eager")),
+                pieces=1, save_to=folder + "_tp_zero3_compile")
     _run_layout("pp=2 1f1b", HybridParallelConfig(pipeline=PipelineConfig(2, num_microbatches=2), float8=tensorwise),
                 pieces=2)
     sp = ShardConfig(enable_sequence_parallelism=True, sequence_parallelism_mode="split_gather")
@@ -225,15 +226,23 @@ def _layouts(rank, world, folder):
                 pieces=1, save_to=folder + "_tp_rowwise")
     _run_layout("tp=2 sequence parallel, rowwise + compile",
                 HybridParallelConfig(tp_size=2, sharding=sp, float8=rowwise, compile=CompileConfig(backend="aot_eager")),
-                pieces=1)
+                pieces=1, save_to=folder + "_sp_rowwise")
     _run_layout("tp=2 sequence parallel, tensorwise", HybridParallelConfig(tp_size=2, sharding=sp, float8=tensorwise),
-                pieces=1)
+                pieces=1, save_to=folder + "_sp")
+    _run_layout("tp=2 ZeRO-3, tensorwise, float8 all-gather of tp shards (whole weight's scale)",
+                HybridParallelConfig(tp_size=2, zero=ZeroConfig(stage=3), float8=tensorwise), pieces=1,
+                save_to=folder + "_tp_zero3")
+    _run_layout("cp=2 ZeRO-3, tensorwise, float8 all-gather", HybridParallelConfig(sp_size=2, zero=ZeroConfig(stage=3),
+                                                                                   float8=tensorwise),
+                pieces=1, save_to=folder + "_cp_zero3")
     for mode in ("all_to_all", "ring_attn"):
         for float8 in (tensorwise, rowwise):
             _run_layout(f"cp=2 {mode}, {float8.recipe}, scales over the cp group",
-                        HybridParallelConfig(sp_size=2, sp_mode=mode, float8=float8), pieces=1)
-    _run_layout("dp=2 ZeRO-2 + compile", HybridParallelConfig(zero=ZeroConfig(stage=2), float8=tensorwise,
-                                                              compile=CompileConfig(backend="aot_eager")), pieces=2)
+                        HybridParallelConfig(sp_size=2, sp_mode=mode, float8=float8), pieces=1,
+                        save_to=f"{folder}_cp_{mode}_{float8.recipe}")
+    _run_layout("cp=2 ring_attn, rowwise, ZeRO-2 + compile",
+                HybridParallelConfig(sp_size=2, sp_mode="ring_attn", zero=ZeroConfig(stage=2), float8=rowwise,
+                                     compile=CompileConfig(backend="aot_eager")), pieces=1, save_to=folder + "_cp_z2")
 
 
 def test_float8_matches_torchao_on_one_process(tmp_path):
@@ -253,6 +262,8 @@ def test_float8_conversion_and_refusals(monkeypatch):
                      "model.layers.1.self_attn.q_proj": "Float8Linear", "model.layers.1.self_attn.k_proj": "Linear"}
     with pytest.raises(ValueError, match="recipe='blockwise'"):
         Float8Config(recipe="blockwise")
+    with pytest.raises(NotImplementedError, match="tp_size=2 and sp_size=2.*tp_size=1"):
+        HybridParallelConfig(tp_size=2, sp_size=2, float8=True)
     assert HybridParallelConfig(tp_size=2, float8=True).float8 == Float8Config()
     assert HybridParallelConfig(float8=True).float8 == Float8Config()
     assert copy.deepcopy(Float8Config()) == Float8Config()
