@@ -204,14 +204,11 @@ class HybridParallelConfig:
         if self.ep_size > 1 and self.fp8_communication:
             raise NotImplementedError(f"fp8_communication=True with ep_size={self.ep_size}: meshboost compresses only "
                                       "DDP's dense all-reduce without expert parallelism; drop one of them")
-        sequence_split = self.sp_size > 1 or (self.tp_size > 1 and self.sharding.enable_sequence_parallelism)
-        if self.float8 is not None and (sequence_split or (self.tp_size > 1 and self.float8.recipe != "tensorwise")):
-            raise NotImplementedError(f"float8 (recipe={self.float8.recipe!r}) with tp_size={self.tp_size}, sp_size="
-                                      f"{self.sp_size}, enable_sequence_parallelism="
-                                      f"{self.sharding.enable_sequence_parallelism}: meshboost scales float8 over the "
-                                      "tp group for whole sequences and the tensorwise recipe only; use "
-                                      "Float8Config(recipe='tensorwise') without sequence or context parallelism, "
-                                      "or tp_size=1, or drop float8")
+        if self.float8 is not None and self.tp_size > 1 and self.sp_size > 1:
+            raise NotImplementedError(f"float8 with tp_size={self.tp_size} and sp_size={self.sp_size}: a row-parallel "
+                                      "input's scale would need its amax agreed over the tp and cp ranks together, "
+                                      "which meshboost does not test; use float8 with tp_size=1 (context parallelism) "
+                                      "or sp_size=1 (tensor parallelism, with or without enable_sequence_parallelism)")
         layout = (self.tp_size, self.pipeline.pp_size, stage)
         if self.fp8_communication and layout != (1, 1, 0):
             raise NotImplementedError(f"fp8_communication=True with (tp_size, pp_size, zero_stage)={layout}: meshboost "

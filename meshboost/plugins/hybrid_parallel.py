@@ -35,7 +35,7 @@ from meshboost.plugins import input_checks
 from meshboost.plugins.input_checks import ALWAYS, InputCheck, LabelledItemsGuard, next_pipeline_batch
 from meshboost.plugins.router_bias import check_model as check_router_bias, install as install_router_bias
 from meshboost.plugins.router_statistics import GLOBAL, loss_function, with_global_router_loss
-from meshboost.plugins.speed import apply_compile, apply_float8
+from meshboost.plugins.speed import apply_compile, apply_float8, to_device
 from meshboost.shardformer import (PipelineGradientCheckpointConfig, ShardConfig, ShardFormer, pipeline_layout,
                                    uses_causal_lm_loss)
 from meshboost.shardformer.context import ContextInputs, check_context, install
@@ -277,7 +277,7 @@ class HybridParallelPlugin(Plugin):
                 raise NotImplementedError(f"sp_size={self.config.sp_size}: {type(hf).__name__} does not compute its "
                                           "causal-LM loss through transformers' loss_function; use sp_size=1")
         ShardFormer(self.shard_config).optimize(hf, self.config.custom_policy)
-        apply_float8(hf, self.config.float8, self.mesh.device.type, self.dp_reducer == FSDP, optimizer)   # speed.py
+        apply_float8(hf, self.config.float8, self.mesh, self.dp_reducer == FSDP, optimizer)   # speed.py
         if self.ep_size > 1:        # after tp, which cut inside the experts: now split the experts over ep
             shard_expert_parallel_(hf, self.mesh.group("ep"), self.ep_size, self.mesh.ep_rank)
         stages = self._build_stages(hf, optimizer) if self.pp_size > 1 else None
@@ -286,7 +286,7 @@ class HybridParallelPlugin(Plugin):
         if lazy is not None:
             materialize(model, original, self.mesh.device, lazy)
         if not on_meta:
-            model = model.to(self.mesh.device)  # in place: the optimizer's parameters stay the same objects
+            model = to_device(model, self.mesh.device)  # in place, records kept (speed.py): the same parameters
         sharding = None                 # FSDP2 over dp: its fp32 shards are the masters; compute dtype by its policy
         if self.dp_reducer == FSDP:     # with stages: the cut HF model is the root the schedule runs
             optimizer, sharding = shard_zero3(stages.model if stages else model, optimizer, self.mesh,

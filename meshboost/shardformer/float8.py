@@ -3,16 +3,18 @@ torchao's `Float8Linear` (`convert_to_float8_training`), whose matmuls run on fl
 inputs, weights and output gradients with dynamic scales (tensorwise: one per tensor; rowwise: one per
 row), the weights themselves staying in the working precision.
 
-Owns: `Float8Config` (the recipe and which linears) and `convert_float8`, which swaps the chosen linears
-of a model for float8 ones (under tensor parallelism: gives each chosen column- or row-parallel linear a
-`Float8Product`, whose casts use the whole tensor's scale: the amax of a sharded input, weight or output
-gradient all-reduced (MAX) over the tp group by torchao's own `reduce_amax`, so every element is cast as
-on one process), leaves the LM head and every linear whose dimensions torchao cannot
-run in float8 (not multiples of 16) in high precision, listing the latter once, and, when FSDP2 shards the
-weights (zero_stage=3), makes its all-gather move float8 (`enable_fsdp_float8_all_gather`), pointing the
-user's optimizer at the weights torchao then wraps. On a device without float8 matmuls (CPU) torchao
-emulates them (`emulate=True`: the same casts and scales, the products in high precision). Must not
-implement float8 arithmetic itself.
+Owns: `Float8Config` (the recipe and which linears), `ShardGroups` (the tp / cp groups a rank's
+tensors are split over) and `convert_float8`, which swaps the chosen linears of a model for float8 ones:
+torchao's own swap on one process or over dp / pp; under tensor parallelism each chosen column- or
+row-parallel linear gets a `Float8Product` (float8_parallel.py: every cast uses the whole tensor's scale,
+its amax agreed over the ranks holding the other pieces along the scale's axis); under context
+parallelism every chosen plain linear becomes a `ScaledFloat8Linear` (token amaxes agreed over cp). It
+leaves the LM head and every linear whose dimensions (under tp: this rank's shard's) torchao cannot run
+in float8 (not multiples of 16) in high precision, listing the latter once, and, when FSDP2 shards the
+weights (zero_stage=3, tensorwise), makes its all-gather move float8 (`enable_fsdp_float8_all_gather`;
+under tp with the whole weight's scale), pointing the user's optimizer at the weights torchao then wraps.
+On a device without float8 matmuls (CPU) torchao emulates them (`emulate=True`: the same casts and
+scales, the products in high precision). Must not implement float8 arithmetic itself.
 """
 
 from __future__ import annotations
@@ -79,103 +81,86 @@ def linear_config(config: Float8Config, device_type: str, fsdp_all_gather: bool)
 
 
 @dataclass(frozen=True)
-class _TPGroup:
-    """What torchao's `reduce_amax` asks of a device mesh: the group its all-reduce runs over."""
+class ShardGroups:
+    """The groups a rank's tensors are split over, for float8's amaxes: tp (the features of the parallel
+    linears), cp (the tokens, context parallelism); never both (HybridParallelConfig refuses float8 with
+    tp_size > 1 and sp_size > 1)."""
 
-    group: object
+    tp: object = None
+    cp: object = None
+    # ZeRO-3 under tp: the ranks holding the dp and tp pieces of a weight (its whole amax for FSDP2's float8 all-gather)
+    weights: object = None
 
-    def get_group(self):
-        return self.group
-
-
-@dataclass(frozen=True)
-class Float8Product:
-    """The tensorwise float8 product of a tensor-parallel linear, as torchao's `Float8Linear` computes it
-    on the whole tensors: input and weight cast to float8 before torchao's matmul, each with the scale of
-    the whole tensor (the amax all-reduced over the tp group where this rank holds a shard: the weight
-    always, the input of a row-parallel linear), and, for a column-parallel linear, whose output
-    features are split, the output gradient cast the same way before torchao's backward reads it. A
-    replicated piece's own amax is the whole one's. Already-cast arguments are taken as they are by
-    torchao's matmul (its `tensor_already_casted_to_fp8`); tensorwise casts serve forward and backward."""
-
-    config: object               # torchao's Float8LinearConfig
-    mm_config: object            # torchao's LinearMMConfig, from a Float8Linear built on meta
-    group: _TPGroup
-    input_sharded: bool
-    output_sharded: bool
-
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
-        c = self.config
-        x8 = _cast(x, c.cast_config_input.target_dtype, self, "INPUT", self.input_sharded)
-        w8 = _cast(weight, c.cast_config_weight.target_dtype, self, "WEIGHT", True)
-        y = matmul_with_hp_or_float8_args.apply(x8, w8.t(), self.mm_config, c)
-        if self.output_sharded:
-            y = _GradOutputToFloat8.apply(y, self)
-        return y if bias is None else y + bias.to(y.dtype)
+    def over(self, axes: frozenset):
+        """The group an amax along dims split over `axes` ({"tp"}, {"cp"}, or none: None) is agreed over."""
+        if not axes:
+            return None
+        group = getattr(self, next(iter(axes))) if len(axes) == 1 else None
+        if group is None:
+            raise ValueError(f"float8: an amax must be agreed over {sorted(axes)} and no group was given for it")
+        return group
 
 
-def _cast(t: torch.Tensor, dtype, product: Float8Product, role: str, sharded: bool):
-    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
-    from torchao.float8.float8_training_tensor import GemmInputRole
-    return hp_tensor_to_float8_dynamic(t, dtype, product.mm_config, reduce_amax=sharded,
-                                       gemm_input_role=GemmInputRole[role], device_mesh=product.group,
-                                       round_scales_to_power_of_2=product.config.round_scales_to_power_of_2)
-
-
-class _GradOutputToFloat8(torch.autograd.Function):
-    """Forward: identity. Backward: the output gradient of a column-parallel float8 product (this rank's
-    slice of the features) cast with the whole gradient's scale, for torchao's backward to use as is."""
-
-    @staticmethod
-    def forward(ctx, y, product):
-        ctx.product = product
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        p = ctx.product
-        return _cast(grad, p.config.cast_config_grad_output.target_dtype, p, "GRAD_OUTPUT", True), None
-
-
-def _tensor_parallel_products(model: nn.Module, chosen: Callable, config) -> int:
-    """Give each chosen column- or row-parallel linear of `model` its Float8Product; returns how many."""
+def _sharded_products(model: nn.Module, chosen: Callable, config, groups: ShardGroups) -> None:
+    """Give each chosen column- or row-parallel linear of `model` its Float8Product and, under context
+    parallelism (groups.cp: every linear is fed this rank's part of the tokens), swap each chosen plain
+    linear for a ScaledFloat8Linear; without it torchao converts the plain ones itself."""
+    from meshboost.shardformer.float8_parallel import Float8Product, ScaledFloat8Linear, gather_weights_in_float8
     from meshboost.shardformer.layers.linear import ColumnParallelLinear, RowParallelLinear
-    torchao_float8()
     from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_linear_utils import swap_linear_layers
     mm_config = Float8Linear(16, 16, bias=False, device="meta", config=config).linear_mm_config
-    count = 0
+    tokens_split = groups.cp is not None
+    parallel = []
     for name, module in model.named_modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and chosen(module, name):
             row = isinstance(module, RowParallelLinear)
-            # a column-parallel output is this rank's features (gathered after the product, if at all)
-            module.product = Float8Product(config, mm_config, _TPGroup(module.process_group), input_sharded=row,
-                                           output_sharded=not row)
-            count += 1
-    return count
+            # a column-parallel output is this rank's features (gathered after the product, if at all); under
+            # sequence parallelism its input is gathered (and a row's output reduce-scattered) around the
+            # product, so the product's tokens are whole
+            own = dataclasses.replace(groups, tp=module.process_group)
+            module.product = Float8Product.build(config, mm_config, own, row=row, column=not row,
+                                                 tokens_split=tokens_split)
+            parallel.append(module)
+    if parallel and config.enable_fsdp_float8_all_gather:         # ZeRO-3, tensorwise
+        model.register_forward_pre_hook(gather_weights_in_float8(parallel, config, mm_config, groups.weights))
+    if not tokens_split:
+        torchao_float8().convert_to_float8_training(model, module_filter_fn=chosen, config=config)
+        return
+
+    def scaled(linear: nn.Linear) -> nn.Module:
+        new = ScaledFloat8Linear.from_float(linear, config=config)    # torchao's float8 all-gather wrapper too
+        new.product = Float8Product.build(config, mm_config, groups, tokens_split=True)
+        return new
+
+    swap_linear_layers(model, scaled, module_filter_fn=lambda m, n: type(m) is nn.Linear and chosen(m, n))
 
 
 def convert_float8(model: nn.Module, config: Float8Config, device_type: str, fsdp_all_gather: bool = False,
-                   optimizer=None) -> list[str]:
+                   optimizer=None, groups: ShardGroups | None = None) -> list[str]:
     """Swap the chosen linears of `model` (in place) for torchao's float8 ones; returns the names of those
-    left in high precision because torchao cannot run their dimensions in float8 (logged once)."""
-    float8 = torchao_float8()
+    left in high precision because torchao cannot run their dimensions in float8 (logged once). `groups`:
+    the tp / cp groups this rank's pieces are split over (None: one process, or the parallel linears' own
+    tp group); their amaxes are agreed over them."""
+    torchao_float8()
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     left: list[str] = []
+    groups = groups or ShardGroups()
 
     def chosen(module: nn.Module, name: str) -> bool:
         skipped = module is head if config.filter is None else not config.filter(module, name)
         if skipped:
             return False
+        # a parallel linear's in/out_features are this rank's shard's: the dims its float8 matmul runs on
         if module.in_features % FLOAT8_MULTIPLE or module.out_features % FLOAT8_MULTIPLE:
-            left.append(f"{name} ({module.in_features}->{module.out_features})")
+            if not any(entry.startswith(f"{name} (") for entry in left):
+                left.append(f"{name} ({module.in_features}->{module.out_features})")
             return False
         return True
 
     before = dict(model.named_parameters())
     torchao_config = linear_config(config, device_type, fsdp_all_gather)
-    _tensor_parallel_products(model, chosen, torchao_config)       # sharded linears (tp > 1): none at tp=1
-    float8.convert_to_float8_training(model, module_filter_fn=chosen, config=torchao_config)
+    _sharded_products(model, chosen, torchao_config, groups)
     if left:
         say("meshboost: float8: %d linear(s) stay in high precision, their dimensions not multiples of %d: %s",
             len(left), FLOAT8_MULTIPLE, ", ".join(left))

@@ -4,10 +4,13 @@ looped inside. torchao emulates float8 on this CPU (the same casts and scales). 
 replica and each micro-batch scales its own activations, so the one-process reference runs the same
 pieces of the batch one after another and averages their losses (gradient accumulation): the per-step
 losses then agree to accumulation order, and a ZeRO-3 checkpoint (float8 all-gather) holds fp32 weights
-equal to the reference's after the last step. At tp=2 (tensorwise) each sharded input, weight and output
-gradient is cast with the whole tensor's scale (amax all-reduced over the tp group): the losses and the
-saved weights equal one process's to accumulation order (with each rank's own scale, step 1's loss is off by
-7e-5 relative; with the output gradient's own scale, step 2's)."""
+equal to the reference's after the last step. Under tp, Megatron sequence parallelism and context
+parallelism (both recipes) each sharded operand is cast with the scales of the whole tensor (amaxes
+all-reduced over the ranks holding its other pieces, along the axis each scale is taken on): first each
+of torchao's six casts and three products on pieces of tensors spread over 2^-12..2^12 against the whole
+(a piece's own amax, or one reduced along the wrong axis, fails them; rowwise's power-of-two scales hide
+such an error from a tiny model's loss), then the layouts' losses and saved weights (with each rank's
+own scale, tp=2 tensorwise step 1's loss is off by 7e-5 relative)."""
 
 import copy
 import os
@@ -23,7 +26,7 @@ from meshboost.pipeline import PipelineConfig
 from meshboost.plugins import HybridParallelConfig, HybridParallelPlugin
 from meshboost.shardformer import ShardConfig
 from meshboost.shardformer.compile import CompileConfig
-from meshboost.shardformer.float8 import Float8Config, Float8Product, convert_float8
+from meshboost.shardformer.float8 import Float8Config, convert_float8
 from meshboost.testing import spawn
 from meshboost.testing.compare import booster_step
 from meshboost.testing.models import build_model, tiny_config
@@ -62,6 +65,8 @@ def _reference(float8: Float8Config, batches, pieces: int):
 def _run_layout(what, config: HybridParallelConfig, pieces: int, save_to=None):
     from torchao.float8.float8_linear import Float8Linear
 
+    from meshboost.shardformer.float8_parallel import Float8Product, ScaledFloat8Linear
+
     model = _model()
     batches = _batches(model.config)
     ref, ref_model = _reference(config.float8, batches, pieces)
@@ -70,12 +75,14 @@ def _run_layout(what, config: HybridParallelConfig, pieces: int, save_to=None):
     booster = Booster(plugin=plugin)
     model, opt, *_ = booster.boost(model, opt)
     inner = model.unwrap()
-    if config.tp_size > 1:           # parallel linears keep their class and compute through a Float8Product
+    if config.tp_size > 1 or config.sp_size > 1:    # parallel linears keep their class (a Float8Product inside)
         assert sum(isinstance(getattr(m, "product", None), Float8Product) for m in inner.modules()) == 14, what
+        assert all(isinstance(m, ScaledFloat8Linear) for m in inner.modules()
+                   if type(m) is torch.nn.Linear and m is not inner.get_output_embeddings()) or config.sp_size == 1, what
     else:
         assert any(isinstance(m, Float8Linear) for m in inner.modules()), what
     assert not isinstance(inner.get_output_embeddings(), Float8Linear), f"{what}: the LM head is float8"
-    if config.zero.stage == 3:       # FSDP2 gathers the float8 casts (torchao's weight wrapper inside the shards)
+    if config.zero.stage == 3 and config.float8.recipe == "tensorwise":   # FSDP2 gathers float8 (torchao's wrapper)
         weight = inner.model.layers[0].mlp.up_proj.weight
         assert type(weight.to_local()).__name__ == "WeightWithDynamicFloat8CastTensor", (what, type(weight))
     mesh = plugin.mesh
@@ -102,8 +109,106 @@ def _run_layout(what, config: HybridParallelConfig, pieces: int, save_to=None):
             torch.testing.assert_close(tensor, expected[name].detach(), rtol=1e-4, atol=1e-5, msg=f"{what}: {name}")
 
 
+def _wide(shape, generator) -> torch.Tensor:
+    """Random values spread over 2^-12..2^12: a scale taken from the wrong amax (a piece's own, or along the
+    wrong axis) moves some of them across float8's range, even when scales are powers of two (rowwise)."""
+    return torch.randn(shape, generator=generator) * 2.0 ** torch.randint(-12, 13, shape, generator=generator)
+
+
+# per split: the dim of each 2-D operand cut over the group (input [tokens, in], weight_t [in, out],
+# grad_output [tokens, out]); column: output features over tp, row: input features, tokens: over cp
+SPLITS = {"column": {"weight_t": 1, "grad_output": 1}, "row": {"input": 1, "weight_t": 0},
+          "tokens": {"input": 0, "grad_output": 0}}
+
+
+def _piece(t: torch.Tensor, dim, rank: int) -> torch.Tensor:
+    return t if dim is None or t.dim() == 0 or t.shape[dim] == 1 else t.chunk(2, dim)[rank]
+
+
+def _split_product(config, split: str):
+    from torchao.float8.float8_linear import Float8Linear
+
+    from meshboost.shardformer.float8 import ShardGroups
+    from meshboost.shardformer.float8_parallel import Float8Product
+    mm_config = Float8Linear(16, 16, bias=False, device="meta", config=config).linear_mm_config
+    groups = ShardGroups() if split is None else ShardGroups(cp=dist.group.WORLD) if split == "tokens" \
+        else ShardGroups(tp=dist.group.WORLD)
+    return Float8Product.build(config, mm_config, groups, row=split == "row", column=split == "column",
+                               tokens_split=split == "tokens")
+
+
+def _casts_match_torchao(rank: int):
+    """Each of torchao's six casts, on this rank's piece of an operand split each way, equals (its float8
+    bytes and its scales) the piece of the same cast of the whole operand, both recipes."""
+    from meshboost.shardformer.float8 import linear_config
+    from meshboost.shardformer.float8_parallel import CASTS
+    g = torch.Generator().manual_seed(5)
+    operands = {"input": _wide((32, 32), g), "weight_t": _wide((32, 48), g), "grad_output": _wide((32, 48), g)}
+    for recipe in ("tensorwise", "rowwise"):
+        config = linear_config(Float8Config(recipe=recipe), "cpu", fsdp_all_gather=False)
+        whole = _split_product(config, None)
+        for split, cuts in SPLITS.items():
+            product = _split_product(config, split)
+            for name, (operand, _) in CASTS.items():
+                dim, full = cuts.get(operand), whole.cast(operands[operand], name)
+                mine = product.cast(_piece(operands[operand], dim, rank), name)
+                what = f"{recipe} {split} {name}"
+                assert torch.equal(mine._scale, _piece(full._scale, dim, rank)), f"{what}: scales"
+                assert torch.equal(mine._data.view(torch.uint8), _piece(full._data, dim, rank).view(torch.uint8)), what
+
+
+def _products_match_torchao(rank: int):
+    """The Float8Product's three products against torchao's Float8Linear: on whole tensors bit for bit (the
+    same casts, along the same axes, in the same order); on each split's pieces the output, input gradient
+    and weight gradient, gathered or summed, to accumulation order."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from meshboost.shardformer.float8 import linear_config
+    g = torch.Generator().manual_seed(6)
+    x, w, grad = _wide((2, 16, 32), g), _wide((48, 32), g), _wide((2, 16, 48), g)
+    for recipe in ("tensorwise", "rowwise"):
+        config = linear_config(Float8Config(recipe=recipe), "cpu", fsdp_all_gather=False)
+        whole = Float8Linear.from_float(torch.nn.Linear(32, 48, bias=False), config=config)
+        with torch.no_grad():
+            whole.weight.copy_(w)
+        xr = x.clone().requires_grad_()
+        y = whole(xr)
+        y.backward(grad)
+        # (x dim, weight [out, in] dim, output dim) cut over the group
+        for split, (xd, wd, yd) in {None: (None, None, None), "column": (None, 0, 2), "row": (2, 1, None),
+                                    "tokens": (1, None, 1)}.items():
+            xs, ws = _piece(x, xd, rank).clone().requires_grad_(), _piece(w, wd, rank).clone().requires_grad_()
+            ys = _split_product(config, split)(xs, ws, None)
+            ys.backward(_piece(grad, yd, rank))
+            ys, gw, gx = ys.detach().clone(), ws.grad.clone(), xs.grad.clone()
+            for total, reduced in ((ys, "row"), (gw, "tokens"), (gx, "column")):
+                if split == reduced:          # partial sums over the split's ranks
+                    dist.all_reduce(total)
+            # the sums' order differs where pieces are summed: within 1e-6 of the largest value
+            tolerance = 0.0 if split is None else 1e-6
+            for got, expected, of in ((ys, y, "output"), (gw, whole.weight.grad, "weight gradient"),
+                                      (gx, xr.grad, "input gradient")):
+                expected = _piece(expected.detach(), {"output": yd, "weight gradient": wd}.get(of, xd), rank)
+                error = (got - expected).abs().max().item()
+                assert error <= tolerance * expected.abs().max().item(), (recipe, split, of, error)
+
+
+def _local_dims_left_whole():
+    """Under tp the float8 matmul runs on this rank's shard: an MLP of 48 features (a multiple of 16) is cut
+    into 24 per rank, which torchao cannot run, so those linears stay in high precision, the others not."""
+    model = build_model("LlamaForCausalLM", tiny_config("llama", intermediate_size=48))
+    model, *_ = Booster(plugin=HybridParallelPlugin(HybridParallelConfig(tp_size=2, float8=True))).boost(model)
+    products = {n.rsplit(".", 1)[-1]: m.product is not None for n, m in model.unwrap().named_modules()
+                if n.startswith("model.layers.0.") and hasattr(m, "product")}
+    assert products == {"q_proj": True, "k_proj": True, "v_proj": True, "o_proj": True, "gate_proj": False,
+                        "up_proj": False, "down_proj": False}, products
+
+
 def _layouts(rank, world, folder):
     tensorwise, rowwise = Float8Config(), Float8Config(recipe="rowwise")
+    _casts_match_torchao(rank)
+    _products_match_torchao(rank)
+    _local_dims_left_whole()
     _run_layout("dp=2 DDP, tensorwise", HybridParallelConfig(float8=tensorwise), pieces=2)
     _run_layout("dp=2 ZeRO-1, rowwise", HybridParallelConfig(zero=ZeroConfig(stage=1), float8=rowwise), pieces=2)
     _run_layout("dp=2 ZeRO-3, tensorwise, float8 all-gather", HybridParallelConfig(zero=ZeroConfig(stage=3),
@@ -111,12 +216,33 @@ def _layouts(rank, world, folder):
                 pieces=2, save_to=folder)
     _run_layout("tp=2, tensorwise, scales over the tp group", HybridParallelConfig(tp_size=2, float8=tensorwise),
                 pieces=1, save_to=folder + "_tp")
-    _run_layout("tp=2 + compile", HybridParallelConfig(tp_size=2, float8=tensorwise,
-                                                       compile=CompileConfig(backend="aot_eager")), pieces=1)
+    _run_layout("tp=2 ZeRO-3 + compile", HybridParallelConfig(tp_size=2, zero=ZeroConfig(stage=3), float8=tensorwise,
+                                                              compile=CompileConfig(backend="aot_eager")),
+                pieces=1, save_to=folder + "_tp_zero3_compile")
     _run_layout("pp=2 1f1b", HybridParallelConfig(pipeline=PipelineConfig(2, num_microbatches=2), float8=tensorwise),
                 pieces=2)
-    _run_layout("dp=2 ZeRO-2 + compile", HybridParallelConfig(zero=ZeroConfig(stage=2), float8=tensorwise,
-                                                              compile=CompileConfig(backend="aot_eager")), pieces=2)
+    sp = ShardConfig(enable_sequence_parallelism=True, sequence_parallelism_mode="split_gather")
+    _run_layout("tp=2, rowwise, row scales over the tp group", HybridParallelConfig(tp_size=2, float8=rowwise),
+                pieces=1, save_to=folder + "_tp_rowwise")
+    _run_layout("tp=2 sequence parallel, rowwise + compile",
+                HybridParallelConfig(tp_size=2, sharding=sp, float8=rowwise, compile=CompileConfig(backend="aot_eager")),
+                pieces=1, save_to=folder + "_sp_rowwise")
+    _run_layout("tp=2 sequence parallel, tensorwise", HybridParallelConfig(tp_size=2, sharding=sp, float8=tensorwise),
+                pieces=1, save_to=folder + "_sp")
+    _run_layout("tp=2 ZeRO-3, tensorwise, float8 all-gather of tp shards (whole weight's scale)",
+                HybridParallelConfig(tp_size=2, zero=ZeroConfig(stage=3), float8=tensorwise), pieces=1,
+                save_to=folder + "_tp_zero3")
+    _run_layout("cp=2 ZeRO-3, tensorwise, float8 all-gather", HybridParallelConfig(sp_size=2, zero=ZeroConfig(stage=3),
+                                                                                   float8=tensorwise),
+                pieces=1, save_to=folder + "_cp_zero3")
+    for mode in ("all_to_all", "ring_attn"):
+        for float8 in (tensorwise, rowwise):
+            _run_layout(f"cp=2 {mode}, {float8.recipe}, scales over the cp group",
+                        HybridParallelConfig(sp_size=2, sp_mode=mode, float8=float8), pieces=1,
+                        save_to=f"{folder}_cp_{mode}_{float8.recipe}")
+    _run_layout("cp=2 ring_attn, rowwise, ZeRO-2 + compile",
+                HybridParallelConfig(sp_size=2, sp_mode="ring_attn", zero=ZeroConfig(stage=2), float8=rowwise,
+                                     compile=CompileConfig(backend="aot_eager")), pieces=1, save_to=folder + "_cp_z2")
 
 
 def test_float8_matches_torchao_on_one_process(tmp_path):
@@ -136,12 +262,8 @@ def test_float8_conversion_and_refusals(monkeypatch):
                      "model.layers.1.self_attn.q_proj": "Float8Linear", "model.layers.1.self_attn.k_proj": "Linear"}
     with pytest.raises(ValueError, match="recipe='blockwise'"):
         Float8Config(recipe="blockwise")
-    with pytest.raises(NotImplementedError, match="float8 \\(recipe='rowwise'\\) with tp_size=2.*tensorwise"):
-        HybridParallelConfig(tp_size=2, float8=Float8Config(recipe="rowwise"))
-    with pytest.raises(NotImplementedError, match="enable_sequence_parallelism=True.*without sequence"):
-        HybridParallelConfig(tp_size=2, sharding=ShardConfig(enable_sequence_parallelism=True), float8=True)
-    with pytest.raises(NotImplementedError, match="sp_size=2"):
-        HybridParallelConfig(sp_size=2, float8=True)
+    with pytest.raises(NotImplementedError, match="tp_size=2 and sp_size=2.*tp_size=1"):
+        HybridParallelConfig(tp_size=2, sp_size=2, float8=True)
     assert HybridParallelConfig(tp_size=2, float8=True).float8 == Float8Config()
     assert HybridParallelConfig(float8=True).float8 == Float8Config()
     assert copy.deepcopy(Float8Config()) == Float8Config()

@@ -131,8 +131,8 @@ class HybridParallelPlugin(CorePlugin):
         transformer block compiled by torch.compile after sharding (docs/compile.md).
     enable_metadata_cache, overlap_p2p: accepted, either value: stage traffic always sends its small
         shape header (shapes may change between steps) and always sends asynchronously.
-    use_fp8: True or a `meshboost.shardformer.float8.Float8Config`: torchao's float8 linears (tp_size=1;
-        docs/compile.md).
+    use_fp8: True or a `meshboost.shardformer.float8.Float8Config`: torchao's float8 linears, under every
+        layout but tp_size > 1 with sp_size > 1 (docs/compile.md).
     scheduler_nodes, dp_outside=False, overlap_allgather, inner_ring_size: refused, saying what
         to use (docs/colossalai.md).
 
