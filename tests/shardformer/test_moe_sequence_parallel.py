@@ -10,6 +10,8 @@ AdamW training from the same weights and batches (fp32):
 - tp=2 x ep=2 with sequence parallelism (world 4: dp=2, ZeRO-1, clipped by the global norm): each step's
   loss and gradient norm and the weights after the steps equal one process's with each replica's own
   load-balancing loss (DDP's semantics);
+- DeepSeek-V3's auxiliary-loss-free bias update at tp=2 with sequence parallelism (loads counted on each rank's
+  chunk, summed over tp): the biases after the steps equal one process's;
 - what stays refused, on every rank before any change: experts fed one row block per expert (Llama-4).
 Two process groups (each layout at its smallest world), the configurations looped inside."""
 
@@ -25,6 +27,7 @@ from meshboost.testing.moe import COMMON, LR, EPS, build_causal_lm, causal_batch
     train_whole
 
 STEPS = 2
+RATE = 1e-2                # the router bias update's rate
 AUX = dict(output_router_logits=True, router_aux_loss_coef=0.5)
 
 
@@ -82,6 +85,45 @@ def _check_tp_sp(name, config):
         assert_close(gather_tensor(p.detach(), get_tp_info(p)), ref_params[n].detach(), msg=f"{name} weight {n}")
 
 
+def _whole_with_bias(config, batches):
+    """One process: AdamW on the whole batches, then every router's bias moved by rate * sign(mean - load)."""
+    model = build_causal_lm(config)
+    gates = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+    loads = {id(g): torch.zeros(g.e_score_correction_bias.numel()) for g in gates}
+
+    def count(module, args, out):           # the router's selected expert ids: (logits, weights, ids)
+        loads[id(module)] += torch.bincount(out[2].reshape(-1), minlength=loads[id(module)].numel()).float()
+    for g in gates:
+        g.register_forward_hook(count)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    losses = []
+    for b in batches:
+        loss = model(**b).loss
+        loss.backward()
+        opt.step(), opt.zero_grad()
+        with torch.no_grad():
+            for g in gates:
+                g.e_score_correction_bias += RATE * torch.sign(loads[id(g)].mean() - loads[id(g)])
+                loads[id(g)].zero_()
+        losses.append(loss.item())
+    return losses, dict(model.named_parameters()), {n: b.clone() for n, b in model.named_buffers()
+                                                    if n.endswith("e_score_correction_bias")}
+
+
+def _bias_update():
+    """DeepSeek-V3's bias update under sequence parallelism: each tp rank routes its own chunk, so the loads are
+    summed over tp as well; the biases after the steps equal one process's (which counts the whole batch)."""
+    config = moe_config("deepseek_v3")
+    batches = causal_batches(config, STEPS, batch=2, seq=8)
+    losses, params, biases = _whole_with_bias(config, batches)
+    assert any(b.abs().sum() > 0 for b in biases.values())       # the update happened
+    _, model, _ = train_boosted(config, batches, _sp(moe_router_bias_update_rate=RATE), losses, params, "bias sp")
+    got = {n: b for n, b in model.unwrap().named_buffers() if n.endswith("e_score_correction_bias")}
+    assert got.keys() == biases.keys()
+    for n, b in got.items():
+        torch.testing.assert_close(b, biases[n], rtol=0, atol=1e-7, msg=f"bias sp {n}")
+
+
 def _refused():
     """Llama-4's experts take one row block per expert ([E * tokens, H]), which the token gather cannot
     feed: refused on every rank before anything is modified."""
@@ -95,6 +137,7 @@ def _refused():
 def _body_tp(rank, world):
     for name, config in _configs().items():
         _check_tp_sp(name, config)
+    _bias_update()
     _refused()
 
 
