@@ -224,8 +224,10 @@ def _split_sequence(group, tp_size: int, module, args, kwargs):
     args, kwargs = list(args), dict(kwargs)
     hidden = args[0] if args else kwargs.get("hidden_states")
     if not torch.is_tensor(hidden) or hidden.dim() != 3:
-        raise ValueError("sequence parallelism needs the layers' hidden states as [batch, seq, hidden]; got "
-                         f"{type(hidden).__name__ if not torch.is_tensor(hidden) else tuple(hidden.shape)}")
+        # a layout refusal found at the first call (DeepSeek-V4's [batch, seq, streams, hidden] hyper-connections)
+        raise SequenceLayoutError("sequence parallelism needs the layers' hidden states as [batch, seq, hidden]; got "
+                                  f"{type(hidden).__name__ if not torch.is_tensor(hidden) else tuple(hidden.shape)}; "
+                                  "use enable_sequence_parallelism=False for this model")
     check_length(hidden.shape[SEQ_DIM], tp_size)
     local = comm.split_to_tp(hidden, group, dim=SEQ_DIM)
     if args:
