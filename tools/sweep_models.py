@@ -116,7 +116,7 @@ family's table).
   unnamed per-head `q_norm`/`k_norm` ([heads, head_dim]: Cohere's `use_qk_norm`) by heads, splits
   MoE experts (`moe_tp_experts` with its packed `gate_up_proj`/`up_proj` and `down_proj`, either
   layout) inside every expert on the intermediate dimension, the router replicated with its whole
-  gradient (`shardformer/layers/experts.py`; sequence parallelism with such experts is refused; with
+  gradient (`shardformer/layers/experts.py`; under sequence parallelism each rank routes its chunk and the experts gather the tokens; with
   `output_router_logits=True` over data-parallel replicas the load-balancing loss is each replica's
   own, averaged with the rest of the loss: DDP's semantics, the default, `tests/shardformer/test_moe_layouts.py`;
   `router_statistics="global"` gathers the routing statistics for the whole batch's loss; expert

@@ -332,7 +332,8 @@ class HybridParallelPlugin(Plugin):
             optimizer.check_before_update(boosted.items_guard)     # no labelled token: refuse the update
         if stages is not None:
             boosted.pipeline = self._build_schedule(stages, context, sharding)
-        install_router_bias(hf, optimizer, self.config.moe_router_bias_update_rate, self.mesh)   # plugins/router_bias.py
+        install_router_bias(hf, optimizer, self.config.moe_router_bias_update_rate, self.mesh,    # router_bias.py
+                            seq_parallel=self.shard_config.enable_sequence_parallelism and self.mesh.tp_size > 1)
         return boosted, optimizer, criterion, dataloader, lr_scheduler
 
     def _reductions(self, model: nn.Module) -> list[tuple[list, object]]:

@@ -99,14 +99,15 @@ class RouterBiasBalancer:
             record.loads.zero_()
 
 
-def install(model: nn.Module, optimizer, rate: float, mesh) -> RouterBiasBalancer | None:
+def install(model: nn.Module, optimizer, rate: float, mesh, seq_parallel: bool = False) -> RouterBiasBalancer | None:
     """With rate > 0 and a boosted optimizer: count this stage's routers and update them first in every
-    `optimizer.step()` (its pre-update callbacks run on every rank, before anything changes)."""
+    `optimizer.step()` (its pre-update callbacks run on every rank, before anything changes). seq_parallel:
+    each tp rank routes its own chunk of the sequence, so the loads are summed over tp too."""
     if rate == 0 or optimizer is None:
         return None
     if not hasattr(optimizer, "check_before_update"):
         raise NotImplementedError(f"moe_router_bias_update_rate={rate} needs meshboost's optimizer wrapper "
                                   f"(zero_stage 0, 1 or 2), not {type(optimizer).__name__}")
-    balancer = RouterBiasBalancer(model, rate, mesh.group(*mesh.dims.grad_axes()))
+    balancer = RouterBiasBalancer(model, rate, mesh.group(*mesh.dims.grad_axes(), *(("tp",) if seq_parallel else ())))
     optimizer.check_before_update(balancer.step)
     return balancer

@@ -10,6 +10,10 @@ parallel layers their roles and the blocks their regions: a column-parallel inpu
 region's input) is all-gathered along the sequence forward and its gradient reduce-scattered; a
 row-parallel output is reduce-scattered instead of all-reduced. Same bytes per layer as plain
 tensor parallelism; norms, dropouts and residuals hold 1/tp of the sequence (docs/sequence_parallel.md).
+An MoE block is not gathered: its router (and a replicated shared expert or shared-expert gate) works
+token by token on this rank's chunk, so, as a norm's, its gradient is summed over tp; its experts
+gather the routed tokens themselves (layers/experts.py); the routers' logits are gathered along the
+sequence at the base model's output, so the load-balancing loss sees every token once, as one process.
 
 Must not copy a HuggingFace forward: it runs on hooks and on the parallel layers' roles only.
 """
@@ -24,6 +28,7 @@ import torch.nn as nn
 from meshboost.distributed import comm
 from meshboost.distributed.param_info import get_tp_info, grad_hooks, register_grad_hook
 from meshboost.shardformer.layers import ColumnParallelLinear, RowParallelLinear
+from meshboost.shardformer.layers.experts import check_sequence_parallel, is_packed_experts
 from meshboost.shardformer.layers.linear import ColumnSubsetLinear, SequenceLayoutError, sum_grad_over_tp
 
 SEQ_DIM = 1                      # HF layers take hidden states [batch, seq, hidden]
@@ -78,12 +83,17 @@ def check_model(model: nn.Module, tp_size: int) -> None:
     if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
         raise ValueError(f"{type(model).__name__}: sequence parallelism does not split layers with cross-attention "
                          "(their keys and values read another sequence); use enable_sequence_parallelism=False")
+    for path, module in model.named_modules():
+        if is_packed_experts(module):          # their tokens are gathered over tp: layers/experts.py
+            check_sequence_parallel(path, module)
 
 
 class _LayerRecord:
-    """The length of this rank's chunk of the sequence in the layer's latest call (its input's)."""
+    """The length of this rank's chunk of the sequence in the layer's latest call (its input's), and
+    the batch size."""
 
     local: int | None = None
+    batch: int | None = None
 
 
 def _record_layer_input(record: _LayerRecord, tp_size: int, module, args, kwargs):
@@ -91,6 +101,7 @@ def _record_layer_input(record: _LayerRecord, tp_size: int, module, args, kwargs
     the attention mask) is refused, since the layer would index its split hidden states with it."""
     hidden = args[0] if args else kwargs.get("hidden_states")
     record.local = hidden.shape[SEQ_DIM] if torch.is_tensor(hidden) and hidden.dim() > SEQ_DIM else None
+    record.batch = hidden.shape[0] if record.local is not None else None
     for key, value in kwargs.items():
         if torch.is_tensor(value) and value.dtype == torch.bool and "attention_mask" not in key and \
                 record.local is not None and value.dim() == 2 and value.shape[1] == record.local * tp_size:
@@ -112,18 +123,23 @@ class _Replicated:
     handle = None
 
 
-def _classify(record: _LayerRecord, tp_size: int, path: str, decided: _Replicated, module, args, kwargs):
+def _classify(record: _LayerRecord, tp_size: int, path: str, decided: _Replicated, token_wise: bool, module, args,
+              kwargs):
     """Pre-hook, first call only, of a module with replicated parameters in a sequence-parallel layer:
     fed this rank's chunk of the sequence (outside the gathered blocks) it must be a normalization,
-    whose gradient is then partial (summed over tp); fed the whole sequence (inside a block, after the
-    gather) its gradient is whole already. Anything else fed the chunk (an attention or a mixer the
-    plan leaves whole) would mix only this rank's tokens, and a length that is neither is ambiguous:
-    both refused before they run."""
+    or a module of an MoE block (`token_wise`: a router, a shared expert, which see tokens flattened to
+    [tokens, H], counted here by tokens), whose gradient is then partial (summed over tp); fed the whole
+    sequence (inside a block, after the gather) its gradient is whole already. Anything else fed the
+    chunk (an attention or a mixer the plan leaves whole) would mix only this rank's tokens, and a
+    length that is neither is ambiguous: both refused before they run."""
     if decided.partial is not None:
         return
     t = next((a for a in (*args, *kwargs.values()) if torch.is_tensor(a) and a.is_floating_point()), None)
     length, local = (t.shape[SEQ_DIM] if t is not None and t.dim() > SEQ_DIM else None), record.local
-    if local is not None and length == local and _is_norm(module):
+    if token_wise and t is not None and t.dim() >= 2 and local is not None:
+        # tokens in the chunk, or in the whole sequence, as the tokens the module sees
+        length, local = t.numel() // t.shape[-1], local * record.batch
+    if local is not None and length == local and (token_wise or _is_norm(module)):
         decided.partial = True
     elif local is not None and length == local * tp_size:
         decided.partial = False
@@ -153,6 +169,7 @@ def install(model: nn.Module, layers_path: str, group, tp_size: int) -> None:
     layers[0].register_forward_pre_hook(partial(_split_sequence, group, tp_size), with_kwargs=True)
     for i, layer in enumerate(layers):
         record = _LayerRecord()
+        moe_blocks = [n.rpartition(".")[0] for n, m in layer.named_modules() if is_packed_experts(m)]
         # after the split on layer 0; after the pipeline's received hidden states, which it prepends
         layer.register_forward_pre_hook(partial(_record_layer_input, record, tp_size), with_kwargs=True)
         for module in layer.modules():
@@ -167,12 +184,39 @@ def install(model: nn.Module, layers_path: str, group, tp_size: int) -> None:
                 continue
             path = f"{prefix}.{i}.{name}" if name else f"{prefix}.{i}"
             decided = _Replicated()
-            decided.handle = module.register_forward_pre_hook(partial(_classify, record, tp_size, path, decided),
-                                                              with_kwargs=True)
+            token_wise = any(name.startswith(b + ".") for b in moe_blocks)   # the router, a shared expert
+            decided.handle = module.register_forward_pre_hook(
+                partial(_classify, record, tp_size, path, decided, token_wise), with_kwargs=True)
             for p in params:
                 register_grad_hook(p, partial(_replicated_grad, group, decided))
     layers[len(layers) - 1].register_forward_hook(partial(_gather_sequence, group))
     model.register_forward_pre_hook(_refuse_hidden_states_output, with_kwargs=True)
+    model.base_model.register_forward_hook(partial(_gather_router_logits, group, tp_size))
+
+
+def _gather_router_logits(group, tp_size: int, module, args, output):
+    """Hook on the base model: each MoE layer's router logits ([tokens, experts], this rank's chunk of
+    every sequence, flattened batch-major) gathered along the sequence into the whole batch's order,
+    as one process holds them (the load-balancing loss may mask them by the attention mask). Every
+    rank then computes the same loss from them, so the gradient keeps this rank's chunk backward."""
+    logits = getattr(output, "router_logits", None)
+    hidden = getattr(output, "last_hidden_state", None)
+    if not logits or not torch.is_tensor(hidden) or hidden.dim() != 3:
+        return output
+    batch, seq = hidden.shape[:2]
+    whole = []
+    for layer in logits:
+        if layer.shape[0] == batch * seq:                 # routed on the whole sequence already
+            whole.append(layer)
+        elif layer.shape[0] * tp_size == batch * seq:
+            chunk = layer.reshape(batch, seq // tp_size, *layer.shape[1:])
+            whole.append(comm.gather_from_tp(chunk, group, dim=SEQ_DIM).reshape(batch * seq, *layer.shape[1:]))
+        else:
+            raise SequenceLayoutError(f"sequence parallelism: router logits of shape {tuple(layer.shape)} for a batch "
+                                      f"of {batch} x {seq} tokens over tp_size={tp_size}; meshboost cannot tell whose "
+                                      "tokens they hold. Use enable_sequence_parallelism=False for this model")
+    output.router_logits = tuple(whole)
+    return output
 
 
 def _split_sequence(group, tp_size: int, module, args, kwargs):
@@ -180,8 +224,10 @@ def _split_sequence(group, tp_size: int, module, args, kwargs):
     args, kwargs = list(args), dict(kwargs)
     hidden = args[0] if args else kwargs.get("hidden_states")
     if not torch.is_tensor(hidden) or hidden.dim() != 3:
-        raise ValueError("sequence parallelism needs the layers' hidden states as [batch, seq, hidden]; got "
-                         f"{type(hidden).__name__ if not torch.is_tensor(hidden) else tuple(hidden.shape)}")
+        # a layout refusal found at the first call (DeepSeek-V4's [batch, seq, streams, hidden] hyper-connections)
+        raise SequenceLayoutError("sequence parallelism needs the layers' hidden states as [batch, seq, hidden]; got "
+                                  f"{type(hidden).__name__ if not torch.is_tensor(hidden) else tuple(hidden.shape)}; "
+                                  "use enable_sequence_parallelism=False for this model")
     check_length(hidden.shape[SEQ_DIM], tp_size)
     local = comm.split_to_tp(hidden, group, dim=SEQ_DIM)
     if args:

@@ -105,7 +105,12 @@ def _closed_block(block: nn.Module, matched: dict) -> bool:
     experts module) applies f itself (more collectives, the same numbers). A norm inside an attention
     (OLMo2's whole-hidden q/k norm) reads a projection's output and leaves the block closed."""
     return all(id(m) in matched for m in block.modules() if isinstance(m, nn.Linear) or is_conv1d(m)) and \
-        not any(matched[id(m)].style.name in EXPERT_STYLES for m in block.modules() if id(m) in matched)
+        not _holds_experts(block, matched)
+
+
+def _holds_experts(block: nn.Module, matched: dict) -> bool:
+    """An MoE block: it holds tensor-parallel experts (under sequence parallelism it reads the chunk: sequence.py)."""
+    return any(matched[id(m)].style.name in EXPERT_STYLES for m in block.modules() if id(m) in matched)
 
 
 def _split_input_guards(model: nn.Module, matches: list[_Match], matched: dict) -> list[tuple[str, nn.Module]]:
@@ -331,11 +336,6 @@ class ShardFormer:
                              "plan's paths against model.base_model.named_modules()")
         plan = _Plan(matches, guards=_split_input_guards(model, matches, covered),
                      params=_parameter_matches(base, compiled, full, tp_size), adapters=list(adapters.values()))
-        experts = [m.paths[0] for m in matches if m.style.name in EXPERT_STYLES]
-        if self.shard_config.enable_sequence_parallelism and experts:
-            raise ValueError(f"{experts[0]}: sequence parallelism with tensor-parallel MoE experts is not supported "
-                             "(each rank would route other tokens through its slice of the experts); use "
-                             "enable_sequence_parallelism=False")
         if self.shard_config.enable_sequence_parallelism:
             sequence.check_model(model, tp_size)
             plan.seq_stack = sequence.stack_path(model, policy.pipeline_layout)
@@ -343,12 +343,12 @@ class ShardFormer:
                 raise ValueError(f"{type(model).__name__}: {plan.seq_stack!r} is not the model's layer list "
                                  "(nn.ModuleList), which sequence parallelism splits")
             plan.seq_stack_full = full(plan.seq_stack)
-            unclosed = [m.paths[0] for m in by_module.values() if m.style.name == BLOCK_INPUT
-                        and not _closed_block(m.module, covered) and m.paths[0].startswith(plan.seq_stack_full + ".")]
+            unclosed = [m.paths[0] for m in by_module.values() if m.style.name == BLOCK_INPUT    # MoE blocks: below
+                        and not _closed_block(m.module, covered) and not _holds_experts(m.module, covered)
+                        and m.paths[0].startswith(plan.seq_stack_full + ".")]
             if unclosed:
-                raise ValueError(f"{unclosed[0]}: a block whose linears are not all sharded (an MoE router reads its "
-                                 "input) cannot gather its input once under sequence parallelism; use "
-                                 "enable_sequence_parallelism=False for this model")
+                raise ValueError(f"{unclosed[0]}: a block whose linears are not all sharded cannot gather its input "
+                                 "once under sequence parallelism; use enable_sequence_parallelism=False for it")
             plan.seq_blocks = _sequence_blocks(model, plan, covered)
         for pattern, rules in policy.attributes.items():
             regex = pattern_to_regex(pattern)

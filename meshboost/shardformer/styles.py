@@ -305,9 +305,11 @@ register_style("heads_bias", lambda path, module, tp: None, _heads_bias)        
 register_style("embedding_heads", _check_embedding_heads, _embedding_heads)        # T5's relative position bias
 # transformers' packed MoE experts, every expert split on its intermediate dim (layers/experts.py); the
 # interleaved variant for experts whose gate and up rows alternate ([g0, u0, g1, u1, ...]: GPT-OSS)
-register_style(MOE_EXPERTS, check_experts, lambda ctx, path, module: shard_experts_(module, ctx.group))
-register_style(EXPERT_STYLES[1], partial(check_experts, interleaved=True),
-               lambda ctx, path, module: shard_experts_(module, ctx.group, interleaved=True))
+# (under sequence parallelism, in the split stack, each rank's tokens gathered before them: seq_parallel)
+register_style(MOE_EXPERTS, check_experts, lambda ctx, path, module: shard_experts_(
+    module, ctx.group, seq_parallel=ctx.regions.in_stack(path)))
+register_style(EXPERT_STYLES[1], partial(check_experts, interleaved=True), lambda ctx, path, module: shard_experts_(
+    module, ctx.group, interleaved=True, seq_parallel=ctx.regions.in_stack(path)))
 
 
 def _check_split_heads(path: str, param: torch.Tensor, tp_size: int) -> None:

@@ -11,7 +11,10 @@ The forward, on the tokens of this rank: every (token, expert) pair, sorted by e
 rank holding the expert by one all-to-all with uneven per-rank counts (the counts first, by a small
 all-to-all); the module's own HF forward (eager or any `_experts_implementation`) runs on the rows
 received, with local expert ids and unit weights; a second all-to-all sends the outputs back, where
-the routing weights combine them, so the router's gradient stays on the rank that routed. Both
+the routing weights combine them, so the router's gradient stays on the rank that routed. Under
+sequence parallelism the tp ranks' chunks are gathered over tp first (layers/experts.py), so tp
+siblings dispatch the same rows, their experts' partial sums (no g) travel back and are combined, and
+the sum over tp is one reduce-scatter onto each rank's chunk. Both
 exchanges are differentiable (`comm.all_to_all`): a rank that receives no token still joins both
 backward exchanges, and its experts get zero gradients, never none, so every reducer sees the same
 buckets on every rank (the ZeRO-2 hang of ColossalAI's MoE plugin when an expert gets no token).
@@ -187,6 +190,13 @@ class _ExpertParallelForward:
             hidden = next(t for t in (*args, *kwargs.values()) if torch.is_tensor(t))
             return self._blocks(hidden)
         hidden, ids, weights = self._routed(args, kwargs)
+        if self.tp is not None and self.tp.seq_parallel:   # every tp rank's chunk, so tp siblings dispatch alike
+            (hidden, ids, weights), _ = self.tp.gather_tokens((hidden, ids, weights), {})
+            return self.tp.scatter_tokens(self._dispatch(hidden, ids, weights))
+        return self._dispatch(hidden, ids, weights)
+
+    def _dispatch(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed layout's exchange, local experts and combine (see the module docstring)."""
         shape = hidden.shape
         hidden = hidden.reshape(-1, shape[-1])
         ids = ids.reshape(hidden.shape[0], -1)

@@ -13,10 +13,20 @@ make it exact: the router stays replicated and gets its whole gradient on every 
 know a model family; expert parallelism (experts split over ranks, `expert_parallel.py`) is not this
 file: it takes the two collectives off the module (`take_tp_hooks`) and runs them around the local
 experts itself, inside its dispatch.
+
+Under sequence parallelism (Megatron's layout for tensor-parallel experts) each tp rank routes its own
+chunk of the sequence, so the experts' inputs (hidden states, expert ids, routing weights) are
+all-gathered over tp along the token dim before the experts run (the floating ones' gradients
+reduce-scattered back), every rank's slice of I runs on every token with no f, and the partial output
+is reduce-scattered onto this rank's tokens instead of all-reduced (its gradient all-gathered). Then the
+gradients of the hidden states and of the routing weights leave each rank partial (its slice of I) and
+the gather's reduce-scatter sums them, so the router, fed only this rank's tokens, gets each token's
+whole gradient exactly once: its weight gradient is summed over tp by `sequence.py`, as a norm's.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from functools import partial
 from weakref import WeakKeyDictionary
@@ -34,19 +44,31 @@ UP_PARAMS = ("gate_up_proj", "up_proj")     # [gate; up] packed, or up alone (ex
 @dataclass
 class TensorParallelExperts:
     """What `shard_experts_` installed on an experts module: its tp group, the down-projection bias
-    whose repeated terms the output hook takes off (None without biases), and the two hooks."""
+    whose repeated terms the output hook takes off (None without biases), the two hooks, and whether
+    the experts' tokens are sequence-parallel (each tp rank routed its own chunk: see the docstring)."""
 
     group: object
     bias_name: str | None
     handles: tuple
+    seq_parallel: bool = False
 
     def copy_inputs(self, module, args, kwargs):
-        """f on the floating inputs (and the expert-id check): `_copy_inputs`."""
-        return _copy_inputs(self.group, module, args, kwargs)
+        """f on the floating inputs (and the expert-id check): `_copy_inputs`; under sequence
+        parallelism only the check (the gathered inputs' gradients are summed by the gather)."""
+        return _copy_inputs(self.group, module, args, kwargs, apply_f=not self.seq_parallel)
 
     def reduce_output(self, module, args, kwargs, output):
-        """g on the output (with the bias correction): `_reduce_output`."""
-        return _reduce_output(self.group, self.bias_name, module, args, kwargs, output)
+        """g on the output (with the bias correction): `_reduce_output`; under sequence parallelism
+        the bias correction only, the partial sums left for `scatter_tokens`."""
+        return _reduce_output(self.group, self.bias_name, module, args, kwargs, output, reduce=not self.seq_parallel)
+
+    def gather_tokens(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Sequence parallelism: every tensor input all-gathered over tp along its token dim (0)."""
+        return _gather_tokens(self.group, args, kwargs)
+
+    def scatter_tokens(self, output):
+        """Sequence parallelism: the partial output summed over tp, this rank's tokens kept."""
+        return _map_output(output, lambda out: comm.reduce_scatter_to_seq(out, self.group, dim=0))
 
 
 # The one owner of "which experts modules carry tensor-parallel hooks": a registry keyed weakly by
@@ -95,6 +117,19 @@ def _fused(module: nn.Module, interleaved: bool) -> int:
     if _up_name(module) == "up_proj" or interleaved:
         return 1
     return 2 if getattr(module, "is_concatenated", True) else 1
+
+
+def check_sequence_parallel(path: str, module: nn.Module) -> None:
+    """Refuse (pure, before anything is modified) experts sequence parallelism cannot feed token by
+    token: their forward must take (hidden_states [tokens, H], expert ids, routing weights), whose
+    token dim the tp ranks' chunks are gathered along. One row block per expert (Llama-4's
+    [E * tokens, H]) would be gathered expert-blocks out of order."""
+    params = [p for p in inspect.signature(type(module).forward).parameters if p != "self"]
+    if len(params) != 3:
+        raise NotImplementedError(f"{path} ({type(module).__name__}.forward({', '.join(params)})): sequence "
+                                  "parallelism gathers the experts' tokens over tp from (hidden_states, expert ids, "
+                                  "routing weights), which these experts do not take; use "
+                                  "enable_sequence_parallelism=False for this model")
 
 
 def _biases(up_name: str | None) -> tuple[str, str]:
@@ -149,12 +184,13 @@ def expert_splits(module: nn.Module, interleaved: bool = False) -> dict[str, tup
     return out
 
 
-def shard_experts_(module: nn.Module, group, interleaved: bool = False) -> None:
+def shard_experts_(module: nn.Module, group, interleaved: bool = False, seq_parallel: bool = False) -> None:
     """Split every expert of `module` over `group` on its intermediate dimension, in place (the same
     parameter objects, each with its tensor-parallel record), and install f before and g after its
-    forward. With biases, the up projection's bias is split with its rows; the down projection's is
-    whole on every rank, so the output's bias terms, added by each rank's partial sum, are taken back
-    to one before the all-reduce (`_reduce_output`) and its gradient is summed over tp."""
+    forward (seq_parallel: the token gather before, the reduce-scatter after). With biases, the up
+    projection's bias is split with its rows; the down projection's is whole on every rank, so the
+    output's bias terms, added by each rank's partial sum, are taken back to one before the sum
+    (`_reduce_output`) and its gradient is summed over tp."""
     g, d = expert_dims(module)
     up_name = _up_name(module)
     fused = _fused(module, interleaved)
@@ -165,20 +201,49 @@ def shard_experts_(module: nn.Module, group, interleaved: bool = False) -> None:
     if has_bias:
         shard_parameter_(getattr(module, up_bias), 1, group, num_fused=fused)
         register_grad_hook(getattr(module, down_bias), partial(sum_grad_over_tp, group))
-    handles = (module.register_forward_pre_hook(partial(_copy_inputs, group), with_kwargs=True),
-               module.register_forward_hook(partial(_reduce_output, group, down_bias if has_bias else None),
-                                            with_kwargs=True))
-    _TP_EXPERTS[module] = TensorParallelExperts(group, down_bias if has_bias else None, handles)
+    state = TensorParallelExperts(group, down_bias if has_bias else None, (), seq_parallel)
+    state.handles = (module.register_forward_pre_hook(_pre_hook(state), with_kwargs=True),
+                     module.register_forward_hook(_post_hook(state), with_kwargs=True))
+    _TP_EXPERTS[module] = state
 
 
-def _copy_inputs(group, module, args, kwargs):
+def _pre_hook(state: TensorParallelExperts):
+    def hook(module, args, kwargs):
+        if state.seq_parallel:
+            args, kwargs = state.gather_tokens(args, kwargs)
+        return state.copy_inputs(module, args, kwargs)
+    return hook
+
+
+def _post_hook(state: TensorParallelExperts):
+    def hook(module, args, kwargs, output):
+        output = state.reduce_output(module, args, kwargs, output)
+        return state.scatter_tokens(output) if state.seq_parallel else output
+    return hook
+
+
+def _gather_tokens(group, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The experts' tensor inputs (hidden states [tokens, H], expert ids and routing weights [tokens, k])
+    of every tp rank, concatenated along the token dim: ids plainly, the floating ones all-gathered
+    forward and their (partial) gradients reduce-scattered backward. The ids are gathered first and
+    checked by `_copy_inputs` after, so a bad id routed on one rank is refused on every rank."""
+    def gather(t):
+        if not torch.is_tensor(t) or t.dim() == 0:
+            return t
+        return comm.gather_from_seq(t, group, dim=0) if t.is_floating_point() else comm.all_gather(t, group, dim=0)
+    return tuple(gather(a) for a in args), {k: gather(v) for k, v in kwargs.items()}
+
+
+def _copy_inputs(group, module, args, kwargs, apply_f: bool = True):
     """f on the experts' floating inputs that carry gradient (hidden states, routing weights): identity
     forward, their gradients summed over tp backward (each rank's experts saw a slice of I). The expert
     ids are checked first: transformers' experts skip an id equal to their count without a word, which
-    would train on a plausible, wrong loss."""
+    would train on a plausible, wrong loss. apply_f False: the check only."""
     for t in (*args, *kwargs.values()):
         if torch.is_tensor(t) and not t.is_floating_point() and t.dtype != torch.bool:
             check_expert_ids(t, module.down_proj.shape[0], type(module).__name__)
+    if not apply_f:
+        return args, kwargs
 
     def f(t):
         return comm.copy_to_tp(t, group) if torch.is_tensor(t) and t.is_floating_point() and t.requires_grad else t
@@ -200,15 +265,26 @@ def check_expert_ids(ids: torch.Tensor, num_experts: int, what: str) -> None:
         torch._assert_async(~bad.any(), f"{what}: a token was routed to an expert id outside [0, {num_experts})")
 
 
-def _reduce_output(group, bias_name, module, args, kwargs, output):
+def _map_output(output, fn):
+    """`fn` on the experts' output tensor (itself, or the first item of a tuple)."""
+    out = output if torch.is_tensor(output) else output[0] if isinstance(output, tuple) and output else None
+    if not torch.is_tensor(out):
+        raise TypeError(f"experts returned {type(output).__name__}; tensor-parallel experts expect a tensor (the "
+                        "weighted expert output)")
+    out = fn(out)
+    return out if torch.is_tensor(output) else (out, *output[1:])
+
+
+def _reduce_output(group, bias_name, module, args, kwargs, output, reduce: bool = True):
     """g on the experts' output: the partial sums over this rank's slice of I, all-reduced once. A
     down-projection bias was added by every rank's partial sum (weighted by each token's routing
     weights): (tp - 1) / tp of those terms come off before the sum, so it holds them once, and their
-    gradient reaches the routing weights (through f: summed over tp) exactly once too."""
-    out = output if torch.is_tensor(output) else output[0] if isinstance(output, tuple) and output else None
-    if not torch.is_tensor(out):
-        raise TypeError(f"{type(module).__name__} returned {type(output).__name__}; tensor-parallel experts expect a "
-                        "tensor (the weighted expert output)")
+    gradient reaches the routing weights (through f, or the token gather's reduce-scatter: summed
+    over tp) exactly once too. reduce False: the correction only (the caller sums)."""
+    return _map_output(output, partial(_reduce_tensor, group, bias_name, module, args, kwargs, reduce))
+
+
+def _reduce_tensor(group, bias_name, module, args, kwargs, reduce: bool, out: torch.Tensor) -> torch.Tensor:
     if bias_name is not None:
         tensors = [t for t in (*args, *kwargs.values()) if torch.is_tensor(t)]
         ids = next(t for t in tensors if not t.is_floating_point() and t.dtype != torch.bool)
@@ -216,5 +292,4 @@ def _reduce_output(group, bias_name, module, args, kwargs, output):
         size = torch.distributed.get_world_size(group)
         terms = (weights.unsqueeze(-1) * getattr(module, bias_name)[ids]).sum(dim=-2)
         out = out - terms.to(out.dtype) * ((size - 1) / size)
-    out = comm.reduce_from_tp(out, group)
-    return out if torch.is_tensor(output) else (out, *output[1:])
+    return comm.reduce_from_tp(out, group) if reduce else out
