@@ -41,6 +41,7 @@ from meshboost.shardformer import (PipelineGradientCheckpointConfig, ShardConfig
 from meshboost.shardformer.context import ContextInputs, check_context, install
 from meshboost.shardformer.layers.expert_parallel import check_expert_parallel, shard_expert_parallel_
 from meshboost.shardformer.lora import lora_dropout, transformers_model
+from meshboost.shardformer.lora_experts import check_ep_adapters, shard_ep_adapters_
 
 
 class HybridParallelModule(ModelWrapper):
@@ -260,8 +261,9 @@ class HybridParallelPlugin(Plugin):
         # and staged with the linears they adapt); the wrappers below hold `model` itself
         hf = transformers_model(model)
         checkpointed = self._checkpointed_layers(hf)          # pure: raises on every rank alike
-        if self.ep_size > 1:
-            check_expert_parallel(hf, self.ep_size)           # pure: raises on every rank alike
+        if self.ep_size > 1:                                  # pure: raise on every rank alike
+            check_expert_parallel(hf, self.ep_size)
+            check_ep_adapters(hf, self.ep_size)               # LoRA on experts
         check_router_bias(hf, self.config.moe_router_bias_update_rate)      # pure
         attention = None
         if self.config.sp_size > 1:                              # pure: raises on every rank alike
@@ -278,6 +280,7 @@ class HybridParallelPlugin(Plugin):
         apply_float8(hf, self.config.float8, self.mesh.device.type, self.dp_reducer == FSDP, optimizer)   # speed.py
         if self.ep_size > 1:        # after tp, which cut inside the experts: now split the experts over ep
             shard_expert_parallel_(hf, self.mesh.group("ep"), self.ep_size, self.mesh.ep_rank)
+            shard_ep_adapters_(hf, self.mesh.group("ep"), self.ep_size, self.mesh.ep_rank)   # LoRA on experts
         stages = self._build_stages(hf, optimizer) if self.pp_size > 1 else None
         if checkpointed is not None:
             install_checkpoint_plan(hf, checkpointed(stages))
@@ -305,6 +308,7 @@ class HybridParallelPlugin(Plugin):
                     raise TypeError(f"expert parallelism with torch DDP averages the experts' gradients in "
                                     f"meshboost's optimizer step; {type(optimizer).__name__} is not one: pass the "
                                     "torch optimizer itself to boost")
+        if self.dp_reducer == DDP and reductions[0][0]:     # none trains (LoRA on experts alone): DDP would refuse
             module = DistributedDataParallel(model, process_group=group,
                                              device_ids=[device] if device.type == "cuda" else None,
                                              **self.config.ddp.kwargs())
@@ -374,10 +378,7 @@ class HybridParallelPlugin(Plugin):
     def lora_refusal(self) -> str | None:
         # tp and pp shard and stage the adapters with their linears (shardformer/lora.py)
         # sp: the adapters are replicated weights like the rest, averaged over dp x cp (lora_dropout checked at boost)
-        if self.ep_size > 1:
-            return (f"LoRA with ep_size={self.ep_size}: adapters are sharded with tensor parallelism and staged with "
-                    "pipeline parallelism, and not yet placed over expert-parallel ranks; use ep_size=1 (tp, pp, sp, "
-                    "ZeRO and precision as you like)")
+        # ep: adapters on experts are dealt out with them (shardformer/lora_experts.py), the others are dense
         return None
 
     # -- pipeline parallelism (meshboost/pipeline) ---------------------------------------------------
