@@ -298,10 +298,11 @@ class HybridParallelPlugin(Plugin):
         if self.dp_reducer == DDP:
             device, reductions = self.mesh.device, self._reductions(model)
             group = reductions[0][1]
-            if len(reductions) > 1:    # DDP averages the dense weights; the optimizer the experts, at step
-                experts = {id(p) for params, _ in reductions[1:] for p in params}
-                DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-                    model, [n for n, p in model.named_parameters() if id(p) in experts])
+            # DDP averages the dense weights and must not see the experts, frozen ones (LoRA) included: it would
+            # broadcast dp rank 0's over ranks holding others. The optimizer averages the experts, at step
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [
+                n for n, p in model.named_parameters() if self.mesh.reduction_axes(p) != self.mesh.dims.grad_axes()])
+            if len(reductions) > 1:
                 if isinstance(optimizer, MixedPrecisionOptimizer):
                     optimizer.average_at_step(reductions[1:])
                 elif optimizer is not None:          # nothing would average the experts: refuse (every rank)
