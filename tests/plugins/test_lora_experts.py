@@ -7,6 +7,8 @@ frozen weight after 2 AdamW steps.
   layout, interleaved gate/up rows, expert biases) at tp=2 x dp=2 with ZeRO-1, ep=2 x edp=2 with ZeRO-1 and
   tp=2 x ep=2 (DDP for the dense weights, the optimizer averaging the experts'). The adapters are split
   as `shardformer/lora_experts.py` says (checked on their shapes) and are expert weights under ep.
+- GLM-4-MoE whose router only picks experts 0 and 1 (ep rank 0's) at ep=2 with ZeRO-2: the starved
+  rank's adapters still get (zero) gradients, so its buckets match and nothing hangs.
 - At tp=2 x ep=2 each family's `save_lora_as_pretrained` folder holds peft's names and the one-process
   adapters; `PeftModel.from_pretrained` loads it into a fresh base, and its `merge_and_unload()` gives
   the logits of the one-process model merged.
@@ -99,6 +101,21 @@ def _layouts(rank, root):
                 _check_saved(booster, model, config, ref_model, os.path.join(root, family), what, rank)
 
 
+def _starved(rank):
+    config = moe_config("glm4_moe")
+    batches = causal_batches(config, 2, batch=8, seed=7)
+
+    def model():
+        lora = _lora_model(config)
+        for m in lora.modules():
+            if hasattr(m, "e_score_correction_bias"):       # experts 0 and 1 only: ep rank 1 gets no token
+                m.e_score_correction_bias.copy_(torch.tensor([4.0, 4.0, -4.0, -4.0]))
+        return lora
+    ref_losses, ref_params = train_whole(config, batches, model=model())
+    train_boosted(config, batches, HybridParallelConfig(ep_size=2, zero=ZeroConfig(stage=2)), ref_losses, ref_params,
+                  "lora experts starved ep2 zero2", model=model())
+
+
 def _refused(config, plugin_config, match, **lora):
     model = _lora_model(config, **lora)
     booster = Booster(plugin=HybridParallelPlugin(plugin_config))
@@ -120,6 +137,7 @@ def _bad_inputs():
 
 def _body(rank, world, root):
     _bad_inputs()
+    _starved(rank)
     _layouts(rank, root)
 
 
