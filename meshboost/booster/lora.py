@@ -100,9 +100,9 @@ def _lazy_adapters(peft, model: nn.Module, lora_config, seed: int) -> nn.Module:
     """New adapters on a model still on meta (LazyInitContext): peft builds them inside the context too
     (its own init runs on meta and is lost, and it moves the adapters to their base layer's device), so
     each adapter module records peft's init for `boost` to apply with the base weights: A as
-    `nn.Linear`'s default (or gaussian, std 1/r), B zero. Inits that read the base weights (PiSSA, OLoRA,
-    LoftQ, ...) or add other tensors (DoRA, LoRA on embeddings or packed parameters) are refused, on every
-    rank alike, before any collective."""
+    `nn.Linear`'s default (or gaussian, std 1/r), B zero; adapters on packed experts (`target_parameters`)
+    alike, their factors being linears too. Inits that read the base weights (PiSSA, OLoRA, LoftQ, ...) or
+    add other tensors (DoRA, LoRA on embeddings) are refused, on every rank alike, before any collective."""
     init = lora_config.init_lora_weights
     if init not in (True, "gaussian") or lora_config.use_dora:
         raise NotImplementedError(f"LoraConfig(init_lora_weights={init!r}, use_dora={lora_config.use_dora}) on a "

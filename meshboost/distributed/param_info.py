@@ -42,7 +42,9 @@ class TensorParallelInfo:
 
     An expert-parallel weight (packed experts `[E, ...]`) is also split on dim 0 into `expert_size`
     contiguous runs of experts over `expert_group`, this rank holding run `expert_rank`; the tp split
-    (when tp_size > 1) is then inside each expert, on another dim.
+    (when tp_size > 1) is then inside each expert, on another dim. A LoRA factor on packed experts
+    interleaves them (peft's lora_B `[out, r E]`, column j E + e): `expert_dim` 1 viewed as
+    `expert_blocks` = r blocks of E, this rank holding its run of every block (shardformer/lora_experts.py).
     """
 
     dim: int
@@ -56,6 +58,8 @@ class TensorParallelInfo:
     expert_size: int = 1
     expert_rank: int = 0
     expert_group: object = field(default=None, repr=False, compare=False)
+    expert_dim: int = 0
+    expert_blocks: int = 1
 
     @property
     def padding(self) -> int:
@@ -75,8 +79,8 @@ class TensorParallelInfo:
 
     @property
     def local_experts(self) -> int:
-        """Experts (rows of dim 0) this rank holds of an expert-parallel weight."""
-        return self.full_shape[0] // self.expert_size
+        """Experts (rows of `expert_dim`, per block) this rank holds of an expert-parallel weight."""
+        return self.full_shape[self.expert_dim] // self.expert_blocks // self.expert_size
 
     @property
     def counts_here(self) -> bool:
@@ -148,11 +152,12 @@ def is_pipeline_replica(param: torch.Tensor) -> bool:
 
 
 # -- gradient hooks, and moving every record to a replacement parameter ---------------------------
-def register_grad_hook(param: torch.Tensor, hook: Callable) -> torch.utils.hooks.RemovableHandle:
+def register_grad_hook(param: torch.Tensor, hook: Callable) -> torch.utils.hooks.RemovableHandle | None:
     """`param.register_hook(hook)`, recorded on the parameter so `carry_grad_hooks` can put the same
     hook on a tensor that replaces it. The way meshboost registers a gradient hook on a parameter
-    (the sums over tp: replicated kv-head shards, shared q/k norms, sequence-parallel weights)."""
-    handle = param.register_hook(hook)
+    (the sums over tp: replicated kv-head shards, shared q/k norms, sequence-parallel weights). A frozen
+    parameter (a base weight under LoRA) has no gradient to hook: the hook is only recorded (None)."""
+    handle = param.register_hook(hook) if param.requires_grad else None
     setattr(param, _HOOKS_ATTR, (*getattr(param, _HOOKS_ATTR, ()), hook))
     return handle
 
@@ -203,10 +208,11 @@ def carry_grad_hooks(src: torch.Tensor, dst: torch.Tensor) -> None:
 
 
 # -- the shard layout -----------------------------------------------------------------------------
-def local_slices(info: TensorParallelInfo) -> list[tuple[tuple, int]]:
+def local_slices(info: TensorParallelInfo, block: int = 0) -> list[tuple[tuple, int]]:
     """(index into the full tensor, zero rows to append after it) pieces whose concatenation along
-    `info.dim` is this rank's shard: one piece per fused block; the last rank's piece of a padded
-    dim is short and is completed with zeros."""
+    `info.dim` is this rank's shard (of expert block `block`: `shard_from` concatenates the blocks along
+    `info.expert_dim`): one piece per fused block; the last rank's piece of a padded dim is short and is
+    completed with zeros."""
     dim, size = info.dim, info.full_shape[info.dim]
     if info.num_fused > 1:
         block = size // info.num_fused
@@ -220,10 +226,11 @@ def local_slices(info: TensorParallelInfo) -> list[tuple[tuple, int]]:
         ranges = [(min(start, size), stop, local - max(stop - start, 0))]
     rank = len(info.full_shape)
     experts = slice(None)
-    if info.expert_size > 1:                  # this rank's run of experts on dim 0 (the tp dim is another)
-        experts = slice(info.expert_rank * info.local_experts, (info.expert_rank + 1) * info.local_experts)
-    return [(tuple(slice(a, b) if d == dim else experts if d == 0 else slice(None) for d in range(rank)), pad)
-            for a, b, pad in ranges]
+    if info.expert_size > 1:                  # this rank's run of experts (the tp dim is another)
+        start = block * info.full_shape[info.expert_dim] // info.expert_blocks + info.expert_rank * info.local_experts
+        experts = slice(start, start + info.local_experts)
+    return [(tuple(slice(a, b) if d == dim else experts if d == info.expert_dim else slice(None)
+                   for d in range(rank)), pad) for a, b, pad in ranges]
 
 
 def shard_from(read_slice: Callable[[tuple], torch.Tensor], full_shape: tuple[int, ...], info: TensorParallelInfo,
@@ -234,15 +241,18 @@ def shard_from(read_slice: Callable[[tuple], torch.Tensor], full_shape: tuple[in
     if tuple(full_shape) != tuple(info.full_shape):
         raise ValueError(f"{what} has shape {tuple(full_shape)}, the model expects {tuple(info.full_shape)}; "
                          "the checkpoint belongs to another configuration")
-    parts = []
-    for index, pad in local_slices(info):
-        t = read_slice(index)
-        if pad:
-            shape = list(t.shape)
-            shape[info.dim] = pad
-            t = torch.cat([t, t.new_zeros(shape)], dim=info.dim)
-        parts.append(t)
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=info.dim)
+    blocks = []
+    for block in range(info.expert_blocks if info.expert_size > 1 else 1):
+        parts = []
+        for index, pad in local_slices(info, block):
+            t = read_slice(index)
+            if pad:
+                shape = list(t.shape)
+                shape[info.dim] = pad
+                t = torch.cat([t, t.new_zeros(shape)], dim=info.dim)
+            parts.append(t)
+        blocks.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=info.dim))
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=info.expert_dim)
 
 
 def shard_tensor(full: torch.Tensor, info: TensorParallelInfo) -> torch.Tensor:
@@ -281,7 +291,12 @@ def gather_tensor(local: torch.Tensor, info: TensorParallelInfo | None, group=No
         gathered = comm.all_gather(local.detach(), group if group is not None else info.group, dim=info.dim)
         full = unshard_gathered(gathered, info)
     if info.expert_size > 1:
-        full = comm.all_gather(full.detach().contiguous(), info.expert_group, dim=0)
+        full = comm.all_gather(full.detach().contiguous(), info.expert_group, dim=info.expert_dim)
+        if info.expert_blocks > 1:         # [rank 0: its run of every block | rank 1: ...] -> block by block
+            runs = [r.chunk(info.expert_blocks, dim=info.expert_dim)
+                    for r in full.chunk(info.expert_size, dim=info.expert_dim)]
+            full = torch.cat([runs[r][b] for b in range(info.expert_blocks) for r in range(info.expert_size)],
+                             dim=info.expert_dim)
     return full
 
 

@@ -41,6 +41,7 @@ from meshboost.shardformer import (PipelineGradientCheckpointConfig, ShardConfig
 from meshboost.shardformer.context import ContextInputs, check_context, install
 from meshboost.shardformer.layers.expert_parallel import check_expert_parallel, shard_expert_parallel_
 from meshboost.shardformer.lora import lora_dropout, transformers_model
+from meshboost.shardformer.lora_experts import check_ep_adapters, shard_ep_adapters_
 
 
 class HybridParallelModule(ModelWrapper):
@@ -262,8 +263,9 @@ class HybridParallelPlugin(Plugin):
         # and staged with the linears they adapt); the wrappers below hold `model` itself
         hf = transformers_model(model)
         checkpointed = self._checkpointed_layers(hf)          # pure: raises on every rank alike
-        if self.ep_size > 1:
-            check_expert_parallel(hf, self.ep_size)           # pure: raises on every rank alike
+        if self.ep_size > 1:                                  # pure: raise on every rank alike
+            check_expert_parallel(hf, self.ep_size)
+            check_ep_adapters(hf, self.ep_size)               # LoRA on experts
         check_router_bias(hf, self.config.moe_router_bias_update_rate)      # pure
         attention = None
         if self.config.sp_size > 1:                              # pure: raises on every rank alike
@@ -280,6 +282,7 @@ class HybridParallelPlugin(Plugin):
         apply_float8(hf, self.config.float8, self.mesh, self.dp_reducer == FSDP, optimizer)   # speed.py
         if self.ep_size > 1:        # after tp, which cut inside the experts: now split the experts over ep
             shard_expert_parallel_(hf, self.mesh.group("ep"), self.ep_size, self.mesh.ep_rank)
+            shard_ep_adapters_(hf, self.mesh.group("ep"), self.ep_size, self.mesh.ep_rank)   # LoRA on experts
         stages = self._build_stages(hf, optimizer) if self.pp_size > 1 else None
         if checkpointed is not None:
             install_checkpoint_plan(hf, checkpointed(stages))
@@ -299,16 +302,18 @@ class HybridParallelPlugin(Plugin):
         if self.dp_reducer == DDP:
             device, reductions = self.mesh.device, self._reductions(model)
             group = reductions[0][1]
-            if len(reductions) > 1:    # DDP averages the dense weights; the optimizer the experts, at step
-                experts = {id(p) for params, _ in reductions[1:] for p in params}
-                DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-                    model, [n for n, p in model.named_parameters() if id(p) in experts])
+            # DDP averages the dense weights and must not see the experts, frozen ones (LoRA) included: it would
+            # broadcast dp rank 0's over ranks holding others. The optimizer averages the experts, at step
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [
+                n for n, p in model.named_parameters() if self.mesh.reduction_axes(p) != self.mesh.dims.grad_axes()])
+            if len(reductions) > 1:
                 if isinstance(optimizer, MixedPrecisionOptimizer):
                     optimizer.average_at_step(reductions[1:])
                 elif optimizer is not None:          # nothing would average the experts: refuse (every rank)
                     raise TypeError(f"expert parallelism with torch DDP averages the experts' gradients in "
                                     f"meshboost's optimizer step; {type(optimizer).__name__} is not one: pass the "
                                     "torch optimizer itself to boost")
+        if self.dp_reducer == DDP and reductions[0][0]:     # none trains (LoRA on experts alone): DDP would refuse
             module = DistributedDataParallel(model, process_group=group,
                                              device_ids=[device] if device.type == "cuda" else None,
                                              **self.config.ddp.kwargs())
@@ -379,10 +384,7 @@ class HybridParallelPlugin(Plugin):
     def lora_refusal(self) -> str | None:
         # tp and pp shard and stage the adapters with their linears (shardformer/lora.py)
         # sp: the adapters are replicated weights like the rest, averaged over dp x cp (lora_dropout checked at boost)
-        if self.ep_size > 1:
-            return (f"LoRA with ep_size={self.ep_size}: adapters are sharded with tensor parallelism and staged with "
-                    "pipeline parallelism, and not yet placed over expert-parallel ranks; use ep_size=1 (tp, pp, sp, "
-                    "ZeRO and precision as you like)")
+        # ep: adapters on experts are dealt out with them (shardformer/lora_experts.py), the others are dense
         return None
 
     # -- pipeline parallelism (meshboost/pipeline) ---------------------------------------------------

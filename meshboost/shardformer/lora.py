@@ -22,7 +22,8 @@ rank's slice of the features and draws from this rank's stream (`rng.py`), whose
 checkpointing replays. The layer stays peft's own object (its class is swapped for a subclass whose
 forward defers to the base), so `merge`, `unmerge`, `merge_and_unload`, `disable_adapter` and
 `state_dict` names are peft's: merging adds `B @ A` shard by shard, which is the merged weight's
-shard. Must not know a model family, nor shard anything the plan does not name.
+shard. Adapters on packed MoE experts (peft's `target_parameters`) are `lora_experts.py`'s; `adapter_base`
+and `shard_adapter_` hand them over. Must not know a model family, nor shard anything the plan does not name.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import torch.nn as nn
 
 from meshboost.distributed.ownership import weak_method
 from meshboost.distributed.param_info import get_tp_info, register_grad_hook
+from meshboost.shardformer import lora_experts
+from meshboost.shardformer.styles import EXPERT_STYLES
 from meshboost.shardformer.layers.linear import (
     Adapter,
     ColumnParallelLinear,
@@ -72,6 +75,22 @@ def is_lora_linear(module: nn.Module) -> bool:
 def adapter_linears(layer: nn.Module) -> list[nn.Module]:
     """The adapter's own modules (every lora_A / lora_B linear), which the plan covers with the base."""
     return [m for d in (layer.lora_A, layer.lora_B) for m in d.values()]
+
+
+def adapter_base(path: str, module: nn.Module, style: str, shard_config) -> tuple[list, str, nn.Module]:
+    """(the peft layers wrapping the module the plan names at `path`, checked (pure) for `shard_config`;
+    the path suffix to the module they wrap, which the plan's `style` shards; that module)."""
+    if lora_experts.is_expert_adapter(module):
+        wrappers, suffix, base = lora_experts.unwrap(module)
+        if style not in EXPERT_STYLES:
+            raise NotImplementedError(
+                f"{path}: peft's target_parameters adapts {[w.parameter_name for w in wrappers]} of a module the "
+                f"plan shards with style {style!r}; adapters on parameters are split on packed MoE experts only: "
+                "use target_modules for this module, or tp_size=1")
+        lora_experts.check_wrappers(path, wrappers, base)
+        return wrappers, suffix, base
+    check_adapter(path, module, style, shard_config.enable_sequence_parallelism)
+    return [module], ".base_layer", module.base_layer
 
 
 def check_adapter(path: str, layer: nn.Module, style: str, sequence_parallel: bool) -> None:
@@ -150,7 +169,10 @@ def _parallel_class(cls: type) -> type:
 
 def shard_adapter_(layer: nn.Module, group) -> None:
     """Slice the adapters of `layer` (whose `base_layer` is now a parallel linear) in place and
-    wire them into the base's forward."""
+    wire them into the base's forward (a wrapper of packed experts: split with its experts)."""
+    if lora_experts.is_expert_adapter(layer):
+        lora_experts.shard_tp_(layer, group)
+        return
     base = layer.base_layer
     if isinstance(base, ColumnParallelLinear):
         info = get_tp_info(base.weight)

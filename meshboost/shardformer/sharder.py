@@ -30,7 +30,7 @@ from meshboost.shardformer.layers import (
     make_causal_lm_loss,
 )
 from meshboost.shardformer.layers.vocab import embedding_extras, uses_causal_lm_loss
-from meshboost.shardformer.lora import adapter_linears, check_adapter, is_peft_module, shard_adapter_
+from meshboost.shardformer.lora import adapter_base, adapter_linears, is_peft_module, shard_adapter_
 from meshboost.shardformer.optimizations import fuse_norms, jit_fuse, say, use_fast_attention
 from meshboost.shardformer.policies import Policy, get_policy
 from meshboost.shardformer.policies.base import pattern_to_regex
@@ -304,10 +304,10 @@ class ShardFormer:
                         if name and not style.on_parameter and regex.match(name)), None)
             if hit is None:
                 continue
-            if is_peft_module(module):      # peft wrapped the named linear: shard its base, the adapter with it
-                check_adapter(full(name), module, hit[0].name, self.shard_config.enable_sequence_parallelism)
-                adapters.setdefault(id(module), module)
-                name, module = f"{name}.base_layer", module.base_layer
+            if is_peft_module(module):      # peft wrapped the named module: shard its base, the adapters with it
+                layers, suffix, module = adapter_base(full(name), module, hit[0].name, self.shard_config)
+                adapters.update({id(layer): layer for layer in layers})
+                name += suffix
             match = by_module.get(id(module))
             if match is None:
                 hit[0].validate(full(name), module, tp_size, *hit[1])
@@ -327,7 +327,7 @@ class ShardFormer:
         # adapters' linears are covered by their base's match, a block style's linears by the block's
         covered = dict(by_module)
         for layer in adapters.values():
-            covered.update({id(linear): by_module[id(layer.base_layer)] for linear in adapter_linears(layer)})
+            covered.update({id(linear): by_module[id(layer.get_base_layer())] for linear in adapter_linears(layer)})
         covered.update({id(sub): m for m in matches if m.style.block for sub in m.module.modules()
                         if isinstance(sub, nn.Linear)})
         matches = [m for m in matches if m.style.name != BLOCK_INPUT or _closed_block(m.module, covered)]

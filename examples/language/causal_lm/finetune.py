@@ -67,7 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     arg("--fp8", action="store_true", help="fp8 matmuls (plugin keyword use_fp8=True)")
     arg("--compile", action="store_true", help="torch.compile (plugin keyword compile=True)")
     arg("--lora", action="store_true", help="train LoRA adapters (peft) instead of every weight")
-    arg("--lora-experts", action="store_true", help="with --lora: adapters on the packed expert weights too")
+    arg("--lora-experts", action="store_true",
+        help="with --lora: adapters on the packed expert weights too (split with them at any --tp / --ep)")
     arg("--lora-r", type=int, default=8)
     arg("--lora-alpha", type=int, default=16)
     arg("--lora-targets", default="q_proj,k_proj,v_proj,o_proj", help="modules the adapters wrap (--lora)")

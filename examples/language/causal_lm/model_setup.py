@@ -3,8 +3,8 @@
 the plugin the layout flags describe (ColossalAI's keywords, `meshboost.booster.plugin`) or the one
 meshboost's planner picks (`--plugin auto`); the flops per token are examples/common/train_loop.py's.
 
-Flags whose features other parts of meshboost may not have yet (--fp8, --compile, --lora-experts;
---dp-replicate, HSDP with --zero 3) are passed on as the plugin's or peft's keywords, never emulated: where this meshboost
+Flags whose features other parts of meshboost may not have yet (--fp8, --compile, --dp-replicate, HSDP with
+--zero 3) and --lora-experts are passed on as the plugin's or peft's keywords, never emulated: where this meshboost
 refuses them, its refusal is what the script prints.
 """
 
@@ -65,7 +65,7 @@ def build_model(args, config):
 
 def lora_config(args):
     """peft's LoraConfig for --lora: adapters on --lora-targets; --lora-experts adds the packed expert
-    weights (peft's target_parameters), which meshboost may refuse under expert parallelism."""
+    weights (peft's target_parameters), which meshboost splits with their experts at any --tp / --ep."""
     import peft
     extra = {}
     if args.lora_experts:

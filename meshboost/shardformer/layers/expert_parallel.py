@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import weakref
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -245,6 +246,8 @@ class _ExpertParallelForward:
         else:
             out = self._run_local((x, local_ids, torch.ones(local_ids.shape, dtype=x.dtype, device=x.device)))
         # Every local expert weight gets a gradient (zero where no row reached it), so the reducers
-        # hold the same tensors on every replica whatever the router did.
-        anchor = sum(p.reshape(-1)[:1].sum() for p in self.module.parameters(recurse=False) if p.requires_grad)
+        # hold the same tensors on every replica whatever the router did. Read by name: a tensor peft
+        # parametrizes for the call (LoRA on experts) is then the adapted one, reaching its adapters.
+        names = [*dict(self.module.named_parameters(recurse=False)), *getattr(self.module, "parametrizations", {})]
+        anchor = sum(t.reshape(-1)[:1].sum() for t in map(partial(getattr, self.module), names) if t.requires_grad)
         return out + (anchor * 0).to(out.dtype) if torch.is_tensor(anchor) else out
