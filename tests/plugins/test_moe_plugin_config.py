@@ -105,8 +105,8 @@ def test_refusals_name_the_keyword_and_the_fix():
         ({"ep_size": True}, ValueError, r"ep_size=True must be a positive integer"),
         ({"ep_size": 2.0}, ValueError, r"ep_size=2.0 must be a positive integer"),
         ({"sp_size": 2}, NotImplementedError, r"sp_size=2"),
-        ({"use_fp8": True, "tp_size": 2, "enable_sequence_parallelism": True, "sequence_parallelism_mode": "split_gather"},
-         NotImplementedError, r"float8 \(recipe='tensorwise'\) with tp_size=2.*without sequence"),
+        ({"use_fp8": True, "tp_size": 2, "sp_size": 2, "enable_sequence_parallelism": True,
+          "sequence_parallelism_mode": "all_to_all"}, NotImplementedError, r"float8 with tp_size=2 and sp_size=2"),
         ({"overlap_allgather": True}, NotImplementedError, r"overlap_allgather=True"),
         ({"scheduler_nodes": []}, NotImplementedError, r"scheduler_nodes="),
     ]
