@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 
 import meshboost
-from meshboost.distributed.mesh import ParallelDims, ParallelMesh, check_mesh_shape
+from meshboost.distributed.dims import ParallelDims, check_mesh_shape
+from meshboost.distributed.mesh import ParallelMesh
 from meshboost.distributed.param_info import GradReduction, carry_records, set_grad_reduction
 from meshboost.testing import spawn
 

@@ -1,34 +1,15 @@
 """ParallelMesh: the process-group mesh over named axes, built once and passed down.
 
-Owns: `ParallelDims`, the one answer to "how large is each axis" (and which axes average a
-parameter's gradient over its replicas), agreeing that every rank asks for the same mesh (and, for
+Owns: building the groups of one `ParallelDims` (dims.py: the axes, their order and sizes, which axes
+average or shard a parameter's gradient; the layout's one record), agreeing that every rank asks for the same mesh (and, for
 plugins, the same settings: `agree_settings`), validating the factorisation of the world, building the
 groups through torch's DeviceMesh with the default group's timeout (one axis, or several flattened
 into one group), answering "which group / size / coordinate" for each axis, the device this rank
 computes on, and the group joining the first and last pipeline stage (weights tied across them).
 Must not hold module-level state: two meshes can coexist in one process.
-
-Axis order is (dp, pp, tp) with tp innermost, so the ranks of one tensor-parallel group are
-adjacent (on one node when tp <= GPUs per node) and its all-reduces stay on the fastest links. With
-expert parallelism (ep > 1) the data-parallel axis is factored as (edp, ep), ep inner: dp rank
-d = edp_rank * ep + ep_rank. The ep ranks of one (pp, tp) coordinate split the experts and exchange
-tokens; the edp ranks hold the same experts (the experts' own data-parallel replicas); "dp" is the
-two flattened, over which dense weights are averaged as before. With hybrid sharding (HSDP,
-dp_replicate > 1) the data-parallel axis is factored as (dp_replicate, dp_shard), dp_shard inner: dp rank
-d = replica * dp_shard + shard rank, so one replica group's shard ranks are adjacent (on one node when it
-fits there) and only the replicas' gradient all-reduce crosses nodes. FSDP2 gets the 2-D (replicate,
-shard) mesh (`fsdp_mesh`); everyone else still sees "dp", the two flattened.
-
-Adding an axis (torchtitan's `ParallelDims` is the model): a field of `ParallelDims`, its place in
-`ORDER`, and, when parameters' gradients are averaged over it, its entry in `GRAD_AXES`: a context
-axis makes dense gradients reduce over ("dp", "cp"); an expert axis adds the kind "expert", reduced
-over the experts' own data-parallel axis. Parameters carry their kind in their record
-(`param_info.GradReduction`), and the reducers ask the mesh for that group (`reduction_of`).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -36,134 +17,9 @@ from torch.distributed.constants import default_pg_nccl_timeout, default_pg_time
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshboost.distributed.agreement import agree_settings
+from meshboost.distributed.dims import HSDP_AXES, ParallelDims
 from meshboost.distributed.launch import get_current_device, group_timeout
-from meshboost.distributed.param_info import DENSE, EXPERT, grad_reduction
-
-AXES = ("dp", "pp", "tp")
-EXPERT_AXES = ("edp", "ep", "pp", "tp")     # the DeviceMesh's dimensions when ep > 1 ("dp" = edp x ep)
-HSDP_AXES = ("dp_replicate", "dp_shard")    # the DeviceMesh's dp dimensions when dp_replicate > 1
-
-
-def check_mesh_shape(world_size: int, tp_size: int, pp_size: int, dp_size: int | None = None,
-                     ep_size: int = 1, cp_size: int = 1, dp_replicate: int = 1) -> int:
-    """Validate the factors and return dp_size. Pure: raises the same error on every rank."""
-    dp_size = _check_dp(world_size, tp_size, pp_size, dp_size, ep_size, cp_size, dp_replicate)
-    if dp_size % dp_replicate:
-        raise ValueError(f"dp_replicate_size={dp_replicate} does not divide the data-parallel size {dp_size} (world_size="
-                         f"{world_size} / (tp_size={tp_size} x pp_size={pp_size} x sp_size={cp_size})): HSDP splits the "
-                         f"dp ranks into dp_replicate_size groups that each shard the model; choose a divisor of "
-                         f"{dp_size}, or launch a multiple of {tp_size * pp_size * cp_size * dp_replicate} processes")
-    if dp_replicate > 1 and ep_size > 1:
-        raise NotImplementedError(f"dp_replicate_size={dp_replicate} with ep_size={ep_size}: the data-parallel axis is "
-                                  "factored either into HSDP's (replicate, shard) groups or into the experts' (edp, "
-                                  "ep), not both yet; use dp_replicate_size=1 with expert parallelism")
-    return dp_size
-
-
-def _check_dp(world_size: int, tp_size: int, pp_size: int, dp_size: int | None, ep_size: int, cp_size: int,
-              dp_replicate: int) -> int:
-    for name, value in (("tp_size", tp_size), ("pp_size", pp_size), ("ep_size", ep_size), ("sp_size", cp_size),
-                        ("dp_replicate_size", dp_replicate)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive integer")
-    if cp_size > 1:                 # the context ranks sit beside tp: check them first, naming sp_size
-        model = tp_size * pp_size * cp_size
-        if world_size % model or (dp_size is not None and dp_size * model != world_size):
-            raise ValueError(f"world_size={world_size} is not divisible into dp x (pp_size={pp_size} x sp_size="
-                             f"{cp_size} x tp_size={tp_size} = {model}); launch a multiple of {model} processes or "
-                             "change the sizes")
-        dp_size = world_size // model
-        if dp_size % ep_size:
-            raise ValueError(f"ep_size={ep_size} does not divide the data-parallel size {dp_size}")
-        return dp_size
-    if dp_size is None:
-        if world_size % (tp_size * pp_size) != 0:
-            raise ValueError(
-                f"world_size={world_size} is not divisible by tp_size * pp_size = {tp_size} * {pp_size} "
-                f"= {tp_size * pp_size}; launch a multiple of {tp_size * pp_size} processes or change "
-                "tp_size/pp_size")
-        dp_size = world_size // (tp_size * pp_size)
-    if dp_size * pp_size * tp_size != world_size:
-        raise ValueError(
-            f"dp_size * pp_size * tp_size = {dp_size} * {pp_size} * {tp_size} = "
-            f"{dp_size * pp_size * tp_size} must equal world_size={world_size}")
-    if dp_size % ep_size:
-        raise ValueError(
-            f"ep_size={ep_size} does not divide the data-parallel size {dp_size} (world_size={world_size} / "
-            f"(tp_size={tp_size} * pp_size={pp_size})): expert parallelism splits the experts over data-parallel "
-            f"ranks; choose an ep_size dividing {dp_size}, or launch a multiple of {tp_size * pp_size * ep_size} "
-            "processes")
-    return dp_size
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    """The size of every named axis of the mesh: the one answer to "how large is tp" (plugins, the
-    sharder and the records read it from here, through the mesh). Pure: `of_world` validates."""
-
-    dp: int
-    pp: int = 1
-    tp: int = 1
-    ep: int = 1          # experts split over this many of the dp ranks (ep divides dp)
-    cp: int = 1          # context parallelism: the sequence split over this many ranks (ColossalAI's sp_size)
-    dp_replicate: int = 1   # HSDP: dp = dp_replicate x dp_shard; ZeRO-3 shards inside a replica group
-
-    ORDER = AXES                                  # outermost first; the DeviceMesh's names at ep == 1
-    # kind of parameter -> the axes its gradient is averaged over (its data-parallel replicas)
-    GRAD_AXES = {DENSE: ("dp",), EXPERT: ("edp",)}
-
-    @classmethod
-    def of_world(cls, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None,
-                 ep: int = 1, cp: int = 1, dp_replicate: int = 1) -> "ParallelDims":
-        return cls(dp=check_mesh_shape(world_size, tp, pp, dp, ep, cp, dp_replicate), pp=pp, tp=tp, ep=ep, cp=cp,
-                   dp_replicate=dp_replicate)
-
-    @property
-    def edp(self) -> int:
-        """The replicas of one expert: dp / ep (dp itself without expert parallelism)."""
-        return self.dp // self.ep
-
-    @property
-    def dp_shard(self) -> int:
-        """The ranks of one HSDP replica group, over which ZeRO-3 shards (dp itself without HSDP)."""
-        return self.dp // self.dp_replicate
-
-    @property
-    def mesh_axes(self) -> tuple[str, ...]:
-        """The DeviceMesh's dimension names, outermost first: (dp, pp, tp); dp as (edp, ep) at ep > 1;
-        a context axis cp between pp and tp at cp > 1 (its all-to-alls stay near tp's links); dp as
-        (dp_replicate, dp_shard) at dp_replicate > 1."""
-        dp = ("edp", "ep") if self.ep > 1 else HSDP_AXES if self.dp_replicate > 1 else ("dp",)
-        return (*dp, "pp", *(("cp",) if self.cp > 1 else ()), "tp")
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.size(axis) for axis in self.mesh_axes)
-
-    def size(self, *axes: str) -> int:
-        """The number of ranks along `axes` together (one axis, or several flattened)."""
-        out = 1
-        for axis in axes:
-            if axis not in (*AXES, *EXPERT_AXES, *HSDP_AXES, "cp"):
-                raise ValueError(f"axis={axis!r}; expected one of {(*AXES, 'edp', 'ep', 'cp', *HSDP_AXES)}")
-            out *= getattr(self, axis)
-        return out
-
-    def grad_axes(self, kind: str = DENSE) -> tuple[str, ...]:
-        """The axes a `kind` parameter's gradient is averaged over (with context parallelism every weight
-        is replicated over the cp ranks too, each of which saw another part of the sequences)."""
-        if kind not in self.GRAD_AXES:
-            raise ValueError(f"parameter kind {kind!r}; this mesh reduces {sorted(self.GRAD_AXES)}")
-        return (*self.GRAD_AXES[kind], "cp") if self.cp > 1 else self.GRAD_AXES[kind]
-
-    def shard_axes(self, kind: str = DENSE) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """(replicate axes, shard axes) of a `kind` parameter under ZeRO-3: its gradient axes, with dp
-        split into HSDP's replicas and shard ranks at dp_replicate > 1 (no replicate axis otherwise)."""
-        axes = self.grad_axes(kind)
-        if self.dp_replicate == 1:
-            return (), axes
-        return ("dp_replicate",), tuple(a for axis in axes for a in (("dp_shard",) if axis == "dp" else (axis,)))
-
+from meshboost.distributed.param_info import DENSE, grad_reduction
 
 class ParallelMesh:
     """A named (dp, pp, tp) mesh over all ranks of the default process group; `dims` holds the sizes.

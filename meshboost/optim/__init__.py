@@ -9,7 +9,8 @@ from meshboost.optim.grad_scaler import DynamicGradScaler, GradScalerConfig
 from meshboost.optim.mixed_precision import MixedPrecisionOptimizer
 from meshboost.optim.precision import PRECISION_DTYPES, PrecisionConfig, precision_of
 from meshboost.optim.wrapper import OptimizerWrapper
-from meshboost.optim.zero import ZeroConfig, ZeroOptimizer, bucket_elements
+from meshboost.optim.zero import ZeroOptimizer
+from meshboost.optim.zero_config import ZeroConfig, bucket_elements
 
 __all__ = ["OptimizerWrapper", "DynamicGradScaler", "GradScalerConfig", "MixedPrecisionOptimizer", "PrecisionConfig",
            "ZeroOptimizer", "ZeroConfig", "PRECISION_DTYPES", "precision_of", "bucket_elements", "global_grad_norm",

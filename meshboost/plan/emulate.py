@@ -176,12 +176,12 @@ def install_context(model: nn.Module, size: int, mode: str):
     """meshboost's context-parallel attention on `model` (shape-only exchanges) and the `ContextInputs`
     that cuts a batch into rank 0's piece (every rank holds as many tokens)."""
     from meshboost.shardformer.context import (
-        ALL_TO_ALL,
         ContextInputs,
         GatheredKeysAttention,
         UlyssesAttention,
         install,
     )
+    from meshboost.shardformer.context_checks import ALL_TO_ALL
 
     base = UlyssesAttention if mode == ALL_TO_ALL else GatheredKeysAttention
 

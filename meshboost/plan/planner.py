@@ -144,7 +144,7 @@ class Planner:
     def check(self, layout: Layout) -> None:
         """Raise what the planner (not modelled yet), the plugin, the sharder or the pipeline would
         raise for `layout` on this model and world."""
-        from meshboost.distributed.mesh import check_mesh_shape
+        from meshboost.distributed.dims import check_mesh_shape
 
         plugin_config(layout)                       # the plugin's own validation and messages
         check_mesh_shape(layout.world, layout.tp, layout.pp, layout.dp, layout.ep, layout.sp)
@@ -154,7 +154,7 @@ class Planner:
             self.sequence_roles(layout.tp)
             check_length(self.seq, layout.tp)
         if layout.sp > 1:                           # context parallelism's checks, with its messages
-            from meshboost.shardformer.context import check_context, check_length
+            from meshboost.shardformer.context_checks import check_context, check_length
             check_context(self.meta, layout.sp, layout.tp, layout.sp_mode)
             check_length(self.seq, layout.sp, layout.sp_mode)
         self.experts(layout.ep)                     # expert parallelism's (ep dividing every layer's experts, ...)
@@ -335,7 +335,7 @@ class Planner:
     @property
     def context_parallel_ok(self) -> bool:
         """The model is one context parallelism runs (a causal LM on sdpa or eager attention)."""
-        from meshboost.shardformer.context import check_context
+        from meshboost.shardformer.context_checks import check_context
         try:
             check_context(self.meta, 1, 1)
         except (ValueError, NotImplementedError):

@@ -25,9 +25,8 @@ from meshboost.plugins.router_statistics import GLOBAL, REPLICA
 from meshboost.plugins.router_statistics import check_mode as check_router_statistics
 from meshboost.shardformer import PipelineGradientCheckpointConfig, Policy, ShardConfig
 from meshboost.shardformer.compile import CompileConfig
-from meshboost.shardformer.context import ALL_TO_ALL
+from meshboost.shardformer.context_checks import ALL_TO_ALL, check_mode as check_context_mode
 from meshboost.shardformer.float8 import Float8Config
-from meshboost.shardformer.context import check_mode as check_context_mode
 
 # Who averages gradients over the data-parallel group; exactly one of them does, decided by `dp_reducer`.
 NO_REDUCTION = "none"        # dp_size == 1

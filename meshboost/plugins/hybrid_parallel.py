@@ -23,25 +23,26 @@ from meshboost.distributed.agreement import agree_settings
 from meshboost.distributed.inputs import cast_floating
 from meshboost.distributed.p2p import StageComm
 from meshboost.fsdp import is_sharded, no_gradient_sync, reshard_all
-from meshboost.lazy import lazy_seed, materialize
+from meshboost.lazy import materialize
 from meshboost.optim import MixedPrecisionOptimizer, ZeroOptimizer
-from meshboost.pipeline import PipelineSchedule, build_stages, get_layout, prune_optimizer, split_layers
-from meshboost.pipeline.checkpointing import checkpoint_plan, install_checkpoint_plan
+from meshboost.pipeline import PipelineSchedule, build_stages, prune_optimizer
+from meshboost.pipeline.checkpointing import install_checkpoint_plan
 from meshboost.pipeline.normalization import TOKENS, count_items
 from meshboost.plugins.config import DDP, FSDP, PIPELINE, ZERO, HybridParallelConfig, dp_reducer
-from meshboost.plugins.ddp_hooks import fp8_refusal, register_counting_allreduce, register_fp8_allreduce
-from meshboost.plugins.hybrid_zero3 import check_zero3_model, shard_zero3
+from meshboost.plugins.data_parallel import reductions as dp_reductions, wrap_ddp
+from meshboost.plugins.ddp_hooks import fp8_refusal
+from meshboost.plugins.hybrid_zero3 import shard_zero3
+from meshboost.plugins.model_checks import check_model
 from meshboost.plugins import input_checks
 from meshboost.plugins.input_checks import ALWAYS, InputCheck, LabelledItemsGuard, next_pipeline_batch
-from meshboost.plugins.router_bias import check_model as check_router_bias, install as install_router_bias
+from meshboost.plugins.router_bias import install as install_router_bias
 from meshboost.plugins.router_statistics import GLOBAL, loss_function, with_global_router_loss
 from meshboost.plugins.speed import apply_compile, apply_float8, to_device
 from meshboost.shardformer import (PipelineGradientCheckpointConfig, ShardConfig, ShardFormer, pipeline_layout,
                                    uses_causal_lm_loss)
-from meshboost.shardformer.context import ContextInputs, check_context, install
-from meshboost.shardformer.layers.expert_parallel import check_expert_parallel, shard_expert_parallel_
-from meshboost.shardformer.lora import lora_dropout, transformers_model
-from meshboost.shardformer.lora_experts import check_ep_adapters, shard_ep_adapters_
+from meshboost.shardformer.context import ContextInputs, install
+from meshboost.shardformer.layers.expert_parallel import shard_expert_parallel_
+from meshboost.shardformer.lora_experts import shard_ep_adapters_
 
 
 class HybridParallelModule(ModelWrapper):
@@ -248,47 +249,21 @@ class HybridParallelPlugin(Plugin):
         return self.config.zero_stage
 
     def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None, lr_scheduler=None):
-        # A model built under torch.device("meta") stays on meta until booster.load_model materialises
-        # it; DDP needs real weights at construction, so that combination is refused (every rank).
-        lazy = lazy_seed(model)          # built under LazyInitContext: materialised below, this rank's part only
-        original = copy.deepcopy(model) if lazy is not None else None        # on meta: no memory
-        on_meta = lazy is None and any(p.is_meta for p in model.parameters())
-        if on_meta and self.dp_reducer == DDP:
-            raise ValueError(f"a meta-device model cannot be boosted with dp_size={self.mesh.dp_size} and "
-                             "zero_stage=0 (torch DDP needs real weights); use zero_stage=1 or 2, or build the "
-                             "model with real weights")
-        if self.dp_reducer == FSDP:
-            check_zero3_model(model, optimizer, on_meta)
-        # plans, stages and checks read the transformers model (inside a peft model: its adapters are sharded
-        # and staged with the linears they adapt); the wrappers below hold `model` itself
-        hf = transformers_model(model)
-        checkpointed = self._checkpointed_layers(hf)          # pure: raises on every rank alike
-        if self.ep_size > 1:                                  # pure: raise on every rank alike
-            check_expert_parallel(hf, self.ep_size)
-            check_ep_adapters(hf, self.ep_size)               # LoRA on experts
-        check_router_bias(hf, self.config.moe_router_bias_update_rate)      # pure
-        attention = None
-        if self.config.sp_size > 1:                              # pure: raises on every rank alike
-            attention = check_context(hf, self.config.sp_size, self.tp_size, self.config.sp_mode)
-            p = lora_dropout(model)
-            if p > 0:
-                raise NotImplementedError(f"lora_dropout={p} with sp_size={self.config.sp_size}: every context-parallel "
-                                          "rank would draw the same mask on its own piece of the sequence, not one "
-                                          "mask over the whole; use lora_dropout=0.0 with context parallelism")
-            if not uses_causal_lm_loss(hf):
-                raise NotImplementedError(f"sp_size={self.config.sp_size}: {type(hf).__name__} does not compute its "
-                                          "causal-LM loss through transformers' loss_function; use sp_size=1")
+        # every model check first (pure: the same refusal on every rank, nothing changed yet)
+        plan = check_model(model, optimizer, self.config, self.mesh.dims, self.dp_reducer)
+        hf = plan.hf        # plans and stages read the transformers model; the wrappers hold `model` itself
+        original = copy.deepcopy(model) if plan.lazy is not None else None        # on meta: no memory
         ShardFormer(self.shard_config).optimize(hf, self.config.custom_policy)
         apply_float8(hf, self.config.float8, self.mesh, self.dp_reducer == FSDP, optimizer)   # speed.py
         if self.ep_size > 1:        # after tp, which cut inside the experts: now split the experts over ep
             shard_expert_parallel_(hf, self.mesh.group("ep"), self.ep_size, self.mesh.ep_rank)
             shard_ep_adapters_(hf, self.mesh.group("ep"), self.ep_size, self.mesh.ep_rank)   # LoRA on experts
         stages = self._build_stages(hf, optimizer) if self.pp_size > 1 else None
-        if checkpointed is not None:
-            install_checkpoint_plan(hf, checkpointed(stages))
-        if lazy is not None:
-            materialize(model, original, self.mesh.device, lazy)
-        if not on_meta:
+        if plan.checkpointed is not None:
+            install_checkpoint_plan(hf, plan.checkpointed(stages))
+        if plan.lazy is not None:
+            materialize(model, original, self.mesh.device, plan.lazy)
+        if not plan.on_meta:
             model = to_device(model, self.mesh.device)  # in place, records kept (speed.py): the same parameters
         sharding = None                 # FSDP2 over dp: its fp32 shards are the masters; compute dtype by its policy
         if self.dp_reducer == FSDP:     # with stages: the cut HF model is the root the schedule runs
@@ -298,30 +273,22 @@ class HybridParallelPlugin(Plugin):
             if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
                 optimizer = self._wrap_optimizer(optimizer)  # fp32 masters from the fp32 weights, before the cast
             model = model.to(self.config.precision.dtype)   # working weights (in place, same objects)
-        module: nn.Module = model
+        module = model
         if self.dp_reducer == DDP:
-            device, reductions = self.mesh.device, self._reductions(model)
-            group = reductions[0][1]
-            # DDP averages the dense weights and must not see the experts, frozen ones (LoRA) included: it would
-            # broadcast dp rank 0's over ranks holding others. The optimizer averages the experts, at step
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [
-                n for n, p in model.named_parameters() if self.mesh.reduction_axes(p) != self.mesh.dims.grad_axes()])
-            if len(reductions) > 1:
-                if isinstance(optimizer, MixedPrecisionOptimizer):
-                    optimizer.average_at_step(reductions[1:])
-                elif optimizer is not None:          # nothing would average the experts: refuse (every rank)
-                    raise TypeError(f"expert parallelism with torch DDP averages the experts' gradients in "
-                                    f"meshboost's optimizer step; {type(optimizer).__name__} is not one: pass the "
-                                    "torch optimizer itself to boost")
-        if self.dp_reducer == DDP and reductions[0][0]:     # none trains (LoRA on experts alone): DDP would refuse
-            module = DistributedDataParallel(model, process_group=group,
-                                             device_ids=[device] if device.type == "cuda" else None,
-                                             **self.config.ddp.kwargs())
-            if self.fp8_communication:
-                register_fp8_allreduce(module, group)
-            else:
-                register_counting_allreduce(module, group)
+            module = wrap_ddp(model, optimizer, self.mesh, self.config.ddp.kwargs(), self.fp8_communication)
         apply_compile(hf, self.config.compile, stages, self.config.custom_policy)     # plugins/speed.py
+        boosted = self._wrap_model(module, hf, plan.attention, stages)
+        if boosted.items_guard is not None and isinstance(optimizer, MixedPrecisionOptimizer):
+            optimizer.check_before_update(boosted.items_guard)     # no labelled token: refuse the update
+        if stages is not None:
+            boosted.pipeline = self._build_schedule(stages, boosted.context, sharding)
+        install_router_bias(hf, optimizer, self.config.moe_router_bias_update_rate, self.mesh,    # router_bias.py
+                            seq_parallel=self.shard_config.enable_sequence_parallelism and self.mesh.tp_size > 1)
+        return boosted, optimizer, criterion, dataloader, lr_scheduler
+
+    def _wrap_model(self, module: nn.Module, hf: nn.Module, attention, stages) -> HybridParallelModule:
+        """The boosted model: input checks, token counting, context parallelism's input split, the global
+        router loss."""
         count = self.config.loss_normalization == TOKENS and stages is None and uses_causal_lm_loss(hf)
         context = None
         if attention is not None:
@@ -330,50 +297,9 @@ class HybridParallelPlugin(Plugin):
         router_group = self.mesh.dp_group if self.config.router_statistics == GLOBAL and self.mesh.dp_size > 1 else None
         if router_group is not None:
             loss_function(hf)                         # pure: a model without a router loss is refused here
-        boosted = HybridParallelModule(module, self.mesh, self.shard_config, self.config.check_inputs, count,
-                                       input_dtype=self.config.precision.dtype, router_group=router_group,
-                                       context=context)
-        if boosted.items_guard is not None and isinstance(optimizer, MixedPrecisionOptimizer):
-            optimizer.check_before_update(boosted.items_guard)     # no labelled token: refuse the update
-        if stages is not None:
-            boosted.pipeline = self._build_schedule(stages, context, sharding)
-        install_router_bias(hf, optimizer, self.config.moe_router_bias_update_rate, self.mesh,    # router_bias.py
-                            seq_parallel=self.shard_config.enable_sequence_parallelism and self.mesh.tp_size > 1)
-        return boosted, optimizer, criterion, dataloader, lr_scheduler
-
-    def _reductions(self, model: nn.Module) -> list[tuple[list, object]]:
-        """[(trainable parameters, the group averaging their gradients)], grouped as their records say
-        (the mesh answers `reduction_axes`: dp for dense weights, edp for expert-parallel ones), dense
-        first; always one entry for the dense weights, even when there are none."""
-        by_axes: dict[tuple[str, ...], list] = {self.mesh.dims.grad_axes(): []}
-        for p in model.parameters():
-            if p.requires_grad:
-                by_axes.setdefault(self.mesh.reduction_axes(p), []).append(p)
-        return [(params, self.mesh.group(*axes)) for axes, params in by_axes.items()]
-
-    def _checkpointed_layers(self, model: nn.Module):
-        """With gradient_checkpoint_config: check its counts against every stage's layers (all stages,
-        on every rank, before any collective) and return what gives (layer, checkpointed) for this
-        rank's stages once they are built."""
-        config = self.gradient_checkpoint_config
-        if config is None:
-            return None
-        layout = get_layout(model, pipeline_layout(model, self.config.custom_policy))
-        base = model.base_model
-        lists = [base.get_submodule(segment.layers) for segment in layout.segments]
-        pc = self.config.pipeline
-        num_stages = pc.pp_size * pc.num_model_chunks
-        ranges = split_layers(sum(len(layers) for layers in lists), num_stages, pc.num_layers_per_stage)
-        for v, r in enumerate(ranges):
-            config.layers_to_checkpoint(v, len(r), num_stages)
-
-        def plan(stages):
-            if stages is None:
-                return checkpoint_plan([(0, [layer for layers in lists for layer in layers])], 1, config)
-            mine = [stages.virtual(c) for c in range(stages.num_chunks)]
-            return checkpoint_plan([(v, [stages.kept[i] for i in stages.layer_ranges[v]]) for v in mine],
-                                   num_stages, config)
-        return plan
+        return HybridParallelModule(module, self.mesh, self.shard_config, self.config.check_inputs, count,
+                                    input_dtype=self.config.precision.dtype, router_group=router_group,
+                                    context=context)
 
     def _wrap_optimizer(self, optimizer) -> MixedPrecisionOptimizer:
         """user optimizer -> MixedPrecisionOptimizer, or ZeroOptimizer when ZeRO reduces over dp."""
@@ -407,7 +333,7 @@ class HybridParallelPlugin(Plugin):
         cfg = self.config.pipeline
         # collective: every rank builds the group of each set of pp ranks sharing a weight, in the same order
         tied = [(self.mesh.stage_group(ranks), params) for ranks, params in stages.ties]
-        reductions = self._reductions(stages.model) if self.dp_reducer == PIPELINE else ()
+        reductions = dp_reductions(stages.model, self.mesh) if self.dp_reducer == PIPELINE else ()
         return PipelineSchedule(stages, StageComm(self.mesh.pp_group, self.mesh.device), cfg.num_microbatches,
                                 cfg.microbatch_size, reductions=reductions, tied=tied,
                                 loss_normalization=self.config.loss_normalization, count_group=self.mesh.dp_group,

@@ -14,7 +14,6 @@ attributes set on tensors: the regions carry it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -26,7 +25,6 @@ from meshboost.shardformer import sequence
 from meshboost.shardformer.layers import (
     VocabParallelEmbedding,
     VocabParallelLMHead,
-    is_conv1d,
     make_causal_lm_loss,
 )
 from meshboost.shardformer.layers.vocab import embedding_extras, uses_causal_lm_loss
@@ -35,45 +33,24 @@ from meshboost.shardformer.optimizations import fuse_norms, jit_fuse, say, use_f
 from meshboost.shardformer.policies import Policy, get_policy
 from meshboost.shardformer.policies.base import pattern_to_regex
 from meshboost.shardformer.regions import ColumnOutputs, RegionPlan
+from meshboost.shardformer.sharder_plan import (
+    Match,
+    ShardPlan,
+    closed_block,
+    holders,
+    module_paths,
+    plan_sequence,
+    split_input_guards,
+)
 from meshboost.shardformer.rng import install_tp_rank_rng
 from meshboost.shardformer.shard_config import ShardConfig
 from meshboost.shardformer.styles import (
     BLOCK_INPUT,
-    EXPERT_STYLES,
-    SPLITTING_STYLES,
     STYLES,
     ShardContext,
-    ShardStyle,
     attribute_rule,
     parse_style,
 )
-
-
-@dataclass
-class _Match:
-    """One module a plan entry matched, with every path it is reached by (a module may be shared)."""
-
-    module: nn.Module
-    paths: list[str]
-    style: ShardStyle
-    args: tuple[int, ...]
-
-
-@dataclass
-class _Plan:
-    """Everything `_apply` will do, decided by `validate` (the dry run: pure, nothing modified) before anything is modified."""
-
-    matches: list[_Match]
-    attributes: list[tuple[nn.Module, str, object]] = field(default_factory=list)   # (module, attr, value)
-    embedding_paths: list[list[str]] = field(default_factory=list)    # per module: every path to it
-    head_paths: list[list[str]] = field(default_factory=list)
-    guards: list[tuple[str, nn.Module]] = field(default_factory=list)      # see split_input_guard
-    seq_stack: str | None = None        # sequence parallelism: the layer list's path (base-relative)
-    seq_stack_full: str | None = None   # ... and from the model's root
-    seq_blocks: list[tuple[str, nn.Module]] = field(default_factory=list)   # see _sequence_blocks
-    regions: RegionPlan = field(default_factory=RegionPlan)    # the block regions; every linear's role
-    params: list[tuple[str, nn.Parameter, ShardStyle, tuple]] = field(default_factory=list)   # parameter styles
-    adapters: list[nn.Module] = field(default_factory=list)   # peft LoRA layers whose base the plan shards
 
 
 def _set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
@@ -81,75 +58,6 @@ def _set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
     parent = root.get_submodule(parent_path) if parent_path else root
     setattr(parent, leaf, new)
 
-
-def _module_paths(root: nn.Module, target: nn.Module) -> list[str]:
-    """Every path under `root` that reaches `target` (T5's shared embedding has three)."""
-    return [name for name, module in root.named_modules(remove_duplicate=False) if module is target]
-
-
-def _holders(root: nn.Module, params: list[torch.Tensor]) -> dict[int, tuple[nn.Module, list[str]]]:
-    """Every module holding one of `params` as a parameter of its own, with all its paths."""
-    wanted = {id(p) for p in params}
-    out: dict[int, tuple[nn.Module, list[str]]] = {}
-    for name, module in root.named_modules(remove_duplicate=False):
-        if any(id(p) in wanted for p in module._parameters.values() if p is not None):
-            out.setdefault(id(module), (module, []))[1].append(name)
-    return out
-
-
-def _closed_block(block: nn.Module, matched: dict) -> bool:
-    """A block input may apply Megatron's f once for its children only when every linear inside the
-    block is sharded by the plan and it holds no tensor-parallel experts: a linear left whole there,
-    or an MoE block's router (whatever its class) beside its experts, also reads the block's input,
-    and its input gradient must not be summed over tp. Otherwise each column-parallel child (and each
-    experts module) applies f itself (more collectives, the same numbers). A norm inside an attention
-    (OLMo2's whole-hidden q/k norm) reads a projection's output and leaves the block closed."""
-    return all(id(m) in matched for m in block.modules() if isinstance(m, nn.Linear) or is_conv1d(m)) and \
-        not _holds_experts(block, matched)
-
-
-def _holds_experts(block: nn.Module, matched: dict) -> bool:
-    """An MoE block: it holds tensor-parallel experts (under sequence parallelism it reads the chunk: sequence.py)."""
-    return any(matched[id(m)].style.name in EXPERT_STYLES for m in block.modules() if id(m) in matched)
-
-
-def _split_input_guards(model: nn.Module, matches: list[_Match], matched: dict) -> list[tuple[str, nn.Module]]:
-    """Modules with parameters of their own that sit in a block whose column-parallel children split
-    the activations, and that the plan does not cover (a learnable activation, a per-head norm).
-    Fed a split activation, such a module would compute a partial gradient (or fail on shapes) on
-    every rank; `split_input_guard` refuses that at its first call. Fed the whole hidden state (a
-    layer norm before the projections, as in OPT's decoder layer) it is fine."""
-    blocks = {p.rpartition(".")[0] for m in matches if m.style.name in SPLITTING_STYLES for p in m.paths[:1]}
-    out, seen = [], set()
-    for block_path in sorted(blocks):
-        for name, sub in model.get_submodule(block_path).named_modules():
-            if id(sub) not in matched and id(sub) not in seen and any(True for _ in sub.parameters(recurse=False)):
-                seen.add(id(sub))
-                out.append((f"{block_path}.{name}", sub))
-    return out
-
-
-def _sequence_blocks(model: nn.Module, plan: _Plan, matched: dict) -> list[tuple[str, nn.Module]]:
-    """Under sequence parallelism, each module holding column-parallel linears (an attention, an MLP; or
-    sharded by a block style) in the stack's layers that is not a block input gathers its input at entry:
-    HF attention code views its projections by its input's sequence length, which must be the whole one.
-    Its linears must all be sharded (a whole router would read the gathered input: gradient wrong)."""
-    blocks = {p for m in plan.matches if m.style.name == BLOCK_INPUT for p in m.paths}
-    stack = plan.seq_stack_full
-    out = []
-    parents = sorted({p if m.style.block else p.rpartition(".")[0] for m in plan.matches
-                      if m.style.block or m.style.name.startswith("colwise")
-                      for p in m.paths if p.startswith(stack + ".")})
-    for path in parents:
-        if path in blocks or any(path.startswith(b + ".") for b in blocks) or path.count(".") <= stack.count(".") + 1:
-            continue        # already a block input, inside one, or the layer itself (its columns gather alone)
-        module = model.get_submodule(path)
-        if not _closed_block(module, matched):
-            raise ValueError(f"{path} ({type(module).__name__}): under sequence parallelism it gathers its input once, "
-                             "but it holds a linear the plan leaves whole (a router), whose gradient would then be "
-                             "wrong; use enable_sequence_parallelism=False for this model")
-        out.append((path, module))
-    return out
 
 
 class UncoveredParameterError(ValueError):
@@ -178,13 +86,6 @@ def split_input_guard(path: str, outputs: ColumnOutputs):
         outputs.watch()
         handle = module.register_forward_pre_hook(hook, with_kwargs=True)
     return install
-
-
-def _get(root: nn.Module, path: str):
-    try:
-        return root.get_submodule(path)
-    except AttributeError:
-        return None
 
 
 def tied_parameters(model: nn.Module) -> list[dict[str, nn.Parameter]]:
@@ -280,7 +181,7 @@ class ShardFormer:
         return model, tied_parameters(model)
 
     # -- validation: pure, identical on every rank ---------------------------------------------
-    def validate(self, model: nn.Module, policy: Policy, tp_size: int) -> _Plan:
+    def validate(self, model: nn.Module, policy: Policy, tp_size: int) -> ShardPlan:
         config = getattr(model, "config", None)
         if policy.check is not None:
             policy.check(config, tp_size)
@@ -291,13 +192,13 @@ class ShardFormer:
                     f"{type(model).__name__}: config.{field_name}={value} is not divisible by tp_size={tp_size}; "
                     f"choose a tp_size that divides {value}")
         base = plan_root(model)
-        prefix = (_module_paths(model, base) or [""])[0]
+        prefix = (module_paths(model, base) or [""])[0]
 
         def full(name: str) -> str:
             return f"{prefix}.{name}" if prefix else name
 
         compiled = [(pattern_to_regex(p), *parse_style(s)) for p, s in policy.plan.items()]
-        by_module: dict[int, _Match] = {}
+        by_module: dict[int, Match] = {}
         adapters: dict[int, nn.Module] = {}
         for name, module in base.named_modules(remove_duplicate=False):
             hit = next(((style, args) for regex, style, args in compiled
@@ -311,7 +212,7 @@ class ShardFormer:
             match = by_module.get(id(module))
             if match is None:
                 hit[0].validate(full(name), module, tp_size, *hit[1])
-                by_module[id(module)] = _Match(module, [full(name)], *hit)
+                by_module[id(module)] = Match(module, [full(name)], *hit)
             elif (match.style, match.args) != hit:
                 raise ValueError(f"{full(name)} and {match.paths[0]} are one module that the plan gives two styles "
                                  f"({hit[0].name} and {match.style.name}); give both paths the same style")
@@ -330,26 +231,14 @@ class ShardFormer:
             covered.update({id(linear): by_module[id(layer.get_base_layer())] for linear in adapter_linears(layer)})
         covered.update({id(sub): m for m in matches if m.style.block for sub in m.module.modules()
                         if isinstance(sub, nn.Linear)})
-        matches = [m for m in matches if m.style.name != BLOCK_INPUT or _closed_block(m.module, covered)]
+        matches = [m for m in matches if m.style.name != BLOCK_INPUT or closed_block(m.module, covered)]
         if not any(m.style.name != BLOCK_INPUT for m in matches):
             raise ValueError(f"policy {policy.name!r} matched no module of {type(model).__name__}; check the "
                              "plan's paths against model.base_model.named_modules()")
-        plan = _Plan(matches, guards=_split_input_guards(model, matches, covered),
+        plan = ShardPlan(matches, guards=split_input_guards(model, matches, covered),
                      params=_parameter_matches(base, compiled, full, tp_size), adapters=list(adapters.values()))
         if self.shard_config.enable_sequence_parallelism:
-            sequence.check_model(model, tp_size)
-            plan.seq_stack = sequence.stack_path(model, policy.pipeline_layout)
-            if not isinstance(_get(base, plan.seq_stack), nn.ModuleList):
-                raise ValueError(f"{type(model).__name__}: {plan.seq_stack!r} is not the model's layer list "
-                                 "(nn.ModuleList), which sequence parallelism splits")
-            plan.seq_stack_full = full(plan.seq_stack)
-            unclosed = [m.paths[0] for m in by_module.values() if m.style.name == BLOCK_INPUT    # MoE blocks: below
-                        and not _closed_block(m.module, covered) and not _holds_experts(m.module, covered)
-                        and m.paths[0].startswith(plan.seq_stack_full + ".")]
-            if unclosed:
-                raise ValueError(f"{unclosed[0]}: a block whose linears are not all sharded cannot gather its input "
-                                 "once under sequence parallelism; use enable_sequence_parallelism=False for it")
-            plan.seq_blocks = _sequence_blocks(model, plan, covered)
+            plan_sequence(model, base, plan, policy, by_module, covered, full, tp_size)
         for pattern, rules in policy.attributes.items():
             regex = pattern_to_regex(pattern)
             for name, module in base.named_modules():
@@ -363,7 +252,7 @@ class ShardFormer:
         plan.regions = self._regions(plan, policy)
         return plan
 
-    def _regions(self, plan: _Plan, policy: Policy) -> RegionPlan:
+    def _regions(self, plan: ShardPlan, policy: Policy) -> RegionPlan:
         """One region per block input the plan keeps and per sequence-parallel block: gathering in
         the sequence-parallel stack, copying elsewhere. Built before anything is modified; the styles
         then ask it for each linear's role."""
@@ -378,7 +267,7 @@ class ShardFormer:
         return regions
 
     @staticmethod
-    def _validate_vocab(model: nn.Module, plan: _Plan, matched: dict) -> None:
+    def _validate_vocab(model: nn.Module, plan: ShardPlan, matched: dict) -> None:
         """The input embedding and the LM head, and every other module holding their weight (T5 5.x's
         encoder and decoder `embed_tokens` are modules of their own tied to `shared` by parameter):
         each becomes vocab-parallel, or the model is refused, since a module left native would read
@@ -396,7 +285,7 @@ class ShardFormer:
                    and id(m) not in matched]             # a module the plan names is its style's business
         if not weights:
             return
-        for module, paths in _holders(model, weights).values():
+        for module, paths in holders(model, weights).values():
             if isinstance(module, nn.Embedding):
                 if module.max_norm is not None or module.sparse:
                     raise ValueError("VocabParallelEmbedding does not support max_norm or sparse embeddings; "
@@ -412,7 +301,7 @@ class ShardFormer:
                                  "the vocabulary replicated")
 
     # -- application ---------------------------------------------------------------------------
-    def _apply(self, model: nn.Module, policy: Policy, plan: _Plan) -> None:
+    def _apply(self, model: nn.Module, policy: Policy, plan: ShardPlan) -> None:
         cfg = self.shard_config
         ctx = ShardContext(cfg.tensor_parallel_process_group, cfg.tensor_parallel_size, plan.regions,
                            cfg.make_vocab_size_divisible_by)

@@ -33,7 +33,7 @@ import transformers
 
 from meshboost import Booster
 from meshboost.plugins import HybridParallelConfig, HybridParallelPlugin, ZeroConfig
-from meshboost.shardformer.context import check_context
+from meshboost.shardformer.context_checks import check_context
 from meshboost.testing import assert_close, spawn
 from meshboost.testing.models import build_model, tiny_config
 from meshboost.testing.moe import build_causal_lm, causal_batches, moe_config, train_boosted, train_whole

@@ -12,7 +12,7 @@ import numpy as np
 import torch.distributed as dist
 
 from meshboost.distributed import ParallelMesh
-from meshboost.distributed.mesh import AXES
+from meshboost.distributed.dims import AXES
 
 
 class ProcessGroupMesh:
