@@ -173,6 +173,45 @@ def ep_per_step(layout, moe: MoeTraffic, tokens: int, hidden: int) -> list[tuple
     return [("all_to_all", per_layer * moe.layers * layout.microbatches)]
 
 
+def tp_per_step(layout, moe: MoeTraffic | None, tokens: int, act: int, layers_held: int, first: bool, last: bool,
+                lm_head: bool, post_norm: bool, sequence: SequenceTraffic | None, tp_grad_sum: int,
+                vocab_parallel_loss: bool) -> list[tuple[str, int]]:
+    """Tensor parallelism's collectives per step (comm_per_step's arguments; act: one micro-batch's
+    [tokens, hidden] activation in bytes): Megatron's f and g per layer, the stack's ends, the recompute's
+    under checkpointing, split_gather's all-gathers and reduce-scatters in their place, the experts' and
+    the vocab-parallel loss's."""
+    w = BYTES[layout.precision]
+    m = layout.microbatches
+    out: list[tuple[str, int]] = []
+    per_microbatch = 4 * layers_held + (1 if first else 0) + (1 if last and lm_head else 0)
+    if layout.checkpointing:      # the recomputed forward's all-reduces (see the docstring)
+        per_microbatch += (2 if post_norm else 1) * layers_held
+    moe_layers = moe.layers if moe is not None else 0
+    if moe_layers and layout.ep > 1:      # the experts' f and g on the rows received (mean: tokens x top_k)
+        per_microbatch += 2 * (moe.top_k - 1) * moe_layers
+    if sequence is not None and layout.sequence_parallel:
+        # split_gather: each layer all-reduce becomes an all-gather and a reduce-scatter of the same
+        # [b, s, h] (payload: the whole tensor each); the stack's entry gathers the gradient
+        # backward and its exit the output forward; the recompute re-runs its gathers (see docstring)
+        layer_ops = 4 * layers_held + (1 if first else 0) + (1 if last else 0)
+        recomputed = (2 * layers_held, layers_held) if layout.checkpointing else (0, 0)
+        out.append(("all_gather", (layer_ops + recomputed[0]) * m * act))
+        out.append(("reduce_scatter", (4 * layers_held + recomputed[1]) * m * act))
+        ends = (1 if first else 0) + (1 if last and lm_head else 0)
+        out.append(("all_reduce", ends * m * act))
+        if sequence.summed_per_layer:
+            out.append(("all_reduce", m * layers_held * sequence.summed_per_layer * w))
+    else:
+        out.append(("all_reduce", per_microbatch * m * act))
+    if moe_layers and layout.ep == 1:     # f on the routing weights [tokens, top_k]
+        out.append(("all_reduce", moe_layers * m * tokens * moe.top_k * w))
+    if tp_grad_sum:
+        out.append(("all_reduce", m * tp_grad_sum * w))
+    if vocab_parallel_loss and last:
+        out.append(("all_reduce", 3 * 4 * tokens * m))
+    return out
+
+
 def comm_per_step(layout, hidden: int, layers_held: int, first: bool, last: bool, local_numel: int,
                   padded_numel: int, seq: int, tied_numel: int = 0,
                   vocab_parallel_loss: bool = False, lm_head: bool = True,
@@ -204,32 +243,8 @@ def comm_per_step(layout, hidden: int, layers_held: int, first: bool, last: bool
                 out["edp"].append(("reduce_scatter", moe.padded_numel * w))
                 out["edp"].append(("all_gather", moe.padded_numel * w))
     if layout.tp > 1:
-        per_microbatch = 4 * layers_held + (1 if first else 0) + (1 if last and lm_head else 0)
-        if layout.checkpointing:      # the recomputed forward's all-reduces (see the docstring)
-            per_microbatch += (2 if post_norm else 1) * layers_held
-        moe_layers = moe.layers if moe is not None else 0
-        if moe_layers and layout.ep > 1:      # the experts' f and g on the rows received (mean: tokens x top_k)
-            per_microbatch += 2 * (moe.top_k - 1) * moe_layers
-        if sequence is not None and layout.sequence_parallel:
-            # split_gather: each layer all-reduce becomes an all-gather and a reduce-scatter of the same
-            # [b, s, h] (payload: the whole tensor each); the stack's entry gathers the gradient
-            # backward and its exit the output forward; the recompute re-runs its gathers (see docstring)
-            layer_ops = 4 * layers_held + (1 if first else 0) + (1 if last else 0)
-            recomputed = (2 * layers_held, layers_held) if layout.checkpointing else (0, 0)
-            out["tp"].append(("all_gather", (layer_ops + recomputed[0]) * m * act))
-            out["tp"].append(("reduce_scatter", (4 * layers_held + recomputed[1]) * m * act))
-            ends = (1 if first else 0) + (1 if last and lm_head else 0)
-            out["tp"].append(("all_reduce", ends * m * act))
-            if sequence.summed_per_layer:
-                out["tp"].append(("all_reduce", m * layers_held * sequence.summed_per_layer * w))
-        else:
-            out["tp"].append(("all_reduce", per_microbatch * m * act))
-        if moe_layers and layout.ep == 1:     # f on the routing weights [tokens, top_k]
-            out["tp"].append(("all_reduce", moe_layers * m * tokens * moe.top_k * w))
-        if tp_grad_sum:
-            out["tp"].append(("all_reduce", m * tp_grad_sum * w))
-        if vocab_parallel_loss and last:
-            out["tp"].append(("all_reduce", 3 * 4 * tokens * m))
+        out["tp"] = tp_per_step(layout, moe, tokens, act, layers_held, first, last, lm_head, post_norm, sequence,
+                                tp_grad_sum, vocab_parallel_loss)
     # the input check: per forward call (one per pipeline step), an all-gather over tp, pp and sp each
     calls = 1 if layout.pp > 1 else m
     for axis in ("tp", "pp", "sp"):
