@@ -105,6 +105,36 @@ def train_whole(config, batches, replicas: int = 1, model=None, max_norm: float 
     return losses, dict(model.named_parameters())
 
 
+
+def train_whole_with_bias(config, batches, rate: float):
+    """One process: AdamW on the whole batches, then every router's correction bias moved by
+    rate * sign(mean load - load), the loads its router selected over the step (DeepSeek-V3's update, the
+    reference of `moe_router_bias_update_rate`). -> (losses, parameters, the biases by name)."""
+    model = build_causal_lm(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    gates = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+    loads = {id(g): torch.zeros(g.e_score_correction_bias.numel()) for g in gates}
+
+    def count(module, args, out):           # the router's selected expert ids: (logits, weights, ids)
+        loads[id(module)] += torch.bincount(out[2].reshape(-1), minlength=loads[id(module)].numel()).float()
+    hooks = [g.register_forward_hook(count) for g in gates]
+    losses = []
+    for b in batches:
+        loss = model(**b).loss
+        loss.backward()
+        opt.step(), opt.zero_grad()
+        with torch.no_grad():
+            for g in gates:
+                load = loads[id(g)]
+                g.e_score_correction_bias += rate * torch.sign(load.mean() - load)
+                load.zero_()
+        losses.append(loss.item())
+    for h in hooks:
+        h.remove()
+    return losses, dict(model.named_parameters()), {n: b.clone() for n, b in model.named_buffers()
+                                                    if n.endswith("e_score_correction_bias")}
+
+
 def train_boosted(config, batches, plugin_config, ref_losses, ref_params, what, dtype=torch.float32,
                   model=None, setup=None, ref_norms=None):
     """Boost `model` (default: `build_causal_lm(config)`) with AdamW under `plugin_config`, train on

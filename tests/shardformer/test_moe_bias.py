@@ -11,36 +11,9 @@ import torch
 from meshboost.pipeline import PipelineConfig
 from meshboost.plugins import HybridParallelConfig, HybridParallelPlugin
 from meshboost.testing import spawn
-from meshboost.testing.moe import LR, EPS, build_causal_lm, causal_batches, moe_config, train_boosted
+from meshboost.testing.moe import build_causal_lm, causal_batches, moe_config, train_boosted, train_whole_with_bias
 
 RATE = 1e-2
-
-
-def _whole_with_bias(config, batches):
-    """One process: AdamW on the whole batches, then every router's bias moved by the loads it routed."""
-    model = build_causal_lm(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    gates = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
-    loads = {id(g): torch.zeros(g.e_score_correction_bias.numel()) for g in gates}
-
-    def count(module, args, out):           # the router's selected expert ids: (logits, weights, ids)
-        loads[id(module)] += torch.bincount(out[2].reshape(-1), minlength=loads[id(module)].numel()).float()
-    hooks = [g.register_forward_hook(count) for g in gates]
-    losses = []
-    for b in batches:
-        loss = model(**b).loss
-        loss.backward()
-        opt.step(), opt.zero_grad()
-        with torch.no_grad():
-            for g in gates:
-                load = loads[id(g)]
-                g.e_score_correction_bias += RATE * torch.sign(load.mean() - load)
-                load.zero_()
-        losses.append(loss.item())
-    for h in hooks:
-        h.remove()
-    return losses, dict(model.named_parameters()), {n: b.clone() for n, b in model.named_buffers()
-                                                    if n.endswith("e_score_correction_bias")}
 
 
 def _body(rank, world_size):
@@ -52,7 +25,7 @@ def _body(rank, world_size):
     for family in ("deepseek_v3", "glm4_moe"):
         config = moe_config(family)
         batches = causal_batches(config, steps=3)
-        losses, params, biases = _whole_with_bias(config, batches)
+        losses, params, biases = train_whole_with_bias(config, batches, RATE)
         assert any(b.abs().sum() > 0 for b in biases.values())      # the update happened
         for layout in (dict(ep_size=2), dict(tp_size=2), dict(pipeline=PipelineConfig(2, num_microbatches=2))):
             cfg = HybridParallelConfig(**layout, moe_router_bias_update_rate=RATE)

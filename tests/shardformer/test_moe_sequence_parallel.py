@@ -24,7 +24,7 @@ from meshboost.distributed.param_info import gather_tensor, get_tp_info
 from meshboost.plugins import HybridParallelConfig, HybridParallelPlugin, PrecisionConfig, ShardConfig, ZeroConfig
 from meshboost.testing import assert_close, spawn
 from meshboost.testing.moe import COMMON, LR, EPS, build_causal_lm, causal_batches, moe_config, train_boosted, \
-    train_whole
+    train_whole, train_whole_with_bias
 
 STEPS = 2
 RATE = 1e-2                # the router bias update's rate
@@ -85,37 +85,12 @@ def _check_tp_sp(name, config):
         assert_close(gather_tensor(p.detach(), get_tp_info(p)), ref_params[n].detach(), msg=f"{name} weight {n}")
 
 
-def _whole_with_bias(config, batches):
-    """One process: AdamW on the whole batches, then every router's bias moved by rate * sign(mean - load)."""
-    model = build_causal_lm(config)
-    gates = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
-    loads = {id(g): torch.zeros(g.e_score_correction_bias.numel()) for g in gates}
-
-    def count(module, args, out):           # the router's selected expert ids: (logits, weights, ids)
-        loads[id(module)] += torch.bincount(out[2].reshape(-1), minlength=loads[id(module)].numel()).float()
-    for g in gates:
-        g.register_forward_hook(count)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    losses = []
-    for b in batches:
-        loss = model(**b).loss
-        loss.backward()
-        opt.step(), opt.zero_grad()
-        with torch.no_grad():
-            for g in gates:
-                g.e_score_correction_bias += RATE * torch.sign(loads[id(g)].mean() - loads[id(g)])
-                loads[id(g)].zero_()
-        losses.append(loss.item())
-    return losses, dict(model.named_parameters()), {n: b.clone() for n, b in model.named_buffers()
-                                                    if n.endswith("e_score_correction_bias")}
-
-
 def _bias_update():
     """DeepSeek-V3's bias update under sequence parallelism: each tp rank routes its own chunk, so the loads are
     summed over tp as well; the biases after the steps equal one process's (which counts the whole batch)."""
     config = moe_config("deepseek_v3")
     batches = causal_batches(config, STEPS, batch=2, seq=8)
-    losses, params, biases = _whole_with_bias(config, batches)
+    losses, params, biases = train_whole_with_bias(config, batches, RATE)
     assert any(b.abs().sum() > 0 for b in biases.values())       # the update happened
     _, model, _ = train_boosted(config, batches, _sp(moe_router_bias_update_rate=RATE), losses, params, "bias sp")
     got = {n: b for n, b in model.unwrap().named_buffers() if n.endswith("e_score_correction_bias")}
