@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from meshboost.pipeline import PipelineConfig
-from meshboost.plugins import HybridParallelConfig, HybridParallelPlugin
+from meshboost.plugins import HybridParallelConfig, HybridParallelPlugin, ZeroConfig
 from meshboost.testing import spawn
 from meshboost.testing.moe import build_causal_lm, causal_batches, moe_config, train_boosted, train_whole_with_bias
 
@@ -27,7 +27,8 @@ def _body(rank, world_size):
         batches = causal_batches(config, steps=3)
         losses, params, biases = train_whole_with_bias(config, batches, RATE)
         assert any(b.abs().sum() > 0 for b in biases.values())      # the update happened
-        for layout in (dict(ep_size=2), dict(tp_size=2), dict(pipeline=PipelineConfig(2, num_microbatches=2))):
+        for layout in (dict(ep_size=2), dict(tp_size=2), dict(pipeline=PipelineConfig(2, num_microbatches=2)),
+                       dict(ep_size=2, zero=ZeroConfig(stage=3))):      # FSDP2 over edp / dp: the bias is a buffer
             cfg = HybridParallelConfig(**layout, moe_router_bias_update_rate=RATE)
             booster, model, _ = train_boosted(config, batches, cfg, losses, params, f"{family} {layout}")
             got = {n: b for n, b in model.unwrap().named_buffers() if n.endswith("e_score_correction_bias")}
