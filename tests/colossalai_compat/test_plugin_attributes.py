@@ -26,8 +26,6 @@ REFUSED = [
     (dict(dp_outside=False), "dp_outside=False"),
     (dict(overlap_allgather=True), "overlap_allgather=True"),
     (dict(fp8_communication=True), "fp8_communication=True\\) compresses .* on CUDA; this process computes on 'cpu'"),
-    (dict(use_fp8=True, sp_size=2, enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all"),
-     "float8 \\(recipe='tensorwise'\\) with tp_size=1, sp_size=2"),
     (dict(inner_ring_size=2), "double ring"),
     (dict(sp_size=2), "sp_size=2"),
 ]
