@@ -20,6 +20,7 @@ from meshboost.distributed.agreement import agree_settings
 from meshboost.fsdp import FSDPConfig, apply_fsdp, boost_optimizer, is_sharded, no_gradient_sync, prepare, reshard_all
 from meshboost.optim import PrecisionConfig
 from meshboost.plugins.fsdp_wrap import transformer_layers
+from meshboost.plugins.shortcuts import config_from
 from meshboost.shardformer import ShardConfig, ShardFormer
 
 
@@ -42,23 +43,8 @@ class FSDPModel(ModelWrapper):
         return reshard_all(super().unwrap())
 
 
-def plugin_config(config, precision: str | None, unknown: dict) -> FSDPConfig:
-    """The plugin's one config: `config`, or `FSDPConfig(PrecisionConfig(precision))` for the shortcut
-    (pure: the same error on every rank)."""
-    if unknown:
-        raise TypeError(f"FSDPPlugin() got {', '.join(sorted(unknown))}: meshboost.plugins.FSDPPlugin takes "
-                        "config=meshboost.fsdp.FSDPConfig(...) (or the shortcut precision=...); ColossalAI's GeminiPlugin "
-                        "and TorchFSDPPlugin keywords are taken by those classes at ColossalAI's path, "
-                        "`from meshboost.booster.plugin import GeminiPlugin, TorchFSDPPlugin` (docs/fsdp.md)")
-    if config is None:
-        return FSDPConfig(PrecisionConfig(precision)) if precision is not None else FSDPConfig()
-    if not isinstance(config, FSDPConfig):
-        raise TypeError(f"FSDPPlugin(config={config!r}): pass a meshboost.fsdp.FSDPConfig, or the shortcut "
-                        "precision=...")
-    if precision is not None:
-        raise ValueError(f"FSDPPlugin(config=..., precision={precision!r}): set it inside the config "
-                         "(FSDPConfig(precision=PrecisionConfig(...))), not beside it")
-    return config
+def _build(precision: str | None = None) -> FSDPConfig:
+    return FSDPConfig(PrecisionConfig(precision)) if precision is not None else FSDPConfig()
 
 
 class FSDPPlugin(Plugin):
@@ -75,7 +61,10 @@ class FSDPPlugin(Plugin):
         # Every rank must pass the same arguments; one all-gather of a digest says so (or names the
         # difference) before anything that could differ by rank, so no rank is left hanging.
         agree_settings({"config": config, "precision": precision, **unknown}, f"{type(self).__name__} arguments")
-        self._build(plugin_config(config, precision, unknown))
+        self._build(config_from("FSDPPlugin", FSDPConfig, _build, config, {"precision": precision}, unknown,
+                                "ColossalAI's GeminiPlugin and TorchFSDPPlugin keywords are taken by those classes at "
+                                "ColossalAI's path, `from meshboost.booster.plugin import GeminiPlugin, TorchFSDPPlugin` "
+                                "(docs/fsdp.md)"))
 
     def _build(self, config: FSDPConfig) -> None:
         self.config = config

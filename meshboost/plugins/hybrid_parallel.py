@@ -37,6 +37,7 @@ from meshboost.plugins import input_checks
 from meshboost.plugins.input_checks import ALWAYS, InputCheck, LabelledItemsGuard, next_pipeline_batch
 from meshboost.plugins.router_bias import install as install_router_bias
 from meshboost.plugins.router_statistics import GLOBAL, loss_function, with_global_router_loss
+from meshboost.plugins.shortcuts import config_from
 from meshboost.plugins.speed import apply_compile, apply_float8, to_device
 from meshboost.shardformer import (PipelineGradientCheckpointConfig, ShardConfig, ShardFormer, pipeline_layout,
                                    uses_causal_lm_loss)
@@ -129,30 +130,16 @@ SHORTCUTS = ("tp_size", "pp_size", "zero_stage", "precision", "ep_size", "compil
 def plugin_config(config, shortcuts: dict, unknown: dict) -> HybridParallelConfig:
     """The plugin's one config: `config`, or `HybridParallelConfig.of(**shortcuts)` for the shortcuts
     given (pure: the same error on every rank)."""
-    if unknown:
-        names = ", ".join(sorted(unknown))
-        raise TypeError(f"HybridParallelPlugin() got {names}: meshboost.plugins.HybridParallelPlugin takes "
-                        f"config=HybridParallelConfig(...) (or the shortcuts {', '.join(SHORTCUTS)}); ColossalAI's "
-                        "flat keywords are taken by `from meshboost.booster.plugin import HybridParallelPlugin`, "
-                        "ColossalAI's path, which maps them onto the config (docs/colossalai.md)")
-    given = {k: v for k, v in shortcuts.items() if v is not None}
-    if config is None:
-        pp = given.get("pp_size", 1)
-        if isinstance(pp, int) and not isinstance(pp, bool) and pp > 1:
-            raise ValueError(f"HybridParallelPlugin(pp_size={pp}) needs a micro-batch setting, which the shortcuts do "
-                             f"not take: pass HybridParallelConfig(pipeline=PipelineConfig(pp_size={pp}, "
-                             "num_microbatches=...)), or ColossalAI's keywords through meshboost.booster.plugin's "
-                             f"HybridParallelPlugin(pp_size={pp}, num_microbatches=...)")
-        return HybridParallelConfig.of(**given)
-    if not isinstance(config, HybridParallelConfig):
-        hint = f"tp_size={config!r}" if isinstance(config, int) else "config=HybridParallelConfig(...)"
-        raise TypeError(f"HybridParallelPlugin(config={config!r}): pass a meshboost.plugins.HybridParallelConfig, "
-                        f"or {hint}")
-    if given:
-        raise ValueError(f"HybridParallelPlugin(config=..., {', '.join(f'{k}={v!r}' for k, v in given.items())}): "
-                         "set these inside the config (HybridParallelConfig(tp_size=..., pipeline=PipelineConfig(...), "
-                         "zero=ZeroConfig(stage=...), precision=PrecisionConfig(...))), not beside it")
-    return config
+    pp = shortcuts.get("pp_size")
+    if config is None and not unknown and isinstance(pp, int) and not isinstance(pp, bool) and pp > 1:
+        raise ValueError(f"HybridParallelPlugin(pp_size={pp}) needs a micro-batch setting, which the shortcuts do "
+                         f"not take: pass HybridParallelConfig(pipeline=PipelineConfig(pp_size={pp}, "
+                         "num_microbatches=...)), or ColossalAI's keywords through meshboost.booster.plugin's "
+                         f"HybridParallelPlugin(pp_size={pp}, num_microbatches=...)")
+    return config_from("HybridParallelPlugin", HybridParallelConfig, HybridParallelConfig.of, config, shortcuts, unknown,
+                       "ColossalAI's flat keywords are taken by `from meshboost.booster.plugin import "
+                       "HybridParallelPlugin`, ColossalAI's path, which maps them onto the config (docs/colossalai.md)",
+                       hint=f"tp_size={config!r}" if isinstance(config, int) else None)
 
 
 class HybridParallelPlugin(Plugin):

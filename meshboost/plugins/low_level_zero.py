@@ -19,6 +19,7 @@ from meshboost.distributed import ParallelMesh
 from meshboost.distributed.agreement import agree_settings
 from meshboost.distributed.inputs import cast_floating
 from meshboost.optim import PrecisionConfig, ZeroConfig, ZeroOptimizer
+from meshboost.plugins.shortcuts import config_from
 
 
 class LowLevelZeroModel(ModelWrapper):
@@ -66,30 +67,6 @@ class LowLevelZeroConfig:
         return cls(zero=ZeroConfig(stage=stage), precision=PrecisionConfig(precision))
 
 
-SHORTCUTS = ("stage", "precision")
-
-
-def plugin_config(config, shortcuts: dict, unknown: dict) -> LowLevelZeroConfig:
-    """The plugin's one config: `config`, or `LowLevelZeroConfig.of(**shortcuts)` (pure: the same error on
-    every rank)."""
-    if unknown:
-        raise TypeError(f"LowLevelZeroPlugin() got {', '.join(sorted(unknown))}: meshboost.plugins.LowLevelZeroPlugin "
-                        f"takes config=LowLevelZeroConfig(...) (or the shortcuts {', '.join(SHORTCUTS)}); ColossalAI's "
-                        "keywords are taken by `from meshboost.booster.plugin import LowLevelZeroPlugin`, ColossalAI's "
-                        "path, which maps them onto the config (docs/colossalai.md)")
-    given = {k: v for k, v in shortcuts.items() if v is not None}
-    if config is None:
-        return LowLevelZeroConfig.of(**given)
-    if not isinstance(config, LowLevelZeroConfig):
-        raise TypeError(f"LowLevelZeroPlugin(config={config!r}): pass a meshboost.plugins.LowLevelZeroConfig, or "
-                        "the shortcuts stage=..., precision=...")
-    if given:
-        raise ValueError(f"LowLevelZeroPlugin(config=..., {', '.join(f'{k}={v!r}' for k, v in given.items())}): set "
-                         "these inside the config (LowLevelZeroConfig(zero=ZeroConfig(stage=...), "
-                         "precision=PrecisionConfig(...))), not beside it")
-    return config
-
-
 class LowLevelZeroPlugin(Plugin):
     """ZeRO data parallelism over every rank, built from `config` (`LowLevelZeroConfig`: the `ZeroConfig`,
     the `PrecisionConfig`, cast_inputs, verbose). `LowLevelZeroPlugin(stage=2, precision="bf16")` is
@@ -105,7 +82,10 @@ class LowLevelZeroPlugin(Plugin):
         # difference) before anything that could differ by rank, so no rank is left hanging.
         agree_settings({"config": config, **shortcuts, **unknown}, "LowLevelZeroPlugin arguments")
         # -- pure checks first: every rank raises the same error before any collective ----------
-        self.config = plugin_config(config, shortcuts, unknown)
+        self.config = config_from("LowLevelZeroPlugin", LowLevelZeroConfig, LowLevelZeroConfig.of, config, shortcuts,
+                                  unknown, "ColossalAI's keywords are taken by `from meshboost.booster.plugin import "
+                                  "LowLevelZeroPlugin`, ColossalAI's path, which maps them onto the config "
+                                  "(docs/colossalai.md)")
         self.mesh = ParallelMesh(tp_size=1, pp_size=1)                  # collective: after the checks
 
     @property
