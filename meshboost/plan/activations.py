@@ -14,6 +14,7 @@ splits emulated shape for shape (emulate.py). Must not touch the caller's model.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import json
@@ -68,11 +69,12 @@ def count_layers(config) -> int:
 
 
 def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpointing: bool,
-                 split: SequenceSplit | None = None) -> tuple[int, int]:
+                 split: SequenceSplit | None = None, vocab_tp: int = 1) -> tuple[int, ...]:
     """(distinct bytes autograd saves in one training forward of `cls(config)` on fake tensors, the
     parameters (and views of them: a linear saves its weight) left out: they are the weights;
     split_gather's replicated elements fed the chunk) for one rank of `split`'s sequence split."""
     from meshboost.plan import emulate
+    from meshboost.shardformer import uses_causal_lm_loss
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     saved: dict = {}
@@ -108,7 +110,11 @@ def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpoi
             inputs["labels"] = ids if _is_causal(cls) else torch.randint(0, num_labels, (batch,))
         if context is not None:                 # this rank's piece of every sequence, as the plugin cuts it
             inputs = context.shard(inputs)
-        live = live_peak(model, inputs, lambda: torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+        loss = contextlib.nullcontext()
+        if vocab_tp > 1 and uses_causal_lm_loss(model):   # the sharder's vocab-parallel loss, shape-only exchanges
+            loss = emulate.install_vocab_parallel_loss(model, vocab_tp)
+        with loss:
+            live = live_peak(model, inputs, lambda: torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
     return (sum(saved.values()), sum(sequence.summed.values()) if sequence is not None else 0, *live)
 
 
@@ -228,23 +234,23 @@ def tp_rank_config(config, tp_size: int, padded_vocab: int | None):
 
 
 def _measured(cls, config_json: str, model_type: str, batch: int, seq: int, precision: str,
-              checkpointing: bool, split: SequenceSplit | None = None) -> tuple[int, ...]:
+              checkpointing: bool, split: SequenceSplit | None = None, vocab_tp: int = 1) -> tuple[int, ...]:
     """(per layer, ends, summed per layer, live per layer, live ends, peak per layer, peak ends) for one
     micro-batch of `batch` sequences, run at that size: the saved bytes are affine in the batch, but
     the peak is not (at one sequence the embedding's weight gradient can outweigh the loss's softmax
     gradient, at twelve the other way round), so no size is extrapolated from another."""
-    return _measured_batch(cls, config_json, model_type, batch, seq, precision, checkpointing, split)
+    return _measured_batch(cls, config_json, model_type, batch, seq, precision, checkpointing, split, vocab_tp)
 
 
 @lru_cache(maxsize=256)
 def _measured_batch(cls, config_json: str, model_type: str, batch: int, seq: int, precision: str,
-                    checkpointing: bool, split: SequenceSplit | None = None) -> tuple[int, ...]:
+                    checkpointing: bool, split: SequenceSplit | None = None, vocab_tp: int = 1) -> tuple[int, ...]:
     """`_measured` of one batch size, from a 1-layer and a 2-layer copy of the config."""
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type, **json.loads(config_json))
-    one = _saved_bytes(cls, _with_layers(config, 1), batch, seq, DTYPES[precision], checkpointing, split)
-    two = _saved_bytes(cls, _with_layers(config, 2), batch, seq, DTYPES[precision], checkpointing, split)
+    one = _saved_bytes(cls, _with_layers(config, 1), batch, seq, DTYPES[precision], checkpointing, split, vocab_tp)
+    two = _saved_bytes(cls, _with_layers(config, 2), batch, seq, DTYPES[precision], checkpointing, split, vocab_tp)
     per_layer = tuple(b - a for a, b in zip(one, two))       # (saved, summed, live, peak) per layer
     ends = tuple(2 * a - b for a, b in zip(one, two))
     return per_layer[0], ends[0], per_layer[1], per_layer[2], ends[2], per_layer[3], ends[3]
@@ -264,8 +270,9 @@ def activation_model(cls, config, batch: int, seq: int, precision: str, tp_size:
     (of one sp rank, under context parallelism: `split`)."""
     rank_config = tp_rank_config(config, tp_size, padded_vocab)
     if rank_config is not None:
+        vocab_tp = tp_size if padded_vocab is not None else 1     # the head's logits stay split over tp
         per_layer, ends, summed, *live = _measured(cls, *_key(rank_config), batch, seq, precision, checkpointing,
-                                                   split)
+                                                   split, vocab_tp)
         return ActivationModel(per_layer, ends, True, summed, *live)
     # No per-rank config: assume the hidden-sized tensors stay whole on every rank (per layer its 2 norm
     # inputs and the residual path, about 4 x batch x seq x hidden, or all a checkpointed layer keeps,

@@ -73,8 +73,11 @@ def stage_peak(layout, state: dict, buffers: int, act: StageActivations, shape: 
         raise ValueError(f"device {device!r}: the peak model predicts one of {DEVICES}")
     w = BYTES[layout.precision]
     held = state["weights"] + state["masters"] + state["optimizer_states"]
-    if layout.cpu_offload:
-        held = state["weights"]                  # masters and moments live on the host
+    offload_elsewhere = layout.cpu_offload and device != "cpu"
+    if offload_elsewhere:                        # masters and moments live on the host
+        held = state["weights"]
+    elif layout.cpu_offload:                     # on a CPU the host is the device: they count
+        held = state["weights"] + state.get("host", 0)
     half = layout.precision != "fp32"
     zero_12 = layout.zero in (1, 2) and layout.grad_replicas > 1
     working_grads = w * shape.numel
@@ -85,9 +88,10 @@ def stage_peak(layout, state: dict, buffers: int, act: StageActivations, shape: 
         backward = max(backward, held + working_grads + act.others_later + act.one_peak)
     unreduced = w * min(shape.numel, DEFAULT_BUCKET_ELEMENTS) if zero_12 else working_grads
     reduction = held + unreduced + buffers
-    master_grads = 4 * shape.owned if half and layout.zero != 3 and not layout.cpu_offload else 0
+    # the fp32 gradient shards (offloaded: on the host, a copy even in fp32)
+    master_grads = 4 * shape.owned if (half or layout.cpu_offload) and layout.zero != 3 and not offload_elsewhere else 0
     kept = state["gradients"]
-    step = held + kept + master_grads + (0 if layout.cpu_offload else adam_temporaries(device, shape))
+    step = held + kept + master_grads + (0 if offload_elsewhere else adam_temporaries(device, shape))
     write_back = 0
     if zero_12 and (half or layout.cpu_offload):
         write_back = held + kept + master_grads + w * (shape.owned + shape.largest_bucket)

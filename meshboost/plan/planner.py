@@ -231,10 +231,10 @@ class Planner:
                     mem["buffers"] = self._buffers(layout, shards, dp_rank)
                     mem = {k: int(mem[k]) for k in MEMORY_KEYS}
                     mem["total"] = sum(mem.values())
-                    predicted = peak.rank_peak(self, layout, pp_rank, shards, dp_rank, mem)
-                    mem.update({k: predicted[k] for k in ("peak", "reserved", "outside", "instant")})
                     if host:                    # cpu_offload: host memory, outside the device total
                         mem["host"] = int(sum(host.values()))
+                    predicted = peak.rank_peak(self, layout, pp_rank, shards, dp_rank, mem)
+                    mem.update({k: predicted[k] for k in ("peak", "reserved", "outside", "instant", "device")})
                     if stage_worst is None or mem["peak"] > stage_worst[0]["peak"]:
                         stage_worst = (mem, shards, tp_rank, dp_rank)
             mem, shards, tp_rank, dp_rank = stage_worst
