@@ -127,10 +127,12 @@ def predicted_peak(spec, fields: dict, ranks, device: str = "cpu") -> dict:
     planner.check(layout)
     pp, tp, dp = ranks
     shards = planner.shards(layout, pp, tp)
-    mem, _ = planner._state(layout, shards, dp)
+    mem, host = planner._state(layout, shards, dp)
     mem["activations"] = planner.stage_activations(layout, pp)
     mem["buffers"] = planner._buffers(layout, shards, dp)
     mem = {k: int(mem[k]) for k in MEMORY_KEYS}
+    if host:                           # cpu_offload: on a CPU the host is the device
+        mem["host"] = int(sum(host.values()))
     return rank_peak(planner, layout, pp, shards, dp, mem)
 
 

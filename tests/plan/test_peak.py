@@ -17,13 +17,14 @@ from meshboost.plan.__main__ import main
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-LLAMA_7B = ("hidden_size=4096,intermediate_size=11008,num_hidden_layers=32,num_attention_heads=32,"
-            "num_key_value_heads=32,vocab_size=32000,max_position_embeddings=4096")
+# a tiny Llama: every figure below is a fake-tensor run of it (the enumeration runs one per micro-batch size)
+TINY = ("hidden_size=64,intermediate_size=128,num_hidden_layers=4,num_attention_heads=4,num_key_value_heads=4,"
+        "vocab_size=1000")
 
 
 def _run(capsys, *argv) -> tuple[int, str]:
     try:
-        code = main(["--model", "llama", "--set", LLAMA_7B, "--gpus", "8", "--seq", "4096", "--global-batch", "64",
+        code = main(["--model", "llama", "--set", TINY, "--gpus", "8", "--seq", "16", "--global-batch", "8",
                      *argv])
     except SystemExit as exc:
         code = exc.code
@@ -58,13 +59,11 @@ def test_fits_compares_reserved_with_memory(capsys):
 
 
 def test_table_shows_peak_and_reserved(capsys):
-    code = main(["--model", "llama", "--set", "hidden_size=64,intermediate_size=128,num_hidden_layers=2,"
-                 "num_attention_heads=4,num_key_value_heads=4,vocab_size=1000", "--gpus", "2", "--seq", "16",
-                 "--global-batch", "2", "--device", "cuda", "--memory-gb", "80", "--top", "3"])
-    out = capsys.readouterr().out
+    code, out = _run(capsys, "--layout", "tp=2,pp=2,zero=1", "--device", "cuda")
     assert code == 0
     head = out.splitlines()[1]
-    assert "peak" in head and "reserved" in head
+    assert "peak" in head.split() and "reserved" in head.split()
+    assert "at its" in out and "peak predicted for device: cuda" in out
 
 
 @pytest.mark.parametrize("fields", [dict(precision="fp32"), dict(dp=2, zero=2, precision="fp32")],
