@@ -9,7 +9,9 @@ by the stage x micro-batches in flight (1F1B: min(pp - stage, microbatches)), te
 measuring a per-rank config (heads, key/value heads, intermediate size and vocabulary divided by tp,
 head_dim kept) where the family's config allows it, else a documented approximation; under sequence
 parallelism (split_gather) and context parallelism, the same forward with meshboost's own sequence
-splits emulated shape for shape (emulate.py). Must not touch the caller's model.
+splits emulated shape for shape (emulate.py). The same fake run goes on through backward under
+torch's MemTracker (`live_peak`): the bytes alive after the forward and the peak over forward and
+backward, which the peak model (peak.py) uses. Must not touch the caller's model.
 """
 
 from __future__ import annotations
