@@ -4,9 +4,10 @@
 # utilisation side by side (issue 41; benchmarks/gpu_mfu.py, each row its own process): plain PyTorch
 # (autocast; bf16), meshboost eager, + compile, + compile + float8, for a 0.94B Llama at 8 x 2048 and a
 # 3.1B one at 4 x 2048, printing ms/step, tokens/s, MFU (datasheet and measured matmul rate), peak memory
-# and the loss after 10 steps, and last the planner's predicted memory per rank against
-# torch.cuda.max_memory_allocated (benchmarks/plan_accuracy.py --cuda: the cases whose world fits the
-# GPUs). Budget: under 9 minutes on one H100/H200.
+# and the loss after 10 steps, and last the planner's predicted peak and reserved bytes against
+# torch.cuda.max_memory_allocated and max_memory_reserved (benchmarks/plan_peak.py --cuda: world-1
+# cases, each in a process of its own, a ~3B Llama at seq 4096 with checkpointing and a 2-layer
+# 64-expert MoE among them). Budget: under 9 minutes on one H100/H200.
 #
 #   bash benchmarks/gpu_check.sh            # on the GPU machine, from any directory
 #   bash benchmarks/gpu_check.sh --dry-run  # anywhere: the same steps on CPU with a tiny model
@@ -56,10 +57,10 @@ else
   timeout 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/release_check.py
   timeout 420 "$PY" benchmarks/gpu_mfu.py --row-timeout 120
 fi
-step "5/5 planner: predicted memory per rank against max_memory_allocated"
+step "5/5 planner: predicted peak/reserved against max_memory_allocated/max_memory_reserved"
 if [ "$DRY" = 1 ]; then
-  timeout 120 "$PY" benchmarks/plan_accuracy.py --cuda --quick
+  timeout 240 "$PY" benchmarks/plan_peak.py --cuda --dry-run
 else
-  timeout 150 "$PY" benchmarks/plan_accuracy.py --cuda
+  timeout 300 "$PY" benchmarks/plan_peak.py --cuda
 fi
 step "done"

@@ -53,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-gb", type=float, default=80.0, help="device memory in GiB")
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
     p.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step")
+    p.add_argument("--device", default=None, choices=("cpu", "cuda"),
+                   help="whose temporaries and allocator the peak predicts (default: cuda where torch sees one)")
     p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"), help="training precision")
     p.add_argument("--layout", default=None, help="explain one layout: tp=2,pp=2,zero=1,mb=4,ckpt=1,... or a table "
                    "row (tp=2,pp=1,dp=4,zero=1,bf16,mb=2x8,ckpt)")
@@ -104,6 +106,7 @@ def _constants(args) -> CostConstants:
     return CostConstants(**{**c.__dict__, **changes})
 
 
+COLUMNS = (*MEMORY_KEYS, "total", "peak", "reserved")
 WIDTH = 56         # the layout column: tp=1,pp=2,dp=2,sp=2(ring_attn),zero=2,bf16,mb=128x1,ckpt
 
 
@@ -112,11 +115,13 @@ def _gib(n: float) -> str:
 
 
 def _table(estimates) -> str:
-    head = f"{'layout':{WIDTH}s} " + " ".join(f"{k[:9]:>9s}" for k in (*MEMORY_KEYS, "total")) + "   rel.time  fits"
-    lines = [head, f"{'':{WIDTH}s} (GiB per rank, worst rank)"]
+    head = f"{'layout':{WIDTH}s} " + " ".join(f"{k[:9]:>9s}" for k in COLUMNS) + "   rel.time  fits"
+    lines = [head, f"{'':{WIDTH}s} (GiB per rank, worst rank; peak: allocated at the step's worst instant, "
+                   "reserved: + allocator margin and what lies outside it)"]
     for e in estimates:
-        m = e.memory_bytes_per_rank
-        lines.append(f"{e.layout.describe():{WIDTH}s} " + " ".join(f"{_gib(m[k]):>9s}" for k in (*MEMORY_KEYS, "total"))
+        m = {**e.memory_bytes_per_rank, "reserved": e.memory_bytes_per_rank["reserved"]
+             + e.memory_bytes_per_rank["outside"]}
+        lines.append(f"{e.layout.describe():{WIDTH}s} " + " ".join(f"{_gib(m[k]):>9s}" for k in COLUMNS)
                      + f"   {e.relative_step_time:8.2f}  {'yes' if e.fits else 'no'}")
     return "\n".join(lines)
 
@@ -127,10 +132,12 @@ def _explained(e, constants=None) -> str:
     for s in e.per_stage:
         m = s["memory_bytes"]
         lines.append(f"  pp_rank {s['pp_rank']}: {s['layers']} layers, total {m['total'] / GIB:.2f} GiB, "
-                     + ", ".join(f"{k} {m[k] / GIB:.2f}" for k in MEMORY_KEYS))
+                     + ", ".join(f"{k} {m[k] / GIB:.2f}" for k in MEMORY_KEYS)
+                     + f"; peak {m['peak'] / GIB:.2f} at its {m['instant']}, reserved {m['reserved'] / GIB:.2f}")
     lines.append("communication per step (payload bytes, worst stage): "
                  + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in e.comm_bytes_per_step.items()))
     lines += [f"note: {n}" for n in e.notes]
+    lines.append(f"peak predicted for device: {e.memory_bytes_per_rank.get('device', '?')}")
     lines.append(f"cost constants: {constants.source}" if constants is not None else "")
     return "\n".join(lines)
 
@@ -159,7 +166,7 @@ def main(argv=None) -> int:
     try:
         planner = Planner(args.model, parse_overrides(args.set), architecture=args.architecture, gpus=args.gpus,
                           nodes=args.nodes, memory_gb=args.memory_gb, seq=args.seq, global_batch=args.global_batch,
-                          precision=args.precision, constants=_constants(args))
+                          precision=args.precision, constants=_constants(args), device=args.device)
     except (ValueError, TypeError, NotImplementedError, OSError) as exc:
         parser.error(str(exc))
     if args.layout is not None:
@@ -196,7 +203,7 @@ def _ranking(parser, args, planner) -> int:
           f"{args.gpus} GPUs of {args.memory_gb:g} GiB, seq {args.seq}, global batch {args.global_batch}: "
           f"{len(fitting)} layouts fit, {len(refused)} refused")
     print(_table(shown[:args.top]))
-    print(f"cost constants: {planner.constants.source}")
+    print(f"peak predicted for device: {planner.device}; cost constants: {planner.constants.source}")
     return 0
 
 

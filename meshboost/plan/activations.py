@@ -9,11 +9,14 @@ by the stage x micro-batches in flight (1F1B: min(pp - stage, microbatches)), te
 measuring a per-rank config (heads, key/value heads, intermediate size and vocabulary divided by tp,
 head_dim kept) where the family's config allows it, else a documented approximation; under sequence
 parallelism (split_gather) and context parallelism, the same forward with meshboost's own sequence
-splits emulated shape for shape (emulate.py). Must not touch the caller's model.
+splits emulated shape for shape (emulate.py). The same fake run goes on through backward under
+torch's MemTracker (`live_peak`): the bytes alive after the forward and the peak over forward and
+backward, which the peak model (peak.py) uses. Must not touch the caller's model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import json
@@ -37,6 +40,13 @@ class ActivationModel:
     ends: int
     exact_tp: bool          # the tp per-rank figure was measured (True) or approximated (False)
     summed_per_layer: int = 0   # split_gather: replicated elements per layer fed the chunk (grads summed over tp)
+    # what a step really holds (peak.py): bytes alive once the forward returned its loss (each storage
+    # once), and the peak alive over forward and backward (the kernels' temporaries: the loss's softmax
+    # gradient, a layer's backward buffers), per layer and ends, as torch's MemTracker counts them
+    live_per_layer: int = 0
+    live_ends: int = 0
+    peak_per_layer: int = 0
+    peak_ends: int = 0
 
 
 @dataclass(frozen=True)
@@ -61,11 +71,12 @@ def count_layers(config) -> int:
 
 
 def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpointing: bool,
-                 split: SequenceSplit | None = None) -> tuple[int, int]:
+                 split: SequenceSplit | None = None, vocab_tp: int = 1) -> tuple[int, ...]:
     """(distinct bytes autograd saves in one training forward of `cls(config)` on fake tensors, the
     parameters (and views of them: a linear saves its weight) left out: they are the weights;
     split_gather's replicated elements fed the chunk) for one rank of `split`'s sequence split."""
     from meshboost.plan import emulate
+    from meshboost.shardformer import uses_causal_lm_loss
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     saved: dict = {}
@@ -101,9 +112,51 @@ def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpoi
             inputs["labels"] = ids if _is_causal(cls) else torch.randint(0, num_labels, (batch,))
         if context is not None:                 # this rank's piece of every sequence, as the plugin cuts it
             inputs = context.shard(inputs)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(**inputs)
-    return sum(saved.values()), sum(sequence.summed.values()) if sequence is not None else 0
+        loss = contextlib.nullcontext()
+        if vocab_tp > 1 and uses_causal_lm_loss(model):   # the sharder's vocab-parallel loss, shape-only exchanges
+            loss = emulate.install_vocab_parallel_loss(model, vocab_tp)
+        with loss:
+            live = live_peak(model, inputs, lambda: torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+    return (sum(saved.values()), sum(sequence.summed.values()) if sequence is not None else 0, *live)
+
+
+def live_peak(model, inputs: dict, hooks) -> tuple[int, int]:
+    """(bytes alive once the forward has returned its loss, the peak alive over that forward and the
+    backward), the parameters and their gradients left out, on `model`'s fake tensors, as torch's
+    `MemTracker` counts them (each storage once, whatever views autograd saved of it). The outputs
+    but the loss are dropped, as a training step drops them (the logits are not saved: the loss's
+    softmax is); each gradient is dropped once accumulated (they are counted as `gradients`, held or
+    reduced as the layout does), so the peak is what activations and the kernels' temporaries add."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    kinds = (_MemRefType.ACT, _MemRefType.TEMP)
+    drops = [p.register_post_accumulate_grad_hook(_drop_grad) for p in model.parameters() if p.requires_grad]
+    tracker = MemTracker()
+    tracker.track_external(model)
+    try:
+        with tracker:
+            with hooks():
+                loss = _loss_of(model(**inputs))
+            after = tracker.get_tracker_snapshot("current")
+            loss.backward()
+        peak = tracker.get_tracker_snapshot("peak")
+    finally:
+        for handle in drops:
+            handle.remove()
+    return tuple(sum(sum(snap.get(k, 0) for k in kinds) for snap in s.values()) for s in (after, peak))
+
+
+def _drop_grad(p) -> None:
+    p.grad = None
+
+
+def _loss_of(outputs):
+    """The training loss of a transformers output (a base model without labels: its hidden states summed)."""
+    loss = getattr(outputs, "loss", None)
+    if loss is None:
+        first = outputs[0] if isinstance(outputs, tuple) else outputs.last_hidden_state
+        loss = first.float().sum()
+    return loss
 
 
 class _GroupedMM(torch.autograd.Function):
@@ -183,29 +236,26 @@ def tp_rank_config(config, tp_size: int, padded_vocab: int | None):
 
 
 def _measured(cls, config_json: str, model_type: str, batch: int, seq: int, precision: str,
-              checkpointing: bool, split: SequenceSplit | None = None) -> tuple[int, int, int]:
-    """(per layer, ends, summed per layer) for one micro-batch of `batch` sequences. Every saved tensor
-    either has the batch dimension or none (a mask, a rotary table broadcast over it), so the bytes are
-    affine in the batch: measured at 1 and 2 sequences, the rest follows (one pair of fake runs serves
-    every micro-batch size the enumeration tries)."""
-    if batch <= 2:
-        return _measured_batch(cls, config_json, model_type, batch, seq, precision, checkpointing, split)
-    one = _measured_batch(cls, config_json, model_type, 1, seq, precision, checkpointing, split)
-    two = _measured_batch(cls, config_json, model_type, 2, seq, precision, checkpointing, split)
-    return tuple(a + (batch - 1) * (b - a) for a, b in zip(one, two))
+              checkpointing: bool, split: SequenceSplit | None = None, vocab_tp: int = 1) -> tuple[int, ...]:
+    """(per layer, ends, summed per layer, live per layer, live ends, peak per layer, peak ends) for one
+    micro-batch of `batch` sequences, run at that size: the saved bytes are affine in the batch, but
+    the peak is not (at one sequence the embedding's weight gradient can outweigh the loss's softmax
+    gradient, at twelve the other way round), so no size is extrapolated from another."""
+    return _measured_batch(cls, config_json, model_type, batch, seq, precision, checkpointing, split, vocab_tp)
 
 
 @lru_cache(maxsize=256)
 def _measured_batch(cls, config_json: str, model_type: str, batch: int, seq: int, precision: str,
-                    checkpointing: bool, split: SequenceSplit | None = None) -> tuple[int, int, int]:
+                    checkpointing: bool, split: SequenceSplit | None = None, vocab_tp: int = 1) -> tuple[int, ...]:
     """`_measured` of one batch size, from a 1-layer and a 2-layer copy of the config."""
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type, **json.loads(config_json))
-    one, summed_one = _saved_bytes(cls, _with_layers(config, 1), batch, seq, DTYPES[precision], checkpointing,
-                                   split)
-    two, summed_two = _saved_bytes(cls, _with_layers(config, 2), batch, seq, DTYPES[precision], checkpointing, split)
-    return two - one, 2 * one - two, summed_two - summed_one
+    one = _saved_bytes(cls, _with_layers(config, 1), batch, seq, DTYPES[precision], checkpointing, split, vocab_tp)
+    two = _saved_bytes(cls, _with_layers(config, 2), batch, seq, DTYPES[precision], checkpointing, split, vocab_tp)
+    per_layer = tuple(b - a for a, b in zip(one, two))       # (saved, summed, live, peak) per layer
+    ends = tuple(2 * a - b for a, b in zip(one, two))
+    return per_layer[0], ends[0], per_layer[1], per_layer[2], ends[2], per_layer[3], ends[3]
 
 
 def _key(config) -> tuple[str, str]:
@@ -222,14 +272,16 @@ def activation_model(cls, config, batch: int, seq: int, precision: str, tp_size:
     (of one sp rank, under context parallelism: `split`)."""
     rank_config = tp_rank_config(config, tp_size, padded_vocab)
     if rank_config is not None:
-        per_layer, ends, summed = _measured(cls, *_key(rank_config), batch, seq, precision, checkpointing, split)
-        return ActivationModel(per_layer, ends, True, summed)
+        vocab_tp = tp_size if padded_vocab is not None else 1     # the head's logits stay split over tp
+        per_layer, ends, summed, *live = _measured(cls, *_key(rank_config), batch, seq, precision, checkpointing,
+                                                   split, vocab_tp)
+        return ActivationModel(per_layer, ends, True, summed, *live)
     # No per-rank config: assume the hidden-sized tensors stay whole on every rank (per layer its 2 norm
     # inputs and the residual path, about 4 x batch x seq x hidden, or all a checkpointed layer keeps,
     # its input; at the ends the final norm's and the head's inputs) and the rest divides by tp. Under
     # split_gather, what the emulated split saves less on the whole model is taken off that.
     context = split if split is not None and split.mode != SPLIT_GATHER else None
-    per_layer, ends, _ = _measured(cls, *_key(config), batch, seq, precision, checkpointing, context)
+    per_layer, ends, _, *live = _measured(cls, *_key(config), batch, seq, precision, checkpointing, context)
     tokens = seq // context.size if context is not None else seq
     hidden = batch * tokens * config.hidden_size * DTYPES[precision].itemsize
     whole, whole_ends = min(4 * hidden, per_layer), min(2 * hidden, ends)
@@ -237,10 +289,14 @@ def activation_model(cls, config, batch: int, seq: int, precision: str, tp_size:
     ends_tp = whole_ends + (ends - whole_ends) // tp_size
     summed = 0
     if split is not None and split.mode == SPLIT_GATHER:
-        split_layer, split_ends, summed = _measured(cls, *_key(config), batch, seq, precision, checkpointing, split)
+        split_layer, split_ends, summed, *_ = _measured(cls, *_key(config), batch, seq, precision, checkpointing,
+                                                        split)
         per_layer_tp -= per_layer - split_layer
         ends_tp -= ends - split_ends
-    return ActivationModel(per_layer_tp, ends_tp, False, summed)
+    # the live and peak bytes scaled as the saved ones are (the same approximation)
+    scale = [per_layer_tp / max(per_layer, 1), ends_tp / max(ends, 1)] * 2
+    live = [int(n * f) for n, f in zip(live, scale)]
+    return ActivationModel(per_layer_tp, ends_tp, False, summed, *live)
 
 
 def stage_activation_bytes(model: ActivationModel, layers_held: int, first: bool, last: bool,

@@ -17,7 +17,9 @@ GIB = 2 ** 30
 
 def needed_bytes(planner, estimate) -> float:
     """The device memory `estimate` needs to fit (what `fits` compares with --memory-gb)."""
-    return estimate.memory_bytes_per_rank["total"] / planner.headroom
+    from meshboost.plan.peak import needed_bytes as needed
+
+    return needed(estimate.memory_bytes_per_rank)
 
 
 @dataclass
@@ -32,7 +34,8 @@ class Advice:
         need = self.need_gib(planner)
         out = [f"no layout fits {planner.gpus} devices of {planner.memory_bytes / GIB:g} GiB; the smallest, "
                f"{self.smallest.layout.describe()}, needs {need:.2f} GiB per device "
-               f"(peak {self.smallest.memory_bytes_per_rank['total'] / GIB:.2f} GiB)"]
+               f"(allocated peak {self.smallest.memory_bytes_per_rank['peak'] / GIB:.2f} GiB at its "
+               f"{self.smallest.memory_bytes_per_rank['instant']}, {planner.device})"]
         for what, e in self.changes:
             out.append(f"  {what:44s} -> {e.layout.describe()}: needs {needed_bytes(planner, e) / GIB:.2f} GiB"
                        f"{'  fits' if e.fits else ''}")
@@ -75,12 +78,12 @@ def _changes(planner, layout) -> list[tuple[str, object]]:
 
 def nothing_fits(planner, estimates) -> Advice:
     """Advice for `planner` when none of `estimates` (every valid layout, fitting or not) fits."""
-    smallest = min(estimates, key=lambda e: e.memory_bytes_per_rank["total"])
+    smallest = min(estimates, key=lambda e: e.memory_bytes_per_rank["peak"])
     tried = []
     for what, layout in _changes(planner, smallest.layout):
         try:
             tried.append((what, planner.explain(layout)))
         except (ValueError, NotImplementedError, TypeError):
             continue                        # a change the model or the plugin refuses is no advice
-    tried.sort(key=lambda c: (not c[1].fits, c[1].memory_bytes_per_rank["total"]))
+    tried.sort(key=lambda c: (not c[1].fits, c[1].memory_bytes_per_rank["peak"]))
     return Advice(smallest, tried)

@@ -200,3 +200,57 @@ def install_context(model: nn.Module, size: int, mode: str):
     inner = model.config._attn_implementation
     attention = install(model, None, size, inner, mode, attention=ShapeOnly(None, size, inner))
     return ContextInputs(attention, 0, model.config)
+
+
+class _LastTpRank:
+    """`dist` as vocab.py's cross-entropy sees it on the fake run: this rank is the last of `tp` (the
+    one whose vocabulary shard holds the padding columns, masked in a copy: the worst rank)."""
+
+    ReduceOp = torch.distributed.ReduceOp
+
+    def __init__(self, tp: int):
+        self.tp = tp
+
+    def get_rank(self, group=None) -> int:
+        return self.tp - 1
+
+
+class _NoExchange:
+    """comm as vocab.py's cross-entropy sees it on the fake run: its all-reduces leave the tensor
+    (in place, saving nothing) as the real ones do, without a process group."""
+
+    @staticmethod
+    def all_reduce(tensor, group=None, op=None):
+        return tensor
+
+
+def install_vocab_parallel_loss(model: nn.Module, tp: int):
+    """meshboost's vocab-parallel cross-entropy (`make_causal_lm_loss` on a head whose logits stay
+    split: `vocab_parallel_cross_entropy`, its own autograd function) as the fake model's loss, its
+    exchanges shape-only; a context manager: vocab.py's `dist` and `comm` are swapped while it is open.
+    What it saves and the temporaries of its backward are the real layout's (one fp32 softmax, no
+    log-softmax and its gradient as transformers' loss has)."""
+    from contextlib import contextmanager
+
+    from meshboost.shardformer.layers import vocab
+
+    class _SplitHead:                      # what make_causal_lm_loss reads of the head
+        output_is_parallel, process_group = True, None
+
+    model.loss_function = vocab.make_causal_lm_loss(_SplitHead())
+
+    @contextmanager
+    def swapped():
+        saved = vocab.dist, vocab.comm, vocab.check_in_range
+        # the label check reads a fake tensor's value (it cannot): the labels are in range by construction
+        vocab.dist, vocab.comm, vocab.check_in_range = _LastTpRank(tp), _NoExchange(), _no_check
+        try:
+            yield
+        finally:
+            vocab.dist, vocab.comm, vocab.check_in_range = saved
+
+    return swapped()
+
+
+def _no_check(values, bad, what) -> None:
+    return None

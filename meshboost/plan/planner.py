@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from meshboost.plan import activations, cost, emulate, memory, params, sharded
+from meshboost.plan import activations, cost, emulate, memory, params, peak, sharded
 from meshboost.plan.checks import check_cluster, check_sequence
 from meshboost.plan.layout import (
     Layout,
@@ -64,13 +64,13 @@ class Estimate:
 class Planner:
     """Plans for `model` (an HF folder, a config.json, a model type, or a transformers config) on
     `gpus` devices of `memory_gb` GiB (`gpus_per_node` each node), sequences of `seq` tokens and
-    `global_batch` sequences per step. `headroom`: the fraction of the device memory the predicted
-    total may use (the rest: CUDA context, allocator fragmentation, transient buffers)."""
+    `global_batch` sequences per step. `device` ("cpu" or "cuda"; default: CUDA where torch sees it):
+    whose kernels' temporaries and allocator the peak model (peak.py) predicts."""
 
     def __init__(self, model, overrides: dict | None = None, *, architecture: str | None = None, gpus: int = 8,
                  nodes: int = 1, memory_gb: float = 80.0, seq: int = 2048, global_batch: int = 8,
-                 precision: str = "bf16", headroom: float = 0.9, constants: cost.CostConstants | None = None,
-                 make_vocab_size_divisible_by: int = 64):
+                 precision: str = "bf16", constants: cost.CostConstants | None = None,
+                 make_vocab_size_divisible_by: int = 64, device: str | None = None):
         check_cluster(gpus, nodes, memory_gb, global_batch)
         self.config = load_config(model, overrides)
         self.cls = model_class(self.config, architecture)
@@ -80,7 +80,7 @@ class Planner:
         self.gpus_per_node = gpus // nodes
         self.memory_bytes = memory_gb * GIB
         self.seq, self.global_batch, self.precision = seq, global_batch, precision
-        self.headroom = headroom
+        self.device = device or peak.default_device()      # whose temporaries and allocator the peak is
         if constants is None:
             from meshboost.plan.calibrate import default_constants
             constants = default_constants()          # a known GPU's, else H100-class defaults
@@ -233,7 +233,9 @@ class Planner:
                     mem["total"] = sum(mem.values())
                     if host:                    # cpu_offload: host memory, outside the device total
                         mem["host"] = int(sum(host.values()))
-                    if stage_worst is None or mem["total"] > stage_worst[0]["total"]:
+                    predicted = peak.rank_peak(self, layout, pp_rank, shards, dp_rank, mem)
+                    mem.update({k: predicted[k] for k in ("peak", "reserved", "outside", "instant", "device")})
+                    if stage_worst is None or mem["peak"] > stage_worst[0]["peak"]:
                         stage_worst = (mem, shards, tp_rank, dp_rank)
             mem, shards, tp_rank, dp_rank = stage_worst
             comm = self._comm(layout, shards, layer_counts[pp_rank], first, last, act_model.summed_per_layer)
@@ -245,7 +247,7 @@ class Planner:
                            "worst_dp_rank": dp_rank, "memory_bytes": mem, "step_seconds": seconds,
                            "step_seconds_terms": breakdown,
                            "comm_bytes_per_step": {axis: sum(n for _, n in ops) for axis, ops in comm.items()}})
-            if worst is None or mem["total"] > worst["memory_bytes"]["total"]:
+            if worst is None or mem["peak"] > worst["memory_bytes"]["peak"]:
                 worst = stages[-1]
         notes = [] if act_model.exact_tp else [
             f"activations at tp={layout.tp}: {type(self.config).__name__} has no per-rank config (head_dim tied to "
@@ -259,7 +261,7 @@ class Planner:
         seconds = max(s["step_seconds"] for s in stages)
         comm = {axis: max(s["comm_bytes_per_step"][axis] for s in stages) for axis in stages[0]["comm_bytes_per_step"]}
         return Estimate(layout, worst["memory_bytes"], stages, comm, seconds,
-                        worst["memory_bytes"]["total"] <= self.headroom * self.memory_bytes, notes)
+                        peak.needed_bytes(worst["memory_bytes"]) <= self.memory_bytes, notes)
 
     def _activation_model(self, layout: Layout) -> activations.ActivationModel:
         vocab = getattr(self.config, "vocab_size", None)
@@ -356,7 +358,7 @@ class Planner:
             e.relative_step_time = e.step_seconds / best
         ordered = sorted(fitting, key=lambda e: (e.step_seconds, e.memory_bytes_per_rank["total"]))
         if include_unfit:
-            ordered += sorted((e for e in estimates if not e.fits), key=lambda e: e.memory_bytes_per_rank["total"])
+            ordered += sorted((e for e in estimates if not e.fits), key=lambda e: e.memory_bytes_per_rank["peak"])
         return ordered, refused
 
 

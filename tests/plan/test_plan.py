@@ -54,7 +54,9 @@ def test_rank_7b_on_8_gpus(capsys):
     code, out, _ = _run(capsys, "--json")
     assert code == 0
     ranked = json.loads(out)
-    assert ranked and all(e["memory_bytes_per_rank"]["total"] <= 0.9 * 80 * 2**30 for e in ranked)
+    # fits: the predicted reserved peak plus what lies outside the allocator within the device's memory
+    assert ranked and all(e["memory_bytes_per_rank"]["reserved"] + e["memory_bytes_per_rank"]["outside"]
+                          <= 80 * 2**30 for e in ranked)
     assert ranked[0]["relative_step_time"] == pytest.approx(1.0)
     assert all(e["layout"]["tp"] * e["layout"]["pp"] * e["layout"]["dp"] * e["layout"]["sp"] == 8 for e in ranked)
     modes = {e["layout"]["sp_mode"] for e in ranked}     # the sequence splits are enumerated too

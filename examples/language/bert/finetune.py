@@ -50,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     arg("--plugin", default="torch_ddp", choices=PLUGINS,
                    help="auto: the fastest HybridParallelPlugin layout meshboost.plan predicts fits --memory_gb")
     arg("--memory_gb", type=float, default=16.0,
-                   help="device memory per process for --plugin auto (GiB); the planner keeps 10%% headroom")
+                   help="device memory per process for --plugin auto (GiB); the planner compares its predicted reserved peak with it")
     arg("--tp", type=int, default=1, help="tensor-parallel size (hybrid_parallel)")
     arg("--pp", type=int, default=1, help="pipeline stages (hybrid_parallel)")
     arg("--zero", type=int, default=None,

@@ -1,0 +1,78 @@
+"""The planner's peak model (meshboost/plan/peak.py): the JSON and the table carry each rank's `peak` and
+`reserved` and the device they are predicted for; `fits` compares reserved + outside-allocator bytes
+with --memory-gb; and, on CPU, the predicted peak of live bytes against torch's MemTracker over a real
+training step (benchmarks/plan_peak.py), each layout in processes of its own (the issue's rule: nothing
+another layout left alive is counted), so two spawns: a world-1 fp32 step (the peak at the loss's
+backward) and dp=2 ZeRO-2 (the peak at the gradients' reduction)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from meshboost.plan.__main__ import main
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+# a tiny Llama: every figure below is a fake-tensor run of it (the enumeration runs one per micro-batch size)
+TINY = ("hidden_size=64,intermediate_size=128,num_hidden_layers=4,num_attention_heads=4,num_key_value_heads=4,"
+        "vocab_size=1000")
+
+
+def _run(capsys, *argv) -> tuple[int, str]:
+    try:
+        code = main(["--model", "llama", "--set", TINY, "--gpus", "8", "--seq", "16", "--global-batch", "8",
+                     *argv])
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().out
+
+
+def test_json_peak_reserved_per_rank_and_device(capsys):
+    code, out = _run(capsys, "--layout", "tp=2,pp=2,zero=1", "--json", "--device", "cuda")
+    assert code == 0
+    (entry,) = json.loads(out)
+    worst = entry["memory_bytes_per_rank"]
+    assert worst["device"] == "cuda" and worst["instant"] in ("backward", "reduction", "step", "write_back")
+    # reserved: the allocator's margin over the peak; outside: the CUDA context and NCCL's buffers
+    assert worst["reserved"] > worst["peak"] > 0 and worst["outside"] > 0
+    for stage in entry["per_stage"]:
+        assert stage["memory_bytes"]["peak"] <= worst["peak"]
+    cpu = json.loads(_run(capsys, "--layout", "tp=2,pp=2,zero=1", "--json", "--device", "cpu")[1])[0]
+    # on a CPU the system allocator: reserved is the peak, nothing outside; AdamW's temporaries differ
+    assert cpu["memory_bytes_per_rank"]["reserved"] == cpu["memory_bytes_per_rank"]["peak"]
+    assert cpu["memory_bytes_per_rank"]["outside"] == 0
+
+
+def test_fits_compares_reserved_with_memory(capsys):
+    code, out = _run(capsys, "--layout", "tp=2,pp=2,zero=1", "--json", "--device", "cuda")
+    worst = json.loads(out)[0]["memory_bytes_per_rank"]
+    need = (worst["reserved"] + worst["outside"]) / 2 ** 30
+    above = json.loads(_run(capsys, "--layout", "tp=2,pp=2,zero=1", "--json", "--device", "cuda",
+                            "--memory-gb", f"{need * 1.01:.3f}")[1])[0]
+    below = json.loads(_run(capsys, "--layout", "tp=2,pp=2,zero=1", "--json", "--device", "cuda",
+                            "--memory-gb", f"{need * 0.99:.3f}")[1])[0]
+    assert above["fits"] and not below["fits"]
+
+
+def test_table_shows_peak_and_reserved(capsys):
+    code, out = _run(capsys, "--layout", "tp=2,pp=2,zero=1", "--device", "cuda")
+    assert code == 0
+    head = out.splitlines()[1]
+    assert "peak" in head.split() and "reserved" in head.split()
+    assert "at its" in out and "peak predicted for device: cuda" in out
+
+
+@pytest.mark.parametrize("fields", [dict(precision="fp32"), dict(dp=2, zero=2, precision="fp32")],
+                         ids=["world1-fp32", "dp2-zero2-fp32"])
+def test_peak_against_memtracker(fields):
+    from benchmarks.plan_accuracy import spec_of
+    from benchmarks.plan_peak import compare_peaks, measure_peaks
+
+    spec = spec_of("llama")
+    err, measured, predicted, instant = compare_peaks(spec, fields, measure_peaks(spec, fields))
+    # the issue's goal: within 5%, never under by more than 2%
+    assert -0.02 <= err <= 0.05, (fields, measured, predicted, instant)
