@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshboost.optim.zero import DEFAULT_BUCKET_ELEMENTS
+from meshboost.optim.zero_config import DEFAULT_BUCKET_ELEMENTS
 
 DEVICES = ("cpu", "cuda")
 RESERVE_MARGIN = {"cpu": 0.0, "cuda": 0.05}       # fraction of the peak the allocator keeps beyond it
