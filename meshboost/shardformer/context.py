@@ -49,7 +49,6 @@ family.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from dataclasses import dataclass
 
@@ -163,8 +162,8 @@ class UlyssesAttention:
             groups = 1
         query, key, value = (self._heads_to_sequence(t) for t in (query, key, value))
         mask = self._mask(call, query.shape[0], query.shape[2], query, kwargs.get("sliding_window"))
-        with _key_value_groups(module, groups):
-            out, _ = self._implementation(module)(module, query, key, value, mask, **kwargs)
+        seen = module if groups == getattr(module, "num_key_value_groups", groups) else _GroupsView(module, groups)
+        out, _ = self._implementation(module)(seen, query, key, value, mask, **kwargs)
         return self._sequence_to_heads(out), None
 
 
@@ -186,18 +185,16 @@ class GatheredKeysAttention(UlyssesAttention):
         return out, None
 
 
-@contextlib.contextmanager
-def _key_value_groups(module: nn.Module, groups: int):
-    """The wrapped implementation repeats kv heads by `module.num_key_value_groups`: the repeat already
-    done here (kv heads fewer than cp) is not done twice."""
-    previous = getattr(module, "num_key_value_groups", None)
-    if previous is not None:
-        module.num_key_value_groups = groups
-    try:
-        yield
-    finally:
-        if previous is not None:
-            module.num_key_value_groups = previous
+class _GroupsView:
+    """The attention module as the wrapped implementation sees it once kv heads fewer than cp were repeated
+    here: every attribute the module's but `num_key_value_groups` (by which the implementation repeats kv
+    heads), so the repeat is not done twice and the module itself is never written during a call."""
+
+    def __init__(self, module: nn.Module, groups: int):
+        self._module, self.num_key_value_groups = module, groups
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
 
 
 def install(model: nn.Module, group, size: int, inner: str, mode: str = ALL_TO_ALL,
