@@ -108,7 +108,7 @@ def set_experts_forward(module: nn.Module, **changes) -> ExpertsForward:
     handles: tuple = ()
     if record.ep is not None:
         # torch calls `module.forward`, and no hook can replace the computation a forward does: the
-        # dispatch is the one forward meshboost sets on a module, and it holds the module weakly
+        # dispatch is set as the module's forward (as regional compile sets a block's), holding it weakly
         module.forward = _DispatchingForward(module, record)
     elif record.tp is not None:
         handles = (module.register_forward_pre_hook(partial(_tp_pre_hook, record.tp), with_kwargs=True),
