@@ -1,9 +1,9 @@
 """LazyInitContext: build a model on the meta device; `booster.boost` materialises only each rank's part.
 
 Owns: the context (ColossalAI's `colossalai.lazy.LazyInitContext`) that builds modules on torch's meta
-device and records the initialisation seed on every module that registers a parameter (a record
-that `copy.deepcopy` keeps: a deep copy of a lazy model is lazy too, and materialises to the same
-values, ColossalAI's tests boost such copies), and `materialize`, which gives every
+device and records the initialisation seed on every module that registers a parameter (its one
+`LazyModule` record, `records.py`, which `copy.deepcopy` keeps: a deep copy of a lazy model is lazy
+too, and materialises to the same values, ColossalAI's tests boost such copies), and `materialize`, which gives every
 meta parameter and buffer a rank still holds after sharding and pipeline pruning its real values: one
 unit at a time (a layer of a layer list, or one other module's own tensors), a full-size CPU shadow of
 the unit is initialised by the model's own init (`_init_weights` of the owning HF model, else
@@ -24,7 +24,6 @@ from __future__ import annotations
 import copy
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -35,20 +34,7 @@ from torch.nn.modules.module import (
 
 from meshboost.distributed.param_info import get_tp_info, replace_keeping_object, shard_tensor
 from meshboost.lazy.moves import apply_recorded_moves, as_built, patch_module_moves, record_built_dtype
-
-RECORD_ATTR = "_meshboost_lazy_init"
-
-
-@dataclass(frozen=True)
-class LazyInit:
-    """What a module built under LazyInitContext carries: the seed its parameters are initialised from.
-    It lives on the module, not on its parameters, because `copy.deepcopy` keeps a module's attributes
-    but torch's `Parameter.__deepcopy__` drops a parameter's."""
-
-    seed: int
-    # a module added after the model was built (peft's adapters) initialises itself with this instead of
-    # the model's init, which never touches it; a module-level function, so deep copies share it
-    init: Callable[[nn.Module], None] | None = None
+from meshboost.lazy.records import lazy_record, update_lazy_record
 
 
 class LazyInitContext:
@@ -63,11 +49,11 @@ class LazyInitContext:
         self.seed = seed
 
     def __enter__(self) -> "LazyInitContext":
-        record = LazyInit(torch.initial_seed() if self.seed is None else int(self.seed))
+        seed = torch.initial_seed() if self.seed is None else int(self.seed)
 
         def tag(module, name, param):
-            if param is not None:
-                module.__dict__[RECORD_ATTR] = record
+            if param is not None:           # a module built here initialises from the context's seed
+                update_lazy_record(module, seed=seed, init=None)
             record_built_dtype(module, name, param)
         self._hooks = (register_module_parameter_registration_hook(tag),
                        register_module_buffer_registration_hook(record_built_dtype))
@@ -121,10 +107,10 @@ def _load_pretrained_for_real(device: torch.device):
 def set_initializer(module: nn.Module, init: Callable[[nn.Module], None]) -> None:
     """Say how `module` (built under a LazyInitContext after its model, e.g. an adapter) is initialised at
     materialisation: `init(module)` on its full-size CPU shadow, after the model's own init."""
-    record = module.__dict__.get(RECORD_ATTR)
-    if record is None:
+    record = lazy_record(module)
+    if record is None or record.seed is None:
         raise ValueError(f"{type(module).__name__} was not built under a LazyInitContext: it has nothing to initialise")
-    module.__dict__[RECORD_ATTR] = replace(record, init=init)
+    update_lazy_record(module, init=init)
 
 
 def lazy_seed(model: nn.Module) -> int | None:
@@ -133,8 +119,8 @@ def lazy_seed(model: nn.Module) -> int | None:
     params = list(model.parameters())
     if not params or not all(p.is_meta for p in params):
         return None
-    records = [m.__dict__.get(RECORD_ATTR) for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
-    if any(r is None for r in records):
+    records = [lazy_record(m) for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+    if any(r is None or r.seed is None for r in records):
         return None
     seeds = {r.seed for r in records}
     if len(seeds) != 1:
@@ -198,7 +184,7 @@ def _init(shadow: nn.Module, path: str, owners: dict) -> None:
     own = []
     for name, module in reversed(list(shadow.named_modules())):
         full = f"{path}.{name}" if name else path
-        record = module.__dict__.get(RECORD_ATTR)
+        record = lazy_record(module)
         if record is not None and record.init is not None:
             own.append((module, record.init))
             continue

@@ -5,9 +5,9 @@ Owns: the records that let a lazy model be moved and cast before it has values (
 out of meta tensor"): a cast applies on the meta tensors at once (the model reports the dtype the user asked
 for, an optimizer built on it sees it), the dtype each tensor was built in is kept (its initialiser runs in
 that dtype at materialisation and the value is then cast, as an eager model initialised and then cast is),
-and a device move is recorded on the module and applied when the model is materialised whole
-(`LazyInitContext.materialize`; at `boost` the plugin's device places the shards). Modules holding no meta
-tensor move as torch moves them. Must not materialise anything itself.
+and a device move is recorded and applied when the model is materialised whole (`LazyInitContext.materialize`;
+at `boost` the plugin's device places the shards); both records are fields of the module's one `LazyModule`
+(`records.py`). Modules holding no meta tensor move as torch moves them. Must not materialise anything itself.
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-BUILT_DTYPES_ATTR = "_meshboost_lazy_built_dtypes"     # module -> {tensor name: dtype at registration}
-DEVICE_ATTR = "_meshboost_lazy_device"                 # module -> the device a move inside the context asked for
+from meshboost.lazy.records import lazy_record, update_lazy_record
 
 
 def record_built_dtype(module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
     """Called when `module` registers `tensor` under `name` inside the context: the dtype it is built (and
     initialised) in, before any cast the user applies."""
     if tensor is not None:
-        module.__dict__.setdefault(BUILT_DTYPES_ATTR, {})[name] = tensor.dtype
+        built = lazy_record(module).built_dtypes if lazy_record(module) is not None else {}
+        update_lazy_record(module, built_dtypes={**built, name: tensor.dtype})
 
 
 def _holds_meta(module: nn.Module) -> bool:
@@ -33,8 +33,10 @@ def _holds_meta(module: nn.Module) -> bool:
 def _record_move(module: nn.Module, device: torch.device) -> None:
     """A move of `module` overrides every earlier move of its submodules, as torch's would."""
     for sub in module.modules():
-        sub.__dict__.pop(DEVICE_ATTR, None)
-    module.__dict__[DEVICE_ATTR] = device
+        record = lazy_record(sub)
+        if record is not None and record.device is not None:
+            update_lazy_record(sub, device=None)
+    update_lazy_record(module, device=device)
 
 
 def patch_module_moves():
@@ -78,7 +80,8 @@ def as_built(shadow: nn.Module) -> None:
     """Give the (meta) tensors of a shadow copy the dtypes they were built in, so the model's own
     initialiser runs as it ran for an eager model before the user's cast."""
     for module in shadow.modules():
-        for name, dtype in module.__dict__.get(BUILT_DTYPES_ATTR, {}).items():
+        record = lazy_record(module)
+        for name, dtype in (record.built_dtypes if record is not None else {}).items():
             if name in module._parameters and module._parameters[name] is not None:
                 param = module._parameters[name]
                 if param.dtype != dtype:
@@ -91,6 +94,7 @@ def apply_recorded_moves(model: nn.Module) -> None:
     """Apply the moves recorded inside the context to a materialised model, outermost module first (a
     recorded move of a submodule came after its ancestors' moves: `_record_move` drops the older ones)."""
     for module in model.modules():
-        device = module.__dict__.pop(DEVICE_ATTR, None)
-        if device is not None:
-            module.to(device)
+        record = lazy_record(module)
+        if record is not None and record.device is not None:
+            update_lazy_record(module, device=None)
+            module.to(record.device)

@@ -98,7 +98,7 @@ class HybridParallelModule(ModelWrapper):
             kwargs = self.context.shard(kwargs, self.training)
         output = self.module(*args, **kwargs)
         if self.context is not None:
-            output = self.context.combine(output, self.training)
+            output = self.context.combine(output, kwargs, self.training)
         if self.router_group is not None:
             output = with_global_router_loss(super().unwrap(), output, kwargs.get("attention_mask"), self.router_group)
         return output

@@ -6,8 +6,9 @@ so the attention scores ([S/cp, S] per rank) are never whole on any rank.
 Owns: which models and settings the mode can run exactly (`check_context`, pure), the attention
 function registered in transformers' attention interface (`UlyssesAttention`: no copied forward; it
 wraps the model's own SDPA or eager implementation), the split of one replica's batch into this cp
-rank's contiguous piece of every sequence (`ContextInputs.shard`), and what the model returns: the
-loss of the whole sequences on every cp rank, whole-sequence logits in eval.
+rank's contiguous piece of every sequence (`ContextInputs.shard`, which returns the call's mask state
+with the pieces: a `ContextCall`), and what the model returns: the loss of the whole sequences on every
+cp rank, whole-sequence logits in eval.
 
 Around attention: one all-to-all turns this rank's sequence piece of all heads ([B, H, S/cp, D]) into
 the whole sequence of H/cp heads ([B, H/cp, S, D]), the wrapped implementation runs with the whole
@@ -28,9 +29,14 @@ under the causal mask every rank has the same work; keys and values are all-gath
 this rank's queries against every key with the mask of their global positions: the same softmax as
 one process, no approximation. Costs the whole sequence's keys and values per rank (not its scores).
 
-Under pipeline stages each micro-batch is cut the same way (`shard_microbatch`), and its masks' state
-is put back before each of its units (`restore`): a layer recomputed in backward masks as its forward
-did while other micro-batches run.
+Per-call state travels with the inputs, never on a module (torchtitan's habit): `shard` puts the call's
+`ContextCall` (key padding, packed rows' documents, this rank's and every rank's token positions) into
+the sharded inputs under `CALL_KWARG`; transformers hands a model's extra keyword arguments down to every
+attention call (`**kwargs` through the model, its layers and the attention interface), where the
+attention function reads it. Under pipeline stages each micro-batch is cut the same way
+(`shard_microbatch`) and carries its own record, so interleaved micro-batches and a layer recomputed in
+backward (activation checkpointing keeps the layer's keyword arguments) mask as their own forward did,
+with nothing for the schedule to save or put back.
 
 Refused with the reason (every rank, before any collective): the tp group's modes with sp_size
 ("split_gather", ColossalAI's "ring": sequence.py runs them over tp), packed rows with the cache on (in
@@ -43,8 +49,8 @@ family.
 
 from __future__ import annotations
 
-import contextlib
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -54,12 +60,36 @@ from meshboost.distributed.inputs import count_items
 from meshboost.shardformer.context_checks import ALL_TO_ALL, RING_ATTN, check_length
 
 ATTENTION_NAME = "meshboost_ulysses"
+# the keyword under which the sharded inputs carry their `ContextCall` down to the attention function
+CALL_KWARG = "meshboost_context"
+
+
+@dataclass(frozen=True)
+class ContextCall:
+    """What one call's attention masks are made of, returned by `ContextInputs.shard` with the pieces
+    (the inputs hold it under `CALL_KWARG`): nothing of a call is stored on a module or on the attention."""
+
+    padding: torch.Tensor | None        # [B, S] key padding of the whole rows, natural order; None: none
+    documents: torch.Tensor | None      # [B, S] document of each token of packed rows; None: rows whole
+    positions: torch.Tensor             # the token indices this rank holds (its queries)
+    order: torch.Tensor                 # every rank's token indices, rank by rank (ring_attn's keys; eval logits)
+
+
+def call_of(kwargs: dict) -> ContextCall:
+    """The `ContextCall` an attention call received with its keyword arguments; refused when missing
+    (a call that did not go through `ContextInputs.shard`: its masks would be unknown)."""
+    call = kwargs.pop(CALL_KWARG, None)
+    if not isinstance(call, ContextCall):
+        raise RuntimeError("context-parallel attention was called without the inputs' ContextCall (keyword "
+                           f"{CALL_KWARG!r}): call the boosted model, whose input split provides it, or a model whose "
+                           "layers pass their keyword arguments down to the attention interface")
+    return call
 
 
 class UlyssesAttention:
     """The attention function registered for a model under context parallelism, all_to_all mode (see
-    the module docstring); `padding` is the whole sequences' key padding mask of the current call
-    (None: none), in the order the ranks hold the tokens."""
+    the module docstring). Holds only what is fixed for the model (group, size, wrapped implementation);
+    each call's masks come from the `ContextCall` in its keyword arguments."""
 
     mode = ALL_TO_ALL
 
@@ -69,10 +99,6 @@ class UlyssesAttention:
         self.group, self.size, self.inner_name = group, size, inner
         # sdpa from transformers' registry; eager is each modeling file's own `eager_attention_forward`
         self.inner = ALL_ATTENTION_FUNCTIONS[inner] if inner != "eager" else None
-        self.padding: torch.Tensor | None = None            # [B, S] key padding, natural order
-        self.documents: torch.Tensor | None = None          # [B, S] document of each token of packed rows
-        self.query_positions: torch.Tensor | None = None    # ring_attn: this rank's tokens' indices
-        self.key_positions: torch.Tensor | None = None      # ring_attn: every rank's, in rank order
 
     def _implementation(self, module: nn.Module):
         if self.inner is not None:
@@ -99,43 +125,45 @@ class UlyssesAttention:
         got = comm.all_to_all(send.reshape(self.size * b, -1), self.group, [b] * self.size, [b] * self.size)
         return got.view(self.size, b, piece, h, d).permute(1, 2, 0, 3, 4).reshape(b, piece, self.size * h, d)
 
-    def _keep(self, queries: torch.Tensor, keys: torch.Tensor, batch: int, window, like: torch.Tensor):
+    def _keep(self, call: ContextCall, queries: torch.Tensor, keys: torch.Tensor, batch: int, window,
+              like: torch.Tensor):
         """Which (query, key) pairs attend, by token index in the row, as transformers' mask functions
         decide unsharded: causal, the sliding window (kv > q - window) when the layer has one, the
-        documents of packed rows (`documents`, when transformers isolates them), key padding. Boolean
-        for SDPA, additive for eager."""
+        documents of packed rows (the call's `documents`, when transformers isolates them), key padding.
+        Boolean for SDPA, additive for eager."""
         queries, keys = queries.to(like.device), keys.to(like.device)
         keep = (keys[None, :] <= queries[:, None])[None, None]
         if window is not None:
             keep = keep & (keys[None, :] > queries[:, None] - window)[None, None]
-        if self.documents is not None:
-            docs = self.documents.to(like.device)
+        if call.documents is not None:
+            docs = call.documents.to(like.device)
             keep = keep & (docs[:, queries][:, None, :, None] == docs[:, keys][:, None, None, :])
-        if self.padding is not None:
-            keep = keep & self.padding.to(like.device)[:, keys][:, None, None, :]
+        if call.padding is not None:
+            keep = keep & call.padding.to(like.device)[:, keys][:, None, None, :]
         keep = keep.expand(batch, 1, len(queries), len(keys))
         if self.inner_name == "sdpa":
             return keep
         return torch.zeros(keep.shape, dtype=like.dtype, device=like.device).masked_fill(
             ~keep, torch.finfo(like.dtype).min)
 
-    def _mask(self, batch: int, length: int, like: torch.Tensor, window=None) -> torch.Tensor | None:
+    def _mask(self, call: ContextCall, batch: int, length: int, like: torch.Tensor, window=None):
         """The whole sequences' mask: None for SDPA with nothing but causality (its causal kernel)."""
-        if self.padding is None and self.documents is None and window is None and self.inner_name == "sdpa":
+        if call.padding is None and call.documents is None and window is None and self.inner_name == "sdpa":
             return None
         positions = torch.arange(length, device=like.device)
-        return self._keep(positions, positions, batch, window, like)
+        return self._keep(call, positions, positions, batch, window, like)
 
     def __call__(self, module: nn.Module, query, key, value, attention_mask, **kwargs):
+        call = call_of(kwargs)
         heads, kv_heads = query.shape[1], key.shape[1]
         groups = getattr(module, "num_key_value_groups", heads // kv_heads)
         if kv_heads % self.size:                      # fewer kv heads than cp: repeat them to the query heads
             key, value = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (key, value))
             groups = 1
         query, key, value = (self._heads_to_sequence(t) for t in (query, key, value))
-        mask = self._mask(query.shape[0], query.shape[2], query, kwargs.get("sliding_window"))
-        with _key_value_groups(module, groups):
-            out, _ = self._implementation(module)(module, query, key, value, mask, **kwargs)
+        mask = self._mask(call, query.shape[0], query.shape[2], query, kwargs.get("sliding_window"))
+        seen = module if groups == getattr(module, "num_key_value_groups", groups) else _GroupsView(module, groups)
+        out, _ = self._implementation(module)(seen, query, key, value, mask, **kwargs)
         return self._sequence_to_heads(out), None
 
 
@@ -150,25 +178,23 @@ class GatheredKeysAttention(UlyssesAttention):
         return comm.gather_from_seq(t.contiguous(), self.group, dim=2)
 
     def __call__(self, module: nn.Module, query, key, value, attention_mask, **kwargs):
+        call = call_of(kwargs)
         key, value = (self._gather_keys(t) for t in (key, value))
-        mask = self._keep(self.query_positions, self.key_positions, query.shape[0], kwargs.get("sliding_window"),
-                          query)
+        mask = self._keep(call, call.positions, call.order, query.shape[0], kwargs.get("sliding_window"), query)
         out, _ = self._implementation(module)(module, query, key, value, mask, **kwargs)
         return out, None
 
 
-@contextlib.contextmanager
-def _key_value_groups(module: nn.Module, groups: int):
-    """The wrapped implementation repeats kv heads by `module.num_key_value_groups`: the repeat already
-    done here (kv heads fewer than cp) is not done twice."""
-    previous = getattr(module, "num_key_value_groups", None)
-    if previous is not None:
-        module.num_key_value_groups = groups
-    try:
-        yield
-    finally:
-        if previous is not None:
-            module.num_key_value_groups = previous
+class _GroupsView:
+    """The attention module as the wrapped implementation sees it once kv heads fewer than cp were repeated
+    here: every attribute the module's but `num_key_value_groups` (by which the implementation repeats kv
+    heads), so the repeat is not done twice and the module itself is never written during a call."""
+
+    def __init__(self, module: nn.Module, groups: int):
+        self._module, self.num_key_value_groups = module, groups
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
 
 
 def install(model: nn.Module, group, size: int, inner: str, mode: str = ALL_TO_ALL,
@@ -205,11 +231,11 @@ class _MeanOverContext(torch.autograd.Function):
 
 
 class ContextInputs:
-    """This cp rank's piece of a replica's batch, and the whole-sequence view of what the model returns."""
+    """This cp rank's piece of a replica's batch, and the whole-sequence view of what the model returns.
+    Fixed per model; a call's state is the `ContextCall` that `shard` returns inside the inputs."""
 
     def __init__(self, attention: UlyssesAttention, rank: int, config=None):
         self.attention, self.rank, self.size, self.group = attention, rank, attention.size, attention.group
-        self.order: torch.Tensor | None = None      # the token indices every rank holds, rank by rank
         self.config = config                        # the model's: whether it builds a cache (packed rows)
 
     def _pieces(self, length: int, device) -> list[torch.Tensor]:
@@ -221,8 +247,9 @@ class ContextInputs:
         return [torch.cat([chunks[r], chunks[2 * self.size - 1 - r]]) for r in range(self.size)]
 
     def shard(self, kwargs: dict, training: bool = False) -> dict:
-        """This rank's piece of `kwargs` (one replica's batch, whole on every cp rank). `training`: the
-        call builds no cache (packed rows are then isolated, `_documents`)."""
+        """This rank's piece of `kwargs` (one replica's batch, whole on every cp rank), with the call's
+        `ContextCall` under `CALL_KWARG` (the model passes it down to every attention call). `training`:
+        the call builds no cache (packed rows are then isolated, `_documents`)."""
         ids = kwargs.get("input_ids")
         if not torch.is_tensor(ids) or ids.dim() != 2:
             raise ValueError("context parallelism needs input_ids [batch, sequence] (inputs_embeds is not split)")
@@ -236,13 +263,11 @@ class ContextInputs:
             raise NotImplementedError(f"context parallelism takes a [batch, sequence] padding mask; got "
                                       f"{tuple(mask.shape)}")
         pieces = self._pieces(length, ids.device)
-        self.order = torch.cat(pieces)
         cut = pieces[self.rank]
-        self.attention.query_positions, self.attention.key_positions = cut, self.order
         padding = None if mask is None or bool(mask.bool().all()) else mask.bool()
-        self.attention.padding = padding
-        self.attention.documents = self._documents(given, mask, kwargs, training)
+        call = ContextCall(padding, self._documents(given, mask, kwargs, training), cut, torch.cat(pieces))
         out = {k: v for k, v in kwargs.items() if k not in ("attention_mask", "position_ids", "use_cache")}
+        out[CALL_KWARG] = call
         out["use_cache"] = False                  # a cache of a sequence piece would serve nothing
         out["input_ids"] = ids[:, cut].contiguous()
         out["position_ids"] = positions[:, cut].contiguous()
@@ -274,39 +299,30 @@ class ContextInputs:
                                       "pass use_cache=False so they are isolated, or an attention_mask")
         return documents
 
-    def state(self) -> tuple:
-        """What `shard` set for the current call (the attention masks' inputs, the token order)."""
-        a = self.attention
-        return a.padding, a.documents, a.query_positions, a.key_positions, self.order
-
-    def restore(self, state: tuple) -> None:
-        """Put back a call's `state`: under a pipeline, micro-batches interleave, and a forward or a
-        recomputation (activation checkpointing, in backward) must mask with its own micro-batch's."""
-        a = self.attention
-        a.padding, a.documents, a.query_positions, a.key_positions, self.order = state
-
     def check_criterion(self, criterion, inputs: dict) -> None:
         """A pipeline's criterion must return the model's own loss (see `check_criterion`)."""
         check_criterion(criterion, inputs)
 
-    def shard_microbatch(self, inputs: dict, training: bool) -> tuple[dict, tuple]:
-        """A pipeline micro-batch (every cp rank holds it whole): this rank's piece, its loss normalised
-        by the micro-batch's labelled tokens (the model then returns the micro-batch mean, which the
-        schedule weighs as without cp), and the attention state to `restore` before each of its units."""
+    def shard_microbatch(self, inputs: dict, training: bool) -> dict:
+        """A pipeline micro-batch (every cp rank holds it whole): this rank's piece with its `ContextCall`,
+        its loss normalised by the micro-batch's labelled tokens (the model then returns the micro-batch
+        mean, which the schedule weighs as without cp)."""
         kwargs = dict(inputs)
         labels = kwargs.get("labels")
         if torch.is_tensor(labels) and kwargs.get("num_items_in_batch") is None:
             kwargs["num_items_in_batch"] = count_items(labels, shifted=True) / self.size
-        return self.shard(kwargs, training), self.state()
+        return self.shard(kwargs, training)
 
-    def combine(self, output, training: bool):
-        """The loss of the whole sequences on every rank; whole-sequence logits outside training."""
+    def combine(self, output, sharded: dict, training: bool):
+        """The loss of the whole sequences on every rank; whole-sequence logits outside training, put in
+        order by the `ContextCall` of the `sharded` inputs that produced `output`."""
         if getattr(output, "loss", None) is not None:
             output.loss = _MeanOverContext.apply(output.loss, self.group, self.size)
         logits = getattr(output, "logits", None)
         if not training and torch.is_tensor(logits):
+            order = sharded[CALL_KWARG].order
             gathered = comm.all_gather(logits.contiguous(), self.group, dim=1)     # rank by rank: `order`
-            output.logits = gathered[:, torch.argsort(self.order.to(gathered.device))]
+            output.logits = gathered[:, torch.argsort(order.to(gathered.device))]
         return output
 
 

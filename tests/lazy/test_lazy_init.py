@@ -109,14 +109,17 @@ def test_moves_and_casts_inside_the_context_apply_at_materialisation():
     for name, move, eager_move in cases:
         lazy = _lazy(config, move)
         assert lazy_seed(lazy) == 11 and all(p.is_meta for p in lazy.parameters()), name
+        # a deep copy keeps each module's one record (seed, built dtypes, recorded move): the same values
+        copied = LazyInitContext.materialize(copy.deepcopy(lazy))
         got = LazyInitContext.materialize(lazy)
         expected = eager_move(copy.deepcopy(plain))
-        got_sd, expected_sd = got.state_dict(), expected.state_dict()
-        assert list(got_sd) == list(expected_sd), name
-        for key, tensor in expected_sd.items():
-            value = got_sd[key]
-            assert (value.dtype, value.device) == (tensor.dtype, tensor.device), f"{name}: {key}"
-            assert torch.equal(value, tensor), f"{name}: {key} differs from the eagerly moved model"
+        expected_sd = expected.state_dict()
+        for what, got_sd in ((name, got.state_dict()), (f"{name}, deep copy", copied.state_dict())):
+            assert list(got_sd) == list(expected_sd), what
+            for key, tensor in expected_sd.items():
+                value = got_sd[key]
+                assert (value.dtype, value.device) == (tensor.dtype, tensor.device), f"{what}: {key}"
+                assert torch.equal(value, tensor), f"{what}: {key} differs from the eagerly moved model"
     # outside the context a module with real tensors moves as torch moves it
     assert LazyInitContext.materialize(_lazy(config)).to(torch.float64).lm_head.weight.dtype == torch.float64
 

@@ -16,6 +16,7 @@ same weights (per-step loss within 2e-5 relative in fp32, every weight gathered 
   use_cache on, as the unsharded model with use_cache=False), a sliding-window model (Mistral):
   whole-sequence eval logits and loss, the training loss and every gradient equal to the unsharded
   model's;
+- per-call state: a call's masks travel with its inputs (a ContextCall), none is stored on the attention;
 - refusals: a sequence length not divisible by the split on every rank before any collective;
   the tp group's modes with sp_size ("ring", "split_gather"), chunked attention, heads not dividing
   over sp, recurrent mixers (Qwen3-Next's Gated DeltaNet, Falcon-H1's Mamba: no state passing between
@@ -277,3 +278,23 @@ def test_context_parallel_refusals():
     llama.config._attn_implementation = "flex_attention"
     with pytest.raises(NotImplementedError, match="attn_implementation='flex_attention'"):
         check_context(llama, 2, 1)
+    _state_with_inputs()
+
+
+def _state_with_inputs():
+    """A call's mask state travels with its inputs (issue 38): an attention call without its ContextCall is
+    refused before any exchange, cutting a second batch leaves the first one's record as it was, and the
+    attention function holds nothing of a call."""
+    from meshboost.shardformer.context import CALL_KWARG, ContextInputs, install
+
+    plain = build_causal_lm(_config(num_key_value_heads=2))
+    attention = install(plain, None, 2, "sdpa")
+    ids = torch.arange(8).view(1, 8) % plain.config.vocab_size
+    with pytest.raises(RuntimeError, match="without the inputs' ContextCall"):
+        plain(input_ids=ids)
+    cut = ContextInputs(attention, 1, plain.config)
+    first = cut.shard({"input_ids": ids, "attention_mask": torch.tensor([[1] * 6 + [0] * 2])})
+    second = cut.shard({"input_ids": ids})
+    assert first[CALL_KWARG].padding.tolist() == [[True] * 6 + [False] * 2] and second[CALL_KWARG].padding is None
+    assert first[CALL_KWARG].positions.tolist() == [4, 5, 6, 7] and first["input_ids"].tolist() == [[4, 5, 6, 7]]
+    assert set(vars(attention)) == {"group", "size", "inner_name", "inner"}

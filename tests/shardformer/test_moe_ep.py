@@ -33,6 +33,8 @@ from meshboost.plugins import (
     PrecisionConfig,
     ZeroConfig,
 )
+from meshboost.shardformer.layers.expert_parallel import experts_modules
+from meshboost.shardformer.layers.experts import experts_forward
 from meshboost.testing import assert_close, spawn
 from meshboost.testing.moe import MOE_FAMILIES, build_causal_lm, causal_batches, moe_config, train_boosted, train_whole
 
@@ -50,6 +52,10 @@ def _check_split(model, ep, tp, what):
         full = torch.Size(info.full_shape).numel()
         split = ep * info.tp_size
         assert p.numel() * split == full, f"{what}: {n} holds {p.numel()} of {full} elements, not 1/{split}"
+    for path, module in experts_modules(model.unwrap()):     # one record decides the forward, nothing replayed
+        record = experts_forward(module)
+        assert record.ep is not None and (record.tp is not None) == (tp > 1), f"{what}: {path} {record}"
+        assert not module._forward_pre_hooks and not module._forward_hooks, f"{what}: {path} kept tp's hooks"
 
 
 def _families(rank):

@@ -194,7 +194,7 @@ class _Step:
         self.return_loss, self.return_outputs = return_loss, return_outputs
         self.weights = weights                    # per micro-batch weight (normalization.py), or None
         self.context = schedule.context
-        self.pieces: dict[int, tuple[dict, tuple]] = {}     # context: mb -> (this rank's piece, its state)
+        self.pieces: dict[int, dict] = {}       # context: mb -> this rank's piece, its ContextCall inside
         self.saved: dict[tuple[int, int], tuple] = {}
         self.losses: list[torch.Tensor] = []
         self.outputs: list = []
@@ -220,15 +220,13 @@ class _Step:
 
     def _inputs(self, mb: int) -> dict:
         """Micro-batch `mb`'s inputs to the model: whole, or under context parallelism this rank's
-        piece, cut once (interleaved, a rank runs several chunks of it) with its attention state put
-        back before each unit."""
+        piece, cut once (interleaved, a rank runs several chunks of it); the piece carries its own
+        masks' state (context.py's `ContextCall`), so nothing is put back between units."""
         if self.context is None:
             return self.microbatches[mb]
         if mb not in self.pieces:
             self.pieces[mb] = self.context.shard_microbatch(self.microbatches[mb], self.optimizer is not None)
-        inputs, state = self.pieces[mb]
-        self.context.restore(state)
-        return inputs
+        return self.pieces[mb]
 
     def forward(self, chunk: int, mb: int) -> None:
         stages, virtual = self.stages, self.stages.virtual(chunk)
@@ -246,7 +244,7 @@ class _Step:
                 self.saved[(chunk, mb)] = (received, out)
             return
         if self.context is not None:
-            out = self.context.combine(out, training)
+            out = self.context.combine(out, inputs, training)
         if self.return_outputs:
             self.outputs.append(_detach(out))
         if training or self.return_loss:
@@ -258,8 +256,6 @@ class _Step:
     def backward(self, chunk: int, mb: int) -> None:
         stages, virtual = self.stages, self.stages.virtual(chunk)
         received, out = self.saved.pop((chunk, mb))
-        if self.context is not None:           # a recomputation (checkpointing) masks with its own micro-batch's
-            self.context.restore(self.pieces[mb][1])
         if stages.is_last(chunk):
             self.optimizer.backward(out)          # the optimizer wrapper scales the loss (fp16)
         else:

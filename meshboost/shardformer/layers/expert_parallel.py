@@ -5,7 +5,9 @@ changes: `check_expert_parallel`), splitting each packed experts module on its e
 of the ep group keeps experts [j E/ep, (j+1) E/ep), whole, or with tensor parallelism inside them
 its tp slice of each: `layers/experts.py`), the records its weights carry (the expert split in
 their `TensorParallelInfo`, kind "expert": averaged over the experts' own data-parallel replicas,
-the edp axis), and the forward that replaces the module's (`_ExpertParallelForward`).
+the edp axis), and the dispatching forward (`_ExpertParallelForward`), which `layers/experts.py`'s
+`set_experts_forward` makes the module's, with tensor parallelism's record when tp cut inside the
+experts: one record decides the forward for tp, ep and tp x ep, nothing is taken off and replayed.
 
 The forward, on the tokens of this rank: every (token, expert) pair, sorted by expert, goes to the
 rank holding the expert by one all-to-all with uneven per-rank counts (the counts first, by a small
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import weakref
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -45,7 +47,7 @@ from meshboost.distributed.param_info import (
     set_grad_reduction,
     set_tp_info,
 )
-from meshboost.shardformer.layers.experts import is_packed_experts, take_tp_hooks
+from meshboost.shardformer.layers.experts import TensorParallelExperts, is_packed_experts, set_experts_forward
 
 
 def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -116,7 +118,8 @@ def shard_expert_parallel_(model: nn.Module, group, ep_size: int, ep_rank: int) 
                 register_grad_hook(p, _ExpertGradScale(ep_size))
         if hasattr(module, "num_experts"):
             module.num_experts = local            # the HF forward one-hot encodes the local ids with it
-        module.forward = _ExpertParallelForward(module, group, ep_size, num_experts, take_tp_hooks(module))
+        set_experts_forward(module, ep=_ExpertParallelForward(group, ep_size, num_experts, type(module).forward,
+                                                              len(_forward_params(module)) == 1))
     return [path for path, _ in found]
 
 
@@ -131,28 +134,36 @@ class _ExpertGradScale:
         return grad * self.factor
 
 
+@dataclasses.dataclass(frozen=True)
 class _ExpertParallelForward:
-    """The experts module's forward under expert parallelism (see the module docstring). Two input
-    layouts: routed (hidden_states [tokens, H], expert ids and routing weights [tokens, k]: Qwen3-MoE,
-    Mixtral, DeepSeek, GPT-OSS, ...), and one row block per expert (hidden_states [E * tokens, H],
-    block e already scaled by each token's score for expert e: Llama-4), where every ep rank sends each
-    expert's whole block to the rank holding it: the same all-to-all, with equal blocks."""
+    """The experts module's forward under expert parallelism (see the module docstring), fixed per
+    module; `run` gets the module and tensor parallelism's record (None: experts whole) with each call.
+    Two input layouts: routed (hidden_states [tokens, H], expert ids and routing weights [tokens, k]:
+    Qwen3-MoE, Mixtral, DeepSeek, GPT-OSS, ...), and one row block per expert (`blocks`: hidden_states
+    [E * tokens, H], block e already scaled by each token's score for expert e: Llama-4), where every ep
+    rank sends each expert's whole block to the rank holding it: the same all-to-all, with equal blocks."""
 
-    def __init__(self, module: nn.Module, group, ep_size: int, num_experts: int, tp):
-        # set as the module's own `forward`: a strong reference back would make a cycle that keeps a
-        # dropped model alive until gc.collect()
-        self._module = weakref.ref(module)
-        self.group, self.ep_size, self.num_experts = group, ep_size, num_experts
-        self.local = num_experts // ep_size
-        self.inner = type(module).forward                          # the HF forward, on the local experts
-        self.tp = tp                                               # TensorParallelExperts or None
-        self.blocks = len(_forward_params(module)) == 1
+    group: object
+    ep_size: int
+    num_experts: int
+    inner: Callable                 # the HF forward, on the local experts
+    blocks: bool
 
     @property
-    def module(self) -> nn.Module:
-        return self._module()
+    def local(self) -> int:
+        return self.num_experts // self.ep_size
 
-    def _blocks(self, hidden: torch.Tensor) -> torch.Tensor:
+    def run(self, module: nn.Module, tp: TensorParallelExperts | None, args: tuple, kwargs: dict) -> torch.Tensor:
+        if self.blocks:
+            hidden = next(t for t in (*args, *kwargs.values()) if torch.is_tensor(t))
+            return self._blocks(module, tp, hidden)
+        hidden, ids, weights = self._routed(module, args, kwargs)
+        if tp is not None and tp.seq_parallel:   # every tp rank's chunk, so tp siblings dispatch alike
+            (hidden, ids, weights), _ = tp.gather_tokens((hidden, ids, weights), {})
+            return tp.scatter_tokens(self._dispatch(module, tp, hidden, ids, weights))
+        return self._dispatch(module, tp, hidden, ids, weights)
+
+    def _blocks(self, module: nn.Module, tp, hidden: torch.Tensor) -> torch.Tensor:
         """Llama-4's layout: rank j gets block [j E/ep, (j+1) E/ep) of every rank's [E, tokens, H]; its
         experts run on [E/ep, all ranks' tokens, H]; the outputs go back the same way."""
         width = hidden.shape[-1]
@@ -163,40 +174,33 @@ class _ExpertParallelForward:
         received = comm.all_to_all(hidden.reshape(-1, width), self.group, recv_sizes, send_sizes)
         per_rank = [n // self.local for n in recv_sizes]                        # each rank's token count
         x = torch.cat([b.view(self.local, n, width) for b, n in zip(received.split(recv_sizes), per_rank)], dim=1)
-        out = self._run_local((x.reshape(-1, width),)).view(self.local, sum(per_rank), width)
+        out = self._run_local(module, tp, (x.reshape(-1, width),)).view(self.local, sum(per_rank), width)
         out = torch.cat([b.reshape(-1, width) for b in out.split(per_rank, dim=1)])
         return comm.all_to_all(out, self.group, send_sizes, recv_sizes)
 
-    def _run_local(self, args: tuple) -> torch.Tensor:
+    def _run_local(self, module: nn.Module, tp, args: tuple) -> torch.Tensor:
+        """The HF forward on this rank's experts; with tp inside them, f before and g after (every tp
+        rank received the same rows)."""
         kwargs = {}
-        if self.tp is not None:
-            args, kwargs = self.tp.copy_inputs(self.module, args, kwargs)
-        out = self.inner(self.module, *args, **kwargs)
-        if self.tp is not None:
-            out = self.tp.reduce_output(self.module, args, kwargs, out)
+        if tp is not None:
+            args, kwargs = tp.copy_inputs(module, args, kwargs)
+        out = self.inner(module, *args, **kwargs)
+        if tp is not None:
+            out = tp.reduce_output(module, args, kwargs, out)
         return out
 
-    def _routed(self, args, kwargs):
+    def _routed(self, module: nn.Module, args, kwargs):
         tensors = [t for t in (*args, *kwargs.values()) if torch.is_tensor(t)]
         ids = [t for t in tensors if not t.is_floating_point() and t.dtype != torch.bool]
         floats = [t for t in tensors if t.is_floating_point()]
         if len(ids) != 1 or len(floats) != 2 or floats[1].shape != ids[0].shape:
-            raise TypeError(f"{type(self.module).__name__} under expert parallelism expects (hidden_states, expert "
+            raise TypeError(f"{type(module).__name__} under expert parallelism expects (hidden_states, expert "
                             f"ids [tokens, k], routing weights [tokens, k]); got tensors of shapes "
                             f"{[tuple(t.shape) for t in tensors]}")
         return floats[0], ids[0], floats[1]
 
-    def __call__(self, *args, **kwargs):
-        if self.blocks:
-            hidden = next(t for t in (*args, *kwargs.values()) if torch.is_tensor(t))
-            return self._blocks(hidden)
-        hidden, ids, weights = self._routed(args, kwargs)
-        if self.tp is not None and self.tp.seq_parallel:   # every tp rank's chunk, so tp siblings dispatch alike
-            (hidden, ids, weights), _ = self.tp.gather_tokens((hidden, ids, weights), {})
-            return self.tp.scatter_tokens(self._dispatch(hidden, ids, weights))
-        return self._dispatch(hidden, ids, weights)
-
-    def _dispatch(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _dispatch(self, module: nn.Module, tp, hidden: torch.Tensor, ids: torch.Tensor,
+                  weights: torch.Tensor) -> torch.Tensor:
         """The routed layout's exchange, local experts and combine (see the module docstring)."""
         shape = hidden.shape
         hidden = hidden.reshape(-1, shape[-1])
@@ -216,11 +220,11 @@ class _ExpertParallelForward:
         send_sizes, recv_sizes, flags = torch.stack(                # the one host sync of the layer
             [counts.sum(1), recv_counts.view(self.ep_size, self.local).sum(1), received_header[:, -1]]).tolist()
         if any(flags):
-            self._refuse(ids, flags)
+            self._refuse(module, ids, flags)
         received = comm.all_to_all(send, self.group, recv_sizes, send_sizes)
         local_ids = torch.arange(self.local, device=flat.device).repeat(self.ep_size)
         local_ids = local_ids.repeat_interleave(recv_counts, output_size=sum(recv_sizes)).unsqueeze(-1)
-        out = self._local_experts(received, local_ids)
+        out = self._local_experts(module, tp, received, local_ids)
         back = comm.all_to_all(out, self.group, send_sizes, recv_sizes)
         back = back[torch.argsort(order)].view(tokens, k, -1)         # each (token, slot) pair in place again
         combined = (back * weights.reshape(tokens, k, 1).to(back.dtype)).sum(dim=1)
@@ -229,25 +233,26 @@ class _ExpertParallelForward:
         # backward, and a view's hook would be lost to an in-place op on it
         return combined if combined.shape == shape else combined.reshape(shape)
 
-    def _refuse(self, ids: torch.Tensor, flags: list[int]) -> None:
+    def _refuse(self, module: nn.Module, ids: torch.Tensor, flags: list[int]) -> None:
         ranks = [r for r, f in enumerate(flags) if f]
         own = ids[(ids < 0) | (ids >= self.num_experts)]
         mine = f" (here: expert id {int(own[0])})" if own.numel() else ""
-        raise ValueError(f"{type(self.module).__name__}: ep rank(s) {ranks} routed a token to an expert id outside the "
+        raise ValueError(f"{type(module).__name__}: ep rank(s) {ranks} routed a token to an expert id outside the "
                          f"{self.num_experts} experts [0, {self.num_experts}){mine}; the router (or a custom one) is "
                          "wrong. Raised on every rank of the expert-parallel group, before the tokens are exchanged")
 
-    def _local_experts(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+    def _local_experts(self, module: nn.Module, tp, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """This rank's experts on the rows it received (top-1 each, unit weights); with tensor
         parallelism inside the experts, f before and g after, as `shard_experts_` would hook them (every
         tp rank received the same rows). No row: a zero output still joined to the graph."""
         if x.shape[0] == 0:
             out = x * 0
         else:
-            out = self._run_local((x, local_ids, torch.ones(local_ids.shape, dtype=x.dtype, device=x.device)))
+            out = self._run_local(module, tp, (x, local_ids, torch.ones(local_ids.shape, dtype=x.dtype,
+                                                                        device=x.device)))
         # Every local expert weight gets a gradient (zero where no row reached it), so the reducers
         # hold the same tensors on every replica whatever the router did. Read by name: a tensor peft
         # parametrizes for the call (LoRA on experts) is then the adapted one, reaching its adapters.
-        names = [*dict(self.module.named_parameters(recurse=False)), *getattr(self.module, "parametrizations", {})]
-        anchor = sum(t.reshape(-1)[:1].sum() for t in map(partial(getattr, self.module), names) if t.requires_grad)
+        names = [*dict(module.named_parameters(recurse=False)), *getattr(module, "parametrizations", {})]
+        anchor = sum(t.reshape(-1)[:1].sum() for t in map(partial(getattr, module), names) if t.requires_grad)
         return out + (anchor * 0).to(out.dtype) if torch.is_tensor(anchor) else out

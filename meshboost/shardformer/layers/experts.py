@@ -11,8 +11,10 @@ and the routing weights, whose gradients are partial per rank) and g (one all-re
 make it exact: the router stays replicated and gets its whole gradient on every rank. The HF forward
 (eager or any `_experts_implementation`) runs unchanged on the local shapes. Must not route tokens or
 know a model family; expert parallelism (experts split over ranks, `expert_parallel.py`) is not this
-file: it takes the two collectives off the module (`take_tp_hooks`) and runs them around the local
-experts itself, inside its dispatch.
+file, but which forward an experts module runs is decided here, once, for tp, ep and tp x ep
+(`ExpertsForward`, kept by module in this file's registry): tp alone, the two collectives as hooks
+around the HF forward; with ep, expert parallelism's dispatching forward, which runs them around the
+local experts itself (every tp rank received the same rows).
 
 Under sequence parallelism (Megatron's layout for tensor-parallel experts) each tp rank routes its own
 chunk of the sequence, so the experts' inputs (hidden states, expert ids, routing weights) are
@@ -27,7 +29,8 @@ whole gradient exactly once: its weight gradient is summed over tp by `sequence.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field, replace
 from functools import partial
 from weakref import WeakKeyDictionary
 
@@ -41,15 +44,14 @@ from meshboost.shardformer.layers.linear import shard_parameter_, sum_grad_over_
 UP_PARAMS = ("gate_up_proj", "up_proj")     # [gate; up] packed, or up alone (experts without a gate)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TensorParallelExperts:
-    """What `shard_experts_` installed on an experts module: its tp group, the down-projection bias
-    whose repeated terms the output hook takes off (None without biases), the two hooks, and whether
-    the experts' tokens are sequence-parallel (each tp rank routed its own chunk: see the docstring)."""
+    """How `shard_experts_` cut an experts module: its tp group, the down-projection bias whose repeated
+    terms the output's correction takes off (None without biases), and whether the experts' tokens are
+    sequence-parallel (each tp rank routed its own chunk: see the docstring)."""
 
     group: object
     bias_name: str | None
-    handles: tuple
     seq_parallel: bool = False
 
     def copy_inputs(self, module, args, kwargs):
@@ -71,20 +73,60 @@ class TensorParallelExperts:
         return _map_output(output, lambda out: comm.reduce_scatter_to_seq(out, self.group, dim=0))
 
 
-# The one owner of "which experts modules carry tensor-parallel hooks": a registry keyed weakly by
-# module, so the record is typed, nothing is set on the module on the side, and a dropped model is freed.
-_TP_EXPERTS: WeakKeyDictionary[nn.Module, TensorParallelExperts] = WeakKeyDictionary()
+@dataclass(frozen=True)
+class ExpertsForward:
+    """The one record of how an experts module's forward runs: `tp` (its experts cut on I), `ep` (its
+    experts dealt over ep ranks: `expert_parallel._ExpertParallelForward`, a floor above this file, so
+    named by what it does: `ep.run(module, tp, args, kwargs)`), or both. `handles`: what
+    `set_experts_forward` installed for it, removed when the layout grows."""
+
+    tp: TensorParallelExperts | None = None
+    ep: object | None = None
+    handles: tuple = field(default=(), compare=False)
 
 
-def take_tp_hooks(module: nn.Module) -> TensorParallelExperts | None:
-    """Remove the tensor-parallel hooks `shard_experts_` put on `module` and return them, for a caller
-    that runs them itself (expert parallelism: around the local experts, after the dispatch); None
-    when the module's experts are not tensor-parallel."""
-    state = _TP_EXPERTS.pop(module, None)
-    if state is not None:
-        for handle in state.handles:
-            handle.remove()
-    return state
+# The one owner of every experts module's forward: keyed weakly by module, so the record is typed, nothing
+# is set on the module on the side (but the dispatching forward, below), and a dropped model is freed.
+_EXPERTS: WeakKeyDictionary[nn.Module, ExpertsForward] = WeakKeyDictionary()
+
+
+def experts_forward(module: nn.Module) -> ExpertsForward:
+    """How `module`'s forward runs now (an empty record when meshboost has not split its experts)."""
+    return _EXPERTS.get(module, ExpertsForward())
+
+
+def set_experts_forward(module: nn.Module, **changes) -> ExpertsForward:
+    """Decide `module`'s forward from its record with `changes` (tp=..., ep=...) and install it, in place
+    of what this function installed before: with ep, the dispatching forward (it runs tp's collectives
+    around the local experts itself); tp alone, f before and g after the HF forward as hooks (with
+    sequence parallelism the token gather before, the reduce-scatter after). Returns the record."""
+    record = replace(experts_forward(module), **changes)
+    for handle in record.handles:
+        handle.remove()
+    if isinstance(module.__dict__.get("forward"), _DispatchingForward):
+        del module.__dict__["forward"]
+    handles: tuple = ()
+    if record.ep is not None:
+        # torch calls `module.forward`, and no hook can replace the computation a forward does: the
+        # dispatch is set as the module's forward (as regional compile sets a block's), holding it weakly
+        module.forward = _DispatchingForward(module, record)
+    elif record.tp is not None:
+        handles = (module.register_forward_pre_hook(partial(_tp_pre_hook, record.tp), with_kwargs=True),
+                   module.register_forward_hook(partial(_tp_post_hook, record.tp), with_kwargs=True))
+    record = replace(record, handles=handles)
+    _EXPERTS[module] = record
+    return record
+
+
+class _DispatchingForward:
+    """An experts module's forward under expert parallelism: its record's `ep.run`. A strong reference
+    back to the module would make a cycle that keeps a dropped model alive until gc.collect()."""
+
+    def __init__(self, module: nn.Module, record: ExpertsForward):
+        self._module, self.record = weakref.ref(module), record
+
+    def __call__(self, *args, **kwargs):
+        return self.record.ep.run(self._module(), self.record.tp, args, kwargs)
 
 
 def is_packed_experts(module: nn.Module) -> bool:
@@ -201,25 +243,18 @@ def shard_experts_(module: nn.Module, group, interleaved: bool = False, seq_para
     if has_bias:
         shard_parameter_(getattr(module, up_bias), 1, group, num_fused=fused)
         register_grad_hook(getattr(module, down_bias), partial(sum_grad_over_tp, group))
-    state = TensorParallelExperts(group, down_bias if has_bias else None, (), seq_parallel)
-    state.handles = (module.register_forward_pre_hook(_pre_hook(state), with_kwargs=True),
-                     module.register_forward_hook(_post_hook(state), with_kwargs=True))
-    _TP_EXPERTS[module] = state
+    set_experts_forward(module, tp=TensorParallelExperts(group, down_bias if has_bias else None, seq_parallel))
 
 
-def _pre_hook(state: TensorParallelExperts):
-    def hook(module, args, kwargs):
-        if state.seq_parallel:
-            args, kwargs = state.gather_tokens(args, kwargs)
-        return state.copy_inputs(module, args, kwargs)
-    return hook
+def _tp_pre_hook(tp: TensorParallelExperts, module, args, kwargs):
+    if tp.seq_parallel:
+        args, kwargs = tp.gather_tokens(args, kwargs)
+    return tp.copy_inputs(module, args, kwargs)
 
 
-def _post_hook(state: TensorParallelExperts):
-    def hook(module, args, kwargs, output):
-        output = state.reduce_output(module, args, kwargs, output)
-        return state.scatter_tokens(output) if state.seq_parallel else output
-    return hook
+def _tp_post_hook(tp: TensorParallelExperts, module, args, kwargs, output):
+    output = tp.reduce_output(module, args, kwargs, output)
+    return tp.scatter_tokens(output) if tp.seq_parallel else output
 
 
 def _gather_tokens(group, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
