@@ -51,8 +51,15 @@ def test_parallel_dims_are_the_one_answer_for_sizes():
     assert dims.shard_axes() == ((), ("dp",)) and dims.dp_shard == dims.dp
     with pytest.raises(ValueError, match="dp_replicate_size=3 does not divide the data-parallel size 4"):
         ParallelDims.of_world(8, tp=2, dp_replicate=3)
-    with pytest.raises(NotImplementedError, match="dp_replicate_size=2 with ep_size=2"):
-        ParallelDims.of_world(8, ep=2, dp_replicate=2)
+    # HSDP with ep (torchtitan's layout): ep borrows from dp_shard, dp = (dp_replicate, edp_shard, ep)
+    both = ParallelDims.of_world(8, ep=2, dp_replicate=2)
+    assert (both.mesh_axes, both.shape, both.edp, both.edp_shard) == (
+        ("dp_replicate", "edp_shard", "ep", "pp", "tp"), (2, 2, 2, 1, 1), 4, 2)
+    assert both.shard_axes() == (("dp_replicate",), ("dp_shard",))
+    assert both.shard_axes("expert") == (("dp_replicate",), ("edp_shard",))
+    with pytest.raises(ValueError, match=r"dp_replicate_size=4 does not divide the experts' data-parallel size 2 "
+                                         r"\(edp = dp 8 / ep_size=4\).*dividing 2, or an ep_size dividing 2"):
+        ParallelDims.of_world(8, ep=4, dp_replicate=4)
 
 
 def test_launch_from_torch_needs_torchrun_env(monkeypatch):
