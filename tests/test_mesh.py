@@ -120,6 +120,15 @@ def _mesh_body(rank, world):
     both = ParallelMesh(tp_size=2, ep_size=2)
     assert dist.get_process_group_ranks(both.group("ep")) == [rank % 2, rank % 2 + 2] and both.dims.edp == 1
     assert mesh.reduction_of([b])[1] is mesh.dp_group        # without ep, edp is dp: the expert kind is dp's
+    # HSDP with ep: dp = (dp_replicate, edp_shard, ep) = (2, 1, 2); a replica group holds every expert once
+    hsdp = ParallelMesh(tp_size=1, ep_size=2, dp_replicate_size=2)
+    assert (hsdp.dp_rank, hsdp.ep_rank, hsdp.edp_rank, hsdp.coordinate("dp_shard"), hsdp.coordinate("edp_shard")) \
+        == (rank, rank % 2, rank // 2, rank % 2, 0)
+    assert dist.get_process_group_ranks(hsdp.group("dp_shard")) == [rank // 2 * 2, rank // 2 * 2 + 1]
+    assert dist.get_process_group_ranks(hsdp.group("edp")) == [rank % 2, rank % 2 + 2]
+    assert hsdp.fsdp_mesh().shape == (2, 2) and hsdp.fsdp_mesh("expert").mesh_dim_names == ("dp_replicate",
+                                                                                           "edp_shard")
+    assert ep.coordinate("edp_shard") == ep.edp_rank and mesh.coordinate("edp_shard") == mesh.dp_rank
     # context parallelism: cp beside tp, dense gradients over dp x cp
     cp = ParallelMesh(tp_size=2, cp_size=2)
     assert (cp.dp_size, cp.cp_size, cp.cp_rank, cp.tp_rank) == (1, 2, rank // 2, rank % 2)

@@ -66,6 +66,7 @@ class ParallelMesh:
         self._coordinate.setdefault("cp", 0)
         self._coordinate.setdefault("dp_replicate", 0)
         self._coordinate.setdefault("dp_shard", self._coordinate["dp"])
+        self._coordinate.setdefault("edp_shard", self._coordinate["edp" if self.dims.ep > 1 else "dp_shard"])
         self._stage_groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         self._flattened: dict[tuple[str, ...], DeviceMesh] = {}
         self._reductions: dict[tuple[str, ...], tuple[dist.ProcessGroup, int, int]] = {}
@@ -144,9 +145,11 @@ class ParallelMesh:
             parts = {"dp": HSDP_EXPERT_AXES, "edp": HSDP_EXPERT_AXES[:2], "dp_shard": HSDP_EXPERT_AXES[1:]}
             axes = tuple(dict.fromkeys(a for axis in axes for a in parts.get(axis, (axis,))))
         elif self.dims.ep > 1:                          # dp is (edp, ep) flattened
-            axes = tuple(a for axis in axes for a in (("edp", "ep") if axis == "dp" else (axis,)))
+            parts = {"dp": ("edp", "ep"), "dp_shard": ("edp", "ep"), "edp_shard": ("edp",)}
+            axes = tuple(dict.fromkeys(a for axis in axes for a in parts.get(axis, (axis,))))
         elif self.dims.dp_replicate > 1:              # dp (and edp, the same ranks) is (dp_replicate, dp_shard)
-            axes = tuple(dict.fromkeys(a for axis in axes for a in (HSDP_AXES if axis in ("dp", "edp") else (axis,))))
+            axes = tuple(dict.fromkeys(a for axis in axes for a in (HSDP_AXES if axis in ("dp", "edp") else
+                                                                    ("dp_shard",) if axis == "edp_shard" else (axis,))))
             if "ep" in axes:
                 raise ValueError("the ep axis has one rank at ep_size=1 (no expert parallelism): ask for the "
                                  "axes without it")
@@ -154,7 +157,7 @@ class ParallelMesh:
             if "dp_replicate" in axes:
                 raise ValueError("the dp_replicate axis has one rank at dp_replicate_size=1 (no HSDP): ask for the "
                                  "axes without it")
-            axes = tuple("dp" if axis == "dp_shard" else axis for axis in axes)
+            axes = tuple("dp" if axis in ("dp_shard", "edp_shard") else axis for axis in axes)
             if "ep" in axes:
                 raise ValueError("the ep axis has one rank at ep_size=1 (no expert parallelism): ask for the "
                                  "axes without it")
