@@ -51,8 +51,15 @@ def test_parallel_dims_are_the_one_answer_for_sizes():
     assert dims.shard_axes() == ((), ("dp",)) and dims.dp_shard == dims.dp
     with pytest.raises(ValueError, match="dp_replicate_size=3 does not divide the data-parallel size 4"):
         ParallelDims.of_world(8, tp=2, dp_replicate=3)
-    with pytest.raises(NotImplementedError, match="dp_replicate_size=2 with ep_size=2"):
-        ParallelDims.of_world(8, ep=2, dp_replicate=2)
+    # HSDP with ep (torchtitan's layout): ep borrows from dp_shard, dp = (dp_replicate, edp_shard, ep)
+    both = ParallelDims.of_world(8, ep=2, dp_replicate=2)
+    assert (both.mesh_axes, both.shape, both.edp, both.edp_shard) == (
+        ("dp_replicate", "edp_shard", "ep", "pp", "tp"), (2, 2, 2, 1, 1), 4, 2)
+    assert both.shard_axes() == (("dp_replicate",), ("dp_shard",))
+    assert both.shard_axes("expert") == (("dp_replicate",), ("edp_shard",))
+    with pytest.raises(ValueError, match=r"dp_replicate_size=4 does not divide the experts' data-parallel size 2 "
+                                         r"\(edp = dp 8 / ep_size=4\).*dividing 2, or an ep_size dividing 2"):
+        ParallelDims.of_world(8, ep=4, dp_replicate=4)
 
 
 def test_launch_from_torch_needs_torchrun_env(monkeypatch):
@@ -113,6 +120,15 @@ def _mesh_body(rank, world):
     both = ParallelMesh(tp_size=2, ep_size=2)
     assert dist.get_process_group_ranks(both.group("ep")) == [rank % 2, rank % 2 + 2] and both.dims.edp == 1
     assert mesh.reduction_of([b])[1] is mesh.dp_group        # without ep, edp is dp: the expert kind is dp's
+    # HSDP with ep: dp = (dp_replicate, edp_shard, ep) = (2, 1, 2); a replica group holds every expert once
+    hsdp = ParallelMesh(tp_size=1, ep_size=2, dp_replicate_size=2)
+    assert (hsdp.dp_rank, hsdp.ep_rank, hsdp.edp_rank, hsdp.coordinate("dp_shard"), hsdp.coordinate("edp_shard")) \
+        == (rank, rank % 2, rank // 2, rank % 2, 0)
+    assert dist.get_process_group_ranks(hsdp.group("dp_shard")) == [rank // 2 * 2, rank // 2 * 2 + 1]
+    assert dist.get_process_group_ranks(hsdp.group("edp")) == [rank % 2, rank % 2 + 2]
+    assert hsdp.fsdp_mesh().shape == (2, 2) and hsdp.fsdp_mesh("expert").mesh_dim_names == ("dp_replicate",
+                                                                                           "edp_shard")
+    assert ep.coordinate("edp_shard") == ep.edp_rank and mesh.coordinate("edp_shard") == mesh.dp_rank
     # context parallelism: cp beside tp, dense gradients over dp x cp
     cp = ParallelMesh(tp_size=2, cp_size=2)
     assert (cp.dp_size, cp.cp_size, cp.cp_rank, cp.tp_rank) == (1, 2, rank // 2, rank % 2)

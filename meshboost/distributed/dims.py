@@ -12,7 +12,10 @@ two flattened, over which dense weights are averaged as before. With hybrid shar
 dp_replicate > 1) the data-parallel axis is factored as (dp_replicate, dp_shard), dp_shard inner: dp rank
 d = replica * dp_shard + shard rank, so one replica group's shard ranks are adjacent (on one node when it
 fits there) and only the replicas' gradient all-reduce crosses nodes. FSDP2 gets the 2-D (replicate,
-shard) mesh (`fsdp_mesh`); everyone else still sees "dp", the two flattened.
+shard) mesh (`fsdp_mesh`); everyone else still sees "dp", the two flattened. Both (HSDP with ep, as
+torchtitan lays it out): ep borrows from dp_shard, so dp is (dp_replicate, edp_shard, ep), dp_shard =
+edp_shard x ep shards the dense weights inside a replica group, edp = dp_replicate x edp_shard holds
+the same experts and edp_shard shards them.
 
 Adding an axis (torchtitan's `ParallelDims` is the model): a field of `ParallelDims`, its place in
 `ORDER`, and, when parameters' gradients are averaged over it, its entry in `GRAD_AXES`: a context
@@ -30,6 +33,7 @@ from meshboost.distributed.param_info import DENSE, EXPERT
 AXES = ("dp", "pp", "tp")
 EXPERT_AXES = ("edp", "ep", "pp", "tp")     # the DeviceMesh's dimensions when ep > 1 ("dp" = edp x ep)
 HSDP_AXES = ("dp_replicate", "dp_shard")    # the DeviceMesh's dp dimensions when dp_replicate > 1
+HSDP_EXPERT_AXES = ("dp_replicate", "edp_shard", "ep")  # ... and with ep > 1 too (dp_shard = edp_shard x ep)
 
 
 def check_mesh_shape(world_size: int, tp_size: int, pp_size: int, dp_size: int | None = None,
@@ -41,10 +45,14 @@ def check_mesh_shape(world_size: int, tp_size: int, pp_size: int, dp_size: int |
                          f"{world_size} / (tp_size={tp_size} x pp_size={pp_size} x sp_size={cp_size})): HSDP splits the "
                          f"dp ranks into dp_replicate_size groups that each shard the model; choose a divisor of "
                          f"{dp_size}, or launch a multiple of {tp_size * pp_size * cp_size * dp_replicate} processes")
-    if dp_replicate > 1 and ep_size > 1:
-        raise NotImplementedError(f"dp_replicate_size={dp_replicate} with ep_size={ep_size}: the data-parallel axis is "
-                                  "factored either into HSDP's (replicate, shard) groups or into the experts' (edp, "
-                                  "ep), not both yet; use dp_replicate_size=1 with expert parallelism")
+    if dp_replicate > 1 and ep_size > 1 and (dp_size // ep_size) % dp_replicate:
+        # torchtitan's layout: ep borrows its ranks from inside one replica group (dp_shard), so each replica
+        # group holds every expert once and the replicas of one expert (edp) split into the same groups
+        raise ValueError(f"dp_replicate_size={dp_replicate} does not divide the experts' data-parallel size "
+                         f"{dp_size // ep_size} (edp = dp {dp_size} / ep_size={ep_size}): HSDP with expert "
+                         f"parallelism puts the ep ranks inside one replica group of dp / dp_replicate_size ranks; "
+                         f"choose a dp_replicate_size dividing {dp_size // ep_size}, or an ep_size dividing "
+                         f"{dp_size // dp_replicate}")
     return dp_size
 
 
@@ -117,11 +125,18 @@ class ParallelDims:
         return self.dp // self.dp_replicate
 
     @property
+    def edp_shard(self) -> int:
+        """The replicas of one expert inside one HSDP replica group, over which ZeRO-3 shards the experts
+        (edp itself without HSDP)."""
+        return self.edp // self.dp_replicate
+
+    @property
     def mesh_axes(self) -> tuple[str, ...]:
         """The DeviceMesh's dimension names, outermost first: (dp, pp, tp); dp as (edp, ep) at ep > 1;
         a context axis cp between pp and tp at cp > 1 (its all-to-alls stay near tp's links); dp as
-        (dp_replicate, dp_shard) at dp_replicate > 1."""
-        dp = ("edp", "ep") if self.ep > 1 else HSDP_AXES if self.dp_replicate > 1 else ("dp",)
+        (dp_replicate, dp_shard) at dp_replicate > 1; both: (dp_replicate, edp_shard, ep)."""
+        hsdp = HSDP_EXPERT_AXES if self.ep > 1 else HSDP_AXES
+        dp = hsdp if self.dp_replicate > 1 else ("edp", "ep") if self.ep > 1 else ("dp",)
         return (*dp, "pp", *(("cp",) if self.cp > 1 else ()), "tp")
 
     @property
@@ -132,8 +147,8 @@ class ParallelDims:
         """The number of ranks along `axes` together (one axis, or several flattened)."""
         out = 1
         for axis in axes:
-            if axis not in (*AXES, *EXPERT_AXES, *HSDP_AXES, "cp"):
-                raise ValueError(f"axis={axis!r}; expected one of {(*AXES, 'edp', 'ep', 'cp', *HSDP_AXES)}")
+            if axis not in (*AXES, *EXPERT_AXES, *HSDP_EXPERT_AXES, "dp_shard", "cp"):
+                raise ValueError(f"axis={axis!r}; expected one of {(*AXES, 'edp', 'ep', 'cp', *HSDP_AXES, 'edp_shard')}")
             out *= getattr(self, axis)
         return out
 
@@ -145,9 +160,14 @@ class ParallelDims:
         return (*self.GRAD_AXES[kind], "cp") if self.cp > 1 else self.GRAD_AXES[kind]
 
     def shard_axes(self, kind: str = DENSE) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """(replicate axes, shard axes) of a `kind` parameter under ZeRO-3: its gradient axes, with dp
-        split into HSDP's replicas and shard ranks at dp_replicate > 1 (no replicate axis otherwise)."""
-        axes = self.grad_axes(kind)
+        """(replicate axes, shard axes) of a `kind` parameter under ZeRO-3: its gradient axes (`split_axes`)."""
+        return self.split_axes(self.grad_axes(kind))
+
+    def split_axes(self, axes: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(replicate axes, shard axes) of gradient `axes` under ZeRO-3: at dp_replicate > 1 dp splits into
+        HSDP's replicas and dp_shard, and edp (the experts' replicas) into the replicas and edp_shard (no
+        replicate axis otherwise)."""
         if self.dp_replicate == 1:
             return (), axes
-        return ("dp_replicate",), tuple(a for axis in axes for a in (("dp_shard",) if axis == "dp" else (axis,)))
+        inside = {"dp": "dp_shard", "edp": "edp_shard" if self.ep > 1 else "dp_shard"}
+        return ("dp_replicate",), tuple(inside.get(axis, axis) for axis in axes)

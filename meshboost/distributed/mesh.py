@@ -17,7 +17,7 @@ from torch.distributed.constants import default_pg_nccl_timeout, default_pg_time
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshboost.distributed.agreement import agree_settings
-from meshboost.distributed.dims import HSDP_AXES, ParallelDims
+from meshboost.distributed.dims import HSDP_AXES, HSDP_EXPERT_AXES, ParallelDims
 from meshboost.distributed.launch import get_current_device, group_timeout
 from meshboost.distributed.param_info import DENSE, grad_reduction
 
@@ -52,7 +52,11 @@ class ParallelMesh:
             device_type, self.dims.shape, mesh_dim_names=self.dims.mesh_axes, **self._timeout_override(device_type))
         self.global_rank = dist.get_rank()
         self._coordinate = dict(zip(self.dims.mesh_axes, self.device_mesh.get_coordinate()))
-        if self.dims.ep > 1:          # dp rank = edp rank * ep + ep rank
+        if self.dims.ep > 1 and self.dims.dp_replicate > 1:     # edp = replica * edp_shard + its rank there
+            c = self._coordinate
+            c["edp"] = c["dp_replicate"] * self.dims.edp_shard + c["edp_shard"]
+            c.update(dp=c["edp"] * self.dims.ep + c["ep"], dp_shard=c["edp_shard"] * self.dims.ep + c["ep"])
+        elif self.dims.ep > 1:          # dp rank = edp rank * ep + ep rank
             self._coordinate["dp"] = self._coordinate["edp"] * self.dims.ep + self._coordinate["ep"]
         elif self.dims.dp_replicate > 1:            # dp rank = replica * dp_shard + shard rank
             self._coordinate["dp"] = self._coordinate["dp_replicate"] * self.dims.dp_shard + self._coordinate["dp_shard"]
@@ -62,6 +66,7 @@ class ParallelMesh:
         self._coordinate.setdefault("cp", 0)
         self._coordinate.setdefault("dp_replicate", 0)
         self._coordinate.setdefault("dp_shard", self._coordinate["dp"])
+        self._coordinate.setdefault("edp_shard", self._coordinate["edp" if self.dims.ep > 1 else "dp_shard"])
         self._stage_groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         self._flattened: dict[tuple[str, ...], DeviceMesh] = {}
         self._reductions: dict[tuple[str, ...], tuple[dist.ProcessGroup, int, int]] = {}
@@ -136,10 +141,15 @@ class ParallelMesh:
         for axis in axes:
             self.dims.size(axis)                      # raises on an unknown axis
         names = self.dims.mesh_axes
-        if self.dims.ep > 1:                          # dp is (edp, ep) flattened
-            axes = tuple(a for axis in axes for a in (("edp", "ep") if axis == "dp" else (axis,)))
+        if self.dims.ep > 1 and self.dims.dp_replicate > 1:    # dp is (dp_replicate, edp_shard, ep) flattened
+            parts = {"dp": HSDP_EXPERT_AXES, "edp": HSDP_EXPERT_AXES[:2], "dp_shard": HSDP_EXPERT_AXES[1:]}
+            axes = tuple(dict.fromkeys(a for axis in axes for a in parts.get(axis, (axis,))))
+        elif self.dims.ep > 1:                          # dp is (edp, ep) flattened
+            parts = {"dp": ("edp", "ep"), "dp_shard": ("edp", "ep"), "edp_shard": ("edp",)}
+            axes = tuple(dict.fromkeys(a for axis in axes for a in parts.get(axis, (axis,))))
         elif self.dims.dp_replicate > 1:              # dp (and edp, the same ranks) is (dp_replicate, dp_shard)
-            axes = tuple(dict.fromkeys(a for axis in axes for a in (HSDP_AXES if axis in ("dp", "edp") else (axis,))))
+            axes = tuple(dict.fromkeys(a for axis in axes for a in (HSDP_AXES if axis in ("dp", "edp") else
+                                                                    ("dp_shard",) if axis == "edp_shard" else (axis,))))
             if "ep" in axes:
                 raise ValueError("the ep axis has one rank at ep_size=1 (no expert parallelism): ask for the "
                                  "axes without it")
@@ -147,7 +157,7 @@ class ParallelMesh:
             if "dp_replicate" in axes:
                 raise ValueError("the dp_replicate axis has one rank at dp_replicate_size=1 (no HSDP): ask for the "
                                  "axes without it")
-            axes = tuple("dp" if axis == "dp_shard" else axis for axis in axes)
+            axes = tuple("dp" if axis in ("dp_shard", "edp_shard") else axis for axis in axes)
             if "ep" in axes:
                 raise ValueError("the ep axis has one rank at ep_size=1 (no expert parallelism): ask for the "
                                  "axes without it")
@@ -166,14 +176,15 @@ class ParallelMesh:
                                                                     backend_override=override.get(axes[0]))
         return self._flattened[axes]
 
-    def fsdp_mesh(self, kind: str = DENSE) -> DeviceMesh:
-        """The DeviceMesh FSDP2 shards a `kind` parameter over: its gradient axes flattened into one
-        dimension, or at dp_replicate > 1 the 2-D (replicate, shard) mesh of HSDP (the shard axes
-        flattened into one: dp_shard, with cp when there is a context axis)."""
-        replicate, shard = self.dims.shard_axes(kind)
+    def fsdp_mesh(self, kind: str = DENSE, axes: tuple[str, ...] | None = None) -> DeviceMesh:
+        """The DeviceMesh FSDP2 shards a `kind` parameter (or one averaged over gradient `axes`) over: its
+        gradient axes flattened into one dimension, or at dp_replicate > 1 the 2-D (replicate, shard) mesh
+        of HSDP (the shard axes flattened into one: dp_shard, with cp when there is a context axis;
+        edp_shard for the experts at ep > 1, dp_shard = edp_shard x ep for the dense weights)."""
+        replicate, shard = self.dims.split_axes(self.dims.grad_axes(kind) if axes is None else axes)
         if not replicate:
             return self.submesh(*shard)
-        if len(shard) == 1:
+        if len(shard) == 1 and shard[0] in self.dims.mesh_axes:
             return self.device_mesh[(*replicate, *shard)]
         # torch deprecates slicing a flattened dimension from the root mesh: join the two 1-D meshes instead
         return DeviceMesh._concatenate([self.submesh(*replicate), self.submesh(*shard)])

@@ -90,7 +90,8 @@ def replica_units(model: nn.Module, mesh, ignored: set[int]) -> list[tuple[nn.Mo
     """(module, axes) for every module holding parameters whose gradient the mesh averages over other
     axes than the dense weights' (expert-parallel experts: over edp, the dp ranks holding the same
     experts), children first: each becomes a unit of its own sharded over those axes, before the
-    layers around it (whose units then skip its parameters), as torchtitan shards its experts. Pure: a
+    layers around it (whose units then skip its parameters), as torchtitan shards its experts (under HSDP
+    on the (dp_replicate, edp_shard) mesh: replicated as the dense weights are). Pure: a
     module mixing kinds is refused on every rank alike."""
     dense, out = mesh.dims.grad_axes(), []
     for name, module in model.named_modules():
@@ -123,7 +124,7 @@ def apply_fsdp(model: nn.Module, config: FSDPConfig, mesh, layers: Layers) -> li
     reshard = None if config.reshard_after_forward else False
     for unit, axes in own_axes:
         fully_shard(unit, reshard_after_forward=reshard, mp_policy=config.mp_policy(root=False),
-                    **{**common, "mesh": mesh.submesh(*axes)})
+                    **{**common, "mesh": mesh.fsdp_mesh(axes=axes)})
     for unit in units:
         fully_shard(unit, reshard_after_forward=reshard, mp_policy=config.mp_policy(root=False), **common)
     fully_shard(model, reshard_after_forward=reshard, mp_policy=config.mp_policy(root=True), **common)

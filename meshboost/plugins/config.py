@@ -53,9 +53,10 @@ def dp_reducer(dp_size: int, pp_size: int, zero_stage: int) -> str:
     return PIPELINE if pp_size > 1 else DDP
 
 
-def check_replicate(dp_replicate_size, zero_stage: int, cpu_offload: bool, pp_size: int, ep_size: int) -> None:
-    """What HSDP (dp_replicate_size > 1) composes with; pure, the same error on every rank. Whether it
-    divides dp is the mesh's check (it knows the world size)."""
+def check_replicate(dp_replicate_size, zero_stage: int, cpu_offload: bool) -> None:
+    """What HSDP (dp_replicate_size > 1) composes with (tp, cp, pp and ep: everything but ZeRO-1/2 and
+    cpu_offload); pure, the same error on every rank. Whether it divides dp, and with ep the experts'
+    dp / ep, is the mesh's check (it knows the world size)."""
     if not isinstance(dp_replicate_size, int) or isinstance(dp_replicate_size, bool) or dp_replicate_size < 1:
         raise ValueError(f"dp_replicate_size={dp_replicate_size!r} must be a positive integer (1: no HSDP)")
     if dp_replicate_size == 1:
@@ -69,10 +70,6 @@ def check_replicate(dp_replicate_size, zero_stage: int, cpu_offload: bool, pp_si
                                   "weights, gradients and optimizer states inside a replica group and all-reduces "
                                   "gradients across groups, which meshboost does with FSDP2; use zero_stage=3, or "
                                   "dp_replicate_size=1 (ZeRO-1/2 shard the states over every dp rank)")
-    if pp_size > 1 or ep_size > 1:
-        raise NotImplementedError(f"dp_replicate_size={dp_replicate_size} with pp_size={pp_size}, ep_size={ep_size}: "
-                                  "HSDP composes with tensor and context parallelism (tp_size, sp_size); use "
-                                  "dp_replicate_size=1 with pipeline or expert parallelism")
 
 
 @dataclass
@@ -189,7 +186,7 @@ class HybridParallelConfig:
         if self.reshard_after_forward is not None and stage != 3:
             raise ValueError(f"reshard_after_forward={self.reshard_after_forward} is FSDP2's setting, but "
                              f"zero_stage={stage!r}; set zero_stage=3, or leave reshard_after_forward=None")
-        check_replicate(self.dp_replicate_size, stage, zero.cpu_offload, self.pipeline.pp_size, self.ep_size)
+        check_replicate(self.dp_replicate_size, stage, zero.cpu_offload)
         if zero.communication_dtype not in (None, self.precision.dtype) and not zero.partitioned_by_optimizer:
             raise ValueError(f"communication_dtype={zero.communication_dtype} sets the dtype of ZeRO's gradient "
                              f"reduce-scatter, but zero_stage={stage!r} (DDP and the pipeline reduce in the working "

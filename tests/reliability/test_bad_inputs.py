@@ -20,7 +20,8 @@ wrong number or a hang: one process group of 4 ranks runs the whole matrix (issu
 - expert parallelism: ep_size not dividing dp or the experts, ep on a dense model, an expert id out of
   range on one ep rank, one replica fed an empty batch (refused on every data-parallel rank); context
   parallelism: sp_size not dividing the world, a sequence length the split cannot cut, cp ranks fed
-  different batches; HSDP: dp_replicate_size not dividing dp, below 1, with ZeRO-1/2, cpu_offload, pp or ep.
+  different batches; HSDP: dp_replicate_size not dividing dp (or, with ep, dp / ep), below 1, with ZeRO-1/2 or
+  cpu_offload.
 - ZeRO-3: `reshard_after_forward` without zero_stage=3, a module mixing expert and dense weights under ep.
 - LoRA: enable_lora twice, an adapter folder whose rank or target modules differ from its weights, and
   at tp=2 adapters the layout cannot shard exactly (on the vocab-parallel embedding, modules_to_save on
@@ -296,14 +297,14 @@ def _hsdp_layouts(rank, world):
          "zero_stage=3"),
         (dict(dp_replicate_size=2, zero_stage=3, cpu_offload=True), NotImplementedError,
          "dp_replicate_size=2 with cpu_offload=True.*drop cpu_offload"),
-        (dict(dp_replicate_size=2, zero_stage=3, pp_size=2, num_microbatches=2), NotImplementedError,
-         "dp_replicate_size=2 with pp_size=2.*use dp_replicate_size=1 with pipeline"),
     ]
     for kwargs, error, match in rows:
         with pytest.raises(error, match=match):
             HybridParallelPlugin(**{"tp_size": 1, **kwargs})
-    with pytest.raises(NotImplementedError, match="dp_replicate_size=2 with pp_size=1, ep_size=2"):
-        MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, zero_stage=3, dp_replicate_size=2)
+    # with ep the replica groups split the experts' replicas too (edp = dp / ep = 2 here)
+    with pytest.raises(ValueError, match=r"dp_replicate_size=4 does not divide the experts' data-parallel size 2 "
+                                         r".*choose a dp_replicate_size dividing 2"):
+        MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, zero_stage=3, dp_replicate_size=4)
 
 
 def _lora_inputs(rank, world, root):

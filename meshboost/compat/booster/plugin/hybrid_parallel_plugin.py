@@ -75,7 +75,7 @@ def colossalai_config(a: dict) -> HybridParallelConfig:
     """ColossalAI's HybridParallelPlugin keywords (`a`, every one of them) as meshboost's config."""
     _refuse_unsupported(a["scheduler_nodes"], a["dp_outside"], a["overlap_allgather"], a["inner_ring_size"])
     # before ZeroConfig, whose cpu_offload refusal at zero_stage=3 would point away from HSDP
-    check_replicate(a["dp_replicate_size"], a["zero_stage"], a["cpu_offload"], a["pp_size"], 1)
+    check_replicate(a["dp_replicate_size"], a["zero_stage"], a["cpu_offload"])
     sp_size, sp_mode, sequence = _context(a)
     sharding = ShardConfig(**sequence, **{k: a[k] for k in (
         "enable_tensor_parallelism", "parallel_output", "make_vocab_size_divisible_by", "enable_flash_attention",

@@ -85,8 +85,8 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
     zero_stage=2 and overlap_communication=True are honoured, not turned into stage 1 without overlap as
         ColossalAI does: meshboost's expert-parallel forward gives an expert that received no token a zero
         gradient (never none), so every rank's reducer sees the same buckets and ZeRO-2 cannot hang.
-    dp_replicate_size (keyword-only): HSDP with zero_stage=3, as HybridParallelPlugin's (refused with
-        ep_size > 1 for now).
+    dp_replicate_size (keyword-only): HSDP with zero_stage=3, as HybridParallelPlugin's; with ep_size > 1 the
+        ep ranks sit inside a replica group, so it must divide dp / ep_size (docs/fsdp.md).
     enable_sequence_parallelism=True needs sequence_parallelism_mode="split_gather" spelled out
         or "all_to_all" with sp_size spelled out (ColossalAI's MoE and hybrid plugins default differently).
 
