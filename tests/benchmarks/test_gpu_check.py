@@ -17,6 +17,6 @@ def test_gpu_check_dry_run():
     assert done.returncode == 0, out[-3000:]
     rows = [f"gpu_mfu row: tiny {row} " for row in ("plain_autocast", "plain_bf16", "meshboost", "compile",
                                                     "compile_float8")]
-    for line in ("1/5 packages", "2/5 CUDA tests", "3/5 tensor parallelism", *rows, "5/5 planner", "max_allocated",
+    for line in ("1/5 packages", "2/5 CUDA tests", "3/5 tensor parallelism", *rows, "5/5 planner", "pred.peak",
                  "done"):
         assert line in out, (line, out[-3000:])
