@@ -103,7 +103,7 @@ def plugin_config(layout: dict):
     if layout["mode"] == SPLIT_GATHER:
         return HybridParallelConfig(tp_size=layout["size"], sharding=ShardConfig(enable_sequence_parallelism=True),
                                     check_inputs="never")
-    return HybridParallelConfig(sp_size=layout["size"], sp_mode=layout["mode"], check_inputs="never")
+    return HybridParallelConfig(cp_size=layout["size"], cp_mode=layout["mode"], check_inputs="never")
 
 
 def saved_storage_bytes(run, params) -> tuple[int, int, object]:

@@ -89,7 +89,7 @@ def test_zero2_and_overlap_are_honoured_with_experts():
     expert-parallel forward gives such experts zero gradients, so they are kept as given."""
     config = moe_colossalai_config({**DEFAULTS, "ep_size": 2, "zero_stage": 2, "overlap_communication": True,
                                     "precision": "bf16"})
-    assert (config.ep_size, config.zero.stage, config.zero.overlap_communication) == (2, 2, True)
+    assert (config.dims.ep, config.zero.stage, config.zero.overlap_communication) == (2, 2, True)
 
 
 def test_refusals_name_the_keyword_and_the_fix():
@@ -136,7 +136,7 @@ def test_import_paths():
 
 def _attributes_body(rank, world_size):
     plugin = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, zero_stage=1, precision="bf16")
-    assert plugin.config.ep_size == plugin.ep_size == 2
+    assert plugin.config.dims.ep == plugin.ep_size == 2
     assert (plugin.dp_size, plugin.moe_dp_size, plugin.tp_size, plugin.pp_size) == (2, 1, 1, 1)
     assert dist.get_world_size(plugin.ep_group) == 2
     assert dist.get_world_size(plugin.moe_dp_group) == 1

@@ -31,8 +31,8 @@ DEFAULTS["tp_size"] = 1
 # keyword -> (another valid value, keywords it needs, the config field path that must change: its own, or
 # its own first and the fields its config derives from it)
 CHANGES = {
-    "tp_size": (2, {}, "tp_size"),
-    "pp_size": (2, {"num_microbatches": 2}, "pipeline.pp_size"),
+    "tp_size": (2, {}, "dims.tp"),
+    "pp_size": (2, {"num_microbatches": 2}, ("pipeline.pp_size", "dims.pp")),    # the pipeline's, mirrored in dims
     "precision": ("bf16", {}, "precision.precision"),
     "zero_stage": (1, {}, "zero.stage"),
     "parallel_output": (False, {}, "sharding.parallel_output"),
@@ -62,7 +62,7 @@ CHANGES = {
     "check_inputs": ("first", {}, "check_inputs"),
     "loss_normalization": ("microbatch", {}, "loss_normalization"),
     "moe_router_bias_update_rate": (1e-3, {}, "moe_router_bias_update_rate"),
-    "dp_replicate_size": (2, {"zero_stage": 3}, "dp_replicate_size"),
+    "dp_replicate_size": (2, {"zero_stage": 3}, "dims.dp_replicate"),
     "enable_flash_attention": (True, {}, "sharding.enable_flash_attention"),
     "enable_fused_normalization": (True, {}, "sharding.enable_fused_normalization"),
     "enable_jit_fused": (True, {}, "sharding.enable_jit_fused"),
