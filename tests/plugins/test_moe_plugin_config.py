@@ -41,7 +41,7 @@ MOE_CHANGES = {k: v for k, v in CHANGES.items() if k in PARAMETERS} | {
     "overlap_communication": (True, {}, "zero.overlap_communication"),
     "enable_sequence_parallelism": (True, {"sequence_parallelism_mode": "split_gather"},
                                     "sharding.enable_sequence_parallelism"),
-    "ep_size": (2, {}, "ep_size"),
+    "ep_size": (2, {}, "dims.ep"),
 }
 # accepted with the value that means meshboost's layout: no field of their own
 MOE_NO_FIELD = {"moe_tp_size", "moe_dp_outside"}
@@ -106,7 +106,7 @@ def test_refusals_name_the_keyword_and_the_fix():
         ({"ep_size": 2.0}, ValueError, r"ep_size=2.0 must be a positive integer"),
         ({"sp_size": 2}, NotImplementedError, r"sp_size=2"),
         ({"use_fp8": True, "tp_size": 2, "sp_size": 2, "enable_sequence_parallelism": True,
-          "sequence_parallelism_mode": "all_to_all"}, NotImplementedError, r"float8 with tp_size=2 and sp_size=2"),
+          "sequence_parallelism_mode": "all_to_all"}, NotImplementedError, r"float8 with tp_size=2 and cp_size=2"),
         ({"overlap_allgather": True}, NotImplementedError, r"overlap_allgather=True"),
         ({"scheduler_nodes": []}, NotImplementedError, r"scheduler_nodes="),
     ]
