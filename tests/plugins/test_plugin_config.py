@@ -176,3 +176,36 @@ def test_optimizer_wrappers_take_config_objects():
         ZeroOptimizer(torch.optim.SGD(params, lr=0.1), None, PrecisionConfig(), 1)
     with pytest.raises(ValueError, match="stage 3 is torch FSDP2's"):
         ZeroOptimizer(torch.optim.SGD(params, lr=0.1), None, PrecisionConfig(), ZeroConfig(3))
+
+
+def test_the_layout_is_one_parallel_dims():
+    """HybridParallelConfig's degrees and cp's mode live in one ParallelDims (`config.dims`): the keywords build
+    it, dataclasses.replace keeps it, pp comes from the pipeline's config, and dims.py refuses bad values."""
+    import dataclasses
+
+    from meshboost.distributed.dims import ParallelDims
+    from meshboost.pipeline import PipelineConfig
+
+    config = HybridParallelConfig(tp_size=2, cp_size=2, pipeline=PipelineConfig(pp_size=2, num_microbatches=2))
+    assert config.dims == ParallelDims(dp=None, pp=2, tp=2, cp=2, cp_mode="all_to_all")      # the default mode
+    assert config.pp_size == 2
+    moved = dataclasses.replace(config, ep_size=2, zero=ZeroConfig(stage=1))       # the other degrees stay
+    assert moved.dims == dataclasses.replace(config.dims, ep=2) and moved.zero.stage == 1
+    assert dataclasses.replace(moved, cp_size=1).dims.cp_mode is None               # cp off: no mode left
+    whole = HybridParallelConfig(dims=ParallelDims(tp=2, cp=2, cp_mode="ring_attn"))
+    assert (whole.dims.tp, whole.dims.cp, whole.dims.cp_mode, whole.dims.pp) == (2, 2, "ring_attn", 1)
+    assert HybridParallelConfig(dims=ParallelDims(tp=2), tp_size=4).dims.tp == 4    # a keyword overrides dims
+    with pytest.raises(ValueError, match=r"dims.pp=2 but pipeline.pp_size=1: .*PipelineConfig\(pp_size="):
+        HybridParallelConfig(dims=ParallelDims(pp=2))
+    with pytest.raises(ValueError, match="cp_size=0 must be a positive integer"):
+        HybridParallelConfig(cp_size=0)
+    with pytest.raises(ValueError, match="cp_mode='ring_attn' with cp_size=1 splits nothing"):
+        HybridParallelConfig(cp_mode="ring_attn")
+    with pytest.raises(TypeError, match="pass a meshboost.distributed.ParallelDims"):
+        HybridParallelConfig(dims=(2, 2))
+    # the world resolves dp, once, in dims.py; an unresolved record says so instead of a wrong size
+    assert ParallelDims(tp=2, cp=2).resolved(8) == ParallelDims(dp=2, tp=2, cp=2)
+    with pytest.raises(ValueError, match="not resolved against a world"):
+        ParallelDims(tp=2).size("dp")
+    with pytest.raises(ValueError, match=r"world_size=6 is not divisible into dp x \(pp_size=1 x cp_size=4"):
+        ParallelDims(cp=4).resolved(6)
