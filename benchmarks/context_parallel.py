@@ -1,4 +1,4 @@
-"""Context parallelism (`HybridParallelConfig(sp_size=sp, sp_mode=...)`, meshboost/shardformer/context.py)
+"""Context parallelism (`HybridParallelConfig(cp_size=cp, cp_mode=...)`, meshboost/shardformer/context.py)
 against one process and against Megatron-style sequence parallelism over tp ("split_gather",
 `HybridParallelConfig(tp_size=tp, sharding=ShardConfig(enable_sequence_parallelism=True))`): activation
 bytes saved for backward per rank, the longest sequence that fits a memory budget, and the cp group's

@@ -160,7 +160,7 @@ def _layouts(rank, world, root):
                                                                                          num_microbatches=2)))):
         booster, model, opt = train_boosted(config, batches, cfg, ref_losses, ref_params, f"lora {name}",
                                             model=_lora_model(config))
-        _check_layout(model, opt, name, cfg.tp_size)
+        _check_layout(model, opt, name, cfg.dims.tp)
         _check_saved(booster, model, os.path.join(root, name), config, ref_adapters, name, rank)
 
     # context parallelism: the adapters replicated over cp like every weight, averaged over dp x cp

@@ -1,6 +1,6 @@
 """ColossalAI's MoeHybridParallelPlugin keywords land in meshboost's config as HybridParallelPlugin's do:
 its signature is ColossalAI's (names, order, the three required sizes), `ep_size` lands in
-`HybridParallelConfig.ep_size` and nowhere else, every keyword it shares with HybridParallelPlugin moves
+`HybridParallelConfig.dims.ep` and nowhere else, every keyword it shares with HybridParallelPlugin moves
 only its own field (test_plugin_config.py's table, run through the MoE mapping), and the MoE keywords
 meshboost does not implement are refused naming the keyword and the fix, before any collective. Pure
 (no process group) but for one 2-process construction that reads ColossalAI's attributes off the mesh."""
