@@ -1,7 +1,7 @@
 """ShardConfig: the knobs of tensor-parallel sharding, checked when built, and which ranks shard: the
 mesh's tp axis (meshboost's form: `ShardConfig(mesh=mesh)`, the group and size read from the mesh) or
-ColossalAI's `tensor_parallel_process_group=` (its size asked of torch once, when the config is built).
-Nothing reads a size back from a group later.
+ColossalAI's `tensor_parallel_process_group=` (its size asked of torch once, when the config is built; a
+config built before the process group exists asks on reading).
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ class ShardConfig:
     enable_sequence_overlap: bool = False
     enable_all_optimization: bool = False
     mesh: ParallelMesh | None = None
-    # (tp group, tp size), resolved once from `mesh` or the group when built (dataclasses.replace rebuilds it)
+    # (tp group, tp size), resolved once from `mesh` or the group when built (dataclasses.replace rebuilds it;
+    # size None: built before the process group, read from the group then)
     _tp: tuple = field(init=False, repr=False, compare=False, default=(None, 1))
 
     def __post_init__(self):
@@ -81,9 +82,10 @@ class ShardConfig:
                 raise ValueError("ShardConfig got both mesh= and another tensor_parallel_process_group=: the mesh's "
                                  "tp axis shards the model; pass one of them")
             return self.mesh.tp_group, self.mesh.tp_size if self.enable_tensor_parallelism else 1
-        if not self.enable_tensor_parallelism or not dist.is_initialized():
+        if not self.enable_tensor_parallelism:
             return group, 1
-        return group, dist.get_world_size(group)
+        # built before the process group exists (a module-level config): asked at the first read instead
+        return group, dist.get_world_size(group) if dist.is_initialized() else None
 
     @property
     def tp_group(self) -> dist.ProcessGroup | None:
@@ -94,7 +96,10 @@ class ShardConfig:
     @property
     def tensor_parallel_size(self) -> int:
         """How many ranks split each sharded weight (1 with enable_tensor_parallelism=False)."""
-        return self._tp[1]
+        group, size = self._tp
+        if size is None:            # no process group when built: the group's size now, 1 without one
+            return dist.get_world_size(group) if dist.is_initialized() else 1
+        return size
 
     # ColossalAI's views of sequence parallelism, read by its model tests. Derived, never set: meshboost's
     # sequence parallelism ("split_gather") splits the sequence over the tensor-parallel group.
