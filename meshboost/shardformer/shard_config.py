@@ -81,10 +81,8 @@ class ShardConfig:
             if group is not None and group is not self.mesh.tp_group:
                 raise ValueError("ShardConfig got both mesh= and another tensor_parallel_process_group=: the mesh's "
                                  "tp axis shards the model; pass one of them")
-            return self.mesh.tp_group, self.mesh.tp_size if self.enable_tensor_parallelism else 1
-        if not self.enable_tensor_parallelism:
-            return group, 1
-        # built before the process group exists (a module-level config): asked at the first read instead
+            return self.mesh.tp_group, self.mesh.tp_size
+        # ColossalAI's group: its size asked once, now (None when built before the process group: on reading)
         return group, dist.get_world_size(group) if dist.is_initialized() else None
 
     @property
@@ -97,6 +95,8 @@ class ShardConfig:
     def tensor_parallel_size(self) -> int:
         """How many ranks split each sharded weight (1 with enable_tensor_parallelism=False)."""
         group, size = self._tp
+        if not self.enable_tensor_parallelism:
+            return 1
         if size is None:            # no process group when built: the group's size now, 1 without one
             return dist.get_world_size(group) if dist.is_initialized() else 1
         return size
