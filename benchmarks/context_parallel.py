@@ -1,4 +1,4 @@
-"""Context parallelism (`HybridParallelConfig(sp_size=sp, sp_mode=...)`, meshboost/shardformer/context.py)
+"""Context parallelism (`HybridParallelConfig(cp_size=cp, cp_mode=...)`, meshboost/shardformer/context.py)
 against one process and against Megatron-style sequence parallelism over tp ("split_gather",
 `HybridParallelConfig(tp_size=tp, sharding=ShardConfig(enable_sequence_parallelism=True))`): activation
 bytes saved for backward per rank, the longest sequence that fits a memory budget, and the cp group's
@@ -103,7 +103,7 @@ def plugin_config(layout: dict):
     if layout["mode"] == SPLIT_GATHER:
         return HybridParallelConfig(tp_size=layout["size"], sharding=ShardConfig(enable_sequence_parallelism=True),
                                     check_inputs="never")
-    return HybridParallelConfig(sp_size=layout["size"], sp_mode=layout["mode"], check_inputs="never")
+    return HybridParallelConfig(cp_size=layout["size"], cp_mode=layout["mode"], check_inputs="never")
 
 
 def saved_storage_bytes(run, params) -> tuple[int, int, object]:

@@ -58,14 +58,11 @@ def check_mesh_shape(world_size: int, tp_size: int, pp_size: int, dp_size: int |
 
 def _check_dp(world_size: int, tp_size: int, pp_size: int, dp_size: int | None, ep_size: int, cp_size: int,
               dp_replicate: int) -> int:
-    for name, value in (("tp_size", tp_size), ("pp_size", pp_size), ("ep_size", ep_size), ("sp_size", cp_size),
-                        ("dp_replicate_size", dp_replicate)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive integer")
-    if cp_size > 1:                 # the context ranks sit beside tp: check them first, naming sp_size
+    check_degrees(tp=tp_size, pp=pp_size, ep=ep_size, cp=cp_size, dp_replicate=dp_replicate)
+    if cp_size > 1:                 # the context ranks sit beside tp: check them first, naming cp_size
         model = tp_size * pp_size * cp_size
         if world_size % model or (dp_size is not None and dp_size * model != world_size):
-            raise ValueError(f"world_size={world_size} is not divisible into dp x (pp_size={pp_size} x sp_size="
+            raise ValueError(f"world_size={world_size} is not divisible into dp x (pp_size={pp_size} x cp_size="
                              f"{cp_size} x tp_size={tp_size} = {model}); launch a multiple of {model} processes or "
                              "change the sizes")
         dp_size = world_size // model
@@ -92,37 +89,76 @@ def _check_dp(world_size: int, tp_size: int, pp_size: int, dp_size: int | None, 
     return dp_size
 
 
+def check_degrees(**degrees) -> None:
+    """Each axis degree (tp=, pp=, ep=, cp=, dp_replicate=) a positive integer, named as the keyword users
+    write (tp_size=...; cp_size is ColossalAI's sp_size). Pure: the same error on every rank."""
+    for axis, value in degrees.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{axis}_size={value!r} must be a positive integer"
+                             + (" (cp_size: ColossalAI's sp_size)" if axis == "cp" else ""))
+
+
 @dataclass(frozen=True)
 class ParallelDims:
-    """The size of every named axis of the mesh: the one answer to "how large is tp" (plugins, the
-    sharder and the records read it from here, through the mesh). Pure: `of_world` validates."""
+    """The parallel layout's one record: the size of every named axis and the context-parallel mode. The
+    one answer to "how large is tp" (the plugin's config holds one, the mesh is built from one, the
+    sharder and the records read it through the mesh). Pure: each instance checks its degrees when
+    built; `dp=None` means "the rest of the world" until `resolved(world_size)` (the mesh) fixes it."""
 
-    dp: int
+    dp: int | None = None
     pp: int = 1
     tp: int = 1
     ep: int = 1          # experts split over this many of the dp ranks (ep divides dp)
     cp: int = 1          # context parallelism: the sequence split over this many ranks (ColossalAI's sp_size)
     dp_replicate: int = 1   # HSDP: dp = dp_replicate x dp_shard; ZeRO-3 shards inside a replica group
+    # how the cp ranks attend (shardformer/context_checks.py names and checks the modes; None at cp == 1)
+    cp_mode: str | None = None
 
     ORDER = AXES                                  # outermost first; the DeviceMesh's names at ep == 1
     # kind of parameter -> the axes its gradient is averaged over (its data-parallel replicas)
     GRAD_AXES = {DENSE: ("dp",), EXPERT: ("edp",)}
 
+    def __post_init__(self):
+        check_degrees(tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp, dp_replicate=self.dp_replicate)
+        if self.dp is not None:
+            check_degrees(dp=self.dp)
+            if self.dp % self.ep:
+                raise ValueError(f"ep_size={self.ep} does not divide the data-parallel size {self.dp}: expert "
+                                 f"parallelism splits the experts over data-parallel ranks; choose an ep_size "
+                                 f"dividing {self.dp}")
+        if self.cp_mode is not None and not isinstance(self.cp_mode, str):
+            raise TypeError(f"cp_mode={self.cp_mode!r}: pass a mode name (or None)")
+        if self.cp == 1 and self.cp_mode is not None:
+            raise ValueError(f"cp_mode={self.cp_mode!r} with cp_size=1 splits nothing; pass cp_size > 1 (the ranks "
+                             "the sequence is split over), or no mode")
+
     @classmethod
     def of_world(cls, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None,
-                 ep: int = 1, cp: int = 1, dp_replicate: int = 1) -> "ParallelDims":
+                 ep: int = 1, cp: int = 1, dp_replicate: int = 1, cp_mode: str | None = None) -> "ParallelDims":
         return cls(dp=check_mesh_shape(world_size, tp, pp, dp, ep, cp, dp_replicate), pp=pp, tp=tp, ep=ep, cp=cp,
-                   dp_replicate=dp_replicate)
+                   dp_replicate=dp_replicate, cp_mode=cp_mode)
+
+    def resolved(self, world_size: int) -> "ParallelDims":
+        """These dims over a world of `world_size` ranks, dp computed (or checked when given): the
+        factorisation's one validation (`check_mesh_shape`)."""
+        return self.of_world(world_size, tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep, cp=self.cp,
+                             dp_replicate=self.dp_replicate, cp_mode=self.cp_mode)
+
+    def _dp(self) -> int:
+        if self.dp is None:
+            raise ValueError("ParallelDims(dp=None) is not resolved against a world yet: ask "
+                             "dims.resolved(world_size) (ParallelMesh does) for the data-parallel size")
+        return self.dp
 
     @property
     def edp(self) -> int:
         """The replicas of one expert: dp / ep (dp itself without expert parallelism)."""
-        return self.dp // self.ep
+        return self._dp() // self.ep
 
     @property
     def dp_shard(self) -> int:
         """The ranks of one HSDP replica group, over which ZeRO-3 shards (dp itself without HSDP)."""
-        return self.dp // self.dp_replicate
+        return self._dp() // self.dp_replicate
 
     @property
     def edp_shard(self) -> int:
@@ -149,7 +185,7 @@ class ParallelDims:
         for axis in axes:
             if axis not in (*AXES, *EXPERT_AXES, *HSDP_EXPERT_AXES, "dp_shard", "cp"):
                 raise ValueError(f"axis={axis!r}; expected one of {(*AXES, 'edp', 'ep', 'cp', *HSDP_AXES, 'edp_shard')}")
-            out *= getattr(self, axis)
+            out *= self._dp() if axis == "dp" else getattr(self, axis)
         return out
 
     def grad_axes(self, kind: str = DENSE) -> tuple[str, ...]:

@@ -25,24 +25,28 @@ class ParallelMesh:
     """A named (dp, pp, tp) mesh over all ranks of the default process group; `dims` holds the sizes.
 
     >>> mesh = ParallelMesh(tp_size=2, pp_size=1)   # dp inferred from the world size
+    >>> mesh = ParallelMesh(dims=config.dims)        # a plugin's layout (HybridParallelConfig.dims)
     >>> mesh.tp_group, mesh.tp_size, mesh.tp_rank, mesh.device
     """
 
     def __init__(self, tp_size: int = 1, pp_size: int = 1, dp_size: int | None = None,
-                 device_type: str | None = None, ep_size: int = 1, cp_size: int = 1, dp_replicate_size: int = 1):
+                 device_type: str | None = None, ep_size: int = 1, cp_size: int = 1, dp_replicate_size: int = 1,
+                 *, dims: ParallelDims | None = None):
         if not dist.is_initialized():
             raise RuntimeError("ParallelMesh needs an initialised process group: call "
                                "meshboost.launch_from_torch() first")
+        sizes = dict(tp=tp_size, pp=pp_size, dp=dp_size, ep=ep_size, cp=cp_size, dp_replicate=dp_replicate_size)
+        if dims is not None and sizes != dict(tp=1, pp=1, dp=None, ep=1, cp=1, dp_replicate=1):
+            raise ValueError("ParallelMesh(dims=...) takes its sizes from the dims; pass no size keywords beside it")
         current = get_current_device()
         device_type = device_type or current.type
         # Before anything that could differ by rank: ranks with different shapes would build different
         # groups and hang in torch's group creation.
-        agree_settings({"tp_size": tp_size, "pp_size": pp_size, "dp_size": dp_size, "device_type": device_type,
-                        "ep_size": ep_size, "cp_size": cp_size, "dp_replicate_size": dp_replicate_size},
+        agree_settings({"dims": dims, **{f"{axis}_size": n for axis, n in sizes.items()}, "device_type": device_type},
                        "mesh shape (ParallelMesh arguments)")
         self.world_size = dist.get_world_size()
-        self.dims = ParallelDims.of_world(self.world_size, tp=tp_size, pp=pp_size, dp=dp_size, ep=ep_size,
-                                          cp=cp_size, dp_replicate=dp_replicate_size)
+        # the factorisation's one check (dims.py), the same error on every rank
+        self.dims = ParallelDims.of_world(self.world_size, **sizes) if dims is None else dims.resolved(self.world_size)
         # The device every tensor this mesh's collectives touch lives on (launch bound cuda:LOCAL_RANK).
         self.device: torch.device = current if current.type == device_type else torch.device(device_type)
         # Every group inherits the default group's timeout (launch_from_torch(timeout=...)); torch would
@@ -164,7 +168,7 @@ class ParallelMesh:
             axes = tuple(dict.fromkeys("dp" if axis == "edp" else axis for axis in axes))
         if self.dims.cp == 1:
             if axes == ("cp",):
-                raise ValueError("the cp axis has one rank at sp_size=1 (no context parallelism): ask for the "
+                raise ValueError("the cp axis has one rank at cp_size=1 (no context parallelism): ask for the "
                                  "axes without it")
             axes = tuple(axis for axis in axes if axis != "cp")
         if len(axes) == 1:

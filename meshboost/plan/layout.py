@@ -148,8 +148,8 @@ def plugin_config(layout: Layout):
     # PipelineGradientCheckpointConfig); nothing in the config
     # split_gather: ShardConfig's switch (the plugin's check of the mode with sp_size > 1 names the clash)
     sharding = ShardConfig(enable_sequence_parallelism=layout.sequence_parallel)
-    return HybridParallelConfig(tp_size=layout.tp, ep_size=layout.ep, sp_size=layout.sp,
-                                sp_mode=None if layout.sequence_parallel else layout.sp_mode, sharding=sharding,
+    return HybridParallelConfig(tp_size=layout.tp, ep_size=layout.ep, cp_size=layout.sp,
+                                cp_mode=None if layout.sequence_parallel else layout.sp_mode, sharding=sharding,
                                 pipeline=pipeline, precision=PrecisionConfig(layout.precision),
                                 zero=ZeroConfig(stage=layout.zero, cpu_offload=layout.cpu_offload))
 

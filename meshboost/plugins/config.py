@@ -12,10 +12,11 @@ raises on every rank before any collective. Must not build groups or touch a mod
 from __future__ import annotations
 
 import inspect
-from dataclasses import asdict, dataclass, field
+from dataclasses import InitVar, asdict, dataclass, field, replace
 
 from torch.nn.parallel import DistributedDataParallel
 
+from meshboost.distributed.dims import ParallelDims
 from meshboost.optim import PrecisionConfig, ZeroConfig
 from meshboost.pipeline import PipelineConfig
 from meshboost.pipeline.normalization import MODES as NORMALIZATIONS
@@ -102,19 +103,28 @@ class HybridParallelConfig:
     """Everything HybridParallelPlugin composes, and its one constructor argument: each field validates
     itself (its own config's `__post_init__`), `__post_init__` here the combinations. Build it with the
     configs of its parts, e.g. `HybridParallelConfig(tp_size=2, zero=ZeroConfig(stage=1),
-    precision=PrecisionConfig("bf16"), pipeline=PipelineConfig(pp_size=2, num_microbatches=4))`."""
+    precision=PrecisionConfig("bf16"), pipeline=PipelineConfig(pp_size=2, num_microbatches=4))`.
 
-    tp_size: int = 1
+    The layout is one record, `dims` (`distributed.dims.ParallelDims`: every axis degree and the
+    context-parallel mode; dp is the rest of the world), which the mesh is built from and every reader
+    asks. The keywords tp_size, ep_size, cp_size, cp_mode and dp_replicate_size only build it (each
+    overrides `dims`' value when given); pp's degree is `PipelineConfig.pp_size`, which travels with its
+    micro-batch settings and is copied into `dims.pp`."""
+
+    # tensor parallelism: every linear of the plan split over tp_size ranks
+    tp_size: InitVar[int | None] = None
     # expert parallelism: the experts of every MoE layer split over ep_size of the data-parallel ranks
     # (ep divides dp; tensor parallelism, when tp_size > 1, cuts inside each expert: docs/moe.md)
-    ep_size: int = 1
-    # context parallelism (ColossalAI's sp_size): every sequence split over sp_size ranks; sp_mode
-    # "all_to_all" (Ulysses, shardformer/context.py; the default with sp_size > 1)
-    sp_size: int = 1
-    sp_mode: str | None = None
+    ep_size: InitVar[int | None] = None
+    # context parallelism (ColossalAI's sp_size): every sequence split over cp_size ranks; cp_mode
+    # "all_to_all" (Ulysses, shardformer/context.py; the default with cp_size > 1) or "ring_attn"
+    cp_size: InitVar[int | None] = None
+    cp_mode: InitVar[str | None] = None
     # HSDP (zero_stage=3): the data-parallel ranks split into dp_replicate_size replica groups; FSDP2 shards
     # weights, gradients and states inside a group and all-reduces gradients across groups (docs/fsdp.md)
-    dp_replicate_size: int = 1
+    dp_replicate_size: InitVar[int | None] = None
+    # the layout's one record, built from the keywords above (or passed whole; dp None: the rest of the world)
+    dims: ParallelDims | None = None
     sharding: ShardConfig = field(default_factory=ShardConfig)      # its process group is set from the mesh
     custom_policy: Policy | None = None                             # instead of the family's table
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
@@ -150,7 +160,7 @@ class HybridParallelConfig:
     # per micro-batch (meshboost/fsdp/pipeline.py)
     reshard_after_forward: bool | None = None
 
-    def __post_init__(self):
+    def __post_init__(self, tp_size, ep_size, cp_size, cp_mode, dp_replicate_size):
         self.compile = CompileConfig.of(self.compile)
         self.float8 = Float8Config.of(self.float8)
         if self.check_inputs not in CHECK_INPUTS:
@@ -158,17 +168,16 @@ class HybridParallelConfig:
         check_router_statistics(self.router_statistics)
         if self.loss_normalization not in NORMALIZATIONS:
             raise ValueError(f"loss_normalization={self.loss_normalization!r}; expected one of {NORMALIZATIONS}")
-        for name in ("tp_size", "ep_size", "sp_size", "dp_replicate_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
         for name, kind in (("sharding", ShardConfig), ("pipeline", PipelineConfig), ("precision", PrecisionConfig),
                            ("zero", ZeroConfig), ("ddp", DDPConfig)):
             if not isinstance(getattr(self, name), kind):
                 raise TypeError(f"HybridParallelConfig({name}={getattr(self, name)!r}): pass a {kind.__name__}")
-        if self.tp_size > 1 and not self.sharding.enable_tensor_parallelism:
-            raise ValueError(f"tp_size={self.tp_size} with enable_tensor_parallelism=False would leave the model whole "
-                             f"on {self.tp_size} ranks computing the same thing; pass tp_size=1 (those ranks then "
+        self.dims = self._layout(dict(tp=tp_size, ep=ep_size, cp=cp_size, cp_mode=cp_mode,
+                                      dp_replicate=dp_replicate_size))
+        tp = self.dims.tp
+        if tp > 1 and not self.sharding.enable_tensor_parallelism:
+            raise ValueError(f"tp_size={tp} with enable_tensor_parallelism=False would leave the model whole "
+                             f"on {tp} ranks computing the same thing; pass tp_size=1 (those ranks then "
                              "become data-parallel replicas) or enable tensor parallelism")
         if self.custom_policy is not None and not isinstance(self.custom_policy, Policy):
             raise TypeError(f"custom_policy must be a meshboost.shardformer.Policy, got "
@@ -181,31 +190,49 @@ class HybridParallelConfig:
         self.moe_router_bias_update_rate = check_rate(self.moe_router_bias_update_rate)
         self._check_combinations()
 
+    def _layout(self, given: dict) -> ParallelDims:
+        """`dims` with the keywords `given` (those not None) over it and pp from the pipeline's config; cp's
+        mode defaulted ("all_to_all") and checked. Pure."""
+        dims = ParallelDims() if self.dims is None else self.dims
+        if not isinstance(dims, ParallelDims):
+            raise TypeError(f"HybridParallelConfig(dims={dims!r}): pass a meshboost.distributed.ParallelDims")
+        pp = self.pipeline.pp_size
+        if dims.pp not in (1, pp):
+            raise ValueError(f"dims.pp={dims.pp} but pipeline.pp_size={pp}: the pipeline degree is set once, in "
+                             f"PipelineConfig(pp_size=..., num_microbatches=...); pass dims with pp=1 or pp={pp}")
+        given = {axis: n for axis, n in given.items() if n is not None}
+        if given.get("cp") == 1 and "cp_mode" not in given:     # cp switched off (dataclasses.replace): no mode
+            given["cp_mode"] = None
+        dims = replace(dims, pp=pp, **given)
+        if dims.cp > 1:
+            dims = replace(dims, cp_mode=check_context_mode(dims.cp_mode or ALL_TO_ALL))
+        return dims
+
     def _check_combinations(self) -> None:
-        stage, zero = self.zero.stage, self.zero
+        stage, zero, dims = self.zero.stage, self.zero, self.dims
         if self.reshard_after_forward is not None and stage != 3:
             raise ValueError(f"reshard_after_forward={self.reshard_after_forward} is FSDP2's setting, but "
                              f"zero_stage={stage!r}; set zero_stage=3, or leave reshard_after_forward=None")
-        check_replicate(self.dp_replicate_size, stage, zero.cpu_offload)
+        check_replicate(dims.dp_replicate, stage, zero.cpu_offload)
         if zero.communication_dtype not in (None, self.precision.dtype) and not zero.partitioned_by_optimizer:
             raise ValueError(f"communication_dtype={zero.communication_dtype} sets the dtype of ZeRO's gradient "
                              f"reduce-scatter, but zero_stage={stage!r} (DDP and the pipeline reduce in the working "
                              f"precision, {self.precision.precision!r}); set zero_stage=1 or 2, or pass "
                              "communication_dtype=None")
         self._check_context(stage)
-        if self.router_statistics == GLOBAL and self.pipeline.pp_size > 1:
-            raise NotImplementedError(f"router_statistics='global' with pp_size={self.pipeline.pp_size}: each stage "
+        if self.router_statistics == GLOBAL and dims.pp > 1:
+            raise NotImplementedError(f"router_statistics='global' with pp_size={dims.pp}: each stage "
                                       "holds only its layers' router logits; use router_statistics='replica' with "
                                       "pipeline parallelism")
-        if self.ep_size > 1 and self.fp8_communication:
-            raise NotImplementedError(f"fp8_communication=True with ep_size={self.ep_size}: meshboost compresses only "
+        if dims.ep > 1 and self.fp8_communication:
+            raise NotImplementedError(f"fp8_communication=True with ep_size={dims.ep}: meshboost compresses only "
                                       "DDP's dense all-reduce without expert parallelism; drop one of them")
-        if self.float8 is not None and self.tp_size > 1 and self.sp_size > 1:
-            raise NotImplementedError(f"float8 with tp_size={self.tp_size} and sp_size={self.sp_size}: a row-parallel "
+        if self.float8 is not None and dims.tp > 1 and dims.cp > 1:
+            raise NotImplementedError(f"float8 with tp_size={dims.tp} and cp_size={dims.cp}: a row-parallel "
                                       "input's scale would need its amax agreed over the tp and cp ranks together, "
                                       "which meshboost does not test; use float8 with tp_size=1 (context parallelism) "
-                                      "or sp_size=1 (tensor parallelism, with or without enable_sequence_parallelism)")
-        layout = (self.tp_size, self.pipeline.pp_size, stage)
+                                      "or cp_size=1 (tensor parallelism, with or without enable_sequence_parallelism)")
+        layout = (dims.tp, dims.pp, stage)
         if self.fp8_communication and layout != (1, 1, 0):
             raise NotImplementedError(f"fp8_communication=True with (tp_size, pp_size, zero_stage)={layout}: meshboost "
                                       "compresses only DDP's data-parallel gradient all-reduce (tp_size=1, pp_size=1, "
@@ -213,25 +240,22 @@ class HybridParallelConfig:
                                       "precision. Drop the argument, or use that layout")
 
     def _check_context(self, stage: int) -> None:
-        if self.sp_size == 1:
-            if self.sp_mode is not None:
-                raise ValueError(f"sequence_parallelism_mode={self.sp_mode!r} with sp_size=1 splits nothing; pass "
-                                 "sp_size > 1 (the ranks the sequence is split over), or no mode")
+        cp = self.dims.cp
+        if cp == 1:
             return
-        self.sp_mode = check_context_mode(self.sp_mode or ALL_TO_ALL)
         if self.sharding.enable_sequence_parallelism:
-            raise ValueError(f"sp_size={self.sp_size} with enable_sequence_parallelism=True (split_gather over the tp "
+            raise ValueError(f"cp_size={cp} with enable_sequence_parallelism=True (split_gather over the tp "
                              "group): the all_to_all mode splits the sequence over its own ranks; turn one off")
         if self.router_statistics == GLOBAL or self.fp8_communication:
-            raise NotImplementedError(f"sp_size={self.sp_size} with router_statistics='global' or fp8_communication "
+            raise NotImplementedError(f"cp_size={cp} with router_statistics='global' or fp8_communication "
                                       "is not supported; drop them")
         if self.loss_normalization != TOKENS:
-            raise NotImplementedError(f"sp_size={self.sp_size} with loss_normalization={self.loss_normalization!r}: "
+            raise NotImplementedError(f"cp_size={cp} with loss_normalization={self.loss_normalization!r}: "
                                       "the loss of a split sequence is normalised by its labelled tokens; use 'tokens'")
 
     @property
     def pp_size(self) -> int:
-        return self.pipeline.pp_size
+        return self.dims.pp
 
     @property
     def zero_stage(self) -> int:

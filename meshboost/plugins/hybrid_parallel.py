@@ -70,7 +70,7 @@ class HybridParallelModule(ModelWrapper):
         self.fully_sharded = is_sharded(module)       # zero_stage=3: torch FSDP2 over dp
         # router_statistics="global": the load-balancing loss on every replica's routing (router_statistics.py)
         self.router_group = router_group
-        # sp_size > 1: this cp rank's piece of every sequence in, the whole sequences' loss out (context.py)
+        # cp_size > 1: this cp rank's piece of every sequence in, the whole sequences' loss out (context.py)
         self.context = context
 
     def check_same_inputs(self, *inputs, immediate: bool = False) -> None:
@@ -175,9 +175,8 @@ class HybridParallelPlugin(Plugin):
                 raise NotImplementedError(refusal)
         pc = config.pipeline
         # collective: after the checks
-        self.mesh = ParallelMesh(tp_size=config.tp_size, pp_size=pc.pp_size, ep_size=config.ep_size,
-                                 cp_size=config.sp_size, dp_replicate_size=config.dp_replicate_size)
-        self.shard_config = dataclasses.replace(config.sharding, tensor_parallel_process_group=self.mesh.tp_group)
+        self.mesh = ParallelMesh(dims=config.dims)     # the layout's one record, dp resolved over the world
+        self.shard_config = dataclasses.replace(config.sharding, mesh=self.mesh)     # tp group and size: the mesh's
         # the replicas of a dense weight: dp, times the cp ranks (each saw other pieces of the sequences)
         self.dp_reducer = dp_reducer(self.mesh.size(*self.mesh.dims.grad_axes()), pc.pp_size, config.zero.stage)
 
@@ -279,8 +278,9 @@ class HybridParallelPlugin(Plugin):
         count = self.config.loss_normalization == TOKENS and stages is None and uses_causal_lm_loss(hf)
         context = None
         if attention is not None:
-            context = ContextInputs(install(hf, self.mesh.group("cp"), self.config.sp_size, attention,
-                                            self.config.sp_mode), self.mesh.cp_rank, hf.config)
+            dims = self.mesh.dims
+            context = ContextInputs(install(hf, self.mesh.group("cp"), dims.cp, attention, dims.cp_mode),
+                                    self.mesh.cp_rank, hf.config)
         router_group = self.mesh.dp_group if self.config.router_statistics == GLOBAL and self.mesh.dp_size > 1 else None
         if router_group is not None:
             loss_function(hf)                         # pure: a model without a router loss is refused here

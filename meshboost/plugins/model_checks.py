@@ -36,7 +36,7 @@ class ModelPlan:
     lazy: object | None             # LazyInitContext's seed: materialised after sharding, this rank's part only
     on_meta: bool                   # on meta (not lazy): stays there until booster.load_model materialises it
     checkpointed: Callable | None   # stages -> (layer, checkpointed) plan, with gradient_checkpoint_config
-    attention: object | None        # context parallelism's attention kind (sp_size > 1)
+    attention: object | None        # context parallelism's attention kind (cp_size > 1)
 
 
 def check_model(model: nn.Module, optimizer, config: HybridParallelConfig, dims, reducer: str) -> ModelPlan:
@@ -51,21 +51,21 @@ def check_model(model: nn.Module, optimizer, config: HybridParallelConfig, dims,
         check_zero3_model(model, optimizer, on_meta)
     hf = transformers_model(model)
     checkpointed = checkpointed_layers(hf, config)
-    if config.ep_size > 1:
-        check_expert_parallel(hf, config.ep_size)
-        check_ep_adapters(hf, config.ep_size)               # LoRA on experts
+    if dims.ep > 1:
+        check_expert_parallel(hf, dims.ep)
+        check_ep_adapters(hf, dims.ep)                      # LoRA on experts
     check_router_bias(hf, config.moe_router_bias_update_rate)
     attention = None
-    if config.sp_size > 1:
-        attention = check_context(hf, config.sp_size, config.tp_size, config.sp_mode)
+    if dims.cp > 1:
+        attention = check_context(hf, dims.cp, dims.tp, dims.cp_mode)
         p = lora_dropout(model)
         if p > 0:
-            raise NotImplementedError(f"lora_dropout={p} with sp_size={config.sp_size}: every context-parallel rank "
+            raise NotImplementedError(f"lora_dropout={p} with cp_size={dims.cp}: every context-parallel rank "
                                       "would draw the same mask on its own piece of the sequence, not one mask over "
                                       "the whole; use lora_dropout=0.0 with context parallelism")
         if not uses_causal_lm_loss(hf):
-            raise NotImplementedError(f"sp_size={config.sp_size}: {type(hf).__name__} does not compute its causal-LM "
-                                      "loss through transformers' loss_function; use sp_size=1")
+            raise NotImplementedError(f"cp_size={dims.cp}: {type(hf).__name__} does not compute its causal-LM "
+                                      "loss through transformers' loss_function; use cp_size=1")
     return ModelPlan(hf, lazy, on_meta, checkpointed, attention)
 
 

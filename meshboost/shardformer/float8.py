@@ -84,7 +84,7 @@ def linear_config(config: Float8Config, device_type: str, fsdp_all_gather: bool)
 class ShardGroups:
     """The groups a rank's tensors are split over, for float8's amaxes: tp (the features of the parallel
     linears), cp (the tokens, context parallelism); never both (HybridParallelConfig refuses float8 with
-    tp_size > 1 and sp_size > 1)."""
+    tp_size > 1 and cp_size > 1)."""
 
     tp: object = None
     cp: object = None

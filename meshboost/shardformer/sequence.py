@@ -36,21 +36,23 @@ MODES = ("split_gather",)
 # ColossalAI's "ring" is split_gather with its all-gathers and reduce-scatters done as ring exchanges over the
 # same tp group: the same sums in the same layout, so it runs as split_gather
 SAME_AS_SPLIT_GATHER = ("ring",)
-CONTEXT_MODES = ("all_to_all", "ring_attn")             # a sequence axis of its own (sp_size): context.py
+CONTEXT_MODES = ("all_to_all", "ring_attn")             # a sequence axis of its own (cp_size): context.py
 
 
 def check_mode(mode) -> str:
     """The sequence-parallel mode over the tp group (None and ColossalAI's "ring" mean split_gather); the
-    context modes belong to a sequence axis of its own and are refused here, naming sp_size."""
+    context modes belong to a sequence axis of its own and are refused here, naming cp_size (ColossalAI's
+    sp_size)."""
     if mode is None or mode == "split_gather" or mode in SAME_AS_SPLIT_GATHER:
         return "split_gather"
     if mode in CONTEXT_MODES:
         raise ValueError(f"sequence_parallelism_mode={mode!r} splits the sequence over a sequence axis of its own, "
-                         "not over the tensor-parallel group: pass sp_size > 1 (HybridParallelConfig(sp_size=..., "
-                         f"sp_mode={mode!r}), or ColossalAI's HybridParallelPlugin(sp_size=..., "
+                         "not over the tensor-parallel group: pass cp_size > 1 (HybridParallelConfig(cp_size=..., "
+                         f"cp_mode={mode!r}), or ColossalAI's HybridParallelPlugin(sp_size=..., "
                          f"sequence_parallelism_mode={mode!r}))")
     raise ValueError(f"sequence_parallelism_mode={mode!r} is unknown; over the tensor-parallel group use "
-                     f"'split_gather' (or None, or ColossalAI's 'ring', the same numbers); with sp_size one of "
+                     f"'split_gather' (or None, or ColossalAI's 'ring', the same numbers); with cp_size (ColossalAI's "
+                     f"sp_size) one of "
                      f"{CONTEXT_MODES}")
 
 

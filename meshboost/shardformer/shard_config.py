@@ -1,12 +1,17 @@
-"""ShardConfig: the knobs of tensor-parallel sharding, checked when built."""
+"""ShardConfig: the knobs of tensor-parallel sharding, checked when built, and which ranks shard: the
+mesh's tp axis (meshboost's form: `ShardConfig(mesh=mesh)`, the group and size read from the mesh) or
+ColossalAI's `tensor_parallel_process_group=` (its size asked of torch once, when the config is built; a
+config built before the process group exists asks on reading).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch.distributed as dist
 
+from meshboost.distributed.mesh import ParallelMesh
 from meshboost.shardformer.sequence import check_mode
 
 
@@ -14,8 +19,11 @@ from meshboost.shardformer.sequence import check_mode
 class ShardConfig:
     """How `ShardFormer` shards a model.
 
-    tensor_parallel_process_group: the tp group (e.g. `ParallelMesh.tp_group`); None = torch's
-        default group (every rank), for sharding and for every collective of the sharded layers.
+    mesh: the `ParallelMesh` whose tp axis shards the model (its `tp_group` and `tp_size`); what
+        HybridParallelPlugin passes.
+    tensor_parallel_process_group: ColossalAI's form: the tp group itself (None = torch's default group,
+        every rank), for sharding and for every collective of the sharded layers; with `mesh`, leave it
+        None (or pass the mesh's own tp group).
     enable_tensor_parallelism: False leaves every module replicated (useful for pp/dp only).
     parallel_output: keep LM-head logits split over the vocabulary in training, with the loss
         computed by the vocab-parallel cross-entropy; evaluation always sees full logits.
@@ -46,8 +54,13 @@ class ShardConfig:
     enable_jit_fused: bool = False
     enable_sequence_overlap: bool = False
     enable_all_optimization: bool = False
+    mesh: ParallelMesh | None = None
+    # (tp group, tp size), resolved once from `mesh` or the group when built (dataclasses.replace rebuilds it;
+    # size None: built before the process group, read from the group then)
+    _tp: tuple = field(init=False, repr=False, compare=False, default=(None, 1))
 
     def __post_init__(self):
+        self._tp = self._resolve_tp()
         if self.enable_all_optimization:
             self.enable_flash_attention = self.enable_fused_normalization = self.enable_jit_fused = True
         if self.enable_sequence_overlap and not self.enable_sequence_parallelism:
@@ -60,13 +73,33 @@ class ShardConfig:
         if self.enable_sequence_parallelism:
             self.sequence_parallelism_mode = check_mode(self.sequence_parallelism_mode)
 
+    def _resolve_tp(self) -> tuple:
+        group = self.tensor_parallel_process_group
+        if self.mesh is not None:
+            if not isinstance(self.mesh, ParallelMesh):
+                raise TypeError(f"ShardConfig(mesh={self.mesh!r}): pass a meshboost ParallelMesh")
+            if group is not None and group is not self.mesh.tp_group:
+                raise ValueError("ShardConfig got both mesh= and another tensor_parallel_process_group=: the mesh's "
+                                 "tp axis shards the model; pass one of them")
+            return self.mesh.tp_group, self.mesh.tp_size
+        # ColossalAI's group: its size asked once, now (None when built before the process group: on reading)
+        return group, dist.get_world_size(group) if dist.is_initialized() else None
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup | None:
+        """The group the model is split over (the mesh's tp group, or ColossalAI's
+        tensor_parallel_process_group; None: torch's default group)."""
+        return self._tp[0]
+
     @property
     def tensor_parallel_size(self) -> int:
+        """How many ranks split each sharded weight (1 with enable_tensor_parallelism=False)."""
+        group, size = self._tp
         if not self.enable_tensor_parallelism:
             return 1
-        if not dist.is_initialized():
-            return 1
-        return dist.get_world_size(self.tensor_parallel_process_group)
+        if size is None:            # no process group when built: the group's size now, 1 without one
+            return dist.get_world_size(group) if dist.is_initialized() else 1
+        return size
 
     # ColossalAI's views of sequence parallelism, read by its model tests. Derived, never set: meshboost's
     # sequence parallelism ("split_gather") splits the sequence over the tensor-parallel group.
@@ -82,7 +115,7 @@ class ShardConfig:
         sequence, its rank in the group is 0, as in ColossalAI's size-1 sequence axis). None without a
         process group."""
         if self.sequence_parallel_size > 1:
-            return self.tensor_parallel_process_group
+            return self.tp_group
         return self._own_group if dist.is_initialized() else None
 
     @cached_property

@@ -136,7 +136,7 @@ def _warn_if_mostly_whole(model: nn.Module, policy: Policy, tp_size: int) -> Non
 class ShardFormer:
     """Shards a HuggingFace model in place with 1D tensor parallelism.
 
-    >>> model, shared = ShardFormer(ShardConfig(tensor_parallel_process_group=mesh.tp_group)).optimize(model)
+    >>> model, shared = ShardFormer(ShardConfig(mesh=mesh)).optimize(model)
     """
 
     def __init__(self, shard_config: ShardConfig):
@@ -164,7 +164,7 @@ class ShardFormer:
                     type(model).__name__)
             _warn_if_mostly_whole(model, policy, tp_size)
             # dropout inside the split regions draws from a per-tp-rank stream (rng.py)
-            rng = install_tp_rank_rng(model, self.shard_config.tensor_parallel_process_group)
+            rng = install_tp_rank_rng(model, self.shard_config.tp_group)
             if plan.seq_stack is not None:        # every activation of a layer is split: hold it per layer,
                 for layer in model.base_model.get_submodule(plan.seq_stack):     # so every pipeline stage does
                     rng.hold_across(layer, layer)
@@ -260,10 +260,10 @@ class ShardFormer:
         regions = RegionPlan(seq_stack=plan.seq_stack_full)
         for m in plan.matches:
             if m.style.name == BLOCK_INPUT:
-                regions.add(m.paths, cfg.tensor_parallel_process_group, cfg.tensor_parallel_size,
+                regions.add(m.paths, cfg.tp_group, cfg.tensor_parallel_size,
                             policy.block_input_kwargs)
         for path, _ in plan.seq_blocks:
-            regions.add([path], cfg.tensor_parallel_process_group, cfg.tensor_parallel_size, policy.block_input_kwargs)
+            regions.add([path], cfg.tp_group, cfg.tensor_parallel_size, policy.block_input_kwargs)
         return regions
 
     @staticmethod
@@ -303,7 +303,7 @@ class ShardFormer:
     # -- application ---------------------------------------------------------------------------
     def _apply(self, model: nn.Module, policy: Policy, plan: ShardPlan) -> None:
         cfg = self.shard_config
-        ctx = ShardContext(cfg.tensor_parallel_process_group, cfg.tensor_parallel_size, plan.regions,
+        ctx = ShardContext(cfg.tp_group, cfg.tensor_parallel_size, plan.regions,
                            cfg.make_vocab_size_divisible_by)
         for path, module in plan.seq_blocks:
             STYLES[BLOCK_INPUT].apply(ctx, path, module)         # the sequence gather at its entry

@@ -36,7 +36,7 @@ COLOSSALAI_DDP_KEYWORDS = """broadcast_buffers bucket_cap_mb find_unused_paramet
 
 
 # ColossalAI's plugin -> the core plugin its keyword constructor maps onto (and ColossalAI's views it adds)
-COMPAT_SUBCLASSES = {"HybridParallelPlugin": ("HybridParallelPlugin", set()),
+COMPAT_SUBCLASSES = {"HybridParallelPlugin": ("HybridParallelPlugin", {"sp_size"}),   # ColossalAI's name of cp
                      "LowLevelZeroPlugin": ("LowLevelZeroPlugin", set()),
                      "GeminiPlugin": ("FSDPPlugin", {"tp_size"}), "TorchFSDPPlugin": ("FSDPPlugin", set())}
 

@@ -80,7 +80,7 @@ def test_invalid_layout_gives_the_plugins_message(capsys):
     code, _, err = _run(capsys, "--layout", "sp=2,sp_mode=ring")
     assert code == 2 and "sequence_parallelism_mode='ring'" in err and "takes no sp_size" in err
     code, _, err = _run(capsys, "--layout", "sp_mode=all_to_all")
-    assert code == 2 and "with sp_size=1 splits nothing" in err
+    assert code == 2 and "with cp_size=1 splits nothing" in err
     code = _main(["--model", "llama", "--set", LLAMA_7B, "--gpus", "8", "--seq", "4098", "--layout",
                   "sp=4,sp_mode=ring_attn"])
     err = capsys.readouterr().err

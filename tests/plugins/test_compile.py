@@ -116,7 +116,7 @@ def _layouts(rank, world):
         ("dp=2 ZeRO-1", _llama(), HybridParallelConfig(zero=ZeroConfig(stage=1), compile=EAGER), 1),
         ("dp=2 ZeRO-2", _llama(), HybridParallelConfig(zero=ZeroConfig(stage=2), compile=EAGER), 1),
         ("dp=2 ZeRO-3", _llama(), HybridParallelConfig(zero=ZeroConfig(stage=3), compile=EAGER), 1),
-        ("cp=2", _llama(), HybridParallelConfig(sp_size=2, compile=EAGER), 1),
+        ("cp=2", _llama(), HybridParallelConfig(cp_size=2, compile=EAGER), 1),
         # LoRA: the adapters reach their layer through weak methods (a dropped model is freed at once, issue
         # 37), which dynamo breaks the graph on: several graphs per block, but still none after step 2
         ("tp=2 LoRA", _llama(layers=3, lora=True), HybridParallelConfig(tp_size=2, compile=EAGER), None),

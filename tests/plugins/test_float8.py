@@ -75,10 +75,10 @@ def _run_layout(what, config: HybridParallelConfig, pieces: int, save_to=None):
     booster = Booster(plugin=plugin)
     model, opt, *_ = booster.boost(model, opt)
     inner = model.unwrap()
-    if config.tp_size > 1 or config.sp_size > 1:    # parallel linears keep their class (a Float8Product inside)
+    if config.dims.tp > 1 or config.dims.cp > 1:    # parallel linears keep their class (a Float8Product inside)
         assert sum(isinstance(getattr(m, "product", None), Float8Product) for m in inner.modules()) == 14, what
         assert all(isinstance(m, ScaledFloat8Linear) for m in inner.modules()
-                   if type(m) is torch.nn.Linear and m is not inner.get_output_embeddings()) or config.sp_size == 1, what
+                   if type(m) is torch.nn.Linear and m is not inner.get_output_embeddings()) or config.dims.cp == 1, what
     else:
         assert any(isinstance(m, Float8Linear) for m in inner.modules()), what
     assert not isinstance(inner.get_output_embeddings(), Float8Linear), f"{what}: the LM head is float8"
@@ -232,16 +232,16 @@ def _layouts(rank, world, folder):
     _run_layout("tp=2 ZeRO-3, tensorwise, float8 all-gather of tp shards (whole weight's scale)",
                 HybridParallelConfig(tp_size=2, zero=ZeroConfig(stage=3), float8=tensorwise), pieces=1,
                 save_to=folder + "_tp_zero3")
-    _run_layout("cp=2 ZeRO-3, tensorwise, float8 all-gather", HybridParallelConfig(sp_size=2, zero=ZeroConfig(stage=3),
+    _run_layout("cp=2 ZeRO-3, tensorwise, float8 all-gather", HybridParallelConfig(cp_size=2, zero=ZeroConfig(stage=3),
                                                                                    float8=tensorwise),
                 pieces=1, save_to=folder + "_cp_zero3")
     for mode in ("all_to_all", "ring_attn"):
         for float8 in (tensorwise, rowwise):
             _run_layout(f"cp=2 {mode}, {float8.recipe}, scales over the cp group",
-                        HybridParallelConfig(sp_size=2, sp_mode=mode, float8=float8), pieces=1,
+                        HybridParallelConfig(cp_size=2, cp_mode=mode, float8=float8), pieces=1,
                         save_to=f"{folder}_cp_{mode}_{float8.recipe}")
     _run_layout("cp=2 ring_attn, rowwise, ZeRO-2 + compile",
-                HybridParallelConfig(sp_size=2, sp_mode="ring_attn", zero=ZeroConfig(stage=2), float8=rowwise,
+                HybridParallelConfig(cp_size=2, cp_mode="ring_attn", zero=ZeroConfig(stage=2), float8=rowwise,
                                      compile=CompileConfig(backend="aot_eager")), pieces=1, save_to=folder + "_cp_z2")
 
 
@@ -262,8 +262,8 @@ def test_float8_conversion_and_refusals(monkeypatch):
                      "model.layers.1.self_attn.q_proj": "Float8Linear", "model.layers.1.self_attn.k_proj": "Linear"}
     with pytest.raises(ValueError, match="recipe='blockwise'"):
         Float8Config(recipe="blockwise")
-    with pytest.raises(NotImplementedError, match="tp_size=2 and sp_size=2.*tp_size=1"):
-        HybridParallelConfig(tp_size=2, sp_size=2, float8=True)
+    with pytest.raises(NotImplementedError, match="tp_size=2 and cp_size=2.*tp_size=1"):
+        HybridParallelConfig(tp_size=2, cp_size=2, float8=True)
     assert HybridParallelConfig(tp_size=2, float8=True).float8 == Float8Config()
     assert HybridParallelConfig(float8=True).float8 == Float8Config()
     assert copy.deepcopy(Float8Config()) == Float8Config()

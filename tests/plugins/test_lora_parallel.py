@@ -160,13 +160,13 @@ def _layouts(rank, world, root):
                                                                                          num_microbatches=2)))):
         booster, model, opt = train_boosted(config, batches, cfg, ref_losses, ref_params, f"lora {name}",
                                             model=_lora_model(config))
-        _check_layout(model, opt, name, cfg.tp_size)
+        _check_layout(model, opt, name, cfg.dims.tp)
         _check_saved(booster, model, os.path.join(root, name), config, ref_adapters, name, rank)
 
     # context parallelism: the adapters replicated over cp like every weight, averaged over dp x cp
-    for name, cfg in (("sp2 all_to_all", HybridParallelConfig(sp_size=2, sp_mode="all_to_all")),
-                      ("sp2 ring_attn", HybridParallelConfig(sp_size=2, sp_mode="ring_attn", zero=ZeroConfig(stage=1))),
-                      ("tp2 sp2", HybridParallelConfig(tp_size=2, sp_size=2, sp_mode="all_to_all"))):
+    for name, cfg in (("sp2 all_to_all", HybridParallelConfig(cp_size=2, cp_mode="all_to_all")),
+                      ("sp2 ring_attn", HybridParallelConfig(cp_size=2, cp_mode="ring_attn", zero=ZeroConfig(stage=1))),
+                      ("tp2 sp2", HybridParallelConfig(tp_size=2, cp_size=2, cp_mode="all_to_all"))):
         train_boosted(config, batches, cfg, ref_losses, ref_params, f"lora {name}", model=_lora_model(config))
 
     # GPT-2: Conv1D weights, the fused q/k/v column (c_attn), fan_in_fan_out

@@ -1,6 +1,6 @@
 """ColossalAI's MoeHybridParallelPlugin keywords land in meshboost's config as HybridParallelPlugin's do:
 its signature is ColossalAI's (names, order, the three required sizes), `ep_size` lands in
-`HybridParallelConfig.ep_size` and nowhere else, every keyword it shares with HybridParallelPlugin moves
+`HybridParallelConfig.dims.ep` and nowhere else, every keyword it shares with HybridParallelPlugin moves
 only its own field (test_plugin_config.py's table, run through the MoE mapping), and the MoE keywords
 meshboost does not implement are refused naming the keyword and the fix, before any collective. Pure
 (no process group) but for one 2-process construction that reads ColossalAI's attributes off the mesh."""
@@ -41,7 +41,7 @@ MOE_CHANGES = {k: v for k, v in CHANGES.items() if k in PARAMETERS} | {
     "overlap_communication": (True, {}, "zero.overlap_communication"),
     "enable_sequence_parallelism": (True, {"sequence_parallelism_mode": "split_gather"},
                                     "sharding.enable_sequence_parallelism"),
-    "ep_size": (2, {}, "ep_size"),
+    "ep_size": (2, {}, "dims.ep"),
 }
 # accepted with the value that means meshboost's layout: no field of their own
 MOE_NO_FIELD = {"moe_tp_size", "moe_dp_outside"}
@@ -89,7 +89,7 @@ def test_zero2_and_overlap_are_honoured_with_experts():
     expert-parallel forward gives such experts zero gradients, so they are kept as given."""
     config = moe_colossalai_config({**DEFAULTS, "ep_size": 2, "zero_stage": 2, "overlap_communication": True,
                                     "precision": "bf16"})
-    assert (config.ep_size, config.zero.stage, config.zero.overlap_communication) == (2, 2, True)
+    assert (config.dims.ep, config.zero.stage, config.zero.overlap_communication) == (2, 2, True)
 
 
 def test_refusals_name_the_keyword_and_the_fix():
@@ -106,7 +106,7 @@ def test_refusals_name_the_keyword_and_the_fix():
         ({"ep_size": 2.0}, ValueError, r"ep_size=2.0 must be a positive integer"),
         ({"sp_size": 2}, NotImplementedError, r"sp_size=2"),
         ({"use_fp8": True, "tp_size": 2, "sp_size": 2, "enable_sequence_parallelism": True,
-          "sequence_parallelism_mode": "all_to_all"}, NotImplementedError, r"float8 with tp_size=2 and sp_size=2"),
+          "sequence_parallelism_mode": "all_to_all"}, NotImplementedError, r"float8 with tp_size=2 and cp_size=2"),
         ({"overlap_allgather": True}, NotImplementedError, r"overlap_allgather=True"),
         ({"scheduler_nodes": []}, NotImplementedError, r"scheduler_nodes="),
     ]
@@ -136,7 +136,7 @@ def test_import_paths():
 
 def _attributes_body(rank, world_size):
     plugin = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, zero_stage=1, precision="bf16")
-    assert plugin.config.ep_size == plugin.ep_size == 2
+    assert plugin.config.dims.ep == plugin.ep_size == 2
     assert (plugin.dp_size, plugin.moe_dp_size, plugin.tp_size, plugin.pp_size) == (2, 1, 1, 1)
     assert dist.get_world_size(plugin.ep_group) == 2
     assert dist.get_world_size(plugin.moe_dp_group) == 1

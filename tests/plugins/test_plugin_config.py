@@ -31,8 +31,8 @@ DEFAULTS["tp_size"] = 1
 # keyword -> (another valid value, keywords it needs, the config field path that must change: its own, or
 # its own first and the fields its config derives from it)
 CHANGES = {
-    "tp_size": (2, {}, "tp_size"),
-    "pp_size": (2, {"num_microbatches": 2}, "pipeline.pp_size"),
+    "tp_size": (2, {}, "dims.tp"),
+    "pp_size": (2, {"num_microbatches": 2}, ("pipeline.pp_size", "dims.pp")),    # the pipeline's, mirrored in dims
     "precision": ("bf16", {}, "precision.precision"),
     "zero_stage": (1, {}, "zero.stage"),
     "parallel_output": (False, {}, "sharding.parallel_output"),
@@ -62,7 +62,7 @@ CHANGES = {
     "check_inputs": ("first", {}, "check_inputs"),
     "loss_normalization": ("microbatch", {}, "loss_normalization"),
     "moe_router_bias_update_rate": (1e-3, {}, "moe_router_bias_update_rate"),
-    "dp_replicate_size": (2, {"zero_stage": 3}, "dp_replicate_size"),
+    "dp_replicate_size": (2, {"zero_stage": 3}, "dims.dp_replicate"),
     "enable_flash_attention": (True, {}, "sharding.enable_flash_attention"),
     "enable_fused_normalization": (True, {}, "sharding.enable_fused_normalization"),
     "enable_jit_fused": (True, {}, "sharding.enable_jit_fused"),
@@ -176,3 +176,36 @@ def test_optimizer_wrappers_take_config_objects():
         ZeroOptimizer(torch.optim.SGD(params, lr=0.1), None, PrecisionConfig(), 1)
     with pytest.raises(ValueError, match="stage 3 is torch FSDP2's"):
         ZeroOptimizer(torch.optim.SGD(params, lr=0.1), None, PrecisionConfig(), ZeroConfig(3))
+
+
+def test_the_layout_is_one_parallel_dims():
+    """HybridParallelConfig's degrees and cp's mode live in one ParallelDims (`config.dims`): the keywords build
+    it, dataclasses.replace keeps it, pp comes from the pipeline's config, and dims.py refuses bad values."""
+    import dataclasses
+
+    from meshboost.distributed.dims import ParallelDims
+    from meshboost.pipeline import PipelineConfig
+
+    config = HybridParallelConfig(tp_size=2, cp_size=2, pipeline=PipelineConfig(pp_size=2, num_microbatches=2))
+    assert config.dims == ParallelDims(dp=None, pp=2, tp=2, cp=2, cp_mode="all_to_all")      # the default mode
+    assert config.pp_size == 2
+    moved = dataclasses.replace(config, ep_size=2, zero=ZeroConfig(stage=1))       # the other degrees stay
+    assert moved.dims == dataclasses.replace(config.dims, ep=2) and moved.zero.stage == 1
+    assert dataclasses.replace(moved, cp_size=1).dims.cp_mode is None               # cp off: no mode left
+    whole = HybridParallelConfig(dims=ParallelDims(tp=2, cp=2, cp_mode="ring_attn"))
+    assert (whole.dims.tp, whole.dims.cp, whole.dims.cp_mode, whole.dims.pp) == (2, 2, "ring_attn", 1)
+    assert HybridParallelConfig(dims=ParallelDims(tp=2), tp_size=4).dims.tp == 4    # a keyword overrides dims
+    with pytest.raises(ValueError, match=r"dims.pp=2 but pipeline.pp_size=1: .*PipelineConfig\(pp_size="):
+        HybridParallelConfig(dims=ParallelDims(pp=2))
+    with pytest.raises(ValueError, match="cp_size=0 must be a positive integer"):
+        HybridParallelConfig(cp_size=0)
+    with pytest.raises(ValueError, match="cp_mode='ring_attn' with cp_size=1 splits nothing"):
+        HybridParallelConfig(cp_mode="ring_attn")
+    with pytest.raises(TypeError, match="pass a meshboost.distributed.ParallelDims"):
+        HybridParallelConfig(dims=(2, 2))
+    # the world resolves dp, once, in dims.py; an unresolved record says so instead of a wrong size
+    assert ParallelDims(tp=2, cp=2).resolved(8) == ParallelDims(dp=2, tp=2, cp=2)
+    with pytest.raises(ValueError, match="not resolved against a world"):
+        ParallelDims(tp=2).size("dp")
+    with pytest.raises(ValueError, match=r"world_size=6 is not divisible into dp x \(pp_size=1 x cp_size=4"):
+        ParallelDims(cp=4).resolved(6)

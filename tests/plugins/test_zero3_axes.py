@@ -205,7 +205,7 @@ def _pipeline_models(rank, world):
         _train(_zero3(pp=2, precision=precision), _llama, llama_batches, ref, f"{precision} pp=2 ZeRO-3", dtype=dtype)
     from meshboost.shardformer import PipelineGradientCheckpointConfig
     recompute = PipelineGradientCheckpointConfig(gradient_checkpointing_ratio=1.0)
-    for what, kwargs in (("tp=2 x pp=2", dict(tp_size=2)), ("sp=2 x pp=2 (all_to_all)", dict(sp_size=2)),
+    for what, kwargs in (("tp=2 x pp=2", dict(tp_size=2)), ("sp=2 x pp=2 (all_to_all)", dict(cp_size=2)),
                          ("pp=2 x dp=2, activation checkpointing", dict(gradient_checkpoint=recompute))):
         _train(_zero3(pp=2, **kwargs), _llama, llama_batches, ref, f"{what} ZeRO-3")
 

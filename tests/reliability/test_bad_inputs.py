@@ -267,11 +267,11 @@ def _expert_and_context_layouts(rank, world):
         model(input_ids=rows, labels=rows)
     # context parallelism: a world the sp ranks cannot divide, a length the split cannot cut, cp ranks
     # fed different batches
-    with pytest.raises(ValueError, match=r"sp_size=3 x tp_size=1 = 3\); launch a multiple of 3"):
-        CorePlugin(HybridParallelConfig(sp_size=3))
+    with pytest.raises(ValueError, match=r"cp_size=3 x tp_size=1 = 3\); launch a multiple of 3"):
+        CorePlugin(HybridParallelConfig(cp_size=3))
     config = tiny_config("llama")
     config.use_cache = False
-    model, *_ = Booster(plugin=CorePlugin(HybridParallelConfig(sp_size=2, sp_mode="ring_attn"))).boost(
+    model, *_ = Booster(plugin=CorePlugin(HybridParallelConfig(cp_size=2, cp_mode="ring_attn"))).boost(
         build_causal_lm(config))
     ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="sequence length 6 is not divisible by 4 \\(sp_size=2, ring_attn\\)"):
@@ -349,7 +349,7 @@ def _lora_inputs(rank, world, root):
     ]
     cases.append((dict(lora_dropout=0.1), dict(sp_size=2, enable_sequence_parallelism=True,
                                                sequence_parallelism_mode="all_to_all"),
-                  "lora_dropout=0.1 with sp_size=2: every context-parallel rank would draw the same mask"))
+                  "lora_dropout=0.1 with cp_size=2: every context-parallel rank would draw the same mask"))
     for lora_kwargs, plugin_kwargs, match in cases:
         booster = Booster(plugin=HybridParallelPlugin(**{"tp_size": 2, **plugin_kwargs}))
         model = booster.enable_lora(llama(), lora_config=config(**lora_kwargs))

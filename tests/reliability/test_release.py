@@ -50,7 +50,7 @@ LAYOUTS = {
     "tp=2 sequence parallel": (
         lambda: ColossalAIPlugin(tp_size=2, pp_size=1, enable_sequence_parallelism=True,
                                  sequence_parallelism_mode="split_gather"), "llama", False),
-    "cp=2 ring attention": (lambda: HybridParallelPlugin(HybridParallelConfig(sp_size=2, sp_mode="ring_attn")),
+    "cp=2 ring attention": (lambda: HybridParallelPlugin(HybridParallelConfig(cp_size=2, cp_mode="ring_attn")),
                             "llama", False),
     "ep=2 ZeRO-1": (lambda: HybridParallelPlugin(HybridParallelConfig(ep_size=2, zero=ZeroConfig(stage=1))),
                     "moe", False),

@@ -51,12 +51,12 @@ def _ring(rank):
     config = _config(num_key_value_heads=2)
     batches = causal_batches(config, 2, batch=4, seq=16, seed=7)
     ref_losses, ref_params = train_whole(config, batches)
-    for what, plugin_config in (("sp2 dp2", HybridParallelConfig(sp_size=2, sp_mode="ring_attn")),
-                                ("sp4", HybridParallelConfig(sp_size=4, sp_mode="ring_attn")),
-                                ("tp2 sp2", HybridParallelConfig(tp_size=2, sp_size=2, sp_mode="ring_attn")),
-                                ("sp2 dp2 zero1", HybridParallelConfig(sp_size=2, sp_mode="ring_attn",
+    for what, plugin_config in (("sp2 dp2", HybridParallelConfig(cp_size=2, cp_mode="ring_attn")),
+                                ("sp4", HybridParallelConfig(cp_size=4, cp_mode="ring_attn")),
+                                ("tp2 sp2", HybridParallelConfig(tp_size=2, cp_size=2, cp_mode="ring_attn")),
+                                ("sp2 dp2 zero1", HybridParallelConfig(cp_size=2, cp_mode="ring_attn",
                                                                        zero=ZeroConfig(stage=1))),
-                                ("sp2 dp2 zero3", HybridParallelConfig(sp_size=2, sp_mode="ring_attn",
+                                ("sp2 dp2 zero3", HybridParallelConfig(cp_size=2, cp_mode="ring_attn",
                                                                        zero=ZeroConfig(stage=3)))):
         train_boosted(config, batches, plugin_config, ref_losses, ref_params, f"llama ring_attn {what}")
 
@@ -65,12 +65,12 @@ def _layouts(rank):
     config = _config(num_key_value_heads=2)
     batches = causal_batches(config, 2, batch=4, seq=8, seed=7)
     ref_losses, ref_params = train_whole(config, batches)
-    for what, plugin_config in (("sp2 dp2", HybridParallelConfig(sp_size=2)),
-                                ("sp4 (kv heads repeated)", HybridParallelConfig(sp_size=4)),
-                                ("tp2 sp2", HybridParallelConfig(tp_size=2, sp_size=2)),
-                                ("sp2 dp2 zero1", HybridParallelConfig(sp_size=2, zero=ZeroConfig(stage=1))),
-                                ("sp2 dp2 zero2", HybridParallelConfig(sp_size=2, zero=ZeroConfig(stage=2))),
-                                ("sp2 dp2 zero3", HybridParallelConfig(sp_size=2, zero=ZeroConfig(stage=3)))):
+    for what, plugin_config in (("sp2 dp2", HybridParallelConfig(cp_size=2)),
+                                ("sp4 (kv heads repeated)", HybridParallelConfig(cp_size=4)),
+                                ("tp2 sp2", HybridParallelConfig(tp_size=2, cp_size=2)),
+                                ("sp2 dp2 zero1", HybridParallelConfig(cp_size=2, zero=ZeroConfig(stage=1))),
+                                ("sp2 dp2 zero2", HybridParallelConfig(cp_size=2, zero=ZeroConfig(stage=2))),
+                                ("sp2 dp2 zero3", HybridParallelConfig(cp_size=2, zero=ZeroConfig(stage=3)))):
         booster, model, _ = train_boosted(config, batches, plugin_config, ref_losses, ref_params, f"llama {what}")
         if what in ("tp2 sp2", "sp2 dp2 zero3"):   # zero3: FSDP2 shards over dp x cp, gathered on save            # one writer per stage: the cp ranks hold the same weights
             folder = os.path.join(tempfile.gettempdir(), f"meshboost_cp_{what[:3]}_{os.environ.get('MASTER_PORT', '0')}")
@@ -82,22 +82,22 @@ def _layouts(rank):
     config = _config("qwen2")
     batches = causal_batches(config, 2, batch=4, seq=8, seed=7)
     ref_losses, ref_params = train_whole(config, batches)
-    train_boosted(config, batches, HybridParallelConfig(sp_size=2), ref_losses, ref_params, "qwen2 sp2")
+    train_boosted(config, batches, HybridParallelConfig(cp_size=2), ref_losses, ref_params, "qwen2 sp2")
     # a mixture of experts: tp inside the experts with the sequence split, and experts split over ep while
     # the sequence is split over cp (expert gradients averaged over their replicas and the cp ranks)
     config = _config("qwen3_moe")
     batches = causal_batches(config, 2, batch=4, seq=8, seed=7)
     ref_losses, ref_params = train_whole(config, batches)
-    for what, plugin_config in (("tp2 sp2", HybridParallelConfig(tp_size=2, sp_size=2)),
-                                ("sp2 ep2", HybridParallelConfig(sp_size=2, ep_size=2)),
-                                ("ring_attn sp2 ep2 zero1", HybridParallelConfig(sp_size=2, ep_size=2, sp_mode="ring_attn",
+    for what, plugin_config in (("tp2 sp2", HybridParallelConfig(tp_size=2, cp_size=2)),
+                                ("sp2 ep2", HybridParallelConfig(cp_size=2, ep_size=2)),
+                                ("ring_attn sp2 ep2 zero1", HybridParallelConfig(cp_size=2, ep_size=2, cp_mode="ring_attn",
                                                                                  zero=ZeroConfig(stage=1)))):
         train_boosted(config, batches, plugin_config, ref_losses, ref_params, f"qwen3_moe {what}")
     # ColossalAI's keywords reach the same layout
     from meshboost.booster.plugin import HybridParallelPlugin as ColossalAIPlugin
     plugin = ColossalAIPlugin(tp_size=1, enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all",
                               sp_size=2)
-    assert (plugin.config.sp_size, plugin.config.sp_mode) == (2, "all_to_all")
+    assert (plugin.config.dims.cp, plugin.config.dims.cp_mode, plugin.sp_size) == (2, "all_to_all", 2)
     assert not plugin.config.sharding.enable_sequence_parallelism
 
 
@@ -123,11 +123,11 @@ def _pipeline(rank):
     ref_losses, ref_params = train_whole(config, batches)
     recompute = PipelineGradientCheckpointConfig(gradient_checkpointing_ratio=1.0)
     for what, plugin_config in (
-            ("sp2 pp2", HybridParallelConfig(sp_size=2, pipeline=PipelineConfig(pp_size=2, num_microbatches=2))),
-            ("ring_attn sp2 pp2 zero1", HybridParallelConfig(sp_size=2, sp_mode="ring_attn", zero=ZeroConfig(stage=1),
+            ("sp2 pp2", HybridParallelConfig(cp_size=2, pipeline=PipelineConfig(pp_size=2, num_microbatches=2))),
+            ("ring_attn sp2 pp2 zero1", HybridParallelConfig(cp_size=2, cp_mode="ring_attn", zero=ZeroConfig(stage=1),
                                                              pipeline=PipelineConfig(pp_size=2, num_microbatches=4))),
             ("sp2 pp2 interleaved, recomputed", HybridParallelConfig(
-                sp_size=2, gradient_checkpoint=recompute,
+                cp_size=2, gradient_checkpoint=recompute,
                 pipeline=PipelineConfig(pp_size=2, num_microbatches=4, num_model_chunks=2, pp_style="interleaved")))):
         model = build_causal_lm(config)
         if plugin_config.gradient_checkpoint is not None:
@@ -161,7 +161,7 @@ def _compare(config, batch, mode, what, real=None):
         expected = ref(**batch)
     ref.train()
     ref(**batch).loss.backward()
-    booster = Booster(plugin=HybridParallelPlugin(HybridParallelConfig(sp_size=2, sp_mode=mode)))
+    booster = Booster(plugin=HybridParallelPlugin(HybridParallelConfig(cp_size=2, cp_mode=mode)))
     model, *_ = booster.boost(model)
     model.eval()
     with torch.no_grad():
@@ -215,7 +215,7 @@ def _packed_with_cache_on(mode):
     model.config.use_cache = True
     expected = ref(**packed)
     expected.loss.backward()
-    booster = Booster(plugin=HybridParallelPlugin(HybridParallelConfig(sp_size=2, sp_mode=mode)))
+    booster = Booster(plugin=HybridParallelPlugin(HybridParallelConfig(cp_size=2, cp_mode=mode)))
     model, *_ = booster.boost(model)
     model.train()
     got = model(**packed)
@@ -247,14 +247,14 @@ def test_context_parallel_refusals():
     for mode in ("ring", "split_gather"):         # the tp group's modes: named as such, listed nowhere else
         with pytest.raises(ValueError, match=f"sequence_parallelism_mode='{mode}' splits the sequence over the "
                                              "tensor-parallel group .* takes no sp_size"):
-            HybridParallelConfig(sp_size=2, sp_mode=mode)
+            HybridParallelConfig(cp_size=2, cp_mode=mode)
     with pytest.raises(ValueError, match="expected one of \\('all_to_all', 'ring_attn'\\)$"):
-        HybridParallelConfig(sp_size=2, sp_mode="ulysses")
-    with pytest.raises(ValueError, match="sequence_parallelism_mode='all_to_all' with sp_size=1 splits nothing"):
-        HybridParallelConfig(sp_mode="all_to_all")
+        HybridParallelConfig(cp_size=2, cp_mode="ulysses")
+    with pytest.raises(ValueError, match="cp_mode='all_to_all' with cp_size=1 splits nothing"):
+        HybridParallelConfig(cp_mode="all_to_all")
     from meshboost.shardformer import ShardConfig
     with pytest.raises(ValueError, match="enable_sequence_parallelism=True \\(split_gather"):
-        HybridParallelConfig(sp_size=2, sharding=ShardConfig(enable_sequence_parallelism=True))
+        HybridParallelConfig(cp_size=2, sharding=ShardConfig(enable_sequence_parallelism=True))
     from meshboost.booster.plugin.hybrid_parallel_plugin import _context
     with pytest.raises(NotImplementedError, match="split_gather sequence parallelism runs over the tensor-parallel"):
         _context(dict(sp_size=2, sequence_parallelism_mode="split_gather", enable_sequence_parallelism=True))

@@ -66,7 +66,7 @@ def _families(rank):
         for what, plugin_config in ((f"{family} ep2 dp4", HybridParallelConfig(ep_size=2)),
                                     (f"{family} tp2 ep2", HybridParallelConfig(tp_size=2, ep_size=2))):
             booster, model, _ = train_boosted(config, batches, plugin_config, ref_losses, ref_params, what)
-            _check_split(model, 2, plugin_config.tp_size, what)
+            _check_split(model, 2, plugin_config.dims.tp, what)
         if family == "gpt_oss":          # biases, interleaved gate/up: the tp2 x ep2 save is the HF layout
             _reload(booster, model, ref_params, torch.float32, family)
 

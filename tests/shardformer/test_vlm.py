@@ -93,7 +93,7 @@ def _lora(rank, world):
                       ("pp2", HybridParallelConfig(pipeline=_pipeline("qwen2_5_vl")))):
         _, boosted, _ = train_boosted(config, batches, cfg, ref_losses, ref_params, f"qwen2_5_vl lora {name}",
                                       model=model())
-        if cfg.tp_size > 1:
+        if cfg.dims.tp > 1:
             split = [n for n, p in boosted.unwrap().named_parameters() if "lora_B" in n and get_tp_info(p) is not None]
             assert any("language_model" in n for n in split) and not any("visual" in n for n in split), split
 

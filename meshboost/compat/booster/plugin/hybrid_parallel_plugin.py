@@ -30,8 +30,8 @@ CONTEXT_MODES = ("all_to_all", "ring_attn")     # ColossalAI's modes over a sequ
 
 
 def _context(a: dict) -> tuple[int, str | None, dict]:
-    """ColossalAI's sequence-parallel keywords as (sp_size, sp_mode, the ShardConfig fields): the modes
-    with an sp group of their own (all_to_all, ring_attn) become the context axis; split_gather and
+    """ColossalAI's sequence-parallel keywords as (cp_size, cp_mode, the ShardConfig fields): the modes
+    with an sp group of their own (all_to_all, ring_attn) become the context axis (meshboost's cp); split_gather and
     ColossalAI's "ring" (split_gather's layout with ring exchanges, the same numbers: ShardConfig runs it
     as split_gather) stay the tp group's sequence parallelism, which takes no sp_size."""
     sp_size, mode, enabled = a["sp_size"], a["sequence_parallelism_mode"], a["enable_sequence_parallelism"]
@@ -76,7 +76,7 @@ def colossalai_config(a: dict) -> HybridParallelConfig:
     _refuse_unsupported(a["scheduler_nodes"], a["dp_outside"], a["overlap_allgather"], a["inner_ring_size"])
     # before ZeroConfig, whose cpu_offload refusal at zero_stage=3 would point away from HSDP
     check_replicate(a["dp_replicate_size"], a["zero_stage"], a["cpu_offload"])
-    sp_size, sp_mode, sequence = _context(a)
+    cp_size, cp_mode, sequence = _context(a)
     sharding = ShardConfig(**sequence, **{k: a[k] for k in (
         "enable_tensor_parallelism", "parallel_output", "make_vocab_size_divisible_by", "enable_flash_attention",
         "enable_fused_normalization", "enable_jit_fused", "enable_sequence_overlap", "enable_all_optimization")})
@@ -87,7 +87,7 @@ def colossalai_config(a: dict) -> HybridParallelConfig:
                       bucket_elements(a["zero_bucket_size_in_m"], "zero_bucket_size_in_m"),
                       cpu_offload=a["cpu_offload"], communication_dtype=a["communication_dtype"])
     return HybridParallelConfig(
-        tp_size=a["tp_size"], sp_size=sp_size, sp_mode=sp_mode, sharding=sharding, custom_policy=a["custom_policy"],
+        tp_size=a["tp_size"], cp_size=cp_size, cp_mode=cp_mode, sharding=sharding, custom_policy=a["custom_policy"],
         pipeline=PipelineConfig(a["pp_size"], a["pp_style"], a["num_model_chunks"], a["num_microbatches"],
                                 a["microbatch_size"], a["num_layers_per_stage"]),
         precision=PrecisionConfig(a["precision"], a["max_norm"], 2.0, scaler), zero=zero,
@@ -108,8 +108,9 @@ class HybridParallelPlugin(CorePlugin):
         enable_sequence_overlap, enable_all_optimization, sequence_parallelism_mode: sharding and kernels
         (`meshboost.shardformer.ShardConfig`, docs/optimizations.md); sp_size with
         enable_sequence_parallelism=True and sequence_parallelism_mode='all_to_all' or 'ring_attn': the
-        context axis (`HybridParallelConfig.sp_size`, docs/sequence_parallel.md); with 'split_gather' or
-        'ring' (run as split_gather: the same numbers), None or 1 (that sequence parallelism runs over tp).
+        context axis, meshboost's cp (`HybridParallelConfig(cp_size=...)`, `config.dims.cp`, the plugin's
+        `sp_size`; docs/sequence_parallel.md); with 'split_gather' or 'ring' (run as split_gather: the same
+        numbers), None or 1 (that sequence parallelism runs over tp).
     pp_size, num_microbatches / microbatch_size (one required with pp_size > 1), pp_style ("1f1b" |
         "interleaved"), num_model_chunks, num_layers_per_stage: `meshboost.pipeline.PipelineConfig`.
     precision ("fp32" | "fp16" | "bf16"), max_norm (global-norm clipping when > 0), initial_scale,
@@ -167,6 +168,11 @@ class HybridParallelPlugin(CorePlugin):
         agree_settings(keywords, "HybridParallelPlugin arguments")
         super().__init__(colossalai_config(keywords))
         self._colossalai_views()
+
+    @property
+    def sp_size(self) -> int:
+        """ColossalAI's name for the context axis' size: meshboost's cp (`mesh.cp_size`)."""
+        return self.mesh.cp_size
 
     def _colossalai_views(self) -> None:
         """ColossalAI's views of the mesh: axis numbers, pg_mesh, and the stage manager (None without pp)."""
