@@ -151,7 +151,9 @@ def _measure(name: str, kwargs: dict, config, batch: int, seq: int) -> dict:
     mine = {"weights": memory["working_weights"], "gradients": memory["gradients"],
             "optimizer_states": memory["optimizer_states"]}
     return {"layout": name, "rank": dist.get_rank(), "params": params, "dp_shard": shard, "replicas": replicas,
-            "tp": mesh.tp_size, "coords": {"tp": mesh.tp_rank, "dp": mesh.dp_rank * mesh.cp_size + mesh.cp_rank}, "memory": mine, "memory_theory": theory,
+            "tp": mesh.tp_size, "memory": mine, "memory_theory": theory,
+            # the planner's (tp rank, dp rank): its dp ranks index the dense gradient group dp x cp, cp inner
+            "coords": {"tp": mesh.tp_rank, "dp": mesh.dp_rank * mesh.cp_size + mesh.cp_rank},
             "memory_within_3pct": all(abs(mine[k] - theory[k]) <= TOLERANCE * theory[k] for k in theory),
             "traffic": traffic, "fsdp_axes": sorted({shard_axis, replica_axis}), "fsdp_traffic": got, "fsdp_traffic_formula": formula,
             "traffic_matches_formula": all(got.get(k, 0) == v for k, v in formula.items()) and

@@ -46,7 +46,6 @@ from meshboost.optim.precision import PRECISION_BYTES as BYTES
 from meshboost.plan.layout import axis_inside_node, axis_size
 
 
-
 @dataclass(frozen=True)
 class CostConstants:
     """Rates the step-time model uses. Defaults: H100 SXM-class (datasheet peak x efficiency, see
@@ -239,7 +238,7 @@ def comm_per_step(layout, hidden: int, layers_held: int, first: bool, last: bool
     if moe is not None:
         out["ep"] = ep_per_step(layout, moe, tokens, hidden)
         edp = axis_size(layout.dims, "edp")             # the experts' replicas (x sp: they see pieces too)
-        if layout.ep > 1 and edp > 1 and moe.local_numel and layout.zero != 3:    # ZeRO-3's: the planner's FSDP2 terms
+        if layout.ep > 1 and edp > 1 and moe.local_numel and layout.zero != 3:    # ZeRO-3: sharded.fsdp_step_comm
             if layout.zero == 0:
                 out["edp"].append(("all_reduce", moe.local_numel * w))
             else:

@@ -173,8 +173,8 @@ def layout_fields(text: str) -> dict:
         if not sep and key in FLAGS:
             key, raw = key, "1"
         elif not sep or key not in KEYS:
-            raise ValueError(f"--layout item {item!r}: expected key=value with key in ({', '.join(sorted(KEYS))}), a precision "
-                             f"({', '.join(PRECISIONS)}) or a flag ({', '.join(FLAGS)})")
+            raise ValueError(f"--layout item {item!r}: expected key=value with key in ({', '.join(sorted(KEYS))}), "
+                             f"a precision ({', '.join(PRECISIONS)}) or a flag ({', '.join(FLAGS)})")
         out.update(_field(key, raw, item))
     return out
 

@@ -116,7 +116,8 @@ def step_shape(layout, shards, dp_rank: int) -> StepShape:
 
     numel = sum(s.numel for s in shards)
     if layout.zero == 3:
-        local = [sharded.fsdp_local_numel(s, n, i) for g, n, i in sharded.fsdp_groups(layout, shards, dp_rank) for s in g]
+        groups = sharded.fsdp_groups(layout, shards, dp_rank)       # dense over dp (HSDP: dp_shard), experts edp
+        local = [sharded.fsdp_local_numel(s, n, i) for g, n, i in groups for s in g]
         return StepShape(numel, sum(local), max(local, default=0))
     if layout.zero in (1, 2) and layout.grad_replicas > 1:
         buckets = memory.zero_buckets(shards, layout.grad_replicas, dp_rank, layout.ep)

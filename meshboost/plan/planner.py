@@ -15,11 +15,7 @@ from dataclasses import dataclass, field
 
 from meshboost.plan import activations, cost, emulate, memory, params, peak, sharded
 from meshboost.plan.checks import check_cluster, check_sequence
-from meshboost.plan.layout import (
-    Layout,
-    enumerate_layouts,
-    plugin_config,
-)
+from meshboost.plan.layout import Layout, enumerate_layouts, plugin_config
 from meshboost.plan.model import build_meta_model, load_config, model_class
 
 GIB = 2 ** 30
@@ -175,27 +171,21 @@ class Planner:
         return {**device, **{k: host[k] for k in ("masters", "optimizer_states") if k in host}}
 
     def rank_comm(self, layout: Layout, pp_rank: int = 0, tp_rank: int = 0) -> dict:
-        """{axis: [(op, payload bytes), ...]} predicted for one rank's step (what `dispatched_comm_counter`
-        counts there); `layout` must have passed `check`."""
-        shards = self.shards(layout, pp_rank, tp_rank)
-        act_model = self._activation_model(layout)
-        return self._comm(layout, shards, self.layer_counts(layout)[pp_rank], pp_rank == 0, pp_rank == layout.pp - 1,
-                          act_model.summed_per_layer)
+        """{axis: [(op, payload bytes)]} of one rank's step, as `dispatched_comm_counter` counts it."""
+        return self._comm(layout, self.shards(layout, pp_rank, tp_rank), self.layer_counts(layout)[pp_rank],
+                          pp_rank == 0, pp_rank == layout.pp - 1, self._activation_model(layout).summed_per_layer)
 
     def _state(self, layout: Layout, shards, dp_rank: int) -> tuple[dict, dict]:
         """(device bytes {weights, gradients, masters, optimizer_states}, host bytes by kind) of one rank."""
-        if layout.zero == 3:        # dense weights over their shard group, experts over theirs
-            parts = [sharded.fsdp_state_bytes(g, layout.precision, n, i)
-                     for g, n, i in sharded.fsdp_groups(layout, shards, dp_rank)]
-            return {k: sum(p[k] for p in parts) for k in ("weights", "gradients", "masters", "optimizer_states")}, {}
+        if layout.zero == 3:
+            return sharded.fsdp_rank_state(layout, shards, dp_rank), {}
         state = memory.state_bytes(shards, layout.precision, layout.zero, layout.grad_replicas, dp_rank, layout.pp,
                                    ep_size=layout.ep)
         return sharded.offload_split(state, layout.precision, layout.zero) if layout.cpu_offload else (state, {})
 
     def _buffers(self, layout: Layout, shards, dp_rank: int) -> int:
         if layout.zero == 3:     # FSDP2's gathers and reductions, and its shards' padding rows
-            return (sharded.fsdp_buffer_bytes(shards, layout.precision, layout.fsdp_sizes[1], self.layer_prefixes)
-                    + sum(sharded.fsdp_padding_bytes(g, n, i) for g, n, i in sharded.fsdp_groups(layout, shards, dp_rank)))
+            return sharded.fsdp_rank_buffers(layout, shards, dp_rank, self.layer_prefixes)
         return memory.buffer_bytes(shards, layout.precision, layout.zero, layout.grad_replicas, layout.pp)
 
     @property
@@ -331,26 +321,10 @@ class Planner:
         comm = cost.comm_per_step(layout, self.hidden, layers_held, first, last, local, padded, self.seq, tied,
                                   self.vocab_parallel_loss, self.lm_head, moe, sum(s.tp_grad_sum for s in shards),
                                   self.config.model_type in POST_NORM, sequence)
-        if layout.zero == 3:
-            self._fsdp_comm(layout, shards, comm)
+        fsdp = sharded.fsdp_step_comm(layout, shards, self.layer_prefixes) if layout.zero == 3 else {}
+        for axis, ops in fsdp.items():                  # FSDP2's, per op (calls: _zero_buckets)
+            comm.setdefault(axis, []).extend(ops)
         return comm
-
-    def _fsdp_comm(self, layout: Layout, shards, comm: dict) -> None:
-        """FSDP2's collectives, per op (calls: _zero_buckets), into `comm`: each group's all-gathers and
-        reduce-scatters over its shard axis (dense: dp, experts: edp), a pipeline stage's gathered once
-        per step (the plugin's reshard_after_forward default is False under pp), and HSDP's all-reduce
-        of the reduced shards over dp_replicate."""
-        reshard = layout.pp == 1
-        for group, size, _ in sharded.fsdp_groups(layout, shards, 0):
-            axis = "edp" if group[0].expert else "dp"
-            fsdp = sharded.fsdp_comm_bytes(group, layout.precision, size, self.layer_prefixes, reshard)
-            for op in ("all_gather", "reduce_scatter"):
-                if any(o == op for o, _ in fsdp):
-                    comm[axis].append((op, sum(n for o, n in fsdp if o == op)))
-        replicas, shard = layout.fsdp_sizes
-        if replicas > 1:
-            dense = [s for s in shards if not s.expert]
-            comm["dp_replicate"] = [("all_reduce", sharded.hsdp_replica_bytes(dense, shard))]
 
     # -- search -------------------------------------------------------------------------------------
     def candidates(self, zero_stages=(0, 1, 2), checkpointing=(False, True)) -> list[Layout]:

@@ -144,6 +144,34 @@ def hsdp_replica_bytes(shards, dp_shard: int) -> int:
     return REDUCE_BYTES * sum(fsdp_padded_numel(s, dp_shard) for s in shards)
 
 
+def fsdp_rank_state(layout, shards, dp_rank: int) -> dict:
+    """`fsdp_state_bytes` of one rank of a ZeRO-3 `layout`, each of its `fsdp_groups` over its own group."""
+    parts = [fsdp_state_bytes(g, layout.precision, n, i) for g, n, i in fsdp_groups(layout, shards, dp_rank)]
+    return {k: sum(p[k] for p in parts) for k in ("weights", "gradients", "masters", "optimizer_states")}
+
+
+def fsdp_rank_buffers(layout, shards, dp_rank: int, layer_prefixes) -> int:
+    """`fsdp_buffer_bytes` (at the dense shard group's size) + each group's `fsdp_padding_bytes`."""
+    return (fsdp_buffer_bytes(shards, layout.precision, layout.fsdp_sizes[1], layer_prefixes)
+            + sum(fsdp_padding_bytes(g, n, i) for g, n, i in fsdp_groups(layout, shards, dp_rank)))
+
+
+def fsdp_step_comm(layout, shards, layer_prefixes) -> dict[str, list[tuple[str, int]]]:
+    """{axis: [(op, payload bytes)]} of FSDP2 in one step of a ZeRO-3 `layout`, per op: each group's
+    all-gathers and reduce-scatters over its shard axis (dense: dp, experts: edp), a pipeline stage's
+    gathered once per step (the plugin's reshard_after_forward default is False under pp), and HSDP's
+    all-reduce of the reduced dense shards over dp_replicate."""
+    out: dict[str, list[tuple[str, int]]] = {}
+    for group, size, _ in fsdp_groups(layout, shards, 0):
+        ops = fsdp_comm_bytes(group, layout.precision, size, layer_prefixes, reshard_after_forward=layout.pp == 1)
+        totals = [(op, sum(n for o, n in ops if o == op)) for op in ("all_gather", "reduce_scatter")]
+        out.setdefault("edp" if group[0].expert else "dp", []).extend((op, n) for op, n in totals if n)
+    replicas, shard = layout.fsdp_sizes
+    if replicas > 1:
+        out["dp_replicate"] = [("all_reduce", hsdp_replica_bytes([s for s in shards if not s.expert], shard))]
+    return out
+
+
 def offload_split(state: dict, precision: str, zero_stage: int) -> tuple[dict, dict]:
     """ZeRO-1/2 with cpu_offload: (device bytes, host bytes) from `memory.state_bytes`'s dict for the same
     rank. ZeroOptimizer then allocates every bucket's master shard (padding included; a copy even in
