@@ -25,6 +25,11 @@ spC.. (Ulysses context parallelism), repR (dp_replicate_size R); world = tp x sp
   The other collectives (tp's activations, the 4-byte labelled-token count over dp) are printed as
   measured, without a formula here (docs/benchmarks.md, tp section, has tp's).
 
+- The planner's prediction (`meshboost.plan`, from the config alone: `Planner.rank_state` and
+  `rank_comm` for the rank's tp and dp coordinates) is printed in [brackets] beside each measured
+  figure, and "planner eq" says whether every one equals the measurement exactly (no tolerance: the
+  planner counts FSDP2's padding rows and units as the formula does).
+
 Prints a table and one JSON line per layout (prefix "JSON "); `--tiny` (hidden 64, 2 layers, seq 16) is
 what tests/benchmarks/test_zero3_memory_bench.py runs.
 """
@@ -147,6 +152,8 @@ def _measure(name: str, kwargs: dict, config, batch: int, seq: int) -> dict:
             "optimizer_states": memory["optimizer_states"]}
     return {"layout": name, "rank": dist.get_rank(), "params": params, "dp_shard": shard, "replicas": replicas,
             "tp": mesh.tp_size, "memory": mine, "memory_theory": theory,
+            # the planner's (tp rank, dp rank): its dp ranks index the dense gradient group dp x cp, cp inner
+            "coords": {"tp": mesh.tp_rank, "dp": mesh.dp_rank * mesh.cp_size + mesh.cp_rank},
             "memory_within_3pct": all(abs(mine[k] - theory[k]) <= TOLERANCE * theory[k] for k in theory),
             "traffic": traffic, "fsdp_axes": sorted({shard_axis, replica_axis}), "fsdp_traffic": got, "fsdp_traffic_formula": formula,
             "traffic_matches_formula": all(got.get(k, 0) == v for k, v in formula.items()) and
@@ -164,19 +171,50 @@ def _worker(rank: int, world: int, args, out_file: str) -> None:
                 f.write(json.dumps({"layout": name, "ranks": ranks}) + "\n")
 
 
+def planner_predictions(run: dict, world: int, batch: int, seq: int, tiny: bool) -> None:
+    """Add the planner's prediction for every rank of `run` (meshboost.plan, from the config alone):
+    its weights, gradients and AdamW moments (`rank_state`) and its FSDP2 traffic per axis (`rank_comm`:
+    dp's all-gathers and reduce-scatters, dp_replicate's all-reduce), and whether each equals the
+    measurement exactly (the planner models FSDP2's padding rows and units, so no tolerance is needed)."""
+    from meshboost.plan import Planner
+    from meshboost.plan.layout import Layout
+
+    kw = parse_layout(run["layout"], world)
+    sp = kw.get("sp_size", 1)
+    dp = world // (kw["tp_size"] * sp)
+    layout = Layout(tp=kw["tp_size"], sp=sp, dp=dp, dp_replicate=kw["dp_replicate_size"], zero=3, precision="fp32",
+                    microbatches=1, microbatch_size=batch)
+    planner = Planner(make_config(tiny), gpus=world, seq=seq, global_batch=batch * dp, precision="fp32", device="cpu")
+    planner.check(layout)
+    for r in run["ranks"]:
+        state = planner.rank_state(layout, 0, r["coords"]["tp"], r["coords"]["dp"])
+        comm = planner.rank_comm(layout, 0, r["coords"]["tp"])
+        traffic = {op: sum(n for o, n in comm["dp"] if o == op) for op in ("all_gather", "reduce_scatter")}
+        if layout.dp_replicate > 1:
+            traffic["all_reduce_replicas"] = sum(n for _, n in comm["dp_replicate"])
+        r["planner_memory"] = {k: state[k] for k in r["memory"]}
+        r["planner_traffic"] = traffic
+        r["planner_equals_measured"] = r["planner_memory"] == r["memory"] and all(
+            r["fsdp_traffic"].get(k, 0) == v for k, v in traffic.items())
+
+
 def format_table(runs: list[dict]) -> str:
-    head = ("layout", "rank", "weights B (theory)", "grads B (theory)", "states B (theory)", "<=3%",
-            "all-gather B (formula)", "reduce-scatter B (formula)", "replica all-reduce B (formula)", "eq", "other axes")
+    head = ("layout", "rank", "weights B (theory) [planner]", "grads B (theory) [planner]",
+            "states B (theory) [planner]", "<=3%", "all-gather B (formula) [planner]",
+            "reduce-scatter B (formula) [planner]", "replica all-reduce B (formula) [planner]", "eq", "planner eq",
+            "other axes")
     rows = [head]
     for run in runs:
         for r in run["ranks"]:
             m, t, g, f = r["memory"], r["memory_theory"], r["fsdp_traffic"], r["fsdp_traffic_formula"]
+            pm, pt = r["planner_memory"], r["planner_traffic"]
             other = {k: v for k, v in r["traffic"].items() if k not in r["fsdp_axes"]}
-            rows.append((run["layout"], str(r["rank"]), *(f"{m[k]} ({t[k]:.0f})" for k in m),
+            rows.append((run["layout"], str(r["rank"]), *(f"{m[k]} ({t[k]:.0f}) [{pm[k]}]" for k in m),
                          "yes" if r["memory_within_3pct"] else "NO",
-                         *(f"{g.get(k, 0)} ({f.get(k, '-')})" for k in ("all_gather", "reduce_scatter",
-                                                                        "all_reduce_replicas")),
+                         *(f"{g.get(k, 0)} ({f.get(k, '-')}) [{pt.get(k, '-')}]"
+                           for k in ("all_gather", "reduce_scatter", "all_reduce_replicas")),
                          "yes" if r["traffic_matches_formula"] else "NO",
+                         "yes" if r["planner_equals_measured"] else "NO",
                          " ".join(f"{k}:{sum(v.values())}" for k, v in sorted(other.items())) or "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     return "\n".join("  ".join(f"{c:>{w}}" for c, w in zip(row, widths)) for row in rows)
@@ -210,6 +248,8 @@ def main(argv=None) -> list[dict]:
     for run in runs:
         run["memory_within_3pct"] = all(r["memory_within_3pct"] for r in run["ranks"])
         run["traffic_matches_formula"] = all(r["traffic_matches_formula"] for r in run["ranks"])
+        planner_predictions(run, args.world, args.batch, args.seq, args.tiny)
+        run["planner_equals_measured"] = all(r["planner_equals_measured"] for r in run["ranks"])
     c = make_config(args.tiny)
     print(f"Llama: {c.num_hidden_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size}, "
           f"{runs[0]['ranks'][0]['params']} parameters; fp32, AdamW, world {args.world}, batch {args.batch} x seq "

@@ -2,7 +2,7 @@
 `PrecisionConfig`, the step's numerics every optimizer wrapper takes (working precision, clipping,
 fp16's loss scale), checked when built, before any collective. Everything that turns a precision name
 into a dtype reads PRECISION_DTYPES here (the booster's autocast, ZeRO's communication dtype, the
-plugins, the planner).
+plugins, the planner), and every size of one reads PRECISION_BYTES (the planner's memory and traffic).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import torch
 from meshboost.optim.grad_scaler import GradScalerConfig
 
 PRECISION_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# bytes per element of each precision, derived from the dtypes (the planner's sizes read this)
+PRECISION_BYTES = {name: dtype.itemsize for name, dtype in PRECISION_DTYPES.items()}
 
 
 def precision_of(dtype: torch.dtype) -> str | None:

@@ -26,7 +26,8 @@ from functools import lru_cache
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from meshboost.optim.precision import PRECISION_DTYPES as DTYPES     # the one precision table
+
 SPLIT_GATHER = "split_gather"
 LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
 INTERMEDIATE_FIELDS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")

@@ -28,9 +28,10 @@ and the step time of the busiest stage (`step_seconds`, the ranking's figure), n
         `pipeline_overhead_s` under a pipeline) + its tp collectives;
     + every collective: calls x latency (`<op>_latency_s`, + `inter_node_latency_s` across nodes) + the
         ring bytes (all-reduce 2(P-1)/P n, reduce-scatter and all-gather (P-1)/P n, send n) at its
-        op's bus bandwidth inside a node, or `inter_node_bytes_s` (from the mesh order (dp, pp, tp), tp
-        innermost); calls: tp one per all-reduced activation, pp two per micro-batch, dp one per DDP
-        bucket (25 MiB) or ZeRO bucket, one under a pipeline;
+        op's bus bandwidth inside a node, or `inter_node_bytes_s` when a group of the axis spans nodes
+        (the runtime mesh's groups, read from `ParallelDims.mesh_axes` by `layout.axis_groups`; P its
+        group size); calls: tp one per all-reduced activation, pp two per micro-batch, dp one per DDP
+        bucket (25 MiB) or ZeRO bucket, one under a pipeline; HSDP's dp_replicate one per FSDP2 unit;
     + the optimizer step: the rank's fp32 master elements (ZeRO: its 1/dp share) at
         `optimizer_elements_s`.
 Its constants are `CostConstants`: defaults for an 80 GB H100-class GPU, a known GPU's by name, or
@@ -41,7 +42,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+from meshboost.optim.precision import PRECISION_BYTES as BYTES
+from meshboost.plan.layout import axis_inside_node, axis_size
 
 
 @dataclass(frozen=True)
@@ -235,8 +237,8 @@ def comm_per_step(layout, hidden: int, layers_held: int, first: bool, last: bool
         out["sp"] = sp_per_step(layout, sequence.attention, layers_held, tokens, last)
     if moe is not None:
         out["ep"] = ep_per_step(layout, moe, tokens, hidden)
-        edp = layout.grad_replicas // layout.ep          # the experts' replicas (x sp: they see pieces too)
-        if layout.ep > 1 and edp > 1 and moe.local_numel:
+        edp = axis_size(layout.dims, "edp")             # the experts' replicas (x sp: they see pieces too)
+        if layout.ep > 1 and edp > 1 and moe.local_numel and layout.zero != 3:    # ZeRO-3: sharded.fsdp_step_comm
             if layout.zero == 0:
                 out["edp"].append(("all_reduce", moe.local_numel * w))
             else:
@@ -280,15 +282,13 @@ def comm_per_step(layout, hidden: int, layers_held: int, first: bool, last: bool
 
 
 def axis_bandwidth(layout, axis: str, gpus_per_node: int, constants: CostConstants, op: str = "all_reduce") -> float:
-    """Bytes/s of `axis`: inside a node when the group's ranks all are (mesh order (dp, pp, tp))."""
+    """Bytes/s of `axis`: inside a node when every group of it is (the runtime mesh's groups,
+    `layout.axis_groups`, from `ParallelDims.mesh_axes`)."""
     return constants.bandwidth(op) if _inside(layout, axis, gpus_per_node) else constants.inter_node_bytes_s
 
 
 def _inside(layout, axis: str, gpus_per_node: int) -> bool:
-    """Mesh order (dp, pp, sp, tp), dp as (edp, ep): an ep group spans tp x sp x pp x ep ranks."""
-    span = {"tp": layout.tp, "sp": layout.tp * layout.sp, "pp": layout.tp * layout.sp * layout.pp,
-            "ep": layout.tp * layout.sp * layout.pp * layout.ep, "dp": layout.world, "edp": layout.world}[axis]
-    return span <= gpus_per_node
+    return axis_inside_node(layout.dims, axis, gpus_per_node)
 
 
 DDP_BUCKET_BYTES = 25 * 2 ** 20     # torch DDP's default bucket_cap_mb
@@ -315,7 +315,7 @@ def calls_per_step(layout, axis: str, op: str, nbytes: int, hidden: int, seq: in
         return 5 * m
     if axis == "dp" and op == "all_reduce":
         return 1 if layout.pp > 1 else max(1, -(-nbytes // DDP_BUCKET_BYTES))
-    if axis in ("dp", "edp"):
+    if axis in ("dp", "edp", "dp_replicate"):
         return zero_buckets if layout.zero else 1
     return 1
 
@@ -337,8 +337,9 @@ def step_seconds(layout, stage_numel: int, layers_held: int, hidden: int, seq: i
     recompute = 4 / 3 if layout.checkpointing else 1.0
     overhead = (layers_held * constants.layer_overhead_s * recompute + (constants.microbatch_overhead_s if ends else 0)
                 + (constants.pipeline_overhead_s if layout.pp > 1 else 0))
-    sizes = {"tp": layout.tp, "pp": 2, "dp": layout.grad_replicas, "ep": layout.ep,
-             "edp": layout.grad_replicas // layout.ep, "sp": layout.sp}
+    # ring sizes of each axis's groups (pp's sends are point to point)
+    axes = dict.fromkeys(("tp", "pp", "dp", "ep", "edp", "sp", *comm))
+    sizes = {axis: 2 if axis == "pp" else axis_size(layout.dims, axis) for axis in axes}
     wire = {axis: 0.0 for axis in sizes}
     for axis, ops in comm.items():
         inside = _inside(layout, axis, gpus_per_node)
@@ -351,14 +352,15 @@ def step_seconds(layout, stage_numel: int, layers_held: int, hidden: int, seq: i
                 layout, axis, gpus_per_node, constants, op)
     m, slots = layout.microbatches, layout.microbatches + layout.pp - 1
     microbatch_s = flops / constants.flops(layout.precision) + overhead + (wire["tp"] + wire["sp"]) / m
-    masters = stage_numel / (layout.grad_replicas if layout.zero else 1)
+    masters = stage_numel / (layout.fsdp_sizes[1] if layout.zero == 3 else layout.grad_replicas if layout.zero else 1)
     optimizer = masters / constants.optimizer_elements_s
     # the bubble's pp - 1 slots run while other stages idle: at solo speed where ranks share cores
     bubble_s = (layout.pp - 1) * microbatch_s / constants.solo_speedup / layout.num_model_chunks
-    total = m * microbatch_s + bubble_s + wire["pp"] + wire["dp"] + wire["ep"] + wire["edp"] + optimizer
+    total = m * microbatch_s + bubble_s + sum(wire[a] for a in wire if a not in ("tp", "sp")) + optimizer
     if breakdown is not None:
         breakdown.update(compute=slots * flops / constants.flops(layout.precision), overhead=slots * overhead,
-                         tp=slots * wire["tp"] / m, sp=slots * wire["sp"] / m, pp=wire["pp"], dp=wire["dp"] + wire["edp"], ep=wire["ep"],
+                         tp=slots * wire["tp"] / m, sp=slots * wire["sp"] / m, pp=wire["pp"],
+                         dp=wire["dp"] + wire["edp"] + wire.get("dp_replicate", 0), ep=wire["ep"],
                          optimizer=optimizer,
                          bubble=(layout.pp - 1) / slots)
     return total

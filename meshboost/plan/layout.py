@@ -1,19 +1,28 @@
 """A candidate parallel layout, the plugin config it stands for, and the enumeration of valid ones.
 
-Owns: `Layout` (tp, pp, dp, ep, sp and its mode, ZeRO stage, precision, micro-batches and their size,
-activation checkpointing, cpu offload, model chunks), parsing `--layout tp=2,pp=2,zero=1,...`, building
-the `HybridParallelConfig` a layout stands for (so the plugin's own checks raise their own messages:
-nothing is copied here), and enumerating every factorisation of the world (and ep, for an MoE; sp and
-its modes, for a causal LM) that the model and the plugin accept. Must not estimate memory or time
-(memory.py, cost.py).
+Owns: `Layout` (the mesh degrees as one `ParallelDims`, the runtime's own record, built from the
+planner's public names tp, pp, dp, ep, sp (context parallelism, the runtime's cp) and dp_replicate
+(HSDP); the sp mode, ZeRO stage, precision, micro-batches and their size, activation checkpointing, cpu
+offload, model chunks), the ranks of each of the planner's axes as the runtime's mesh groups them
+(`axis_groups`, read from `ParallelDims.mesh_axes`, never restated), parsing `--layout
+tp=2,pp=2,zero=1,...`, building the `HybridParallelConfig` a layout stands for (so the plugin's own
+checks raise their own messages: nothing is copied here), and enumerating every factorisation of the
+world (and ep, for an MoE; sp and its modes, for a causal LM; HSDP's replica groups under ZeRO-3) that
+the model and the plugin accept. Must not estimate memory or time (memory.py, cost.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
 from itertools import product
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+from meshboost.distributed.dims import HSDP_AXES, ParallelDims
+from meshboost.distributed.param_info import DENSE, EXPERT
+from meshboost.optim.precision import PRECISION_BYTES
+
+PRECISIONS = tuple(PRECISION_BYTES)
 SPLIT_GATHER = "split_gather"           # Megatron sequence parallelism over the tp group (sp stays 1)
 CONTEXT_MODES = ("all_to_all", "ring_attn")     # context parallelism over an sp axis of its own
 
@@ -21,7 +30,9 @@ CONTEXT_MODES = ("all_to_all", "ring_attn")     # context parallelism over an sp
 @dataclass(frozen=True)
 class Layout:
     """One layout the plugin can run: the mesh sizes (tp x pp x dp x sp = the world; ep splits the
-    experts over ep of the dp ranks), the ZeRO stage, precision, micro-batching and the memory switches.
+    experts over ep of the dp ranks; dp_replicate > 1 is HSDP, ZeRO-3 sharded over the dp / dp_replicate
+    ranks of one replica group), the ZeRO stage, precision, micro-batching and the memory switches. The
+    sizes' derived facts (world, axis order, gradient replicas) are `dims`'s, the runtime's record.
     `sp_mode`: with sp > 1 the context-parallel mode ("all_to_all", the default, or "ring_attn"); with
     sp = 1, "split_gather" is Megatron sequence parallelism over the tp group (ColossalAI's
     `enable_sequence_parallelism=True`), None plain tensor parallelism."""
@@ -39,14 +50,22 @@ class Layout:
     checkpointing: bool = False
     cpu_offload: bool = False
     num_model_chunks: int = 1
+    dp_replicate: int = 1           # HSDP: replica groups (divides dp; zero=3)
 
     def __post_init__(self):
         if self.sp > 1 and self.sp_mode is None:
             object.__setattr__(self, "sp_mode", CONTEXT_MODES[0])      # the plugin's default mode
 
     @property
+    def dims(self) -> ParallelDims:
+        """The runtime's record of these degrees (context parallelism is its cp). Unvalidated: the
+        planner's `check` runs `check_mesh_shape`, which names a bad size."""
+        return ParallelDims(dp=self.dp, pp=self.pp, tp=self.tp, ep=self.ep, cp=self.sp, dp_replicate=self.dp_replicate,
+                            cp_mode=self.sp_mode if self.sp > 1 else None)
+
+    @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp * self.sp
+        return self.dims.size("dp", "pp", "cp", "tp")      # every rank once, however dp is factored
 
     @property
     def sequence_parallel(self) -> bool:
@@ -55,9 +74,16 @@ class Layout:
 
     @property
     def grad_replicas(self) -> int:
-        """The ranks a dense gradient is averaged over and ZeRO partitions over: dp x sp (every weight is
-        replicated over the context ranks too)."""
-        return self.dp * self.sp
+        """The ranks a dense gradient is averaged over and ZeRO partitions over: the size of the mesh's
+        gradient axes (dp x cp today: every weight is replicated over the context ranks too)."""
+        return self.dims.size(*self.dims.grad_axes(DENSE))
+
+    @property
+    def fsdp_sizes(self) -> tuple[int, int]:
+        """(replicas, shard ranks) of a dense parameter under ZeRO-3: the mesh's `shard_axes` (HSDP's
+        dp_replicate and dp_shard x cp; no replicas without HSDP)."""
+        replicate, shard = self.dims.shard_axes(DENSE)
+        return self.dims.size(*replicate), self.dims.size(*shard)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -66,14 +92,68 @@ class Layout:
         ckpt = (",ckpt" if self.checkpointing else "") + (",offload" if self.cpu_offload else "")
         ep = f",ep={self.ep}" if self.ep > 1 else ""
         ep += f",chunks={self.num_model_chunks}" if self.num_model_chunks > 1 else ""
+        ep += f",dp_replicate={self.dp_replicate}" if self.dp_replicate > 1 else ""
         ep += f",sp={self.sp}({self.sp_mode})" if self.sp > 1 else ",sp=split_gather" if self.sequence_parallel else ""
         return (f"tp={self.tp},pp={self.pp},dp={self.dp}{ep},zero={self.zero},{self.precision},"
                 f"mb={self.microbatches}x{self.microbatch_size}{ckpt}")
 
 
+def planner_axes(dims: ParallelDims, axis: str) -> tuple[str, ...]:
+    """The runtime's axes behind one of the planner's traffic axes: tp, pp; sp (context parallelism, cp);
+    ep; edp (an expert's gradient replicas); dp (a dense gradient's reduction, or ZeRO-3's shard ranks:
+    HSDP's dp_shard); dp_replicate (HSDP's replicas). Read from the dims' gradient and shard axes."""
+    replicate, shard = dims.shard_axes(DENSE)
+    named = {"tp": ("tp",), "pp": ("pp",), "sp": ("cp",), "ep": ("ep",), "edp": dims.grad_axes(EXPERT),
+             "dp": shard, "dp_replicate": replicate}
+    if axis not in named:
+        raise ValueError(f"axis={axis!r}; the planner's axes are {sorted(named)}")
+    return named[axis]
+
+
+def axis_size(dims: ParallelDims, axis: str) -> int:
+    """Ranks in one group of the planner's `axis` (`planner_axes`)."""
+    return dims.size(*planner_axes(dims, axis))
+
+
+def _mesh_dims(dims: ParallelDims, axes: tuple[str, ...]) -> tuple[str, ...]:
+    """The DeviceMesh dimensions behind `axes` (ParallelMesh.submesh's rule: dp is (edp, ep) under expert
+    parallelism, (dp_replicate, dp_shard) under HSDP; edp is dp and dp_shard is dp without them); an axis
+    of one rank that is no mesh dimension spans nothing."""
+    mesh = dims.mesh_axes
+    whole_dp = ("edp", "ep") if dims.ep > 1 else HSDP_AXES if dims.dp_replicate > 1 else ("dp",)
+    expand = {"dp": whole_dp, "edp": whole_dp if dims.ep == 1 else ("edp",), "dp_shard": whole_dp, "dp_replicate": ()}
+    out: list[str] = []
+    for axis in axes:
+        out += [axis] if axis in mesh else [a for a in expand.get(axis, ()) if a in mesh]
+    return tuple(dict.fromkeys(out))
+
+
+def axis_groups(dims: ParallelDims, axis: str) -> list[tuple[int, ...]]:
+    """Every group of global ranks along the planner's `axis`, as the runtime's mesh builds them: ranks
+    numbered row-major over `dims.shape` in `dims.mesh_axes` order (torch's DeviceMesh), one group per
+    coordinate of the other dimensions. Reads the order from the dims, so a new mesh order moves the
+    planner's groups (and its inside-a-node test) with it."""
+    names, shape = dims.mesh_axes, dims.shape
+    along = [names.index(a) for a in _mesh_dims(dims, planner_axes(dims, axis))]
+    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    others = [i for i in range(len(shape)) if i not in along]
+    groups = []
+    for fixed in product(*(range(shape[i]) for i in others)):
+        base = sum(c * strides[i] for c, i in zip(fixed, others))
+        groups.append(tuple(sorted(base + sum(c * strides[i] for c, i in zip(coord, along))
+                                   for coord in product(*(range(shape[i]) for i in along)))))
+    return groups
+
+
+@lru_cache(maxsize=4096)
+def axis_inside_node(dims: ParallelDims, axis: str, gpus_per_node: int) -> bool:
+    """Every group of `axis` sits on one node (global rank // gpus_per_node)."""
+    return all(g[0] // gpus_per_node == g[-1] // gpus_per_node for g in axis_groups(dims, axis))
+
+
 KEYS = {"tp": int, "pp": int, "dp": int, "ep": int, "sp": int, "sp_mode": str, "zero": int, "precision": str,
         "microbatches": int, "mb": int, "microbatch_size": int, "checkpointing": bool, "ckpt": bool,
-        "cpu_offload": bool, "offload": bool, "chunks": int, "num_model_chunks": int}
+        "cpu_offload": bool, "offload": bool, "chunks": int, "num_model_chunks": int, "dp_replicate": int}
 ALIASES = {"mb": "microbatches", "ckpt": "checkpointing", "offload": "cpu_offload", "chunks": "num_model_chunks"}
 FLAGS = ("ckpt", "checkpointing", "offload", "cpu_offload")     # a bare name means =1 (describe() writes them so)
 
@@ -94,8 +174,8 @@ def layout_fields(text: str) -> dict:
         if not sep and key in FLAGS:
             key, raw = key, "1"
         elif not sep or key not in KEYS:
-            raise ValueError(f"--layout item {item!r}: expected key=value with key in {sorted(KEYS)}, a precision "
-                             f"({', '.join(PRECISIONS)}) or a flag ({', '.join(FLAGS)})")
+            raise ValueError(f"--layout item {item!r}: expected key=value with key in ({', '.join(sorted(KEYS))}), "
+                             f"a precision ({', '.join(PRECISIONS)}) or a flag ({', '.join(FLAGS)})")
         out.update(_field(key, raw, item))
     return out
 
@@ -149,6 +229,7 @@ def plugin_config(layout: Layout):
     # split_gather: ShardConfig's switch (the plugin's check of the mode with sp_size > 1 names the clash)
     sharding = ShardConfig(enable_sequence_parallelism=layout.sequence_parallel)
     return HybridParallelConfig(tp_size=layout.tp, ep_size=layout.ep, cp_size=layout.sp,
+                                dp_replicate_size=layout.dp_replicate,
                                 cp_mode=None if layout.sequence_parallel else layout.sp_mode, sharding=sharding,
                                 pipeline=pipeline, precision=PrecisionConfig(layout.precision),
                                 zero=ZeroConfig(stage=layout.zero, cpu_offload=layout.cpu_offload))
@@ -174,7 +255,8 @@ def enumerate_layouts(world: int, global_batch: int, num_layers: int, precision:
     checkpointing, and micro-batch counts dividing the per-replica batch (at least pp of them; without
     a pipeline they are gradient-accumulation steps, the user's loop under `booster.no_sync`); for an
     MoE of `num_experts` experts, every ep dividing both dp and the experts; `context`: sp > 1 in
-    both context modes; `split_gather`: Megatron sequence parallelism at tp > 1. The model's own
+    both context modes; `split_gather`: Megatron sequence parallelism at tp > 1; under ZeRO-3, HSDP's
+    replica counts (`replica_options`). The model's own
     checks (tp dividing heads, sequence lengths, ...) run later."""
     out = []
     for tp in divisors(world):
@@ -193,6 +275,18 @@ def enumerate_layouts(world: int, global_batch: int, num_layers: int, precision:
                 eps = [e for e in divisors(dp) if num_experts and num_experts % e == 0] or [1]
                 modes = sequence_options(tp, sp, context, split_gather)
                 for mode, ep, m, zero, ckpt in product(modes, eps, counts, zero_stages, checkpointing):
-                    out.append(Layout(tp=tp, pp=pp, dp=dp, ep=ep, sp=sp, sp_mode=mode, zero=zero, precision=precision,
-                                      microbatches=m, microbatch_size=per_replica // m, checkpointing=ckpt))
+                    base = Layout(tp=tp, pp=pp, dp=dp, ep=ep, sp=sp, sp_mode=mode, zero=zero, precision=precision,
+                                  microbatches=m, microbatch_size=per_replica // m, checkpointing=ckpt)
+                    out += [replace(base, dp_replicate=r) for r in replica_options(base, gpus_per_node)]
     return out
+
+
+def replica_options(layout: Layout, gpus_per_node: int) -> list[int]:
+    """HSDP's replica counts to try for a ZeRO-3 layout: 1 (plain ZeRO-3 over dp x cp) and every divisor
+    of dp whose shard groups sit inside one node when the world spans several (the replicas' all-reduce
+    of one shard is what crosses nodes); [1] for ZeRO-0/1/2 (HSDP is FSDP2's)."""
+    if layout.zero != 3:
+        return [1]
+    multi_node = layout.world > gpus_per_node
+    return [r for r in divisors(layout.dp) if r == 1 or not multi_node
+            or axis_inside_node(replace(layout, dp_replicate=r).dims, "dp", gpus_per_node)]

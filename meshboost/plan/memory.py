@@ -17,10 +17,10 @@ from __future__ import annotations
 from functools import lru_cache
 
 from meshboost.distributed.param_info import EXPERT, grad_reduction
+from meshboost.optim.precision import PRECISION_BYTES as BYTES
 from meshboost.optim.zero_config import DEFAULT_BUCKET_ELEMENTS
 from meshboost.optim.zero_bucket import plan_buckets
 
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ADAM_STATES = 2            # exp_avg, exp_avg_sq (fp32 each); the step counters are scalars
 
 

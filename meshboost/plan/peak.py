@@ -27,12 +27,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshboost.optim.precision import PRECISION_BYTES as BYTES
 from meshboost.optim.zero_config import DEFAULT_BUCKET_ELEMENTS
 
 DEVICES = ("cpu", "cuda")
 RESERVE_MARGIN = {"cpu": 0.0, "cuda": 0.05}       # fraction of the peak the allocator keeps beyond it
 OUTSIDE_BYTES = {"cpu": 0, "cuda": 1 << 30}       # CUDA context + NCCL communicator buffers (per process)
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,8 @@ def step_shape(layout, shards, dp_rank: int) -> StepShape:
 
     numel = sum(s.numel for s in shards)
     if layout.zero == 3:
-        local = [sharded.fsdp_local_numel(s, layout.dp, dp_rank) for s in shards]
+        groups = sharded.fsdp_groups(layout, shards, dp_rank)       # dense over dp (HSDP: dp_shard), experts edp
+        local = [sharded.fsdp_local_numel(s, n, i) for g, n, i in groups for s in g]
         return StepShape(numel, sum(local), max(local, default=0))
     if layout.zero in (1, 2) and layout.grad_replicas > 1:
         buckets = memory.zero_buckets(shards, layout.grad_replicas, dp_rank, layout.ep)

@@ -15,11 +15,7 @@ from dataclasses import dataclass, field
 
 from meshboost.plan import activations, cost, emulate, memory, params, peak, sharded
 from meshboost.plan.checks import check_cluster, check_sequence
-from meshboost.plan.layout import (
-    Layout,
-    enumerate_layouts,
-    plugin_config,
-)
+from meshboost.plan.layout import Layout, enumerate_layouts, plugin_config
 from meshboost.plan.model import build_meta_model, load_config, model_class
 
 GIB = 2 ** 30
@@ -147,7 +143,7 @@ class Planner:
         from meshboost.distributed.dims import check_mesh_shape
 
         plugin_config(layout)                       # the plugin's own validation and messages
-        check_mesh_shape(layout.world, layout.tp, layout.pp, layout.dp, layout.ep, layout.sp)
+        check_mesh_shape(layout.world, layout.tp, layout.pp, layout.dp, layout.ep, layout.sp, layout.dp_replicate)
         self.splits(layout.tp)                      # the sharder's checks (heads divisible by tp, ...)
         if layout.sequence_parallel and layout.tp > 1:     # split_gather: the sharder's and the split's checks
             from meshboost.shardformer.sequence import check_length
@@ -174,18 +170,22 @@ class Planner:
         device, host = self._state(layout, self.shards(layout, pp_rank, tp_rank), dp_rank)
         return {**device, **{k: host[k] for k in ("masters", "optimizer_states") if k in host}}
 
+    def rank_comm(self, layout: Layout, pp_rank: int = 0, tp_rank: int = 0) -> dict:
+        """{axis: [(op, payload bytes)]} of one rank's step, as `dispatched_comm_counter` counts it."""
+        return self._comm(layout, self.shards(layout, pp_rank, tp_rank), self.layer_counts(layout)[pp_rank],
+                          pp_rank == 0, pp_rank == layout.pp - 1, self._activation_model(layout).summed_per_layer)
+
     def _state(self, layout: Layout, shards, dp_rank: int) -> tuple[dict, dict]:
         """(device bytes {weights, gradients, masters, optimizer_states}, host bytes by kind) of one rank."""
         if layout.zero == 3:
-            return sharded.fsdp_state_bytes(shards, layout.precision, layout.dp, dp_rank), {}
+            return sharded.fsdp_rank_state(layout, shards, dp_rank), {}
         state = memory.state_bytes(shards, layout.precision, layout.zero, layout.grad_replicas, dp_rank, layout.pp,
                                    ep_size=layout.ep)
         return sharded.offload_split(state, layout.precision, layout.zero) if layout.cpu_offload else (state, {})
 
     def _buffers(self, layout: Layout, shards, dp_rank: int) -> int:
         if layout.zero == 3:     # FSDP2's gathers and reductions, and its shards' padding rows
-            return (sharded.fsdp_buffer_bytes(shards, layout.precision, layout.dp, self.layer_prefixes)
-                    + sharded.fsdp_padding_bytes(shards, layout.dp, dp_rank))
+            return sharded.fsdp_rank_buffers(layout, shards, dp_rank, self.layer_prefixes)
         return memory.buffer_bytes(shards, layout.precision, layout.zero, layout.grad_replicas, layout.pp)
 
     @property
@@ -295,7 +295,7 @@ class Planner:
     def _zero_buckets(self, layout: Layout, shards) -> int:
         """ZeRO-1/2's buckets (one reduce-scatter and one all-gather each), FSDP2's units (zero=3), 1
         otherwise."""
-        if layout.zero == 3 and layout.dp > 1:
+        if layout.zero == 3 and layout.fsdp_sizes[1] > 1:
             return len(sharded.fsdp_units(shards, self.layer_prefixes))
         if layout.zero not in (1, 2) or layout.grad_replicas == 1:
             return 1
@@ -311,8 +311,6 @@ class Planner:
             padded = sum(-(-n // size) * size for n, size, _, expert in buckets if not expert)
             expert_padded = sum(-(-n // size) * size for n, size, _, expert in buckets if expert)
         tied = sum(s.numel for s in dense if s.tie is not None)
-        fsdp = sharded.fsdp_comm_bytes(shards, layout.precision, layout.dp, self.layer_prefixes) \
-            if layout.zero == 3 else []
         moe = None
         if self.expert_paths:
             moe_layers = len({s.name.rsplit(".", 1)[0] for s in shards} & self.expert_paths)
@@ -323,9 +321,9 @@ class Planner:
         comm = cost.comm_per_step(layout, self.hidden, layers_held, first, last, local, padded, self.seq, tied,
                                   self.vocab_parallel_loss, self.lm_head, moe, sum(s.tp_grad_sum for s in shards),
                                   self.config.model_type in POST_NORM, sequence)
-        for op in ("all_gather", "reduce_scatter"):     # FSDP2's, per op (calls: _zero_buckets)
-            if any(o == op for o, _ in fsdp):
-                comm["dp"].append((op, sum(n for o, n in fsdp if o == op)))
+        fsdp = sharded.fsdp_step_comm(layout, shards, self.layer_prefixes) if layout.zero == 3 else {}
+        for axis, ops in fsdp.items():                  # FSDP2's, per op (calls: _zero_buckets)
+            comm.setdefault(axis, []).extend(ops)
         return comm
 
     # -- search -------------------------------------------------------------------------------------

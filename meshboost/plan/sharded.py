@@ -51,6 +51,21 @@ def fsdp_padded_numel(shard, dp_size: int) -> int:
     return -(-rows // dp_size) * row
 
 
+def fsdp_groups(layout, shards, dp_rank: int) -> list[tuple[list, int, int]]:
+    """[(shards, shard group size, this rank's index in it)] of a rank under zero_stage=3, from the
+    layout's `ParallelDims`: dense weights over their shard axes (dp x cp; HSDP's dp_shard x cp inside a
+    replica group), experts over theirs (the experts' replicas edp x cp). `dp_rank` indexes the dense
+    gradient group (dp x cp, cp inner), as the planner's dp ranks do."""
+    from meshboost.distributed.param_info import EXPERT
+    dims = layout.dims
+    dense_size = layout.fsdp_sizes[1]
+    expert_size = dims.size(*dims.shard_axes(EXPERT)[1])
+    dp, cp = divmod(dp_rank, dims.cp)
+    groups = [([s for s in shards if not s.expert], dense_size, dp_rank % dense_size),
+              ([s for s in shards if s.expert], expert_size, (dp // dims.ep) * dims.cp + cp)]
+    return [g for g in groups if g[0]]
+
+
 def fsdp_state_bytes(shards, precision: str, dp_size: int, dp_rank: int) -> dict:
     """{weights, gradients, masters, optimizer_states} bytes dp rank `dp_rank` holds after backward under
     zero_stage=3, as `memory_breakdown` counts them: the fp32 shards are the model's parameters
@@ -121,6 +136,40 @@ def fsdp_comm_bytes(shards, precision: str, dp_size: int, layer_prefixes=(),
         out.append(("reduce_scatter", REDUCE_BYTES * sizes[i]))
     out.append(("reduce_scatter", REDUCE_BYTES * sizes[0]))        # the root, at the end of backward
     return [(op, n) for op, n in out if n]
+
+
+def hsdp_replica_bytes(shards, dp_shard: int) -> int:
+    """Payload bytes of HSDP's all-reduce over the replicas in one step: each unit's reduced fp32 shard
+    (its padded rows / dp_shard), once (FSDP2's HSDP all-reduces after the reduce-scatter)."""
+    return REDUCE_BYTES * sum(fsdp_padded_numel(s, dp_shard) for s in shards)
+
+
+def fsdp_rank_state(layout, shards, dp_rank: int) -> dict:
+    """`fsdp_state_bytes` of one rank of a ZeRO-3 `layout`, each of its `fsdp_groups` over its own group."""
+    parts = [fsdp_state_bytes(g, layout.precision, n, i) for g, n, i in fsdp_groups(layout, shards, dp_rank)]
+    return {k: sum(p[k] for p in parts) for k in ("weights", "gradients", "masters", "optimizer_states")}
+
+
+def fsdp_rank_buffers(layout, shards, dp_rank: int, layer_prefixes) -> int:
+    """`fsdp_buffer_bytes` (at the dense shard group's size) + each group's `fsdp_padding_bytes`."""
+    return (fsdp_buffer_bytes(shards, layout.precision, layout.fsdp_sizes[1], layer_prefixes)
+            + sum(fsdp_padding_bytes(g, n, i) for g, n, i in fsdp_groups(layout, shards, dp_rank)))
+
+
+def fsdp_step_comm(layout, shards, layer_prefixes) -> dict[str, list[tuple[str, int]]]:
+    """{axis: [(op, payload bytes)]} of FSDP2 in one step of a ZeRO-3 `layout`, per op: each group's
+    all-gathers and reduce-scatters over its shard axis (dense: dp, experts: edp), a pipeline stage's
+    gathered once per step (the plugin's reshard_after_forward default is False under pp), and HSDP's
+    all-reduce of the reduced dense shards over dp_replicate."""
+    out: dict[str, list[tuple[str, int]]] = {}
+    for group, size, _ in fsdp_groups(layout, shards, 0):
+        ops = fsdp_comm_bytes(group, layout.precision, size, layer_prefixes, reshard_after_forward=layout.pp == 1)
+        totals = [(op, sum(n for o, n in ops if o == op)) for op in ("all_gather", "reduce_scatter")]
+        out.setdefault("edp" if group[0].expert else "dp", []).extend((op, n) for op, n in totals if n)
+    replicas, shard = layout.fsdp_sizes
+    if replicas > 1:
+        out["dp_replicate"] = [("all_reduce", hsdp_replica_bytes([s for s in shards if not s.expert], shard))]
+    return out
 
 
 def offload_split(state: dict, precision: str, zero_stage: int) -> tuple[dict, dict]:

@@ -287,3 +287,121 @@ def test_step_time_terms():
     base = step_seconds(Layout(tp=2), 10**6, 2, 64, 16, comm, 8, c)
     assert step_seconds(Layout(tp=2), 10**6, 2, 64, 16, comm, 8, slow) - base == pytest.approx(
         10 * (1.0 - c.all_reduce_latency_s))
+
+
+# the runtime's name for each planner axis's group (ParallelMesh.group), per layout
+RUNTIME_AXES = {"tp": ("tp",), "pp": ("pp",), "sp": ("cp",), "ep": ("ep",)}
+
+
+def _runtime_groups(layout, monkeypatch=None) -> dict:
+    """{planner axis: {rank: sorted ranks of its group}} from the runtime's ParallelMesh, built on every rank
+    of the world in turn over torch's fake process group (no processes, no collectives)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meshboost.distributed.mesh import ParallelMesh
+    from meshboost.distributed.param_info import DENSE, EXPERT
+    from meshboost.plan.layout import planner_axes
+    out: dict = {}
+    for rank in range(layout.world):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world)
+        try:
+            mesh = ParallelMesh(tp_size=layout.tp, pp_size=layout.pp, ep_size=layout.ep, cp_size=layout.sp,
+                                dp_replicate_size=layout.dp_replicate, device_type="cpu")
+            dims = mesh.dims
+            named = {**RUNTIME_AXES, "edp": dims.grad_axes(EXPERT), "dp": dims.shard_axes(DENSE)[1],
+                     "dp_replicate": dims.shard_axes(DENSE)[0]}
+            for axis, axes in named.items():
+                assert dims.size(*axes) == dims.size(*planner_axes(layout.dims, axis)), axis
+                axes = tuple(a for a in axes if dims.size(a) > 1)        # a one-rank axis is this rank alone
+                ranks = dist.get_process_group_ranks(mesh.group(*axes)) if axes else [rank]
+                out.setdefault(axis, {})[rank] = tuple(sorted(ranks))
+        finally:
+            dist.destroy_process_group()
+    return out
+
+
+LAYOUTS_OF_GROUPS = ("tp=2,pp=2,dp=2", "pp=2,dp=4,ep=2", "tp=2,dp=2,sp=2", "tp=2,dp=4,dp_replicate=2,zero=3",
+                     "dp=4,sp=2,dp_replicate=2,zero=3")
+
+
+def test_planner_groups_are_the_runtime_meshs(monkeypatch):
+    """The planner's groups of every axis (axis_groups, which its inside-a-node test and its group sizes
+    read) hold the same ranks as the runtime ParallelMesh's groups for the same layout, in the mesh's
+    order and with the order reversed (ParallelDims.mesh_axes patched): the planner follows the runtime's
+    record instead of restating its axis order."""
+    from meshboost.distributed.dims import ParallelDims
+    from meshboost.plan.layout import axis_groups, axis_inside_node, parse_layout
+
+    original = ParallelDims.mesh_axes
+    for order in ("runtime", "reversed"):
+        if order == "reversed":
+            monkeypatch.setattr(ParallelDims, "mesh_axes", property(lambda self: tuple(reversed(original.fget(self)))))
+            axis_inside_node.cache_clear()
+        for text in LAYOUTS_OF_GROUPS:
+            layout = parse_layout(text)
+            runtime = _runtime_groups(layout)
+            for axis, by_rank in runtime.items():
+                planned = axis_groups(layout.dims, axis)
+                assert sorted(set(by_rank.values())) == sorted(planned), (order, text, axis)
+    monkeypatch.undo()
+    axis_inside_node.cache_clear()
+    # tp innermost in the runtime's order: tp=2 inside a node of 2, dp (outermost) across nodes
+    layout = parse_layout("tp=2,dp=4")
+    assert axis_inside_node(layout.dims, "tp", 2) and not axis_inside_node(layout.dims, "dp", 2)
+
+
+def _tiny_planner(gpus: int, nodes: int = 1, model: str = "llama", **extra):
+    from meshboost.plan import Planner
+    config = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 4, "vocab_size": 128, "max_position_embeddings": 64, **extra}
+    return Planner(model, config, gpus=gpus, nodes=nodes, seq=16, global_batch=gpus, precision="fp32", device="cpu")
+
+
+def test_hsdp_memory_traffic_and_node_preference():
+    """HSDP in the planner: per rank 1/dp_shard of the training state (ZeRO-3 over every dp rank: 1/dp),
+    all-gathers and reduce-scatters over the shard group and one all-reduce of the reduced shard over the
+    replicas; on two nodes every HSDP candidate keeps its shard groups inside a node, and HSDP with the
+    replicas across the nodes is predicted faster than ZeRO-3 over both nodes. (The same figures equal the
+    measurement on CPU: tests/benchmarks/test_zero3_memory_bench.py.)"""
+    from meshboost.plan.layout import axis_inside_node, parse_layout
+    planner = _tiny_planner(16, nodes=2)
+    flat = planner.rank_state(parse_layout("dp=16,zero=3,fp32,mb=1x1"))
+    hsdp_layout = parse_layout("dp=16,dp_replicate=2,zero=3,fp32,mb=1x1")
+    planner.check(hsdp_layout)
+    hsdp = planner.rank_state(hsdp_layout)
+    for key in ("weights", "gradients", "optimizer_states"):
+        assert 0 < flat[key] < hsdp[key] <= 2 * flat[key] + 4 * 64 * 16, key       # 1/8 against 1/16 (+ padding)
+    comm = planner.rank_comm(hsdp_layout)
+    gathered = sum(n for op, n in comm["dp"] if op == "all_gather")
+    scattered = sum(n for op, n in comm["dp"] if op == "reduce_scatter")
+    assert gathered > scattered > 0 and comm["dp_replicate"] == [("all_reduce", scattered // 8)]
+    candidates = planner.candidates(zero_stages=(3,), checkpointing=(False,))
+    replicated = [lay for lay in candidates if lay.dp_replicate > 1]
+    assert replicated and all(axis_inside_node(lay.dims, "dp", 8) for lay in replicated)
+    assert {lay.dp_replicate for lay in replicated if lay.tp == lay.pp == 1} == {2, 4, 8, 16}   # dp_shard <= 8
+    flat_seconds = planner.explain(parse_layout("dp=16,zero=3,fp32,mb=1x1")).step_seconds
+    assert planner.explain(hsdp_layout).step_seconds < flat_seconds
+
+
+def test_zero3_with_pipeline_and_experts():
+    """ZeRO-3 with pp: each stage's weights sharded over dp and gathered once per step (the plugin's
+    reshard_after_forward default under pp), so a stage all-gathers what it reduce-scatters; with ep: the
+    experts sharded over their replicas edp = dp / ep and moved over edp, dense weights over dp."""
+    from meshboost.plan.layout import parse_layout
+    planner = _tiny_planner(4)
+    staged = parse_layout("pp=2,dp=2,zero=3,fp32,mb=2x1")
+    planner.check(staged)
+    comm = planner.rank_comm(staged, pp_rank=1)
+    ops = {op: sum(n for o, n in comm["dp"] if o == op) for op in ("all_gather", "reduce_scatter")}
+    assert ops["all_gather"] == ops["reduce_scatter"] > 0          # fp32: the same bytes, one gather each
+    moe = _tiny_planner(4, num_local_experts=4, num_experts_per_tok=2, model="mixtral")
+    whole, split = (parse_layout(f"dp=4,ep={ep},zero=3,fp32,mb=1x1") for ep in (1, 2))
+    moe.check(split)
+    experts = sum(s.numel for s in moe.shards(split, 0, 0) if s.expert)
+    dense = sum(s.numel for s in moe.shards(split, 0, 0) if not s.expert)
+    state = moe.rank_state(split)
+    assert experts and state["weights"] == 4 * (dense // 4 + experts // 2)    # dims divisible: no padding
+    assert {op for op, _ in moe.rank_comm(split)["edp"]} == {"all_gather", "reduce_scatter"}
+    # ep=2 holds half the experts, sharded over edp=2: the same quarter of them as ZeRO-3 over dp=4 at ep=1
+    assert moe.rank_state(whole)["weights"] == state["weights"]
