@@ -10,8 +10,11 @@ measuring a per-rank config (heads, key/value heads, intermediate size and vocab
 head_dim kept) where the family's config allows it, else a documented approximation; under sequence
 parallelism (split_gather) and context parallelism, the same forward with meshboost's own sequence
 splits emulated shape for shape (emulate.py). The same fake run goes on through backward under
-torch's MemTracker (`live_peak`): the bytes alive after the forward and the peak over forward and
-backward, which the peak model (peak.py) uses. Must not touch the caller's model.
+torch's MemTracker (`live_peak`): the bytes alive after the forward and after each op of forward and
+backward (their maximum: the peak), which the peak model (peak.py) uses; for a pipeline stage that is
+not the last, the base model alone with its output's gradient seeding the backward. Every instant's
+bytes are affine in the micro-batch size, so each size's figures come from runs at 2 and 3 sequences
+(`_extrapolated`): one set of fake runs per config, not per size. Must not touch the caller's model.
 """
 
 from __future__ import annotations
