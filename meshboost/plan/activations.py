@@ -156,6 +156,20 @@ def live_peak(model, inputs: dict, hooks, body: bool = False) -> tuple[int, tupl
 
         totals: list = []
 
+        # no per-module statistics (only the live bytes are read): MemTracker's module hooks cost half
+        # of a fake run and change no figure (benchmarks/plan_peak.py's StepTracker does the same)
+        def _pre_fw_hook(self, module, inputs):
+            pass
+
+        def _post_fw_hook(self, module, inputs, outputs):
+            pass
+
+        def _pre_bw_hook(self, module, args):
+            pass
+
+        def _post_bw_hook(self, module, args):
+            pass
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = super().__torch_dispatch__(func, types, args, kwargs)
             self.totals.append(sum(snap.get(k, 0) for snap in self._curr_mem_snap.values() for k in kinds))
