@@ -23,6 +23,7 @@ import contextlib
 import copy
 import inspect
 import json
+from array import array
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
@@ -135,7 +136,7 @@ def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpoi
     return (sum(saved.values()), sum(sequence.summed.values()) if sequence is not None else 0, *live)
 
 
-def live_peak(model, inputs: dict, hooks, body: bool = False) -> tuple[int, tuple[int, ...]]:
+def live_peak(model, inputs: dict, hooks, body: bool = False) -> tuple[int, array]:
     """(bytes alive once the forward has returned its loss, the bytes alive after each op of that
     forward and the backward: its maximum is the peak), the parameters and their gradients left out,
     on `model`'s fake tensors, as torch's `MemTracker` counts them (each storage once, whatever views autograd saved of it). The outputs
@@ -189,7 +190,8 @@ def live_peak(model, inputs: dict, hooks, body: bool = False) -> tuple[int, tupl
     finally:
         for handle in drops:
             handle.remove()
-    return sum(snap.get(k, 0) for snap in after.values() for k in kinds), tuple(tracker.totals)
+    # the timeline as 8-byte integers: the planner caches one per fake run (hundreds, ~2000 ops each)
+    return sum(snap.get(k, 0) for snap in after.values() for k in kinds), array("q", tracker.totals)
 
 
 def _drop_grad(p) -> None:
@@ -294,7 +296,7 @@ def _measured(cls, config_json: str, model_type: str, batch: int, seq: int, prec
                                    vocab_tp, True)[3:]
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=1024)
 def _measured_batch(cls, config_json: str, model_type: str, batch: int, seq: int, precision: str,
                     checkpointing: bool, split: SequenceSplit | None = None, vocab_tp: int = 1,
                     body: bool = False) -> tuple[int, ...]:
@@ -326,7 +328,7 @@ def _extrapolated(cls, config_json: str, model_type: str, layers: int, batch: in
     return (*(a + k * (b - a) for a, b in zip(one[:3], two[:3])), timeline)
 
 
-@lru_cache(maxsize=512)
+@lru_cache(maxsize=1024)
 def _run(cls, config_json: str, model_type: str, layers: int, batch: int, seq: int, precision: str,
          checkpointing: bool, split, vocab_tp: int, body: bool) -> tuple:
     from transformers import AutoConfig
