@@ -93,7 +93,11 @@ def _peak_worker(rank: int, world: int, spec_fields: dict, fields: dict, outdir:
         torch.cuda.synchronize()
         out.update(peak=torch.cuda.max_memory_allocated(), reserved=torch.cuda.max_memory_reserved())
     else:
-        out["peak"] = sum(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
+        peak = tracker.get_tracker_snapshot("peak")
+        out["peak"] = sum(snap["Total"] for snap in peak.values())
+        # what was alive at the peak instant, by MemTracker's categories (param, grad, act, temp, ...)
+        out["categories"] = {str(k): sum(snap.get(k, 0) for snap in peak.values())
+                             for k in {k for snap in peak.values() for k in snap if k != "Total"}}
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
 

@@ -10,8 +10,11 @@ measuring a per-rank config (heads, key/value heads, intermediate size and vocab
 head_dim kept) where the family's config allows it, else a documented approximation; under sequence
 parallelism (split_gather) and context parallelism, the same forward with meshboost's own sequence
 splits emulated shape for shape (emulate.py). The same fake run goes on through backward under
-torch's MemTracker (`live_peak`): the bytes alive after the forward and the peak over forward and
-backward, which the peak model (peak.py) uses. Must not touch the caller's model.
+torch's MemTracker (`live_peak`): the bytes alive after the forward and after each op of forward and
+backward (their maximum: the peak), which the peak model (peak.py) uses; for a pipeline stage that is
+not the last, the base model alone with its output's gradient seeding the backward. Every instant's
+bytes are affine in the micro-batch size, so each size's figures come from runs at 2 and 3 sequences
+(`_extrapolated`): one set of fake runs per config, not per size. Must not touch the caller's model.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import contextlib
 import copy
 import inspect
 import json
+from array import array
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
@@ -48,6 +52,13 @@ class ActivationModel:
     live_ends: int = 0
     peak_per_layer: int = 0
     peak_ends: int = 0
+    # the same for a pipeline stage that is not the last (`body`, measured only for pp > 1): its layers
+    # without head and loss, the output kept and its gradient seeding the backward; the ends hold the
+    # embedding's, the output and its gradient and, at the peak, one layer's backward temporaries
+    body_live_per_layer: int = 0
+    body_live_ends: int = 0
+    body_peak_per_layer: int = 0
+    body_peak_ends: int = 0
 
 
 @dataclass(frozen=True)
@@ -72,10 +83,12 @@ def count_layers(config) -> int:
 
 
 def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpointing: bool,
-                 split: SequenceSplit | None = None, vocab_tp: int = 1) -> tuple[int, ...]:
+                 split: SequenceSplit | None = None, vocab_tp: int = 1, body: bool = False) -> tuple[int, ...]:
     """(distinct bytes autograd saves in one training forward of `cls(config)` on fake tensors, the
     parameters (and views of them: a linear saves its weight) left out: they are the weights;
-    split_gather's replicated elements fed the chunk) for one rank of `split`'s sequence split."""
+    split_gather's replicated elements fed the chunk; `live_peak`'s two figures) for one rank of
+    `split`'s sequence split. `body`: the base model alone (no head, no loss), its backward fed a
+    gradient of its output, as a pipeline stage that is not the last runs it."""
     from meshboost.plan import emulate
     from meshboost.shardformer import uses_causal_lm_loss
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -116,35 +129,70 @@ def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpoi
         loss = contextlib.nullcontext()
         if vocab_tp > 1 and uses_causal_lm_loss(model):   # the sharder's vocab-parallel loss, shape-only exchanges
             loss = emulate.install_vocab_parallel_loss(model, vocab_tp)
+        if body:
+            inputs.pop("labels", None)
         with loss:
-            live = live_peak(model, inputs, lambda: torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+            live = live_peak(model.base_model if body else model, inputs,
+                             lambda: torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), body)
     return (sum(saved.values()), sum(sequence.summed.values()) if sequence is not None else 0, *live)
 
 
-def live_peak(model, inputs: dict, hooks) -> tuple[int, int]:
-    """(bytes alive once the forward has returned its loss, the peak alive over that forward and the
-    backward), the parameters and their gradients left out, on `model`'s fake tensors, as torch's
-    `MemTracker` counts them (each storage once, whatever views autograd saved of it). The outputs
+def live_peak(model, inputs: dict, hooks, body: bool = False) -> tuple[int, array]:
+    """(bytes alive once the forward has returned its loss, the bytes alive after each op of that
+    forward and the backward: its maximum is the peak), the parameters and their gradients left out,
+    on `model`'s fake tensors, as torch's `MemTracker` counts them (each storage once, whatever views autograd saved of it). The outputs
     but the loss are dropped, as a training step drops them (the logits are not saved: the loss's
     softmax is); each gradient is dropped once accumulated (they are counted as `gradients`, held or
-    reduced as the layout does), so the peak is what activations and the kernels' temporaries add."""
+    reduced as the layout does), so the peak is what activations and the kernels' temporaries add.
+    `body`: `model` is a stage that sends its output on: the output is kept until the next stage's
+    gradient of it arrives (the schedule's `saved`), and that gradient seeds the backward."""
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
     kinds = (_MemRefType.ACT, _MemRefType.TEMP)
     drops = [p.register_post_accumulate_grad_hook(_drop_grad) for p in model.parameters() if p.requires_grad]
-    tracker = MemTracker()
+
+    class Timeline(MemTracker):
+        """MemTracker, noting its live activation and temporary bytes after each op (an allocation is
+        where a peak happens): one op sequence at two batch sizes gives every instant's bytes as an
+        affine function of the batch (`_extrapolated`)."""
+
+        totals: list = []
+
+        # no per-module statistics (only the live bytes are read): MemTracker's module hooks cost half
+        # of a fake run and change no figure (benchmarks/plan_peak.py's StepTracker does the same)
+        def _pre_fw_hook(self, module, inputs):
+            pass
+
+        def _post_fw_hook(self, module, inputs, outputs):
+            pass
+
+        def _pre_bw_hook(self, module, args):
+            pass
+
+        def _post_bw_hook(self, module, args):
+            pass
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            self.totals.append(sum(snap.get(k, 0) for snap in self._curr_mem_snap.values() for k in kinds))
+            return out
+
+    tracker = Timeline()
+    tracker.totals = []
     tracker.track_external(model)
     try:
         with tracker:
             with hooks():
-                loss = _loss_of(model(**inputs))
+                outputs = model(**inputs)
+                root = outputs[0] if body else _loss_of(outputs)
+            del outputs
             after = tracker.get_tracker_snapshot("current")
-            loss.backward()
-        peak = tracker.get_tracker_snapshot("peak")
+            root.backward(torch.empty_like(root) if body else None)
     finally:
         for handle in drops:
             handle.remove()
-    return tuple(sum(sum(snap.get(k, 0) for k in kinds) for snap in s.values()) for s in (after, peak))
+    # the timeline as 8-byte integers: the planner caches one per fake run (hundreds, ~2000 ops each)
+    return sum(snap.get(k, 0) for snap in after.values() for k in kinds), array("q", tracker.totals)
 
 
 def _drop_grad(p) -> None:
@@ -237,26 +285,57 @@ def tp_rank_config(config, tp_size: int, padded_vocab: int | None):
 
 
 def _measured(cls, config_json: str, model_type: str, batch: int, seq: int, precision: str,
-              checkpointing: bool, split: SequenceSplit | None = None, vocab_tp: int = 1) -> tuple[int, ...]:
+              checkpointing: bool, split: SequenceSplit | None = None, vocab_tp: int = 1,
+              body: bool = False) -> tuple[int, ...]:
     """(per layer, ends, summed per layer, live per layer, live ends, peak per layer, peak ends) for one
-    micro-batch of `batch` sequences, run at that size: the saved bytes are affine in the batch, but
-    the peak is not (at one sequence the embedding's weight gradient can outweigh the loss's softmax
-    gradient, at twelve the other way round), so no size is extrapolated from another."""
-    return _measured_batch(cls, config_json, model_type, batch, seq, precision, checkpointing, split, vocab_tp)
+    micro-batch of `batch` sequences. `body`: four more, (live per layer, live ends, peak per layer,
+    peak ends) of a non-last pipeline stage."""
+    whole = _measured_batch(cls, config_json, model_type, batch, seq, precision, checkpointing, split, vocab_tp)
+    if not body:
+        return whole
+    return whole + _measured_batch(cls, config_json, model_type, batch, seq, precision, checkpointing, split,
+                                   vocab_tp, True)[3:]
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=1024)
 def _measured_batch(cls, config_json: str, model_type: str, batch: int, seq: int, precision: str,
-                    checkpointing: bool, split: SequenceSplit | None = None, vocab_tp: int = 1) -> tuple[int, ...]:
+                    checkpointing: bool, split: SequenceSplit | None = None, vocab_tp: int = 1,
+                    body: bool = False) -> tuple[int, ...]:
     """`_measured` of one batch size, from a 1-layer and a 2-layer copy of the config."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.for_model(model_type, **json.loads(config_json))
-    one = _saved_bytes(cls, _with_layers(config, 1), batch, seq, DTYPES[precision], checkpointing, split, vocab_tp)
-    two = _saved_bytes(cls, _with_layers(config, 2), batch, seq, DTYPES[precision], checkpointing, split, vocab_tp)
+    one, two = (_extrapolated(cls, config_json, model_type, n, batch, seq, precision, checkpointing, split,
+                              vocab_tp, body) for n in (1, 2))
     per_layer = tuple(b - a for a, b in zip(one, two))       # (saved, summed, live, peak) per layer
     ends = tuple(2 * a - b for a, b in zip(one, two))
     return per_layer[0], ends[0], per_layer[1], per_layer[2], ends[2], per_layer[3], ends[3]
+
+
+def _extrapolated(cls, config_json: str, model_type: str, layers: int, batch: int, *rest) -> tuple[int, ...]:
+    """`_saved_bytes` (saved, summed, live after the forward, peak) of a `layers`-layer copy at `batch`
+    sequences, from the runs at 2 and 3: every tensor has the batch dimension or none, so the saved
+    and live bytes at each instant (after each op, the same ops at every batch size) are affine in the
+    batch; the peak is the largest of those instants at `batch` (not an extrapolated peak: at one
+    sequence the embedding's weight gradient can outweigh the loss's softmax gradient, at twelve the
+    other way round). A model whose op sequence changes with the batch (a single sequence takes other
+    paths: a few ops fewer) is run at `batch` itself."""
+    if batch <= 3:
+        saved, summed, after, timeline = _run(cls, config_json, model_type, layers, batch, *rest)
+        return saved, summed, after, max(timeline, default=0)
+    one, two = (_run(cls, config_json, model_type, layers, b, *rest) for b in (2, 3))
+    if len(one[3]) != len(two[3]):
+        saved, summed, after, timeline = _run(cls, config_json, model_type, layers, batch, *rest)
+        return saved, summed, after, max(timeline, default=0)
+    k = batch - 2
+    timeline = max(a + k * (b - a) for a, b in zip(one[3], two[3]))
+    return (*(a + k * (b - a) for a, b in zip(one[:3], two[:3])), timeline)
+
+
+@lru_cache(maxsize=1024)
+def _run(cls, config_json: str, model_type: str, layers: int, batch: int, seq: int, precision: str,
+         checkpointing: bool, split, vocab_tp: int, body: bool) -> tuple:
+    from transformers import AutoConfig
+
+    config = _with_layers(AutoConfig.for_model(model_type, **json.loads(config_json)), layers)
+    return _saved_bytes(cls, config, batch, seq, DTYPES[precision], checkpointing, split, vocab_tp, body)
 
 
 def _key(config) -> tuple[str, str]:
@@ -268,21 +347,23 @@ def _key(config) -> tuple[str, str]:
 
 def activation_model(cls, config, batch: int, seq: int, precision: str, tp_size: int = 1,
                      padded_vocab: int | None = None, checkpointing: bool = False,
-                     split: SequenceSplit | None = None) -> ActivationModel:
+                     split: SequenceSplit | None = None, body: bool = False) -> ActivationModel:
     """Per-layer and end bytes saved for backward by one micro-batch of `batch` x `seq` on one tp rank
-    (of one sp rank, under context parallelism: `split`)."""
+    (of one sp rank, under context parallelism: `split`); `body`: with a non-last pipeline stage's live
+    and peak bytes too."""
     rank_config = tp_rank_config(config, tp_size, padded_vocab)
     if rank_config is not None:
         vocab_tp = tp_size if padded_vocab is not None else 1     # the head's logits stay split over tp
         per_layer, ends, summed, *live = _measured(cls, *_key(rank_config), batch, seq, precision, checkpointing,
-                                                   split, vocab_tp)
+                                                   split, vocab_tp, body)
         return ActivationModel(per_layer, ends, True, summed, *live)
     # No per-rank config: assume the hidden-sized tensors stay whole on every rank (per layer its 2 norm
     # inputs and the residual path, about 4 x batch x seq x hidden, or all a checkpointed layer keeps,
     # its input; at the ends the final norm's and the head's inputs) and the rest divides by tp. Under
     # split_gather, what the emulated split saves less on the whole model is taken off that.
     context = split if split is not None and split.mode != SPLIT_GATHER else None
-    per_layer, ends, _, *live = _measured(cls, *_key(config), batch, seq, precision, checkpointing, context)
+    per_layer, ends, _, *live = _measured(cls, *_key(config), batch, seq, precision, checkpointing, context,
+                                          body=body)
     tokens = seq // context.size if context is not None else seq
     hidden = batch * tokens * config.hidden_size * DTYPES[precision].itemsize
     whole, whole_ends = min(4 * hidden, per_layer), min(2 * hidden, ends)
@@ -295,7 +376,7 @@ def activation_model(cls, config, batch: int, seq: int, precision: str, tp_size:
         per_layer_tp -= per_layer - split_layer
         ends_tp -= ends - split_ends
     # the live and peak bytes scaled as the saved ones are (the same approximation)
-    scale = [per_layer_tp / max(per_layer, 1), ends_tp / max(ends, 1)] * 2
+    scale = [per_layer_tp / max(per_layer, 1), ends_tp / max(ends, 1)] * (4 if body else 2)
     live = [int(n * f) for n, f in zip(live, scale)]
     return ActivationModel(per_layer_tp, ends_tp, False, summed, *live)
 

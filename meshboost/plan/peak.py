@@ -130,18 +130,43 @@ def step_shape(layout, shards, dp_rank: int) -> StepShape:
 def stage_activations(planner, layout, pp_rank: int) -> StageActivations:
     """The StageActivations of pipeline rank `pp_rank`: the planner's saved bytes in flight, turned
     into live bytes by the measured ratio (each storage once), and one micro-batch's peak."""
-    model = planner._activation_model(layout)
-    layers = planner.layer_counts(layout)[pp_rank]
     last = pp_rank == layout.pp - 1
+    if layout.num_model_chunks > 1:
+        return _interleaved_activations(planner, layout, pp_rank)
+    model = planner._activation_model(layout, body=not last)
+    layers = planner.layer_counts(layout)[pp_rank]
     one_saved = layers * model.per_layer + (model.ends if last else 0)
-    one_live = layers * model.live_per_layer + (model.live_ends if last else 0)
-    one_peak = layers * model.peak_per_layer + (model.peak_ends if last else 0)
+    if last:
+        one_live = layers * model.live_per_layer + model.live_ends
+        one_peak = layers * model.peak_per_layer + model.peak_ends
+    else:       # its output kept for the next stage's gradient, one of its layers' backward at the peak
+        one_live = layers * model.body_live_per_layer + model.body_live_ends
+        one_peak = layers * model.body_peak_per_layer + model.body_peak_ends
     in_flight = round(planner.stage_activations(layout, pp_rank) / max(one_saved, 1))
     later = None
     if layout.pp > 1 and layout.microbatches > 1:     # 1F1B: one more forward before the next backward, if any remain
         later = (in_flight if layout.microbatches > in_flight else in_flight - 1) - 1
     return StageActivations((in_flight - 1) * one_live, None if later is None else later * one_live,
                             max(one_peak, one_live))
+
+
+def _interleaved_activations(planner, layout, pp_rank: int) -> StageActivations:
+    """The interleaved schedule's: `units` chunk-micro-batches in flight at the first backward (the
+    planner's count: W + 1, W = 2 (pp - rank - 1) + (V - 1) pp warm-up forwards), each a chunk of
+    layers / V layers run as a non-last stage (its output kept), but on the last rank one of them may
+    be the last chunk's, with the head and the loss (the larger live bytes and peak then)."""
+    chunks, last = layout.num_model_chunks, pp_rank == layout.pp - 1
+    model = planner._activation_model(layout, body=True)
+    chunk_layers = planner.layer_counts(layout)[pp_rank] // chunks
+    units = min(2 * (layout.pp - pp_rank - 1) + (chunks - 1) * layout.pp + 1, layout.microbatches * chunks)
+    unit_live = chunk_layers * model.body_live_per_layer + model.body_live_ends
+    unit_peak = chunk_layers * model.body_peak_per_layer + model.body_peak_ends
+    extra = 0
+    if last:                # the head's chunk: live_ends and peak_ends (with the loss) in place of the body's
+        extra = max(0, chunk_layers * model.live_per_layer + model.live_ends - unit_live)
+        unit_peak = max(unit_peak, chunk_layers * model.peak_per_layer + model.peak_ends)
+    later = max(units - 2, 0) * unit_live + extra if layout.microbatches * chunks > 1 else None
+    return StageActivations((units - 1) * unit_live + extra, later, max(unit_peak, unit_live))
 
 
 def rank_peak(planner, layout, pp_rank: int, shards, dp_rank: int, mem: dict) -> dict:

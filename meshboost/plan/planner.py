@@ -263,7 +263,7 @@ class Planner:
         return Estimate(layout, worst["memory_bytes"], stages, comm, seconds,
                         peak.needed_bytes(worst["memory_bytes"]) <= self.memory_bytes, notes)
 
-    def _activation_model(self, layout: Layout) -> activations.ActivationModel:
+    def _activation_model(self, layout: Layout, body: bool = False) -> activations.ActivationModel:
         vocab = getattr(self.config, "vocab_size", None)
         padded = None
         if isinstance(vocab, int) and layout.tp > 1:
@@ -271,7 +271,7 @@ class Planner:
             padded = -(-vocab // multiple) * multiple
         return activations.activation_model(self.cls, self.config, layout.microbatch_size, self.seq,
                                             layout.precision, layout.tp, padded, layout.checkpointing,
-                                            self._sequence_split(layout))
+                                            self._sequence_split(layout), body)
 
     def _sequence_split(self, layout: Layout) -> activations.SequenceSplit | None:
         if layout.sp > 1:
