@@ -9,6 +9,7 @@ from typing import Callable, Iterator
 
 import torch.nn as nn
 
+from meshboost.shardformer.mixers import split_mixers
 from meshboost.shardformer.policies.base import Policy
 from meshboost.shardformer.policies.deepseek import deepseek_policy, uses_deepseek_attention
 from meshboost.shardformer.policies.gpt_oss import gpt_oss_policy
@@ -57,7 +58,14 @@ def _model_type(model: nn.Module):
 
 
 def get_policy(model: nn.Module) -> Policy:
-    """The policy for `model`, or a ValueError naming the supported families and the way out."""
+    """The policy for `model`, or a ValueError naming the supported families and the way out; its recurrent
+    mixers (Gated DeltaNet, Mamba2) split by heads where `mixers.py` knows their shape."""
+    from meshboost.shardformer.sharder import plan_root      # the sharder imports this registry
+
+    return split_mixers(model, plan_root(model), _family_policy(model))
+
+
+def _family_policy(model: nn.Module) -> Policy:
     model_type = _model_type(model)
     if model_type in POLICIES:
         return POLICIES[model_type]
