@@ -55,8 +55,9 @@ def table(result: dict) -> str:
              f"Of the {sum(ep.values())} that run with packed MoE experts, at ep=2: "
              + ", ".join(f"{ep[s]} {s}" for s in ("ok", "refused", "FAIL")) + ". "
              f"{sum(v['status'] == 'ok' and bool(v['detail']) for v in result['verdicts'])} of the tp=2 ok types run "
-             "their recurrent mixers (Gated DeltaNet, Mamba) whole on every rank: ok (replicated: ...).", "",
-             "| model type | class | tp=2 | detail | ep=2 |", "|---|---|---|---|---|"]
+             "their recurrent mixers (Gated DeltaNet, Mamba) whole on every rank: ok (replicated: ...). **held**: the "
+             "fraction of the model's parameters one rank holds at tp=2.", "",
+             "| model type | class | tp=2 | held | detail | ep=2 |", "|---|---|---|---|---|---|"]
     for v in result["verdicts"]:
         detail = v["detail"].replace("|", "/")
         ep_cell = "" if v["ep_status"] in ("no experts", "not run") else v["ep_status"]
@@ -64,8 +65,9 @@ def table(result: dict) -> str:
             ep_cell += ": " + v["ep_detail"].replace("|", "/")
         # an exact run whose mixers stay whole reads "ok (replicated: ...)", the mixers named in the status itself
         status = f"ok ({detail})" if v["status"] == "ok" and detail else v["status"]
-        lines.append(f"| {v['model_type']} | {v['cls']} | {status} | {'' if status != v['status'] else detail} | "
-                     f"{ep_cell} |")
+        held = f"{v['held']:.2f}" if v.get("held") is not None else ""
+        lines.append(f"| {v['model_type']} | {v['cls']} | {status} | {held} | {'' if status != v['status'] else detail} "
+                     f"| {ep_cell} |")
     return "\n".join(lines)
 
 
@@ -145,10 +147,12 @@ per-layer lists kept consistent) with the inputs it needs (images, patch grids, 
 at tp=2 on 2 processes and compared with the unsharded model on a padded batch. **ok**: loss and eval outputs within 1e-5 and every gathered gradient within the fp32
 tolerance. **refused**: a clear error, before anything changed (or at the first call, see above).
 **not run**: the model itself cannot be built or run unsharded (its reason is given): nothing was
-compared, nothing is claimed. **ok (replicated: ...)**: exact as ok, but the named recurrent mixers
-(Gated DeltaNet, Mamba: modules holding `A_log`, `shardformer/recurrent.py`) keep their per-head decay
-whole, so their recurrence, convolution and activations run whole on every rank; context parallelism
-refuses these models. **FAIL**: a number differs; such a type is listed with what differs in
+compared, nothing is claimed. Recurrent mixers (Gated DeltaNet, Mamba: modules holding `A_log`,
+`shardformer/recurrent.py`) of the two shapes `shardformer/mixers.py` knows (Qwen3-Next's fused
+`in_proj_qkvz`/`in_proj_ba` Gated DeltaNet; the Mamba2 mixer of Bamba, Nemotron-H, GraniteMoeHybrid) are
+split by heads, their recurrence run on each rank's heads: a plain **ok**. **ok (replicated: ...)**: exact as
+ok, but the named mixers keep their per-head decay whole, so their recurrence, convolution and activations
+run whole on every rank. Context parallelism refuses every model with recurrent mixers. **FAIL**: a number differs; such a type is listed with what differs in
 the test (`KNOWN_FAIL`), a defect to fix.
 The **ep=2** column (types with packed MoE experts; empty for the others and the ones not run):
 the same tiny model with its experts split over the 2 ranks by expert parallelism instead of tensor

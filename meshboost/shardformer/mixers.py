@@ -4,7 +4,7 @@ Nemotron-H, GraniteMoeHybrid, ...).
 
 Owns: recognising these two mixer shapes structurally (the parameters a module holds and the attributes its
 forward reads; a mixer with anything more, such as Falcon-H1's muP multipliers, is left whole: the sweep says
-"replicated"), the two block styles that shard one (`gated_deltanet`, `mamba2_mixer`) and `split_mixers`, which
+"replicated"), the two block styles that shard one (`gated_deltanet`, `mamba2_mixer`); `policies.split_mixers`
 puts them in a policy's plan in place of transformers' `colwise_gather_output` entries (weights split, outputs
 gathered back, so the recurrence ran whole on every rank).
 
@@ -21,8 +21,6 @@ at the first call. Checks are pure and raise on every rank before anything is mo
 
 from __future__ import annotations
 
-import dataclasses
-import re
 from functools import partial
 
 import torch.nn as nn
@@ -53,20 +51,6 @@ def mixer_kind(module: nn.Module) -> str | None:
                 and not any(True for _ in module.buffers()) and isinstance(getattr(module, "conv1d"), nn.Conv1d):
             return kind
     return None
-
-
-def split_mixers(model: nn.Module, root: nn.Module, policy):
-    """`policy` with every splittable recurrent mixer under `root` (the plan's root) given its style, and the
-    plan's entries inside those mixers dropped (the style shards them). Pure."""
-    patterns = {}
-    for name, module in root.named_modules():
-        kind = mixer_kind(module) if "A_log" in module._parameters else None
-        if kind is not None and name:
-            patterns[re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", name)] = kind
-    if not patterns:
-        return policy
-    plan = {p: s for p, s in policy.plan.items() if not any(p.startswith(m + ".") or p == m for m in patterns)}
-    return dataclasses.replace(policy, plan={**plan, **patterns})
 
 
 def _plain_linear(path: str, module: nn.Module) -> None:

@@ -50,6 +50,17 @@ class Verdict:
     cls: str
     status: str          # ok | refused | not run | FAIL | no experts
     detail: str = ""
+    held: float | None = None     # (ok) the fraction of the model's parameters one rank holds
+
+
+def held_fraction(model: torch.nn.Module) -> float:
+    """The fraction of `model`'s parameters (counted unsharded, each once) this rank holds. Pure."""
+    local = full = 0
+    for p in model.parameters():
+        info = get_tp_info(p)
+        local += p.numel()
+        full += p.numel() if info is None else torch.Size(info.full_shape).numel()
+    return local / full if full else 1.0
 
 
 def plan_model_types() -> list[str]:
@@ -228,7 +239,8 @@ def _check_sharded(model_type: str, cls: str, shrink_head_dim: bool, reference: 
                     problems.append(f"grad {name}")
         if problems:
             return Verdict(model_type, cls, "FAIL", "; ".join(problems[:4]))
-        return Verdict(model_type, cls, "ok", recurrent.replicated_note(par))     # never a plain ok when replicated
+        # never a plain ok when mixers stay whole; how much of the model one rank holds
+        return Verdict(model_type, cls, "ok", recurrent.replicated_note(par), held_fraction(par))
     except (UncoveredParameterError, SequenceLayoutError) as e:            # a clear refusal, at the first call
         return Verdict(model_type, cls, "refused", f"at the first call: {str(e).splitlines()[0][:200]}")
     except Exception as e:  # noqa: BLE001 - meshboost accepted the model, then it broke: a defect

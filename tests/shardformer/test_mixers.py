@@ -167,6 +167,14 @@ def test_mixer_kinds_and_context_refusal():
     assert plan["layers.*.linear_attn"] == GATED_DELTANET
     assert not any(k.startswith("layers.*.linear_attn.") for k in plan)      # no gathered projections left
     assert get_policy(bamba).plan["layers.*.mamba"] == MAMBA2
+    # Nemotron-H's `layers.*.mixer` is a Mamba2 mixer in some layers, an attention or an MoE in others: the
+    # Mamba2 mixers by their own paths, the other layers' entries kept
+    from meshboost.testing.sweep import build
+    _, nemotron = build("nemotron_h")
+    plan = get_policy(nemotron).plan
+    mamba = [n for n, m in nemotron.model.named_modules() if type(m).__name__ == "NemotronHMamba2Mixer"]
+    assert mamba and all(plan[n.removeprefix("model.")] == MAMBA2 for n in mamba), plan
+    assert plan.get("layers.*.mixer") != MAMBA2 and plan["layers.*.mixer.q_proj"] == "colwise", plan
     for model in (qwen, bamba):
         with pytest.raises(NotImplementedError, match="sp_size=2"):
             refuse_context(model, 2)
