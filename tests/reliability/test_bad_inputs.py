@@ -21,8 +21,8 @@ wrong number or a hang: one process group of 4 ranks runs the whole matrix (issu
   range on one ep rank, one replica fed an empty batch (refused on every data-parallel rank); context
   parallelism: sp_size not dividing the world, a sequence length the split cannot cut, cp ranks fed
   different batches; HSDP: dp_replicate_size not dividing dp, below 1, with ZeRO-1/2, cpu_offload, pp or ep.
-- recurrent mixers (Gated DeltaNet, Mamba2) split by heads: key heads or groups tp does not divide, at tp=2
-  and ep=2 x tp=2; context parallelism on them.
+- recurrent mixers split by heads: their bad layouts (key heads or groups tp does not divide, with ep too,
+  context parallelism) live with them in tests/shardformer/test_mixers.py.
 - ZeRO-3: `reshard_after_forward` without zero_stage=3, a module mixing expert and dense weights under ep.
 - LoRA: enable_lora twice, an adapter folder whose rank or target modules differ from its weights, and
   at tp=2 adapters the layout cannot shard exactly (on the vocab-parallel embedding, modules_to_save on
@@ -282,33 +282,6 @@ def _expert_and_context_layouts(rank, world):
         model(input_ids=ids, labels=ids)
 
 
-def _mixer_layouts(rank, world):
-    """Recurrent mixers split by heads (shardformer/mixers.py): key heads or groups tp does not divide, plain
-    and under ep=2 x tp=2, refused naming the value and the fix on every rank before any collective; context
-    parallelism on them refused (the state along the sequence is not passed between chunks)."""
-    from meshboost.plugins import HybridParallelConfig
-    from meshboost.plugins import HybridParallelPlugin as CorePlugin
-    from meshboost.testing.moe import build_causal_lm
-    from meshboost.testing.tiny_configs import tiny_config as sweep_config
-
-    def qwen3_next(**overrides):
-        config = sweep_config("qwen3_next")
-        for key, value in overrides.items():
-            setattr(config, key, value)
-        return build_causal_lm(config)
-    bad_heads = dict(linear_num_key_heads=3, linear_num_value_heads=3)
-    for layout in (HybridParallelConfig(tp_size=2), HybridParallelConfig(tp_size=2, ep_size=2)):
-        with pytest.raises(ValueError, match=r"linear_num_key_heads=3 is not divisible by tp_size=2.*tp_size that "
-                                             r"divides 3"):
-            Booster(plugin=CorePlugin(layout)).boost(qwen3_next(**bad_heads))
-    config = sweep_config("bamba")
-    config.mamba_n_groups = 1
-    with pytest.raises(ValueError, match=r"mamba_n_groups=1 is not divisible by tp_size=2"):
-        Booster(plugin=CorePlugin(HybridParallelConfig(tp_size=2))).boost(build_causal_lm(config))
-    with pytest.raises(NotImplementedError, match=r"recurrent mixers .* does not pass that state"):
-        Booster(plugin=CorePlugin(HybridParallelConfig(sp_size=2, tp_size=2))).boost(qwen3_next())
-
-
 def _hsdp_layouts(rank, world):
     """HSDP's bad layouts (dp_replicate_size): each a clear error naming the value and the fix, on every rank,
     before any collective but the argument agreement (the world is 4: dp = 4 without tp)."""
@@ -420,7 +393,6 @@ def _body(rank, world, root):
     _expert_and_context_layouts(rank, world)
     _zero3_layouts(rank, world)
     _hsdp_layouts(rank, world)
-    _mixer_layouts(rank, world)
 
 
 def test_bad_inputs_end_in_clear_errors(tmp_path):

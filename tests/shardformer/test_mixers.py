@@ -4,8 +4,8 @@ mixer against the unsharded model from the same weights and data, fp32, at world
     per-rank head counts), eval logits, loss, every gathered gradient, every weight after AdamW;
   * tp=2 x dp=2 with ZeRO-1 (HybridParallelPlugin): each dp replica its own batch, the reference on both;
     the losses and every gathered weight after two AdamW steps;
-  * refusals before anything changes or communicates: key heads / groups tp does not divide (also through
-    HybridParallelPlugin with ep=2 x tp=2), and context parallelism on these models.
+  * refusals before anything changes or communicates (the bad-input rows of these models): key heads / groups
+    tp does not divide (also through HybridParallelPlugin with ep=2 x tp=2), and context parallelism.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def _zero1(model_type: str, dp_rank: int) -> None:
 
 def _refusals(tp_group) -> None:
     from meshboost import Booster
-    from meshboost.plugins import HybridParallelPlugin
+    from meshboost.plugins import HybridParallelConfig, HybridParallelPlugin
     from meshboost.shardformer import ShardConfig, ShardFormer
 
     bad = [("qwen3_next", {"linear_num_key_heads": 3, "linear_num_value_heads": 3}, r"linear_num_key_heads=3 is not "
@@ -134,6 +134,9 @@ def _refusals(tp_group) -> None:
     model = _model("qwen3_next", **bad[0][1])
     with pytest.raises(ValueError, match=bad[0][2]):
         Booster(plugin=HybridParallelPlugin(tp_size=2, ep_size=2, precision="fp32")).boost(model)
+    # context parallelism: each rank would start its chunk of the sequence from a zero state
+    with pytest.raises(NotImplementedError, match=r"recurrent mixers .* does not pass that state"):
+        Booster(plugin=HybridParallelPlugin(HybridParallelConfig(tp_size=2, sp_size=2))).boost(_model("qwen3_next"))
 
 
 def _body(rank, world):
