@@ -152,8 +152,8 @@ family's table).
   (`mamba_n_groups`, 1 in Bamba-9B and Falcon-H1 checkpoints) that tp does not divide, with ep too; a
   fused kernel that reads `out_proj`'s weight itself (kernelized Mamba2) at its first call; context
   parallelism on any recurrent mixer. Left whole on every rank (exact, "ok (replicated: ...)" below): mixers
-  of other shapes (Qwen3.5's split projections, Falcon-H1's muP-scaled mixer, Jamba's Mamba1, Kimi's and
-  OLMo-Hybrid's variants, ...).
+  of other shapes (Qwen3.5's split projections, Falcon-H1's muP-scaled mixer, Jamba's Mamba1, OLMo-Hybrid's
+  and Lara-Mini's Gated DeltaNets, Kimi-Linear's and Bailing-Hybrid's forget gates).
 - Anything else: `custom_policy=meshboost.shardformer.Policy(...)` (docs/adding_a_model.md).
 
 The table below is written by `python tools/sweep_models.py` (tests/shardformer/test_model_sweep.py
