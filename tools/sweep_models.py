@@ -55,8 +55,9 @@ def table(result: dict) -> str:
              f"Of the {sum(ep.values())} that run with packed MoE experts, at ep=2: "
              + ", ".join(f"{ep[s]} {s}" for s in ("ok", "refused", "FAIL")) + ". "
              f"{sum(v['status'] == 'ok' and bool(v['detail']) for v in result['verdicts'])} of the tp=2 ok types run "
-             "their recurrent mixers (Gated DeltaNet, Mamba) whole on every rank: ok (replicated: ...).", "",
-             "| model type | class | tp=2 | detail | ep=2 |", "|---|---|---|---|---|"]
+             "their recurrent mixers (Gated DeltaNet, Mamba) whole on every rank: ok (replicated: ...). **held**: the "
+             "fraction of the model's parameters one rank holds at tp=2.", "",
+             "| model type | class | tp=2 | held | detail | ep=2 |", "|---|---|---|---|---|---|"]
     for v in result["verdicts"]:
         detail = v["detail"].replace("|", "/")
         ep_cell = "" if v["ep_status"] in ("no experts", "not run") else v["ep_status"]
@@ -64,8 +65,9 @@ def table(result: dict) -> str:
             ep_cell += ": " + v["ep_detail"].replace("|", "/")
         # an exact run whose mixers stay whole reads "ok (replicated: ...)", the mixers named in the status itself
         status = f"ok ({detail})" if v["status"] == "ok" and detail else v["status"]
-        lines.append(f"| {v['model_type']} | {v['cls']} | {status} | {'' if status != v['status'] else detail} | "
-                     f"{ep_cell} |")
+        held = f"{v['held']:.2f}" if v.get("held") is not None else ""
+        lines.append(f"| {v['model_type']} | {v['cls']} | {status} | {held} | {'' if status != v['status'] else detail} "
+                     f"| {ep_cell} |")
     return "\n".join(lines)
 
 
@@ -135,6 +137,23 @@ family's table).
   tp=2 x dp=2 and pp=2 x dp=2 against one process, LoRA included (`tests/shardformer/test_vlm.py`):
   Qwen2.5-VL, Qwen3-VL, LLaVA, Gemma-3, Idefics3, SmolVLM, PaliGemma. Mllama ships no plan at all and is
   refused at tp > 1.
+- **Hybrid linear-attention and state-space models** (`shardformer/mixers.py`): their recurrent mixers are
+  split by heads over tp, as Megatron and torchtitan do, and transformers' own torch path runs on each
+  rank's heads (no forward copied; the per-rank head counts set on the mixer module, the config untouched).
+  Qwen3-Next's Gated DeltaNet: `in_proj_qkvz`/`in_proj_ba` column-parallel by key-head group (their rows
+  are grouped per key head), the short convolution's channels of each of q, k, v, `A_log` and `dt_bias` by
+  value head, the gated norm's [head_dim] weight whole with its gradient summed over tp, `out_proj`
+  row-parallel (transformers' plan gathered all three back, so the recurrence ran whole on every rank).
+  The Mamba2 mixer (Bamba, Nemotron-H, GraniteMoeHybrid): `in_proj` split in each of its `[z | x | B | C |
+  dt]` segments, the convolution's `[x | B | C]` channels, `A_log`, `dt_bias`, `D` and the gated norm's
+  groups by head, `out_proj` row-parallel. Exact against one process (loss, gathered gradients, weights
+  after AdamW) at tp=2 and at tp=2 x dp=2 with ZeRO-1 (`tests/shardformer/test_mixers.py`). Refused, on
+  every rank before any collective, naming the value: key heads (`linear_num_key_heads`) or Mamba groups
+  (`mamba_n_groups`, 1 in Bamba-9B and Falcon-H1 checkpoints) that tp does not divide, with ep too; a
+  fused kernel that reads `out_proj`'s weight itself (kernelized Mamba2) at its first call; context
+  parallelism on any recurrent mixer. Left whole on every rank (exact, "ok (replicated: ...)" below): mixers
+  of other shapes (Qwen3.5's split projections, Falcon-H1's muP-scaled mixer, Jamba's Mamba1, OLMo-Hybrid's
+  and Lara-Mini's Gated DeltaNets, Kimi-Linear's and Bailing-Hybrid's forget gates).
 - Anything else: `custom_policy=meshboost.shardformer.Policy(...)` (docs/adding_a_model.md).
 
 The table below is written by `python tools/sweep_models.py` (tests/shardformer/test_model_sweep.py
@@ -145,11 +164,16 @@ per-layer lists kept consistent) with the inputs it needs (images, patch grids, 
 at tp=2 on 2 processes and compared with the unsharded model on a padded batch. **ok**: loss and eval outputs within 1e-5 and every gathered gradient within the fp32
 tolerance. **refused**: a clear error, before anything changed (or at the first call, see above).
 **not run**: the model itself cannot be built or run unsharded (its reason is given): nothing was
-compared, nothing is claimed. **ok (replicated: ...)**: exact as ok, but the named recurrent mixers
-(Gated DeltaNet, Mamba: modules holding `A_log`, `shardformer/recurrent.py`) keep their per-head decay
-whole, so their recurrence, convolution and activations run whole on every rank; context parallelism
-refuses these models. **FAIL**: a number differs; such a type is listed with what differs in
-the test (`KNOWN_FAIL`), a defect to fix.
+compared, nothing is claimed. Recurrent mixers (Gated DeltaNet, Mamba: modules holding `A_log`,
+`shardformer/recurrent.py`) of the two shapes `shardformer/mixers.py` knows (Qwen3-Next's fused
+`in_proj_qkvz`/`in_proj_ba` Gated DeltaNet; the Mamba2 mixer of Bamba, Nemotron-H, GraniteMoeHybrid) are
+split by heads, their recurrence run on each rank's heads: a plain **ok**. **ok (replicated: ...)**: exact as
+ok, but the named mixers keep their per-head decay whole, so their recurrence, convolution and activations
+run whole on every rank. Context parallelism refuses every model with recurrent mixers. **FAIL**: a number differs; such a type is listed with what differs in
+the test (`KNOWN_FAIL`), a defect to fix. A gradient that differs only by rounding is not a FAIL: when only
+gradients differ, each is compared with a float64 run of the model, and passes when the sharded one is no
+further from it than twice the unsharded fp32 one (Gemma-4 and DiffusionGemma, large gradients and no
+1/sqrt(d) attention scaling, round more than the fixed tolerance; a wrong layout is off by far more).
 The **ep=2** column (types with packed MoE experts; empty for the others and the ones not run):
 the same tiny model with its experts split over the 2 ranks by expert parallelism instead of tensor
 parallelism (`shardformer/layers/expert_parallel.py`), both ranks fed the same batch, compared the

@@ -60,6 +60,14 @@ class TensorParallelInfo:
     expert_group: object = field(default=None, repr=False, compare=False)
     expert_dim: int = 0
     expert_blocks: int = 1
+    # unequal fused blocks along `dim` (a recurrent mixer's in_proj [z | x | B | C | dt]: each segment
+    # split over tp on its own); empty: `num_fused` equal blocks
+    block_sizes: tuple[int, ...] = ()
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        """The sizes of the fused blocks along `dim` (one block when nothing is fused)."""
+        return self.block_sizes or (self.padded_size // self.num_fused,) * self.num_fused
 
     @property
     def padding(self) -> int:
@@ -215,10 +223,11 @@ def local_slices(info: TensorParallelInfo, block: int = 0) -> list[tuple[tuple, 
     completed with zeros."""
     dim, size = info.dim, info.full_shape[info.dim]
     if info.num_fused > 1:
-        block = size // info.num_fused
-        part = block // info.num_shards
-        ranges = [(f * block + info.shard_index * part, f * block + (info.shard_index + 1) * part, 0)
-                  for f in range(info.num_fused)]
+        ranges, start = [], 0
+        for block_size in info.blocks:
+            part = block_size // info.num_shards
+            ranges.append((start + info.shard_index * part, start + (info.shard_index + 1) * part, 0))
+            start += block_size
     else:
         local = info.local_size
         start = info.shard_index * local
@@ -269,7 +278,8 @@ def unshard_gathered(gathered: torch.Tensor, info: TensorParallelInfo) -> torch.
         gathered = torch.cat(gathered.chunk(info.tp_size, dim=dim)[::info.replicas], dim=dim)
     if info.num_fused > 1:
         per_rank = gathered.chunk(info.num_shards, dim=dim)              # [r0: q0 k0 v0 | r1: ...]
-        pieces = [p.chunk(info.num_fused, dim=dim) for p in per_rank]
+        parts = [b // info.num_shards for b in info.blocks]
+        pieces = [p.split(parts, dim=dim) for p in per_rank]
         gathered = torch.cat([pieces[r][f] for f in range(info.num_fused) for r in range(info.num_shards)],
                              dim=dim)
     if info.padding:

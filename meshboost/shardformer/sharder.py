@@ -31,7 +31,7 @@ from meshboost.shardformer.layers.vocab import embedding_extras, uses_causal_lm_
 from meshboost.shardformer.lora import adapter_base, adapter_linears, is_peft_module, shard_adapter_
 from meshboost.shardformer.optimizations import fuse_norms, jit_fuse, say, use_fast_attention
 from meshboost.shardformer.policies import Policy, get_policy
-from meshboost.shardformer.policies.base import pattern_to_regex
+from meshboost.shardformer.policies.base import pattern_to_regex, plan_root  # noqa: F401 - plan_root re-exported
 from meshboost.shardformer.regions import ColumnOutputs, RegionPlan
 from meshboost.shardformer.sharder_plan import (
     Match,
@@ -107,17 +107,6 @@ def _parameter_matches(base: nn.Module, compiled: list, full: Callable, tp_size:
             hit[0].validate(full(name), param, tp_size, *hit[1])
             out.append((full(name), param, *hit))
     return out
-
-
-def plan_root(model: nn.Module) -> nn.Module:
-    """The module a plan's paths are relative to: `model.base_model`, or, where a head's
-    `base_model_prefix` names no attribute of it (Llama-4's text model under "language_model"), the
-    head's `model` when that is a base model of the same config."""
-    base = model.base_model
-    inner = getattr(model, "model", None)
-    if base is model and isinstance(inner, nn.Module) and getattr(inner, "config", None) is getattr(model, "config", 0):
-        return inner
-    return base
 
 
 def _warn_if_mostly_whole(model: nn.Module, policy: Policy, tp_size: int) -> None:

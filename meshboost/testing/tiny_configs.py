@@ -164,6 +164,8 @@ def _shrunk_sizes(fields: dict, alias: dict, shrink_head_dim: bool) -> dict:
         overrides["mamba_n_heads"] = 8
         if isinstance(fields.get("mamba_d_head"), int) and isinstance(fields.get("mamba_expand"), int):
             overrides["mamba_d_head"] = fields["mamba_expand"] * TINY["hidden_size"] // 8
+    if isinstance(fields.get("mamba_n_groups"), int):      # groups tp=2 divides: the mixer splits by heads
+        overrides["mamba_n_groups"] = 2
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(fields.get(key), int) and fields[key] >= TINY["vocab_size"]:
             overrides[key] = TINY["vocab_size"] - 1

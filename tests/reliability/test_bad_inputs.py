@@ -22,6 +22,8 @@ wrong number or a hang: one process group of 4 ranks runs the whole matrix (issu
   parallelism: sp_size not dividing the world, a sequence length the split cannot cut, cp ranks fed
   different batches; HSDP: dp_replicate_size not dividing dp (or, with ep, dp / ep), below 1, with ZeRO-1/2 or
   cpu_offload.
+- recurrent mixers split by heads: their bad layouts (key heads or groups tp does not divide, with ep too,
+  context parallelism) live with them in tests/shardformer/test_mixers.py.
 - ZeRO-3: `reshard_after_forward` without zero_stage=3, a module mixing expert and dense weights under ep.
 - LoRA: enable_lora twice, an adapter folder whose rank or target modules differ from its weights, and
   at tp=2 adapters the layout cannot shard exactly (on the vocab-parallel embedding, modules_to_save on

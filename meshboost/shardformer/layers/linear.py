@@ -44,12 +44,13 @@ def is_conv1d(module: nn.Module) -> bool:
 
 
 def shard_parameter_(param: nn.Parameter, dim: int, group, num_fused: int = 1,
-                     pad_to_multiple: int = 1, replicas: int = 1) -> nn.Parameter:
+                     pad_to_multiple: int = 1, replicas: int = 1, blocks: tuple[int, ...] = ()) -> nn.Parameter:
     """Replace `param`'s data by this rank's shard along `dim` and attach its record.
 
     replicas > 1: the dim is cut into tp_size / replicas shards, each held by `replicas`
     consecutive ranks, whose gradients are summed over them as they are produced (key/value heads
-    fewer than tp). Idempotent for a parameter already sharded the same way (tied weights are
+    fewer than tp). blocks: unequal fused blocks along `dim` (their sizes), each split on its own
+    (`num_fused` is then their count). Idempotent for a parameter already sharded the same way (tied weights are
     visited twice).
     """
     tp_size, tp_rank = dist.get_world_size(group), dist.get_rank(group)
@@ -65,16 +66,21 @@ def shard_parameter_(param: nn.Parameter, dim: int, group, num_fused: int = 1,
     full_shape = tuple(param.shape)
     size = full_shape[dim]
     shards = tp_size // replicas
+    if blocks:
+        num_fused = len(blocks)
+        if sum(blocks) != size or any(b % shards for b in blocks):
+            raise ValueError(f"dim {dim} of size {size}: blocks {blocks} do not each split into {shards} shards")
     if replicas < 1 or tp_size % replicas:
         raise ValueError(f"replicas={replicas} must divide tp_size={tp_size}")
     multiple = pad_to_multiple * shards if pad_to_multiple > 1 else shards
     padded = -(-size // multiple) * multiple if pad_to_multiple > 1 else size
-    if num_fused > 1 and size % (num_fused * shards):
+    if num_fused > 1 and not blocks and size % (num_fused * shards):
         raise ValueError(f"fused dim of size {size} is not divisible into {num_fused} blocks x {shards} shards")
     if padded % shards:
         raise ValueError(f"dim {dim} of size {size} is not divisible into {shards} shards (tp_size={tp_size})")
     info = TensorParallelInfo(dim=dim, full_shape=full_shape, padded_size=padded, tp_rank=tp_rank,
-                              tp_size=tp_size, num_fused=num_fused, group=group, replicas=replicas)
+                              tp_size=tp_size, num_fused=num_fused, group=group, replicas=replicas,
+                              block_sizes=tuple(blocks))
     with torch.no_grad():
         param.data = shard_tensor(param.data, info)
     set_tp_info(param, info)
@@ -214,14 +220,15 @@ class ColumnParallelLinear(_ParallelLinearBase):
     @classmethod
     def from_native(cls, module: nn.Module, group, gather_output: bool = False, copy_input: bool = True,
                     num_fused: int = 1, replicas: int = 1, seq_parallel: bool = False,
-                    role: LinearRole | None = None) -> "ColumnParallelLinear":
+                    role: LinearRole | None = None, blocks: tuple[int, ...] = ()) -> "ColumnParallelLinear":
         """replicas > 1: fewer output pieces than ranks (key/value heads fewer than tp), each held by
-        `replicas` consecutive ranks (see `shard_parameter_`). `role` replaces copy_input and seq_parallel."""
+        `replicas` consecutive ranks (see `shard_parameter_`). blocks: unequal output segments, each split
+        on its own. `role` replaces copy_input and seq_parallel."""
         conv1d = is_conv1d(module)
         out_dim = 1 if conv1d else 0
-        shard_parameter_(module.weight, out_dim, group, num_fused=num_fused, replicas=replicas)
+        shard_parameter_(module.weight, out_dim, group, num_fused=num_fused, replicas=replicas, blocks=blocks)
         if module.bias is not None:
-            shard_parameter_(module.bias, 0, group, num_fused=num_fused, replicas=replicas)
+            shard_parameter_(module.bias, 0, group, num_fused=num_fused, replicas=replicas, blocks=blocks)
         return cls(module.weight, module.bias, group, gather_output, copy_input, conv1d, seq_parallel, role)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import re
 from collections.abc import Mapping
 from typing import Callable, Iterator
 
 import torch.nn as nn
 
-from meshboost.shardformer.policies.base import Policy
+from meshboost.shardformer.mixers import mixer_kind
+from meshboost.shardformer.policies.base import Policy, pattern_to_regex, plan_root
 from meshboost.shardformer.policies.deepseek import deepseek_policy, uses_deepseek_attention
 from meshboost.shardformer.policies.gpt_oss import gpt_oss_policy
 from meshboost.shardformer.policies.multimodal import layer_plan, multimodal_policy
@@ -57,7 +60,12 @@ def _model_type(model: nn.Module):
 
 
 def get_policy(model: nn.Module) -> Policy:
-    """The policy for `model`, or a ValueError naming the supported families and the way out."""
+    """The policy for `model`, or a ValueError naming the supported families and the way out; its recurrent
+    mixers (Gated DeltaNet, Mamba2) split by heads where `mixers.py` knows their shape."""
+    return split_mixers(plan_root(model), _family_policy(model))
+
+
+def _family_policy(model: nn.Module) -> Policy:
     model_type = _model_type(model)
     if model_type in POLICIES:
         return POLICIES[model_type]
@@ -78,6 +86,31 @@ def get_policy(model: nn.Module) -> Policy:
         "...: docs/models.md). Pass custom_policy=meshboost.shardformer.Policy(name=..., "
         "plan={'layers.*.q_proj': 'colwise', ...}) to HybridParallelPlugin or ShardFormer.optimize(), or use "
         "tp_size=1 (pipeline and data parallelism need no policy).")
+
+
+def split_mixers(root: nn.Module, policy: Policy) -> Policy:
+    """`policy` with every recurrent mixer under `root` (the plan's root) that `mixers.py` can split given its
+    style, and the plan's entries inside those mixers dropped (the style shards them). A layer pattern naming
+    other modules too (Nemotron-H's `layers.*.mixer` is a Mamba2 mixer, an attention or an MoE by layer) gives
+    way to each mixer's own path; a mixer another entry reaches into stays whole. Pure."""
+    modules = dict(root.named_modules())
+    kinds = {name: mixer_kind(m) for name, m in modules.items() if name and "A_log" in m._parameters}
+    kinds = {name: kind for name, kind in kinds.items() if kind is not None}
+    entries: dict[str, str | None] = {}
+    for name, kind in kinds.items():
+        pattern = re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", name)
+        regex = pattern_to_regex(pattern)
+        same = all(kinds.get(other) == kind for other in modules if other and regex.match(other))
+        entries[pattern if same else name] = kind
+    plan = {p: s for p, s in policy.plan.items() if not any(p == e or p.startswith(e + ".") for e in entries)}
+    regexes = [pattern_to_regex(p) for p in plan]
+    for entry in list(entries):
+        inner = [n for n in modules if n.startswith(entry + ".")] if "*" not in entry else []
+        if any(r.match(n) for r in regexes for n in inner):
+            entries[entry] = None             # another entry shards part of it: left whole (the sweep says so)
+    entries = {e: kind for e, kind in entries.items() if kind is not None}
+    # first: a layer pattern the plan also gives (a block input for an attention under the same name) loses
+    return dataclasses.replace(policy, plan={**entries, **plan}) if entries else policy
 
 
 def pipeline_layout(model: nn.Module, custom_policy: Policy | None = None) -> dict | None:

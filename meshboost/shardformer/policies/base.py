@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch.nn as nn
+
 from meshboost.shardformer.styles import DEFAULT_BLOCK_INPUT_KWARGS, attribute_rule, parse_style
 
 # the keys of one pipeline segment (meshboost/pipeline/layout.py)
@@ -73,3 +75,14 @@ class Policy:
 def pattern_to_regex(pattern: str) -> re.Pattern:
     """'layers.*.mlp.up_proj' -> a regex where '*' matches one dotted component."""
     return re.compile("^" + r"\.".join("[^.]+" if p == "*" else re.escape(p) for p in pattern.split(".")) + "$")
+
+
+def plan_root(model: nn.Module) -> nn.Module:
+    """The module a plan's paths are relative to: `model.base_model`, or, where a head's
+    `base_model_prefix` names no attribute of it (Llama-4's text model under "language_model"), the
+    head's `model` when that is a base model of the same config."""
+    base = model.base_model
+    inner = getattr(model, "model", None)
+    if base is model and isinstance(inner, nn.Module) and getattr(inner, "config", None) is getattr(model, "config", 0):
+        return inner
+    return base
