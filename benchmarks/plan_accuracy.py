@@ -215,26 +215,36 @@ def _step(booster, model, optimizer, batch, pp: int):
         booster.backward(model(**batch).loss, optimizer)
 
 
-def measure_rank(family: str, fields: dict) -> dict:
-    """This rank's measured bytes for one case (call inside a process group of layout.world ranks)."""
+def boost_layout(fields: dict, spec):
+    """(layout, plugin, booster, model, optimizer): a fresh model of `spec` boosted with AdamW by the plugin
+    the planner builds for the layout of `fields` (with activation checkpointing when the layout asks)."""
     import torch
 
-    from benchmarks.models import build_model, make_batch
+    from benchmarks.models import build_model
     from meshboost import Booster
-    from meshboost.distributed.profiling import comm_counter, dispatched_comm_counter
-    from meshboost.optim.memory import memory_breakdown
     from meshboost.plan.layout import plugin_config
     from meshboost.plugins import HybridParallelPlugin
 
-    spec = spec_of(family)
     layout = layout_of(fields, spec)
     plugin = HybridParallelPlugin(plugin_config(layout))
     model = build_model(spec)
     if layout.checkpointing:
         model.gradient_checkpointing_enable({"use_reentrant": False})
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     booster = Booster(plugin=plugin)
-    model, optimizer, *_ = booster.boost(model, optimizer)
+    model, optimizer, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    return layout, plugin, booster, model, optimizer
+
+
+def measure_rank(family: str, fields: dict) -> dict:
+    """This rank's measured bytes for one case (call inside a process group of layout.world ranks)."""
+    import torch
+
+    from benchmarks.models import make_batch
+    from meshboost.distributed.profiling import comm_counter, dispatched_comm_counter
+    from meshboost.optim.memory import memory_breakdown
+
+    spec = spec_of(family)
+    layout, plugin, booster, model, optimizer = boost_layout(fields, spec)
     mesh = plugin.mesh
     batch = make_batch(spec, mesh.dp_size, mesh.dp_rank, device=mesh.device)
     for _ in range(5):                     # until Adam has state (an fp16 step may be skipped)

@@ -26,45 +26,15 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _step_tracker():
-    """torch's MemTracker without its per-module statistics: a pipeline runs each module once per
-    micro-batch, which MemTracker's module snapshots refuse (they are for one call per iteration); its
-    live-bytes count and peak, which is all this benchmark reads, come from the dispatch mode itself."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class StepTracker(MemTracker):
-        def _pre_fw_hook(self, module, inputs):
-            pass
-
-        def _post_fw_hook(self, module, inputs, outputs):
-            pass
-
-        def _pre_bw_hook(self, module, args):
-            pass
-
-        def _post_bw_hook(self, module, args):
-            pass
-
-    return StepTracker()
-
-
 def _peak_worker(rank: int, world: int, spec_fields: dict, fields: dict, outdir: str) -> None:
     import torch
 
-    from benchmarks.models import ModelSpec, build_model, make_batch
-    from benchmarks.plan_accuracy import _step, layout_of
-    from meshboost import Booster
-    from meshboost.plan.layout import plugin_config
-    from meshboost.plugins import HybridParallelPlugin
+    from benchmarks.models import ModelSpec, make_batch
+    from benchmarks.plan_accuracy import _step, boost_layout
+    from meshboost.plan.activations import live_bytes_tracker
 
     spec = ModelSpec(**spec_fields)
-    layout = layout_of(fields, spec)
-    plugin = HybridParallelPlugin(plugin_config(layout))
-    model = build_model(spec)
-    if layout.checkpointing:
-        model.gradient_checkpointing_enable({"use_reentrant": False})
-    booster = Booster(plugin=plugin)
-    model, optimizer, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    layout, plugin, booster, model, optimizer = boost_layout(fields, spec)
     mesh = plugin.mesh
     batch = make_batch(spec, mesh.dp_size, mesh.dp_rank, device=mesh.device)
     for _ in range(2):                 # Adam's moments exist before the measured step
@@ -79,7 +49,7 @@ def _peak_worker(rank: int, world: int, spec_fields: dict, fields: dict, outdir:
         torch.cuda.reset_peak_memory_stats()
         tracker = contextlib.nullcontext()
     else:
-        tracker = _step_tracker()
+        tracker = live_bytes_tracker()()
         inner = optimizer.unwrap()
         # the inner optimizer's parameters are the fp32 masters (mixed precision, ZeRO's shards):
         # MemTracker tracks an optimizer's states, not its parameters

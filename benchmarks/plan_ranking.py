@@ -13,7 +13,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.plan_accuracy import _step, layout_of, planner_for  # noqa: E402
+from benchmarks.plan_accuracy import _step, boost_layout, layout_of, planner_for  # noqa: E402
 
 RANKING_LAYOUTS = [
     dict(tp=2, precision="fp32"),
@@ -46,21 +46,12 @@ def _ranking_worker(rank: int, world: int, layouts: list, outdir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from benchmarks.models import build_model, make_batch
-    from meshboost import Booster
-    from meshboost.plan.layout import plugin_config
-    from meshboost.plugins import HybridParallelPlugin
+    from benchmarks.models import make_batch
 
     spec = ranking_spec()
     runs = []
     for fields in layouts:
-        layout = layout_of(fields, spec)
-        plugin = HybridParallelPlugin(plugin_config(layout))
-        model = build_model(spec)
-        if layout.checkpointing:
-            model.gradient_checkpointing_enable({"use_reentrant": False})
-        booster = Booster(plugin=plugin)
-        model, optimizer, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+        layout, plugin, booster, model, optimizer = boost_layout(fields, spec)
         runs.append((layout, booster, model, optimizer, make_batch(spec, plugin.mesh.dp_size, plugin.mesh.dp_rank)))
     seconds: list[list[float]] = [[] for _ in layouts]
     for i in range(RANKING_WARMUP + RANKING_STEPS):

@@ -137,29 +137,14 @@ def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpoi
     return (sum(saved.values()), sum(sequence.summed.values()) if sequence is not None else 0, *live)
 
 
-def live_peak(model, inputs: dict, hooks, body: bool = False) -> tuple[int, array]:
-    """(bytes alive once the forward has returned its loss, the bytes alive after each op of that
-    forward and the backward: its maximum is the peak), the parameters and their gradients left out,
-    on `model`'s fake tensors, as torch's `MemTracker` counts them (each storage once, whatever views autograd saved of it). The outputs
-    but the loss are dropped, as a training step drops them (the logits are not saved: the loss's
-    softmax is); each gradient is dropped once accumulated (they are counted as `gradients`, held or
-    reduced as the layout does), so the peak is what activations and the kernels' temporaries add.
-    `body`: `model` is a stage that sends its output on: the output is kept until the next stage's
-    gradient of it arrives (the schedule's `saved`), and that gradient seeds the backward."""
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+@lru_cache(maxsize=None)
+def live_bytes_tracker() -> type:
+    """torch's `MemTracker` without its per-module statistics, for reading live bytes and their peak
+    only: its module hooks cost half of a fake run and change no figure, and a pipeline runs each module
+    once per micro-batch, which its module snapshots refuse (they are for one call per iteration)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
 
-    kinds = (_MemRefType.ACT, _MemRefType.TEMP)
-    drops = [p.register_post_accumulate_grad_hook(_drop_grad) for p in model.parameters() if p.requires_grad]
-
-    class Timeline(MemTracker):
-        """MemTracker, noting its live activation and temporary bytes after each op (an allocation is
-        where a peak happens): one op sequence at two batch sizes gives every instant's bytes as an
-        affine function of the batch (`_extrapolated`)."""
-
-        totals: list = []
-
-        # no per-module statistics (only the live bytes are read): MemTracker's module hooks cost half
-        # of a fake run and change no figure (benchmarks/plan_peak.py's StepTracker does the same)
+    class LiveBytesTracker(MemTracker):
         def _pre_fw_hook(self, module, inputs):
             pass
 
@@ -171,6 +156,30 @@ def live_peak(model, inputs: dict, hooks, body: bool = False) -> tuple[int, arra
 
         def _post_bw_hook(self, module, args):
             pass
+
+    return LiveBytesTracker
+
+
+def live_peak(model, inputs: dict, hooks, body: bool = False) -> tuple[int, array]:
+    """(bytes alive once the forward has returned its loss, the bytes alive after each op of that
+    forward and the backward: its maximum is the peak), the parameters and their gradients left out,
+    on `model`'s fake tensors, as torch's `MemTracker` counts them (each storage once, whatever views autograd saved of it). The outputs
+    but the loss are dropped, as a training step drops them (the logits are not saved: the loss's
+    softmax is); each gradient is dropped once accumulated (they are counted as `gradients`, held or
+    reduced as the layout does), so the peak is what activations and the kernels' temporaries add.
+    `body`: `model` is a stage that sends its output on: the output is kept until the next stage's
+    gradient of it arrives (the schedule's `saved`), and that gradient seeds the backward."""
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    kinds = (_MemRefType.ACT, _MemRefType.TEMP)
+    drops = [p.register_post_accumulate_grad_hook(_drop_grad) for p in model.parameters() if p.requires_grad]
+
+    class Timeline(live_bytes_tracker()):
+        """MemTracker, noting its live activation and temporary bytes after each op (an allocation is
+        where a peak happens): one op sequence at two batch sizes gives every instant's bytes as an
+        affine function of the batch (`_extrapolated`)."""
+
+        totals: list = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = super().__torch_dispatch__(func, types, args, kwargs)

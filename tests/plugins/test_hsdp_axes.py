@@ -32,12 +32,12 @@ import transformers as tfm
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from meshboost import Booster
-from meshboost.distributed.param_info import gather_tensor, get_tp_info
 from meshboost.distributed.profiling import dispatched_comm_counter
-from meshboost.plugins import HybridParallelConfig, HybridParallelPlugin, PipelineConfig, PrecisionConfig, ZeroConfig
-from meshboost.testing import assert_close, spawn
-from meshboost.testing.moe import EPS, LR, build_causal_lm, causal_batches, moe_config
+from meshboost.plugins import HybridParallelConfig, PipelineConfig, PrecisionConfig, ZeroConfig
+from meshboost.testing import spawn
+from meshboost.testing.sharded_training import boost as _boost, check_held as _check, dp_step as _step, \
+    reference_run as _reference, train_and_check as _train, whole as _whole
+from meshboost.testing.moe import build_causal_lm, causal_batches, moe_config
 
 STEPS = 2
 LLAMA = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, vocab_size=96,
@@ -48,81 +48,6 @@ def _hsdp(pp=1, ep=1, max_norm=0.0) -> HybridParallelConfig:
     pipeline = PipelineConfig(pp_size=pp, num_microbatches=2) if pp > 1 else PipelineConfig()
     return HybridParallelConfig(ep_size=ep, pipeline=pipeline, zero=ZeroConfig(stage=3), dp_replicate_size=2,
                                 precision=PrecisionConfig("fp32", max_norm=max_norm))
-
-
-def _whole(tensor: torch.Tensor, param) -> torch.Tensor:
-    """FSDP2's shards gathered (a collective over the parameter's mesh), then the ep/tp shards by its record."""
-    local = tensor.detach().full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
-    return gather_tensor(local, get_tp_info(param)).float()
-
-
-def _reference(model, batches, max_norm=0.0):
-    """One process on the whole batches: (losses, first step's gradients, last weights, pre-clip norms)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    losses, grads, norms = [], None, []
-    for batch in batches:
-        loss = model(**batch).loss
-        loss.backward()
-        # by every name (GPT-2's LM head is its embedding: a pipeline's last stage holds it as lm_head)
-        grads = grads or {n: p.grad.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
-        if max_norm:
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
-        opt.step(), opt.zero_grad()
-        losses.append(loss.item())
-    return losses, grads, {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}, norms
-
-
-def _step(booster, plugin, model, opt, batch) -> float:
-    """One step on this replica's rows (opt None: forward only); the global batch's token-mean loss."""
-    mesh = plugin.mesh
-    mine = {k: v.chunk(mesh.dp_size)[mesh.dp_rank] for k, v in batch.items()}
-    if plugin.pp_size > 1:      # each replica reports its own token mean: weigh it by its tokens
-        loss = booster.execute_pipeline(iter([mine]), model, lambda out, _: out.loss, opt)["loss"]
-        items = (mine["labels"][:, 1:] != -100).sum().float()
-        pair = torch.stack([loss.detach().float() * items, items])
-    else:
-        loss = model(**mine).loss
-        booster.backward(loss, opt)
-        pair = torch.stack([loss.detach().float(), torch.ones(())])
-    dist.all_reduce(pair, group=mesh.dp_group)
-    return (pair[0] / pair[1]).item()
-
-
-def _boost(config, model, plugin=None):
-    plugin = plugin or HybridParallelPlugin(config)
-    booster = Booster(plugin=plugin)
-    model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
-    return plugin, booster, model, opt
-
-
-def _check(got: dict, want: dict, what: str) -> None:
-    """`got` (this rank's names) against `want`; every name of `want` is held by some rank."""
-    for name, tensor in got.items():
-        assert_close(tensor, want[name].float(), dtype=torch.float32, msg=f"{what}: {name}")
-    names = [None] * dist.get_world_size()
-    dist.all_gather_object(names, sorted(got))
-    held = set().union(*map(set, names))
-    assert held <= set(want) and len(held) >= len({id(t) for t in want.values()}), f"{what}: {set(want) - held}"
-
-
-def _train(config, make_model, batches, ref, what, plugin=None):
-    """Boost a fresh model, train on `batches`, check losses, first gradients, norms and last weights."""
-    ref_losses, ref_grads, ref_weights, ref_norms = ref
-    plugin, booster, model, opt = _boost(config, make_model(), plugin)
-    if plugin.pp_size > 1:      # an evaluation step first: it leaves nothing gathered that training would misuse
-        got = _step(booster, plugin, model, None, batches[0])
-        assert abs(got - ref_losses[0]) <= 2e-5 * abs(ref_losses[0]), f"{what} eval: {got} vs {ref_losses[0]}"
-    for step, batch in enumerate(batches):
-        got = _step(booster, plugin, model, opt, batch)
-        assert abs(got - ref_losses[step]) <= 2e-5 * abs(ref_losses[step]), f"{what} {step}: {got} vs {ref_losses}"
-        if step == 0:
-            _check({n: _whole(p.grad, p) for n, p in model.unwrap().named_parameters()}, ref_grads, f"{what} grad")
-        opt.step(), opt.zero_grad()
-        if ref_norms:
-            assert ref_norms[step] > plugin.config.precision.max_norm, f"{what}: the case must clip"
-            assert abs(opt.get_grad_norm() - ref_norms[step]) <= 1e-5 * ref_norms[step], f"{what}: norm {step}"
-    _check({n: _whole(p, p) for n, p in model.unwrap().named_parameters()}, ref_weights, f"{what} weight")
-    return plugin, booster, model, opt
 
 
 def _replicas_agree(model, opt, plugin, what) -> None:
