@@ -62,7 +62,8 @@ def _model_type(model: nn.Module):
 def get_policy(model: nn.Module) -> Policy:
     """The policy for `model`, or a ValueError naming the supported families and the way out; its recurrent
     mixers (Gated DeltaNet, Mamba2) split by heads where `mixers.py` knows their shape."""
-    return split_mixers(plan_root(model), _family_policy(model))
+    policy = _family_policy(model)      # first: a model no policy covers is refused naming the way out
+    return split_mixers(plan_root(model), policy)
 
 
 def _family_policy(model: nn.Module) -> Policy:
