@@ -109,6 +109,7 @@ def make_config(tiny: bool, moe: bool = False):
 
 
 def _is_expert(p) -> bool:
+    # by the runtime's own record (the weight split over ep), not by a name pattern
     from meshboost.distributed.param_info import get_tp_info
     info = get_tp_info(p)
     return info is not None and info.expert_size > 1
@@ -243,7 +244,8 @@ def _measure(name: str, kwargs: dict, config, batch: int, seq: int) -> dict:
 
 
 def _is_moe(name: str) -> bool:
-    return "ep" in name.replace("rep", "")
+    """An expert-parallel layout name: measured on the Qwen3-MoE (the names passed parse_layout already)."""
+    return int(LAYOUT.match(name)["ep"] or 1) > 1
 
 
 def _worker(rank: int, world: int, args, out_file: str) -> None:
@@ -269,8 +271,9 @@ def planner_predictions(run: dict, world: int, batch: int, seq: int, tiny: bool)
     sp, pp = kw.get("sp_size", 1), kw["pp_size"]
     dp = world // (kw["tp_size"] * sp * pp)
     micro = MICROBATCHES if pp > 1 else 1
-    layout = Layout(tp=kw["tp_size"], pp=pp, sp=sp, dp=dp, ep=kw.get("ep_size", 1), dp_replicate=kw["dp_replicate_size"],
-                    zero=3, precision="fp32", microbatches=micro, microbatch_size=batch // micro)
+    layout = Layout(tp=kw["tp_size"], pp=pp, sp=sp, dp=dp, ep=kw.get("ep_size", 1),
+                    dp_replicate=kw["dp_replicate_size"], zero=3, precision="fp32", microbatches=micro,
+                    microbatch_size=batch // micro)
     planner = Planner(make_config(tiny, _is_moe(run["layout"])), gpus=world, seq=seq, global_batch=batch * dp,
                       precision="fp32", device="cpu")
     planner.check(layout)
@@ -346,7 +349,8 @@ def main(argv=None) -> list[dict]:
         planner_predictions(run, args.world, args.batch, args.seq, args.tiny)
         run["planner_equals_measured"] = all(r["planner_equals_measured"] for r in run["ranks"])
     for moe in sorted({_is_moe(run["layout"]) for run in runs}):
-        c, params = make_config(args.tiny, moe), next(r["ranks"][0]["params"] for r in runs if _is_moe(r["layout"]) == moe)
+        c = make_config(args.tiny, moe)
+        params = next(r["ranks"][0]["params"] for r in runs if _is_moe(r["layout"]) == moe)
         print(f"{type(c).__name__[:-len('Config')]}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, vocab "
               f"{c.vocab_size}, {params} parameters")
     print(f"fp32, AdamW, world {args.world}, batch {args.batch} x seq {args.seq} per dp rank; memory after the second "
