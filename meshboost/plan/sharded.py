@@ -61,8 +61,9 @@ def fsdp_groups(layout, shards, dp_rank: int) -> list[tuple[list, int, int]]:
     dense_size = layout.fsdp_sizes[1]
     expert_size = dims.size(*dims.shard_axes(EXPERT)[1])
     dp, cp = divmod(dp_rank, dims.cp)
+    # the replica coordinate is outermost (dp_replicate, edp_shard, ep): modulo the group, the index inside it
     groups = [([s for s in shards if not s.expert], dense_size, dp_rank % dense_size),
-              ([s for s in shards if s.expert], expert_size, (dp // dims.ep) * dims.cp + cp)]
+              ([s for s in shards if s.expert], expert_size, ((dp // dims.ep) * dims.cp + cp) % expert_size)]
     return [g for g in groups if g[0]]
 
 
@@ -160,15 +161,15 @@ def fsdp_step_comm(layout, shards, layer_prefixes) -> dict[str, list[tuple[str, 
     """{axis: [(op, payload bytes)]} of FSDP2 in one step of a ZeRO-3 `layout`, per op: each group's
     all-gathers and reduce-scatters over its shard axis (dense: dp, experts: edp), a pipeline stage's
     gathered once per step (the plugin's reshard_after_forward default is False under pp), and HSDP's
-    all-reduce of the reduced dense shards over dp_replicate."""
+    all-reduce of every group's reduced shards (dense and experts) over dp_replicate."""
     out: dict[str, list[tuple[str, int]]] = {}
     for group, size, _ in fsdp_groups(layout, shards, 0):
         ops = fsdp_comm_bytes(group, layout.precision, size, layer_prefixes, reshard_after_forward=layout.pp == 1)
         totals = [(op, sum(n for o, n in ops if o == op)) for op in ("all_gather", "reduce_scatter")]
         out.setdefault("edp" if group[0].expert else "dp", []).extend((op, n) for op, n in totals if n)
-    replicas, shard = layout.fsdp_sizes
-    if replicas > 1:
-        out["dp_replicate"] = [("all_reduce", hsdp_replica_bytes([s for s in shards if not s.expert], shard))]
+    if layout.fsdp_sizes[0] > 1:    # experts and dense weights replicate over the same dp_replicate groups
+        out["dp_replicate"] = [("all_reduce", sum(hsdp_replica_bytes(g, size) for g, size, _ in
+                                                  fsdp_groups(layout, shards, 0)))]
     return out
 
 
