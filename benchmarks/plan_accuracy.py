@@ -82,18 +82,18 @@ CASES = [
     ("llama", dict(dp=2, zero=1, cpu_offload=True, precision="bf16")),
     ("gpt2", dict(dp=2, zero=2, cpu_offload=True, precision="fp32")),
     # sequence parallelism: Megatron's split_gather over tp (norms and residuals hold 1/tp of the sequence) ...
-    ("llama", dict(tp=2, sp_mode="split_gather", precision="fp32")),
-    ("gpt2", dict(tp=2, sp_mode="split_gather", precision="bf16", checkpointing=True)),
-    ("llama", dict(tp=2, dp=2, zero=1, sp_mode="split_gather", precision="bf16")),
-    ("llama", dict(tp=2, pp=2, microbatches=2, sp_mode="split_gather", precision="fp32")),
-    # ... and context parallelism on an sp axis of its own (all_to_all: Ulysses; ring_attn: keys and
-    # values gathered); ZeRO partitions over dp x sp
-    ("llama", dict(sp=2, precision="fp32")),
-    ("llama", dict(sp=2, sp_mode="ring_attn", precision="bf16")),
-    ("llama", dict(sp=2, precision="fp32", checkpointing=True)),
-    ("llama", dict(tp=2, sp=2, zero=1, precision="fp32")),
-    ("llama", dict(sp=2, dp=2, zero=2, sp_mode="ring_attn", precision="bf16")),
-    ("llama", dict(pp=2, sp=2, microbatches=2, precision="fp32")),
+    ("llama", dict(tp=2, sequence_parallel=True, precision="fp32")),
+    ("gpt2", dict(tp=2, sequence_parallel=True, precision="bf16", checkpointing=True)),
+    ("llama", dict(tp=2, dp=2, zero=1, sequence_parallel=True, precision="bf16")),
+    ("llama", dict(tp=2, pp=2, microbatches=2, sequence_parallel=True, precision="fp32")),
+    # ... and context parallelism on a cp axis of its own (all_to_all: Ulysses; ring_attn: keys and
+    # values gathered); ZeRO partitions over dp x cp
+    ("llama", dict(cp=2, precision="fp32")),
+    ("llama", dict(cp=2, cp_mode="ring_attn", precision="bf16")),
+    ("llama", dict(cp=2, precision="fp32", checkpointing=True)),
+    ("llama", dict(tp=2, cp=2, zero=1, precision="fp32")),
+    ("llama", dict(cp=2, dp=2, zero=2, cp_mode="ring_attn", precision="bf16")),
+    ("llama", dict(pp=2, cp=2, microbatches=2, precision="fp32")),
 ]
 QUICK = [0, 2, 5, 8, 12, 23]
 # Per rank, an MoE's activations and ep traffic follow the routing (rows received); compared as the
@@ -111,9 +111,9 @@ CUDA_CASES = [
     ("llama", dict(tp=2, precision="bf16")),
     ("llama", dict(dp=2, zero=2, precision="bf16")),
     ("qwen3_moe", dict(dp=2, ep=2, zero=1, precision="bf16")),
-    ("llama", dict(tp=2, sp_mode="split_gather", precision="bf16")),
-    ("llama", dict(sp=2, precision="bf16")),
-    ("llama", dict(sp=2, sp_mode="ring_attn", precision="bf16")),
+    ("llama", dict(tp=2, sequence_parallel=True, precision="bf16")),
+    ("llama", dict(cp=2, precision="bf16")),
+    ("llama", dict(cp=2, cp_mode="ring_attn", precision="bf16")),
 ]
 SPEC_ENV = "MESHBOOST_PLAN_SPEC"      # "cuda": spec_of's larger models (read in every spawned process too)
 
@@ -260,7 +260,7 @@ def measure_rank(family: str, fields: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
     # zero=3: FSDP2 calls torch.distributed itself, so its dp traffic is what the dispatcher sees
     witness = dispatched_comm_counter(mesh) if layout.zero == 3 else contextlib.nullcontext()
-    # under context parallelism the gradients are averaged over dp x sp: that group's traffic is dp's
+    # under context parallelism the gradients are averaged over dp x cp: that group's traffic is dp's
     names = {mesh.group("dp", "cp"): "dp"} if mesh.cp_size > 1 else None
     with comm_counter(mesh, names) as counted, witness as dispatched:
         with peak.hooks():
@@ -279,11 +279,11 @@ def measure_rank(family: str, fields: dict) -> dict:
         out["activations"] = activation_bytes(model.unwrap(), lambda: model(**micro))
     else:    # the stage's peak over the schedule's micro-batches in flight (zero=3: its one micro-batch)
         out["activations"] = peak.peak
-    # the dp coordinate as ZeRO partitions: this rank's index among the gradient's replicas (dp x sp)
+    # the dp coordinate as ZeRO partitions: this rank's index among the gradient's replicas (dp x cp)
     out["ranks"] = (mesh.pp_rank, mesh.tp_rank, mesh.reduction_of([])[3])
     # ep = dp may be one process group, whose traffic comm_counter then labels ep
     out["dp_is_ep"] = layout.ep > 1 and mesh.group("dp") is mesh.group("ep")
-    out["dp_is_sp"] = layout.sp > 1 and mesh.group("dp", "cp") is mesh.group("cp")
+    out["dp_is_cp"] = layout.cp > 1 and mesh.group("dp", "cp") is mesh.group("cp")
     return out
 
 
@@ -329,16 +329,15 @@ def predict(family: str, fields: dict, ranks: tuple[int, int, int]) -> dict:
     return out
 
 
-COMM_AXES = ("tp", "pp", "dp", "ep", "edp", "sp")
+COMM_AXES = ("tp", "pp", "dp", "ep", "edp", "cp")
 
 
 def measured_comm(summary: dict) -> dict:
-    """Payload bytes per axis from `comm_counter`'s summary (its context axis "cp" is the plan's sp); a
+    """Payload bytes per axis from `comm_counter`'s summary (the plan's axes are the mesh's names); a
     group labelled by its ranks (the stage group of weights tied across pipeline stages) counts as pp."""
     out = {f"comm {axis}": 0 for axis in COMM_AXES}
     for label, stats in summary.items():
-        axis = {"cp": "sp"}.get(label, label)
-        out[f"comm {axis if axis in COMM_AXES else 'pp'}"] += stats["payload_bytes"]
+        out[f"comm {label if label in COMM_AXES else 'pp'}"] += stats["payload_bytes"]
     return out
 
 
@@ -352,9 +351,9 @@ def compare(family: str, fields: dict, measured_ranks: list[dict]) -> dict:
     if ranks[0].get("dp_is_ep"):             # one group: comm_counter labels its traffic ep
         for q in predicted:
             q["comm ep"] += q.pop("comm dp")
-    if ranks[0].get("dp_is_sp"):             # one group (dp x sp = sp, the world): comm_counter labels it sp
+    if ranks[0].get("dp_is_cp"):             # one group (dp x cp = cp, the world): comm_counter labels it cp
         for q in predicted:
-            q["comm sp"] += q.pop("comm dp")
+            q["comm cp"] += q.pop("comm dp")
     for m, p in zip(ranks, predicted):
         for key in (*STATE_KEYS, "activations", *(f"comm {axis}" for axis in COMM_AXES)):
             if key not in m or key not in p:

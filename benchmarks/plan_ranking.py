@@ -24,10 +24,10 @@ RANKING_LAYOUTS = [
     dict(pp=2, microbatches=2, precision="fp32"),
     dict(pp=2, microbatches=4, precision="fp32"),
     dict(pp=2, microbatches=8, precision="fp32"),
-    # the sequence splits: split_gather over tp, context parallelism's two modes over sp
-    dict(tp=2, sp_mode="split_gather", precision="fp32"),
-    dict(sp=2, precision="fp32"),
-    dict(sp=2, sp_mode="ring_attn", precision="fp32"),
+    # the sequence splits: split_gather over tp, context parallelism's two modes over cp
+    dict(tp=2, sequence_parallel=True, precision="fp32"),
+    dict(cp=2, precision="fp32"),
+    dict(cp=2, cp_mode="ring_attn", precision="fp32"),
 ]
 RANKING_WARMUP, RANKING_STEPS = 3, 10
 
@@ -141,7 +141,7 @@ def ranking(constants_file: str | None = None, world: int = 2, repeat: int = 1) 
     order_p = {i: r for r, i in enumerate(sorted(range(len(predicted)), key=predicted.__getitem__))}
     for i, fields in enumerate(RANKING_LAYOUTS):
         t = terms[i]
-        detail = " ".join(f"{k} {t[k]:.4f}" for k in ("compute", "overhead", "tp", "sp", "pp", "dp", "optimizer"))
+        detail = " ".join(f"{k} {t[k]:.4f}" for k in ("compute", "overhead", "tp", "cp", "pp", "dp", "optimizer"))
         print(f"{layout_of(fields, spec).describe():44s} {measured[i]:10.4f} {predicted[i]:11.4f} "
               f"{order_m[i] + 1:>4d}/{order_p[i] + 1:<3d}   {detail}")
     rho = spearman(measured, predicted)

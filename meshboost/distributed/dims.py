@@ -42,7 +42,7 @@ def check_mesh_shape(world_size: int, tp_size: int, pp_size: int, dp_size: int |
     dp_size = _check_dp(world_size, tp_size, pp_size, dp_size, ep_size, cp_size, dp_replicate)
     if dp_size % dp_replicate:
         raise ValueError(f"dp_replicate_size={dp_replicate} does not divide the data-parallel size {dp_size} (world_size="
-                         f"{world_size} / (tp_size={tp_size} x pp_size={pp_size} x sp_size={cp_size})): HSDP splits the "
+                         f"{world_size} / (tp_size={tp_size} x pp_size={pp_size} x cp_size={cp_size})): HSDP splits the "
                          f"dp ranks into dp_replicate_size groups that each shard the model; choose a divisor of "
                          f"{dp_size}, or launch a multiple of {tp_size * pp_size * cp_size * dp_replicate} processes")
     if dp_replicate > 1 and ep_size > 1 and (dp_size // ep_size) % dp_replicate:

@@ -57,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="whose temporaries and allocator the peak predicts (default: cuda where torch sees one)")
     p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"), help="training precision")
     p.add_argument("--layout", default=None, help="explain one layout: tp=2,pp=2,zero=1,mb=4,ckpt=1,... or a table "
-                   "row (tp=2,pp=1,dp=4,zero=1,bf16,mb=2x8,ckpt)")
+                   "row (tp=2,pp=1,dp=4,zero=1,bf16,mb=2x8,ckpt); context parallelism cp=2,cp_mode=ring_attn "
+                   "(ColossalAI's sp=2,sp_mode=ring_attn accepted), Megatron sequence parallelism split_gather")
     p.add_argument("--top", type=int, default=10, help="rows of the ranking to print (table output)")
     p.add_argument("--all", action="store_true", help="also list layouts that do not fit")
     p.add_argument("--json", action="store_true", help="print a JSON list of estimates")
@@ -107,7 +108,7 @@ def _constants(args) -> CostConstants:
 
 
 COLUMNS = (*MEMORY_KEYS, "total", "peak", "reserved")
-WIDTH = 56         # the layout column: tp=1,pp=2,dp=2,sp=2(ring_attn),zero=2,bf16,mb=128x1,ckpt
+WIDTH = 56         # the layout column: tp=1,pp=2,dp=2,cp=2(ring_attn),zero=2,bf16,mb=128x1,ckpt
 
 
 def _gib(n: float) -> str:

@@ -64,7 +64,7 @@ class ActivationModel:
 @dataclass(frozen=True)
 class SequenceSplit:
     """How a layout splits the sequence: `mode` "split_gather" over `size` = tp ranks (`roles`: the
-    sharder's plan), or a context mode ("all_to_all", "ring_attn") over `size` = sp ranks."""
+    sharder's plan), or a context mode ("all_to_all", "ring_attn") over `size` = cp ranks."""
 
     mode: str
     size: int
@@ -358,7 +358,7 @@ def activation_model(cls, config, batch: int, seq: int, precision: str, tp_size:
                      padded_vocab: int | None = None, checkpointing: bool = False,
                      split: SequenceSplit | None = None, body: bool = False) -> ActivationModel:
     """Per-layer and end bytes saved for backward by one micro-batch of `batch` x `seq` on one tp rank
-    (of one sp rank, under context parallelism: `split`); `body`: with a non-last pipeline stage's live
+    (of one cp rank, under context parallelism: `split`); `body`: with a non-last pipeline stage's live
     and peak bytes too."""
     rank_config = tp_rank_config(config, tp_size, padded_vocab)
     if rank_config is not None:

@@ -66,9 +66,9 @@ def _changes(planner, layout) -> list[tuple[str, object]]:
         out.append((f"pp={2 * layout.pp} in place of dp={layout.dp}", replace(
             layout, pp=2 * layout.pp, dp=layout.dp // 2, ep=1, microbatches=m)))
         if planner.context_parallel_ok:
-            out.append((f"context parallelism sp={2 * layout.sp} in place of dp={layout.dp}", replace(
-                layout, sp=2 * layout.sp, dp=layout.dp // 2, ep=1, microbatches=m,
-                sp_mode=None if layout.sp == 1 else layout.sp_mode)))
+            out.append((f"context parallelism cp={2 * layout.cp} in place of dp={layout.dp}", replace(
+                layout, cp=2 * layout.cp, dp=layout.dp // 2, ep=1, microbatches=m, sequence_parallel=False,
+                cp_mode=None if layout.cp == 1 else layout.cp_mode)))
     if layout.zero != 3:
         out.append(("zero=3 (FSDP2)", replace(layout, zero=3, ep=1, cpu_offload=False)))
     if layout.zero in (1, 2) and not layout.cpu_offload:

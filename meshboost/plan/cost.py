@@ -98,7 +98,7 @@ def ring_factor(op: str, size: int) -> float:
             "broadcast": 1.0}[op]
 
 
-INPUT_CHECK_BYTES = 48     # check_inputs="always": 6 int64 per rank all-gathered per forward call (tp, pp, sp)
+INPUT_CHECK_BYTES = 48     # check_inputs="always": 6 int64 per rank all-gathered per forward call (tp, pp, cp)
 P2P_HEADER_BYTES = 8 * (1 + 8 * (2 + 8))    # p2p.py's header before each activation send (int64)
 
 
@@ -133,23 +133,23 @@ class SequenceTraffic:
     summed_per_layer: int = 0
 
 
-def sp_per_step(layout, attention: AttentionShape, layers_held: int, tokens: int, last: bool) -> list[tuple[str, int]]:
-    """Context parallelism's traffic over the sp group per step (`shardformer/context.py`), per layer and
+def cp_per_step(layout, attention: AttentionShape, layers_held: int, tokens: int, last: bool) -> list[tuple[str, int]]:
+    """Context parallelism's traffic over the cp group per step (`shardformer/context.py`), per layer and
     micro-batch, with `tokens` this rank's piece: all_to_all, forward 4 all-to-alls (q, k, v whole
     sequence to heads, the output back; each payload this rank's [tokens, heads, head_dim], key/value
-    heads repeated to the query heads when they do not divide by sp) and backward their 4 reverses;
-    ring_attn, forward an all-gather of k and of v (payload the gathered [sp x tokens, kv heads,
+    heads repeated to the query heads when they do not divide by cp) and backward their 4 reverses;
+    ring_attn, forward an all-gather of k and of v (payload the gathered [cp x tokens, kv heads,
     head_dim]) and backward their reduce-scatters; checkpointing runs the forward exchanges again. On
-    the last stage, the loss averaged over sp (an fp32 scalar per micro-batch)."""
+    the last stage, the loss averaged over cp (an fp32 scalar per micro-batch)."""
     w = BYTES[layout.precision]
     forwards = 2 if layout.checkpointing else 1
     q = tokens * attention.heads * attention.head_dim * w
-    kv_heads = attention.kv_heads if attention.kv_heads % layout.sp == 0 else attention.heads
+    kv_heads = attention.kv_heads if attention.kv_heads % layout.cp == 0 else attention.heads
     kv = tokens * kv_heads * attention.head_dim * w
     m = layout.microbatches
     out = []
-    if layout.sp_mode == "ring_attn":
-        gathered = 2 * layout.sp * tokens * attention.kv_heads * attention.head_dim * w
+    if layout.cp_mode == "ring_attn":
+        gathered = 2 * layout.cp * tokens * attention.kv_heads * attention.head_dim * w
         out.append(("all_gather", forwards * gathered * layers_held * m))
         out.append(("reduce_scatter", gathered * layers_held * m))
     else:
@@ -227,17 +227,17 @@ def comm_per_step(layout, hidden: int, layers_held: int, first: bool, last: bool
     padded_numel are the dense weights'; `moe` the experts' (axes ep and edp); tp_grad_sum: gradient
     elements summed over tp each backward (whole q/k norms, replicated key/value head shards);
     post_norm: the layers end in a norm (BERT's), so checkpointing's recompute runs both all-reduces.
-    sequence: the layout splits the sequence (split_gather over tp, or context parallelism over sp)."""
+    sequence: the layout splits the sequence (split_gather over tp, or context parallelism over cp)."""
     w = BYTES[layout.precision]
-    tokens = layout.microbatch_size * seq // layout.sp         # this rank's piece under context parallelism
+    tokens = layout.microbatch_size * seq // layout.cp         # this rank's piece under context parallelism
     act = tokens * hidden * w
     m = layout.microbatches
-    out: dict[str, list[tuple[str, int]]] = {"tp": [], "pp": [], "dp": [], "ep": [], "edp": [], "sp": []}
-    if layout.sp > 1:
-        out["sp"] = sp_per_step(layout, sequence.attention, layers_held, tokens, last)
+    out: dict[str, list[tuple[str, int]]] = {"tp": [], "pp": [], "dp": [], "ep": [], "edp": [], "cp": []}
+    if layout.cp > 1:
+        out["cp"] = cp_per_step(layout, sequence.attention, layers_held, tokens, last)
     if moe is not None:
         out["ep"] = ep_per_step(layout, moe, tokens, hidden)
-        edp = axis_size(layout.dims, "edp")             # the experts' replicas (x sp: they see pieces too)
+        edp = axis_size(layout.dims, "edp")             # the experts' replicas (x cp: they see pieces too)
         if layout.ep > 1 and edp > 1 and moe.local_numel and layout.zero != 3:    # ZeRO-3: sharded.fsdp_step_comm
             if layout.zero == 0:
                 out["edp"].append(("all_reduce", moe.local_numel * w))
@@ -247,9 +247,9 @@ def comm_per_step(layout, hidden: int, layers_held: int, first: bool, last: bool
     if layout.tp > 1:
         out["tp"] = tp_per_step(layout, moe, tokens, act, layers_held, first, last, lm_head, post_norm, sequence,
                                 tp_grad_sum, vocab_parallel_loss)
-    # the input check: per forward call (one per pipeline step), an all-gather over tp, pp and sp each
+    # the input check: per forward call (one per pipeline step), an all-gather over tp, pp and cp each
     calls = 1 if layout.pp > 1 else m
-    for axis in ("tp", "pp", "sp"):
+    for axis in ("tp", "pp", "cp"):
         if getattr(layout, axis) > 1:
             out[axis].append(("all_gather", calls * INPUT_CHECK_BYTES * getattr(layout, axis)))
     if layout.ep > 1 and layout.pp == 1 and layout.dp > 1:
@@ -272,7 +272,7 @@ def comm_per_step(layout, hidden: int, layers_held: int, first: bool, last: bool
     if vocab_parallel_loss and layout.pp == 1 and layout.dp > 1:
         # the global batch's labelled tokens (loss_normalization "tokens"): one fp32 scalar per forward call
         out["dp"].append(("all_reduce", 4 * m))
-    # the gradients are averaged over dp x sp (every weight is replicated over the context ranks)
+    # the gradients are averaged over dp x cp (every weight is replicated over the context ranks)
     if layout.zero == 0 and layout.grad_replicas > 1:
         out["dp"].append(("all_reduce", local_numel * w))
     elif layout.zero in (1, 2) and layout.grad_replicas > 1:
@@ -300,12 +300,12 @@ def calls_per_step(layout, axis: str, op: str, nbytes: int, hidden: int, seq: in
     if not nbytes:
         return 0
     m = layout.microbatches
-    if op == "all_gather" and axis in ("tp", "pp", "sp") and nbytes < 2 ** 16:
+    if op == "all_gather" and axis in ("tp", "pp", "cp") and nbytes < 2 ** 16:
         return 1 if layout.pp > 1 else m                                 # the input check
     if axis == "tp" and op in ("all_reduce", "all_gather", "reduce_scatter"):
-        act = layout.microbatch_size * seq // layout.sp * hidden * BYTES[layout.precision]
+        act = layout.microbatch_size * seq // layout.cp * hidden * BYTES[layout.precision]
         return max(1, round(nbytes / act)) if nbytes >= act else 2 * m     # activations, else the loss's two
-    if axis == "sp":                     # per layer: 4 all-to-alls each way, or 2 gathers / 2 reduce-scatters
+    if axis == "cp":                     # per layer: 4 all-to-alls each way, or 2 gathers / 2 reduce-scatters
         forwards = 2 if layout.checkpointing else 1
         per_layer = {"all_to_all": 4 * (forwards + 1), "all_gather": 2 * forwards, "reduce_scatter": 2}.get(op)
         return per_layer * layers_held * m if per_layer else m
@@ -330,15 +330,15 @@ def step_seconds(layout, stage_numel: int, layers_held: int, hidden: int, seq: i
     tp ones inside each slot), plus the optimizer step over the rank's fp32 masters (ZeRO: its
     shard), nothing overlapped. `ends`: the stage holds the embedding or the head (the per-micro-batch
     overhead). `breakdown`, when given, receives the terms."""
-    tokens = layout.microbatch_size * seq // layout.sp        # this rank's piece under context parallelism
+    tokens = layout.microbatch_size * seq // layout.cp        # this rank's piece under context parallelism
     per_param = 8 if layout.checkpointing else 6
     attention = (4 if layout.checkpointing else 3) * 4 * layout.microbatch_size * seq * seq * hidden * layers_held
-    flops = per_param * stage_numel * tokens + attention / (layout.tp * layout.sp)
+    flops = per_param * stage_numel * tokens + attention / (layout.tp * layout.cp)
     recompute = 4 / 3 if layout.checkpointing else 1.0
     overhead = (layers_held * constants.layer_overhead_s * recompute + (constants.microbatch_overhead_s if ends else 0)
                 + (constants.pipeline_overhead_s if layout.pp > 1 else 0))
     # ring sizes of each axis's groups (pp's sends are point to point)
-    axes = dict.fromkeys(("tp", "pp", "dp", "ep", "edp", "sp", *comm))
+    axes = dict.fromkeys(("tp", "pp", "dp", "ep", "edp", "cp", *comm))
     sizes = {axis: 2 if axis == "pp" else axis_size(layout.dims, axis) for axis in axes}
     wire = {axis: 0.0 for axis in sizes}
     for axis, ops in comm.items():
@@ -351,15 +351,15 @@ def step_seconds(layout, stage_numel: int, layers_held: int, hidden: int, seq: i
             wire[axis] += calls * latency + n * ring_factor(op, sizes[axis]) / axis_bandwidth(
                 layout, axis, gpus_per_node, constants, op)
     m, slots = layout.microbatches, layout.microbatches + layout.pp - 1
-    microbatch_s = flops / constants.flops(layout.precision) + overhead + (wire["tp"] + wire["sp"]) / m
+    microbatch_s = flops / constants.flops(layout.precision) + overhead + (wire["tp"] + wire["cp"]) / m
     masters = stage_numel / (layout.fsdp_sizes[1] if layout.zero == 3 else layout.grad_replicas if layout.zero else 1)
     optimizer = masters / constants.optimizer_elements_s
     # the bubble's pp - 1 slots run while other stages idle: at solo speed where ranks share cores
     bubble_s = (layout.pp - 1) * microbatch_s / constants.solo_speedup / layout.num_model_chunks
-    total = m * microbatch_s + bubble_s + sum(wire[a] for a in wire if a not in ("tp", "sp")) + optimizer
+    total = m * microbatch_s + bubble_s + sum(wire[a] for a in wire if a not in ("tp", "cp")) + optimizer
     if breakdown is not None:
         breakdown.update(compute=slots * flops / constants.flops(layout.precision), overhead=slots * overhead,
-                         tp=slots * wire["tp"] / m, sp=slots * wire["sp"] / m, pp=wire["pp"],
+                         tp=slots * wire["tp"] / m, cp=slots * wire["cp"] / m, pp=wire["pp"],
                          dp=wire["dp"] + wire["edp"] + wire.get("dp_replicate", 0), ep=wire["ep"],
                          optimizer=optimizer,
                          bubble=(layout.pp - 1) / slots)

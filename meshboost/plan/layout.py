@@ -1,14 +1,15 @@
 """A candidate parallel layout, the plugin config it stands for, and the enumeration of valid ones.
 
 Owns: `Layout` (the mesh degrees as one `ParallelDims`, the runtime's own record, built from the
-planner's public names tp, pp, dp, ep, sp (context parallelism, the runtime's cp) and dp_replicate
-(HSDP); the sp mode, ZeRO stage, precision, micro-batches and their size, activation checkpointing, cpu
-offload, model chunks), the ranks of each of the planner's axes as the runtime's mesh groups them
-(`axis_groups`, read from `ParallelDims.mesh_axes`, never restated), parsing `--layout
-tp=2,pp=2,zero=1,...`, building the `HybridParallelConfig` a layout stands for (so the plugin's own
-checks raise their own messages: nothing is copied here), and enumerating every factorisation of the
-world (and ep, for an MoE; sp and its modes, for a causal LM; HSDP's replica groups under ZeRO-3) that
-the model and the plugin accept. Must not estimate memory or time (memory.py, cost.py).
+runtime's names tp, pp, dp, ep, cp (context parallelism) and dp_replicate (HSDP); cp's mode, Megatron
+sequence parallelism over tp (split_gather: no cp), the ZeRO stage, precision, micro-batches and their
+size, activation checkpointing, cpu offload, model chunks), the ranks of each of the planner's axes as
+the runtime's mesh groups them (`axis_groups`, read from `ParallelDims.mesh_axes`, never restated),
+parsing `--layout tp=2,pp=2,zero=1,...` (ColossalAI's `sp=`/`sp_mode=` accepted for cp), building the
+`HybridParallelConfig` a layout stands for (so the plugin's own checks raise their own messages:
+nothing is copied here), and enumerating every factorisation of the world (and ep, for an MoE; cp and
+its modes, for a causal LM; HSDP's replica groups under ZeRO-3) that the model and the plugin accept.
+Must not estimate memory or time (memory.py, cost.py).
 """
 
 from __future__ import annotations
@@ -23,27 +24,28 @@ from meshboost.distributed.param_info import DENSE, EXPERT
 from meshboost.optim.precision import PRECISION_BYTES
 
 PRECISIONS = tuple(PRECISION_BYTES)
-SPLIT_GATHER = "split_gather"           # Megatron sequence parallelism over the tp group (sp stays 1)
-CONTEXT_MODES = ("all_to_all", "ring_attn")     # context parallelism over an sp axis of its own
+SPLIT_GATHER = "split_gather"           # Megatron sequence parallelism over the tp group (cp stays 1)
+CONTEXT_MODES = ("all_to_all", "ring_attn")     # context parallelism over a cp axis of its own
 
 
 @dataclass(frozen=True)
 class Layout:
-    """One layout the plugin can run: the mesh sizes (tp x pp x dp x sp = the world; ep splits the
+    """One layout the plugin can run: the mesh sizes (tp x pp x dp x cp = the world; ep splits the
     experts over ep of the dp ranks; dp_replicate > 1 is HSDP, ZeRO-3 sharded over the dp / dp_replicate
     ranks of one replica group), the ZeRO stage, precision, micro-batching and the memory switches. The
     sizes' derived facts (world, axis order, gradient replicas) are `dims`'s, the runtime's record.
-    `sp_mode`: with sp > 1 the context-parallel mode ("all_to_all", the default, or "ring_attn"); with
-    sp = 1, "split_gather" is Megatron sequence parallelism over the tp group (ColossalAI's
-    `enable_sequence_parallelism=True`), None plain tensor parallelism."""
+    `cp_mode`: with cp > 1 the context-parallel mode ("all_to_all", the default, or "ring_attn").
+    `sequence_parallel`: Megatron sequence parallelism over the tp group (split_gather, ColossalAI's
+    `enable_sequence_parallelism=True` without sp_size), which is no cp: the tp ranks split the sequence."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
     precision: str = "bf16"
     ep: int = 1                     # experts split over ep of the dp ranks (ep divides dp)
-    sp: int = 1                     # context parallelism: every sequence split over sp ranks
-    sp_mode: str | None = None      # see the docstring
+    cp: int = 1                     # context parallelism: every sequence split over cp ranks (ColossalAI's sp_size)
+    cp_mode: str | None = None      # see the docstring
+    sequence_parallel: bool = False     # split_gather over tp (see the docstring)
     zero: int = 0                   # 0, 1, 2 (meshboost's ZeRO), 3 (torch FSDP2)
     microbatches: int = 1
     microbatch_size: int = 1
@@ -53,24 +55,20 @@ class Layout:
     dp_replicate: int = 1           # HSDP: replica groups (divides dp; zero=3)
 
     def __post_init__(self):
-        if self.sp > 1 and self.sp_mode is None:
-            object.__setattr__(self, "sp_mode", CONTEXT_MODES[0])      # the plugin's default mode
+        # the plugin's default mode; none beside split_gather, whose clash with cp > 1 the plugin names
+        if self.cp > 1 and self.cp_mode is None and not self.sequence_parallel:
+            object.__setattr__(self, "cp_mode", CONTEXT_MODES[0])
 
     @property
     def dims(self) -> ParallelDims:
-        """The runtime's record of these degrees (context parallelism is its cp). Unvalidated: the
-        planner's `check` runs `check_mesh_shape`, which names a bad size."""
-        return ParallelDims(dp=self.dp, pp=self.pp, tp=self.tp, ep=self.ep, cp=self.sp, dp_replicate=self.dp_replicate,
-                            cp_mode=self.sp_mode if self.sp > 1 else None)
+        """The runtime's record of these degrees. Unvalidated: the planner's `check` runs
+        `check_mesh_shape`, which names a bad size."""
+        return ParallelDims(dp=self.dp, pp=self.pp, tp=self.tp, ep=self.ep, cp=self.cp, dp_replicate=self.dp_replicate,
+                            cp_mode=self.cp_mode if self.cp > 1 else None)
 
     @property
     def world(self) -> int:
         return self.dims.size("dp", "pp", "cp", "tp")      # every rank once, however dp is factored
-
-    @property
-    def sequence_parallel(self) -> bool:
-        """Megatron sequence parallelism over tp (split_gather) is on."""
-        return self.sp_mode == SPLIT_GATHER
 
     @property
     def grad_replicas(self) -> int:
@@ -93,17 +91,18 @@ class Layout:
         ep = f",ep={self.ep}" if self.ep > 1 else ""
         ep += f",chunks={self.num_model_chunks}" if self.num_model_chunks > 1 else ""
         ep += f",dp_replicate={self.dp_replicate}" if self.dp_replicate > 1 else ""
-        ep += f",sp={self.sp}({self.sp_mode})" if self.sp > 1 else ",sp=split_gather" if self.sequence_parallel else ""
+        ep += f",cp={self.cp}({self.cp_mode})" if self.cp > 1 else ""
+        ep += f",{SPLIT_GATHER}" if self.sequence_parallel else ""
         return (f"tp={self.tp},pp={self.pp},dp={self.dp}{ep},zero={self.zero},{self.precision},"
                 f"mb={self.microbatches}x{self.microbatch_size}{ckpt}")
 
 
 def planner_axes(dims: ParallelDims, axis: str) -> tuple[str, ...]:
-    """The runtime's axes behind one of the planner's traffic axes: tp, pp; sp (context parallelism, cp);
+    """The runtime's axes behind one of the planner's traffic axes: tp, pp; cp (context parallelism);
     ep; edp (an expert's gradient replicas); dp (a dense gradient's reduction, or ZeRO-3's shard ranks:
     HSDP's dp_shard); dp_replicate (HSDP's replicas). Read from the dims' gradient and shard axes."""
     replicate, shard = dims.shard_axes(DENSE)
-    named = {"tp": ("tp",), "pp": ("pp",), "sp": ("cp",), "ep": ("ep",), "edp": dims.grad_axes(EXPERT),
+    named = {"tp": ("tp",), "pp": ("pp",), "cp": ("cp",), "ep": ("ep",), "edp": dims.grad_axes(EXPERT),
              "dp": shard, "dp_replicate": replicate}
     if axis not in named:
         raise ValueError(f"axis={axis!r}; the planner's axes are {sorted(named)}")
@@ -151,17 +150,26 @@ def axis_inside_node(dims: ParallelDims, axis: str, gpus_per_node: int) -> bool:
     return all(g[0] // gpus_per_node == g[-1] // gpus_per_node for g in axis_groups(dims, axis))
 
 
-KEYS = {"tp": int, "pp": int, "dp": int, "ep": int, "sp": int, "sp_mode": str, "zero": int, "precision": str,
+KEYS = {"tp": int, "pp": int, "dp": int, "ep": int, "cp": int, "cp_mode": str, "sp": int, "sp_mode": str,
+        "sequence_parallel": bool, SPLIT_GATHER: bool, "zero": int, "precision": str,
         "microbatches": int, "mb": int, "microbatch_size": int, "checkpointing": bool, "ckpt": bool,
         "cpu_offload": bool, "offload": bool, "chunks": int, "num_model_chunks": int, "dp_replicate": int}
-ALIASES = {"mb": "microbatches", "ckpt": "checkpointing", "offload": "cpu_offload", "chunks": "num_model_chunks"}
-FLAGS = ("ckpt", "checkpointing", "offload", "cpu_offload")     # a bare name means =1 (describe() writes them so)
+# sp= and sp_mode= are ColossalAI's words for cp (sp_size, sequence_parallelism_mode): its users type them
+ALIASES = {"mb": "microbatches", "ckpt": "checkpointing", "offload": "cpu_offload", "chunks": "num_model_chunks",
+           "sp": "cp", "sp_mode": "cp_mode", SPLIT_GATHER: "sequence_parallel"}
+# a bare name means =1 (describe() writes them so)
+FLAGS = ("ckpt", "checkpointing", "offload", "cpu_offload", SPLIT_GATHER)
+# the keys an error lists, each once: the short forms (not the long names they stand for), not ColossalAI's words
+SHOWN = sorted(set(KEYS) - {"sp", "sp_mode", SPLIT_GATHER, "microbatches", "checkpointing", "cpu_offload",
+                            "num_model_chunks"})
 
 
 def layout_fields(text: str) -> dict:
     """The fields `text` names, in `--layout`'s syntax or `Layout.describe()`'s (so a table row is
     accepted back): key=value items, a bare precision (`bf16`), bare flags (`ckpt`, `offload`),
-    `mb=MxS` (micro-batches x their size), `sp=N(mode)` and `sp=split_gather`."""
+    `mb=MxS` (micro-batches x their size), `cp=N(mode)`; ColossalAI's `sp=N`, `sp_mode=mode` and
+    `sp=N(mode)` for cp, where `sp=split_gather` and `sp_mode=split_gather` (its sequence_parallelism_mode)
+    mean Megatron sequence parallelism over tp."""
     out: dict = {}
     for item in text.split(","):
         item = item.strip()
@@ -174,22 +182,23 @@ def layout_fields(text: str) -> dict:
         if not sep and key in FLAGS:
             key, raw = key, "1"
         elif not sep or key not in KEYS:
-            raise ValueError(f"--layout item {item!r}: expected key=value with key in ({', '.join(sorted(KEYS))}), "
-                             f"a precision ({', '.join(PRECISIONS)}) or a flag ({', '.join(FLAGS)})")
+            raise ValueError(f"--layout item {item!r}: expected key=value with key in ({', '.join(SHOWN)}; "
+                             f"ColossalAI's sp, sp_mode for cp, cp_mode), a precision ({', '.join(PRECISIONS)}) or "
+                             f"a flag ({', '.join(f for f in FLAGS if f in SHOWN or f == SPLIT_GATHER)})")
         out.update(_field(key, raw, item))
     return out
 
 
 def _field(key: str, raw: str, item: str) -> dict:
-    """One item's fields (the describe() forms of mb and sp included)."""
+    """One item's fields (the describe() forms of mb and cp, and ColossalAI's sp forms, included)."""
     if key == "mb" and "x" in raw:
         count, _, size = raw.partition("x")
         return {"microbatches": _number(count, item, 1), "microbatch_size": _number(size, item, 1)}
-    if key == "sp" and raw == SPLIT_GATHER:
-        return {"sp_mode": SPLIT_GATHER}
-    if key == "sp" and raw.endswith(")") and "(" in raw:
+    if key in ("sp", "sp_mode") and raw == SPLIT_GATHER:
+        return {"sequence_parallel": True}
+    if key in ("cp", "sp") and raw.endswith(")") and "(" in raw:
         size, _, mode = raw[:-1].partition("(")
-        return {"sp": _number(size, item, 1), "sp_mode": mode}
+        return {"cp": _number(size, item, 1), "cp_mode": mode}
     kind = KEYS[key]
     if kind is bool:
         if raw.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
@@ -226,11 +235,10 @@ def plugin_config(layout: Layout):
         pipeline = PipelineConfig()
     # checkpointing: HF's gradient_checkpointing_enable() on every layer (the plugin's default without a
     # PipelineGradientCheckpointConfig); nothing in the config
-    # split_gather: ShardConfig's switch (the plugin's check of the mode with sp_size > 1 names the clash)
+    # split_gather: ShardConfig's switch (the plugin's check of the mode with cp_size > 1 names the clash)
     sharding = ShardConfig(enable_sequence_parallelism=layout.sequence_parallel)
-    return HybridParallelConfig(tp_size=layout.tp, ep_size=layout.ep, cp_size=layout.sp,
-                                dp_replicate_size=layout.dp_replicate,
-                                cp_mode=None if layout.sequence_parallel else layout.sp_mode, sharding=sharding,
+    return HybridParallelConfig(tp_size=layout.tp, ep_size=layout.ep, cp_size=layout.cp,
+                                dp_replicate_size=layout.dp_replicate, cp_mode=layout.cp_mode, sharding=sharding,
                                 pipeline=pipeline, precision=PrecisionConfig(layout.precision),
                                 zero=ZeroConfig(stage=layout.zero, cpu_offload=layout.cpu_offload))
 
@@ -239,22 +247,22 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def sequence_options(tp: int, sp: int, context: bool, split_gather: bool) -> list[str | None]:
-    """The sp modes to try at (tp, sp): the context modes when sp > 1; plain tensor parallelism and, at
-    tp > 1, split_gather when sp = 1."""
-    if sp > 1:
-        return list(CONTEXT_MODES) if context else []
-    return [None, SPLIT_GATHER] if split_gather and tp > 1 else [None]
+def sequence_options(tp: int, cp: int, context: bool, split_gather: bool) -> list[dict]:
+    """The sequence splits to try at (tp, cp), as Layout fields: the context modes when cp > 1; plain
+    tensor parallelism and, at tp > 1, split_gather (Megatron sequence parallelism over tp) when cp = 1."""
+    if cp > 1:
+        return [dict(cp_mode=mode) for mode in CONTEXT_MODES] if context else []
+    return [{}, dict(sequence_parallel=True)] if split_gather and tp > 1 else [{}]
 
 
 def enumerate_layouts(world: int, global_batch: int, num_layers: int, precision: str, gpus_per_node: int,
                       zero_stages=(0, 1, 2), checkpointing=(False, True), num_experts: int = 0,
                       context: bool = False, split_gather: bool = False) -> list[Layout]:
-    """Every (tp, sp, pp, dp) factorisation of `world` with tp x sp inside a node (the tp and sp groups
+    """Every (tp, cp, pp, dp) factorisation of `world` with tp x cp inside a node (the tp and cp groups
     are adjacent in the mesh), pp <= layers, dp dividing the global batch, each with ZeRO stages,
     checkpointing, and micro-batch counts dividing the per-replica batch (at least pp of them; without
     a pipeline they are gradient-accumulation steps, the user's loop under `booster.no_sync`); for an
-    MoE of `num_experts` experts, every ep dividing both dp and the experts; `context`: sp > 1 in
+    MoE of `num_experts` experts, every ep dividing both dp and the experts; `context`: cp > 1 in
     both context modes; `split_gather`: Megatron sequence parallelism at tp > 1; under ZeRO-3, HSDP's
     replica counts (`replica_options`). The model's own
     checks (tp dividing heads, sequence lengths, ...) run later."""
@@ -262,21 +270,21 @@ def enumerate_layouts(world: int, global_batch: int, num_layers: int, precision:
     for tp in divisors(world):
         if tp > gpus_per_node:
             continue
-        for sp in divisors(world // tp) if context else [1]:
-            if tp * sp > gpus_per_node:
+        for cp in divisors(world // tp) if context else [1]:
+            if tp * cp > gpus_per_node:
                 continue
-            for pp in divisors(world // tp // sp):
-                dp = world // tp // sp // pp
+            for pp in divisors(world // tp // cp):
+                dp = world // tp // cp // pp
                 if pp > num_layers or global_batch % dp:
                     continue
                 per_replica = global_batch // dp
                 counts = sorted({m for m in (1, 2, 4, 8, pp, 2 * pp, 4 * pp, 8 * pp, per_replica)
                                  if pp <= m <= per_replica and per_replica % m == 0} or {per_replica})
                 eps = [e for e in divisors(dp) if num_experts and num_experts % e == 0] or [1]
-                modes = sequence_options(tp, sp, context, split_gather)
-                for mode, ep, m, zero, ckpt in product(modes, eps, counts, zero_stages, checkpointing):
-                    base = Layout(tp=tp, pp=pp, dp=dp, ep=ep, sp=sp, sp_mode=mode, zero=zero, precision=precision,
-                                  microbatches=m, microbatch_size=per_replica // m, checkpointing=ckpt)
+                splits = sequence_options(tp, cp, context, split_gather)
+                for split, ep, m, zero, ckpt in product(splits, eps, counts, zero_stages, checkpointing):
+                    base = Layout(tp=tp, pp=pp, dp=dp, ep=ep, cp=cp, zero=zero, precision=precision, microbatches=m,
+                                  microbatch_size=per_replica // m, checkpointing=ckpt, **split)
                     out += [replace(base, dp_replicate=r) for r in replica_options(base, gpus_per_node)]
     return out
 

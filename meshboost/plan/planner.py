@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from meshboost.plan import activations, cost, emulate, memory, params, peak, sharded
 from meshboost.plan.checks import check_cluster, check_sequence
-from meshboost.plan.layout import Layout, enumerate_layouts, plugin_config
+from meshboost.plan.layout import SPLIT_GATHER, Layout, enumerate_layouts, plugin_config
 from meshboost.plan.model import build_meta_model, load_config, model_class
 
 GIB = 2 ** 30
@@ -143,20 +143,20 @@ class Planner:
         from meshboost.distributed.dims import check_mesh_shape
 
         plugin_config(layout)                       # the plugin's own validation and messages
-        check_mesh_shape(layout.world, layout.tp, layout.pp, layout.dp, layout.ep, layout.sp, layout.dp_replicate)
+        check_mesh_shape(layout.world, layout.tp, layout.pp, layout.dp, layout.ep, layout.cp, layout.dp_replicate)
         self.splits(layout.tp)                      # the sharder's checks (heads divisible by tp, ...)
         if layout.sequence_parallel and layout.tp > 1:     # split_gather: the sharder's and the split's checks
             from meshboost.shardformer.sequence import check_length
             self.sequence_roles(layout.tp)
             check_length(self.seq, layout.tp)
-        if layout.sp > 1:                           # context parallelism's checks, with its messages
+        if layout.cp > 1:                           # context parallelism's checks, with its messages
             from meshboost.shardformer.context_checks import check_context, check_length
-            check_context(self.meta, layout.sp, layout.tp, layout.sp_mode)
-            check_length(self.seq, layout.sp, layout.sp_mode)
+            check_context(self.meta, layout.cp, layout.tp, layout.cp_mode)
+            check_length(self.seq, layout.cp, layout.cp_mode)
         self.experts(layout.ep)                     # expert parallelism's (ep dividing every layer's experts, ...)
         self.holdings(layout.pp, layout.num_model_chunks)   # the pipeline's (at most one stage per layer, ...)
         if layout.world != self.gpus:
-            raise ValueError(f"layout {layout.describe()} uses tp x pp x dp x sp = {layout.world} ranks, but the world "
+            raise ValueError(f"layout {layout.describe()} uses tp x pp x dp x cp = {layout.world} ranks, but the world "
                              f"has --gpus {self.gpus}")
         per_step = layout.dp * layout.microbatches * layout.microbatch_size
         if per_step != self.global_batch:
@@ -215,7 +215,7 @@ class Planner:
         self.check(layout)
         splits, holdings = self.splits(layout.tp), self.holdings(layout.pp, layout.num_model_chunks)
         tp_ranks = range(layout.tp) if any(s.replicas > 1 for s in splits.values()) else [0]
-        dp_ranks = sorted({0, layout.grad_replicas - 1})       # the ends of ZeRO's partition over dp x sp
+        dp_ranks = sorted({0, layout.grad_replicas - 1})       # the ends of ZeRO's partition over dp x cp
         act_model = self._activation_model(layout)
         layer_counts = self.layer_counts(layout)
         stages, worst = [], None
@@ -274,10 +274,10 @@ class Planner:
                                             self._sequence_split(layout), body)
 
     def _sequence_split(self, layout: Layout) -> activations.SequenceSplit | None:
-        if layout.sp > 1:
-            return activations.SequenceSplit(layout.sp_mode, layout.sp)
+        if layout.cp > 1:
+            return activations.SequenceSplit(layout.cp_mode, layout.cp)
         if layout.sequence_parallel and layout.tp > 1:
-            return activations.SequenceSplit(layout.sp_mode, layout.tp, self.sequence_roles(layout.tp))
+            return activations.SequenceSplit(SPLIT_GATHER, layout.tp, self.sequence_roles(layout.tp))
         return None
 
     def attention_shape(self, layout: Layout) -> cost.AttentionShape:
@@ -316,7 +316,7 @@ class Planner:
             moe_layers = len({s.name.rsplit(".", 1)[0] for s in shards} & self.expert_paths)
             moe = cost.MoeTraffic(moe_layers, self.top_k, self.num_experts, expert_local, expert_padded)
         sequence = None
-        if layout.sp > 1 or layout.sequence_parallel and layout.tp > 1:
+        if layout.cp > 1 or layout.sequence_parallel and layout.tp > 1:
             sequence = cost.SequenceTraffic(self.attention_shape(layout), summed_per_layer)
         comm = cost.comm_per_step(layout, self.hidden, layers_held, first, last, local, padded, self.seq, tied,
                                   self.vocab_parallel_loss, self.lm_head, moe, sum(s.tp_grad_sum for s in shards),
@@ -387,7 +387,7 @@ def _default_batching(planner: Planner, text: str) -> dict:
     out = {}
     dp = given.dp
     if "dp" not in named:
-        dp = max(1, planner.gpus // (given.tp * given.pp * given.sp))
+        dp = max(1, planner.gpus // (given.tp * given.pp * given.cp))
         out["dp"] = dp
     per_replica = max(1, planner.global_batch // dp)
     if "microbatches" in named:

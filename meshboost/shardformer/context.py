@@ -38,7 +38,7 @@ attention function reads it. Under pipeline stages each micro-batch is cut the s
 backward (activation checkpointing keeps the layer's keyword arguments) mask as their own forward did,
 with nothing for the schedule to save or put back.
 
-Refused with the reason (every rank, before any collective): the tp group's modes with sp_size
+Refused with the reason (every rank, before any collective): the tp group's modes with cp_size
 ("split_gather", ColossalAI's "ring": sequence.py runs them over tp), packed rows with the cache on (in
 eval, or use_cache=True passed; a training call builds none), chunked attention, recurrent mixers, attention
 implementations other than sdpa and eager, heads not divisible by cp (all_to_all), a sequence length
@@ -341,7 +341,7 @@ def check_criterion(criterion, inputs: dict) -> None:
         got, why = None, f"{type(error).__name__}: {error}"
     if got is not probe.loss:
         raise NotImplementedError(
-            "execute_pipeline with sp_size > 1: the criterion must return the model's own loss "
-            "(`lambda outputs, inputs: outputs.loss`); under context parallelism each rank's outputs hold a piece "
+            "execute_pipeline with cp_size > 1 (ColossalAI's sp_size): the criterion must return the model's own "
+            "loss (`lambda outputs, inputs: outputs.loss`); under context parallelism each rank's outputs hold a piece "
             "of every sequence, so a loss computed from the logits and the whole labels would be wrong"
             + (f" (calling it on the model output without logits raised {why})" if why else ""))

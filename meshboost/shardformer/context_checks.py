@@ -18,15 +18,16 @@ WRAPPED = ("sdpa", "eager")
 
 
 def check_mode(mode: str | None) -> str:
-    """The context mode of a sequence axis of its own (sp_size > 1); the tp group's modes are refused, naming
+    """The context mode of a sequence axis of its own (cp_size > 1); the tp group's modes are refused, naming
     how to get them."""
     if mode in OVER_TP:
         raise ValueError(f"sequence_parallelism_mode={mode!r} splits the sequence over the tensor-parallel group "
                          "(ColossalAI's 'ring' is split_gather's layout with ring exchanges: the same numbers), so it "
-                         "takes no sp_size: pass sp_size=1 (or None) with tp_size > 1; with sp_size > 1 use one of "
-                         f"{MODES}")
+                         "takes no cp_size (ColossalAI's sp_size): pass cp_size=1 (or None) with tp_size > 1; with "
+                         f"cp_size > 1 use one of {MODES}")
     if mode not in MODES:
-        raise ValueError(f"sequence_parallelism_mode={mode!r} with sp_size > 1; expected one of {MODES}")
+        raise ValueError(f"sequence_parallelism_mode={mode!r} with cp_size > 1 (ColossalAI's sp_size); expected one "
+                         f"of {MODES}")
     return mode
 
 
@@ -51,26 +52,28 @@ def check_context(model: nn.Module, cp_size: int, tp_size: int, mode: str = ALL_
     name = type(model).__name__
     config = getattr(model, "config", None)
     if config is None or not is_causal_lm(model):
-        raise NotImplementedError(f"sp_size={cp_size}: context parallelism runs causal LMs (a model transformers' "
-                                  f"AutoModelForCausalLM builds, with causal attention); {name} is not one. Use "
-                                  "sp_size=1")
+        raise NotImplementedError(f"cp_size={cp_size} (ColossalAI's sp_size): context parallelism runs causal LMs "
+                                  "(a model transformers' AutoModelForCausalLM builds, with causal attention); "
+                                  f"{name} is not one. Use cp_size=1")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     implementation = getattr(config, "_attn_implementation", None)
     if implementation not in WRAPPED:
-        raise NotImplementedError(f"sp_size={cp_size}: {name} runs attn_implementation={implementation!r}; the "
-                                  f"all_to_all mode wraps {WRAPPED}: build the model with attn_implementation='sdpa'")
+        raise NotImplementedError(f"cp_size={cp_size} (ColossalAI's sp_size): {name} runs attn_implementation="
+                                  f"{implementation!r}; the all_to_all mode wraps {WRAPPED}: build the model with "
+                                  "attn_implementation='sdpa'")
     layer_types = set(getattr(text, "layer_types", None) or ())
     refuse_context(model, cp_size)       # layer_types alone misses Falcon-H1 ("hybrid") and untyped stacks
-    if getattr(text, "attention_chunk_size", None) or layer_types - {"full_attention", "sliding_attention"}:
-        raise NotImplementedError(f"sp_size={cp_size}: {name} has chunked or other attention layers "
-                                  f"(attention_chunk_size={getattr(text, 'attention_chunk_size', None)}, layer_types="
-                                  f"{sorted(layer_types)}), which context parallelism does not mask yet; use sp_size=1")
+    chunk = getattr(text, "attention_chunk_size", None)
+    if chunk or layer_types - {"full_attention", "sliding_attention"}:
+        raise NotImplementedError(f"cp_size={cp_size} (ColossalAI's sp_size): {name} has chunked or other attention "
+                                  f"layers (attention_chunk_size={chunk}, layer_types={sorted(layer_types)}), which "
+                                  "context parallelism does not mask yet; use cp_size=1")
     heads = getattr(text, "num_attention_heads", None)
     if mode == ALL_TO_ALL and (not isinstance(heads, int) or (heads // tp_size) % cp_size):
-        raise ValueError(f"sp_size={cp_size}: {name}'s {heads} attention heads over tp_size={tp_size} leave "
-                         f"{None if not isinstance(heads, int) else heads // tp_size} per rank, not divisible by "
-                         f"sp_size={cp_size} (each cp rank attends for heads / (tp x sp) of them); choose sizes "
-                         "that divide the heads")
+        per_rank = heads // tp_size if isinstance(heads, int) else None
+        raise ValueError(f"cp_size={cp_size} (ColossalAI's sp_size): {name}'s {heads} attention heads over "
+                         f"tp_size={tp_size} leave {per_rank} per rank, not divisible by cp_size={cp_size} (each cp "
+                         "rank attends for heads / (tp x cp) of them); choose sizes that divide the heads")
     return implementation
 
 
@@ -78,6 +81,6 @@ def check_length(length: int, size: int, mode: str) -> None:
     """A sequence of `length` tokens splits over `size` cp ranks in `mode` (2 size chunks for ring_attn)."""
     multiple = size if mode == ALL_TO_ALL else 2 * size
     if length % multiple:
-        raise ValueError(f"sequence length {length} is not divisible by {multiple} (sp_size={size}, {mode}): pad the "
-                         f"batch to a multiple of {multiple} (e.g. the collator's pad_to_multiple_of={multiple}, "
-                         "labels -100 there)")
+        raise ValueError(f"sequence length {length} is not divisible by {multiple} (cp_size={size}, {mode}; "
+                         f"ColossalAI's sp_size): pad the batch to a multiple of {multiple} (e.g. the collator's "
+                         f"pad_to_multiple_of={multiple}, labels -100 there)")

@@ -41,7 +41,7 @@ def refuse_context(model: nn.Module, cp_size: int) -> None:
     """Raise, naming the mixers and the fix, when `model` has recurrent mixers. Pure."""
     mixers = recurrent_mixers(model)
     if mixers:
-        raise NotImplementedError(f"sp_size={cp_size}: {type(model).__name__} has recurrent mixers "
-                                  f"({', '.join(mixers)}) whose state runs along the whole sequence; context "
-                                  "parallelism does not pass that state between sequence chunks yet; use sp_size=1 "
+        raise NotImplementedError(f"cp_size={cp_size} (ColossalAI's sp_size): {type(model).__name__} has recurrent "
+                                  f"mixers ({', '.join(mixers)}) whose state runs along the whole sequence; context "
+                                  "parallelism does not pass that state between sequence chunks yet; use cp_size=1 "
                                   "(tp_size splits these models)")

@@ -37,7 +37,8 @@ def test_explain_7b_layout_json(capsys):
     code, out, _ = _run(capsys, "--layout", "tp=2,pp=2,zero=1", "--json")
     assert code == 0
     (entry,) = json.loads(out)
-    assert {"tp", "pp", "dp", "ep", "sp", "zero", "microbatches"} <= set(entry["layout"])
+    assert {"tp", "pp", "dp", "ep", "cp", "cp_mode", "sequence_parallel", "zero", "microbatches"} <= set(
+        entry["layout"])
     assert entry["layout"]["dp"] == 2
     assert set(MEMORY) <= set(entry["memory_bytes_per_rank"])
     assert {"tp", "pp", "dp"} <= set(entry["comm_bytes_per_step"])
@@ -58,9 +59,9 @@ def test_rank_7b_on_8_gpus(capsys):
     assert ranked and all(e["memory_bytes_per_rank"]["reserved"] + e["memory_bytes_per_rank"]["outside"]
                           <= 80 * 2**30 for e in ranked)
     assert ranked[0]["relative_step_time"] == pytest.approx(1.0)
-    assert all(e["layout"]["tp"] * e["layout"]["pp"] * e["layout"]["dp"] * e["layout"]["sp"] == 8 for e in ranked)
-    modes = {e["layout"]["sp_mode"] for e in ranked}     # the sequence splits are enumerated too
-    assert {"split_gather", "all_to_all", "ring_attn"} <= modes
+    assert all(e["layout"]["tp"] * e["layout"]["pp"] * e["layout"]["dp"] * e["layout"]["cp"] == 8 for e in ranked)
+    modes = {e["layout"]["cp_mode"] for e in ranked}     # the sequence splits are enumerated too
+    assert {"all_to_all", "ring_attn"} <= modes and any(e["layout"]["sequence_parallel"] for e in ranked)
 
 
 def test_invalid_layout_gives_the_plugins_message(capsys):
@@ -76,16 +77,17 @@ def test_invalid_layout_gives_the_plugins_message(capsys):
     assert " ".join(str(plugin.value).split()) in err            # zero=3 with cpu offload: the plugin's refusal ...
     code, _, err = _run(capsys, "--layout", "tp=3")
     assert code == 2 and "not divisible by tp_size=3" in err      # ... and the sharder's own check
-    # sequence splits: the plugin's, the context split's and split_gather's own messages
+    # sequence splits: the plugin's, the context split's and split_gather's own messages (ColossalAI's sp=
+    # and sp_mode= are read as cp's)
     code, _, err = _run(capsys, "--layout", "sp=2,sp_mode=ring")
-    assert code == 2 and "sequence_parallelism_mode='ring'" in err and "takes no sp_size" in err
-    code, _, err = _run(capsys, "--layout", "sp_mode=all_to_all")
+    assert code == 2 and "sequence_parallelism_mode='ring'" in err and "takes no cp_size" in err
+    code, _, err = _run(capsys, "--layout", "cp_mode=all_to_all")
     assert code == 2 and "with cp_size=1 splits nothing" in err
     code = _main(["--model", "llama", "--set", LLAMA_7B, "--gpus", "8", "--seq", "4098", "--layout",
-                  "sp=4,sp_mode=ring_attn"])
+                  "cp=4,cp_mode=ring_attn"])
     err = capsys.readouterr().err
-    assert code == 2 and "sequence length 4098 is not divisible by 8 (sp_size=4, ring_attn)" in err
-    code, _, err = _run(capsys, "--layout", "sp=2", "--model", "bert")
+    assert code == 2 and "sequence length 4098 is not divisible by 8 (cp_size=4, ring_attn;" in err
+    code, _, err = _run(capsys, "--layout", "cp=2", "--model", "bert")
     assert code == 2 and "context parallelism runs causal LMs" in err
     # a layout the plugin itself refuses: its message, word for word
     from meshboost.plan.layout import Layout, plugin_config
@@ -100,8 +102,8 @@ def test_predicted_matches_measured():
     from benchmarks.plan_accuracy import compare, measure
 
     cases = [("llama", dict(tp=2, precision="bf16")), ("qwen3_moe", dict(dp=2, ep=2, zero=1, precision="fp32")),
-             ("llama", dict(tp=2, sp_mode="split_gather", precision="fp32")),
-             ("llama", dict(sp=2, sp_mode="ring_attn", checkpointing=True, precision="fp32"))]
+             ("llama", dict(tp=2, sequence_parallel=True, precision="fp32")),
+             ("llama", dict(cp=2, cp_mode="ring_attn", checkpointing=True, precision="fp32"))]
     for case, ranks in zip(cases, measure(cases)):
         errors = compare(*case, ranks)
         for key in ("weights", "gradients", "masters", "optimizer_states"):
@@ -114,10 +116,10 @@ def test_predicted_matches_measured():
 def test_sequence_splits_7b(capsys):
     """split_gather holds the norms' and residuals' activations at 1/tp of the sequence (same weights, the
     tp all-reduces become all-gathers and reduce-scatters); context parallelism divides the activations
-    by sp, partitions ZeRO over dp x sp and adds its own traffic, all_to_all's and ring_attn's."""
+    by cp, partitions ZeRO over dp x cp and adds its own traffic, all_to_all's and ring_attn's."""
     layouts = {}
-    for name, layout in (("tp", "tp=4,zero=1,ckpt=0"), ("sg", "tp=4,sp_mode=split_gather,zero=1"),
-                         ("a2a", "tp=2,sp=2,zero=1"), ("ring", "tp=2,sp=2,sp_mode=ring_attn,zero=1"),
+    for name, layout in (("tp", "tp=4,zero=1,ckpt=0"), ("sg", "tp=4,split_gather,zero=1"),
+                         ("a2a", "tp=2,cp=2,zero=1"), ("ring", "tp=2,cp=2,cp_mode=ring_attn,zero=1"),
                          ("tp2", "tp=2,zero=1")):
         code, out, _ = _run(capsys, "--layout", layout, "--json")
         assert code == 0, layout
@@ -126,14 +128,14 @@ def test_sequence_splits_7b(capsys):
     comm = {k: v["comm_bytes_per_step"] for k, v in layouts.items()}
     assert mem["sg"]["weights"] == mem["tp"]["weights"]
     assert mem["sg"]["activations"] < 0.8 * mem["tp"]["activations"]
-    assert comm["sg"]["tp"] > comm["tp"]["tp"] and comm["sg"]["sp"] == 0 == comm["tp"]["sp"]
-    # tp=2 x sp=2: the weights of tp=2, ZeRO's states over dp x sp = 4 (as tp=2's over dp = 4)
+    assert comm["sg"]["tp"] > comm["tp"]["tp"] and comm["sg"]["cp"] == 0 == comm["tp"]["cp"]
+    # tp=2 x cp=2: the weights of tp=2, ZeRO's states over dp x cp = 4 (as tp=2's over dp = 4)
     assert mem["a2a"]["weights"] == mem["tp2"]["weights"]
     assert mem["a2a"]["optimizer_states"] == mem["tp2"]["optimizer_states"]
     assert mem["a2a"]["activations"] < 0.6 * mem["tp2"]["activations"]
-    assert comm["a2a"]["sp"] > 0 and comm["ring"]["sp"] > 0
+    assert comm["a2a"]["cp"] > 0 and comm["ring"]["cp"] > 0
     assert comm["a2a"]["dp"] == pytest.approx(comm["tp2"]["dp"], rel=1e-6)     # + the token counts per micro-batch
-    assert layouts["ring"]["layout"]["sp_mode"] == "ring_attn"
+    assert layouts["ring"]["layout"]["cp_mode"] == "ring_attn"
 
 
 def test_zero3_and_offload_7b(capsys):
@@ -290,7 +292,7 @@ def test_step_time_terms():
 
 
 # the runtime's name for each planner axis's group (ParallelMesh.group), per layout
-RUNTIME_AXES = {"tp": ("tp",), "pp": ("pp",), "sp": ("cp",), "ep": ("ep",)}
+RUNTIME_AXES = {"tp": ("tp",), "pp": ("pp",), "cp": ("cp",), "ep": ("ep",)}
 
 
 def _runtime_groups(layout, monkeypatch=None) -> dict:
@@ -306,7 +308,7 @@ def _runtime_groups(layout, monkeypatch=None) -> dict:
     for rank in range(layout.world):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world)
         try:
-            mesh = ParallelMesh(tp_size=layout.tp, pp_size=layout.pp, ep_size=layout.ep, cp_size=layout.sp,
+            mesh = ParallelMesh(tp_size=layout.tp, pp_size=layout.pp, ep_size=layout.ep, cp_size=layout.cp,
                                 dp_replicate_size=layout.dp_replicate, device_type="cpu")
             dims = mesh.dims
             named = {**RUNTIME_AXES, "edp": dims.grad_axes(EXPERT), "dp": dims.shard_axes(DENSE)[1],
@@ -321,8 +323,8 @@ def _runtime_groups(layout, monkeypatch=None) -> dict:
     return out
 
 
-LAYOUTS_OF_GROUPS = ("tp=2,pp=2,dp=2", "pp=2,dp=4,ep=2", "tp=2,dp=2,sp=2", "tp=2,dp=4,dp_replicate=2,zero=3",
-                     "dp=4,sp=2,dp_replicate=2,zero=3")
+LAYOUTS_OF_GROUPS = ("tp=2,pp=2,dp=2", "pp=2,dp=4,ep=2", "tp=2,dp=2,cp=2", "tp=2,dp=4,dp_replicate=2,zero=3",
+                     "dp=4,cp=2,dp_replicate=2,zero=3")
 
 
 def test_planner_groups_are_the_runtime_meshs(monkeypatch):

@@ -19,7 +19,7 @@ wrong number or a hang: one process group of 4 ranks runs the whole matrix (issu
   (fp32) at the same layout, the two weights keeping their own Adam state.
 - expert parallelism: ep_size not dividing dp or the experts, ep on a dense model, an expert id out of
   range on one ep rank, one replica fed an empty batch (refused on every data-parallel rank); context
-  parallelism: sp_size not dividing the world, a sequence length the split cannot cut, cp ranks fed
+  parallelism: cp_size not dividing the world, a sequence length the split cannot cut, cp ranks fed
   different batches; HSDP: dp_replicate_size not dividing dp (or, with ep, dp / ep), below 1, with ZeRO-1/2 or
   cpu_offload.
 - recurrent mixers split by heads: their bad layouts (key heads or groups tp does not divide, with ep too,
@@ -267,7 +267,7 @@ def _expert_and_context_layouts(rank, world):
     with pytest.raises(ValueError, match=r"ep_size=2: the batch of data-parallel replica\(s\) \[1\] \(global ranks "
                                          r"\[1\]\) is empty"):
         model(input_ids=rows, labels=rows)
-    # context parallelism: a world the sp ranks cannot divide, a length the split cannot cut, cp ranks
+    # context parallelism: a world the cp ranks cannot divide, a length the split cannot cut, cp ranks
     # fed different batches
     with pytest.raises(ValueError, match=r"cp_size=3 x tp_size=1 = 3\); launch a multiple of 3"):
         CorePlugin(HybridParallelConfig(cp_size=3))
@@ -276,7 +276,8 @@ def _expert_and_context_layouts(rank, world):
     model, *_ = Booster(plugin=CorePlugin(HybridParallelConfig(cp_size=2, cp_mode="ring_attn"))).boost(
         build_causal_lm(config))
     ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match="sequence length 6 is not divisible by 4 \\(sp_size=2, ring_attn\\)"):
+    with pytest.raises(ValueError, match=r"sequence length 6 is not divisible by 4 \(cp_size=2, ring_attn; "
+                                         r"ColossalAI's sp_size\)"):
         model(input_ids=ids, labels=ids)
     ids = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(model.mesh.cp_rank))
     with pytest.raises(ValueError, match="context-parallel"):

@@ -18,7 +18,7 @@ same weights (per-step loss within 2e-5 relative in fp32, every weight gathered 
   model's;
 - per-call state: a call's masks travel with its inputs (a ContextCall), none is stored on the attention;
 - refusals: a sequence length not divisible by the split on every rank before any collective;
-  the tp group's modes with sp_size ("ring", "split_gather"), chunked attention, heads not dividing
+  the tp group's modes with cp_size ("ring", "split_gather"), chunked attention, heads not dividing
   over sp, recurrent mixers (Qwen3-Next's Gated DeltaNet, Falcon-H1's Mamba: no state passing between
   chunks), non-causal models and implementations the mode cannot wrap (pure checks).
 One process group, the layouts looped inside."""
@@ -246,7 +246,7 @@ def test_context_parallel_all_to_all():
 def test_context_parallel_refusals():
     for mode in ("ring", "split_gather"):         # the tp group's modes: named as such, listed nowhere else
         with pytest.raises(ValueError, match=f"sequence_parallelism_mode='{mode}' splits the sequence over the "
-                                             "tensor-parallel group .* takes no sp_size"):
+                                             "tensor-parallel group .* takes no cp_size"):
             HybridParallelConfig(cp_size=2, cp_mode=mode)
     with pytest.raises(ValueError, match="expected one of \\('all_to_all', 'ring_attn'\\)$"):
         HybridParallelConfig(cp_size=2, cp_mode="ulysses")
@@ -259,7 +259,7 @@ def test_context_parallel_refusals():
     with pytest.raises(NotImplementedError, match="split_gather sequence parallelism runs over the tensor-parallel"):
         _context(dict(sp_size=2, sequence_parallelism_mode="split_gather", enable_sequence_parallelism=True))
     llama = build_causal_lm(_config(num_key_value_heads=2))
-    with pytest.raises(ValueError, match="4 attention heads over tp_size=1 leave 4 per rank, not divisible by sp_size=8"):
+    with pytest.raises(ValueError, match="4 attention heads over tp_size=1 leave 4 per rank, not divisible by cp_size=8"):
         check_context(llama, 8, 1)
     chunked = build_causal_lm(moe_config("llama4_text"))
     with pytest.raises(NotImplementedError, match="chunked or other attention layers"):

@@ -179,5 +179,5 @@ def test_mixer_kinds_and_context_refusal():
     assert mamba and all(plan[n.removeprefix("model.")] == MAMBA2 for n in mamba), plan
     assert plan.get("layers.*.mixer") != MAMBA2 and plan["layers.*.mixer.q_proj"] == "colwise", plan
     for model in (qwen, bamba):
-        with pytest.raises(NotImplementedError, match="sp_size=2"):
+        with pytest.raises(NotImplementedError, match="cp_size=2 \\(ColossalAI's sp_size\\)"):
             refuse_context(model, 2)

@@ -128,7 +128,8 @@ def planned_layout(args, config, world_size: int):
     best = fitting[0]
     lay = best.layout
     args.tp, args.pp, args.zero, args.ep = lay.tp, lay.pp, lay.zero, lay.ep
-    args.sp, args.sp_mode = lay.sp, lay.sp_mode
+    # the planner's cp is this script's --sp (ColossalAI's sp_size); its split_gather is --sp-mode split_gather
+    args.sp, args.sp_mode = lay.cp, "split_gather" if lay.sequence_parallel else lay.cp_mode
     args.batch_size = args.batch_size * world_size // lay.dp       # the sp ranks of a replica share its rows
     args.microbatch_size = lay.microbatch_size if lay.pp > 1 else None
     return best

@@ -125,7 +125,7 @@ class PipelineSchedule:
         self.loss_normalization, self.count_group, self.count_size = loss_normalization, count_group, count_size
         self.shifted_labels = shifted_labels
         self.input_dtype = input_dtype            # floating inputs take the weights' precision (inputs.py)
-        # sp_size > 1: a `ContextInputs` (shardformer/context.py) cuts each micro-batch into this cp rank's
+        # cp_size > 1: a `ContextInputs` (shardformer/context.py) cuts each micro-batch into this cp rank's
         # piece of every sequence and turns the last stage's output into the whole sequences' loss
         self.context = context
         # zero_stage=3: FSDP2's `StepSharding` (meshboost/fsdp/pipeline.py): gradients kept unreduced and
