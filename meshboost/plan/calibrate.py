@@ -115,11 +115,10 @@ def _matmul_flops(dtype, device, n: int, repeats: int, sync) -> float:
     return 2 * n ** 3 / _timed(lambda: a @ b, repeats, sync)
 
 
-def _layer_timings(device, sync, dtype, hidden: int, tokens: tuple[int, int]) -> tuple[float, float]:
-    """(seconds per layer forward+backward of fixed cost, flop/s) of transformers' Llama decoder layer
-    (`hidden`, 4 x hidden intermediate) in `dtype`: a line through its timings at two token counts
-    (one sequence each), its flops counted as the cost model counts them (6 per parameter per token,
-    attention 12 s^2 h)."""
+def _layer_timings(device, sync, dtype, hidden: int, tokens: tuple[int, int], ceiling: float) -> tuple[float, float]:
+    """(fixed seconds, flop/s) of a Llama decoder layer's forward+backward in `dtype`: a line through two
+    token counts, flops as cost.py counts them; held to the square matmul's `ceiling` flop/s (on a loaded
+    machine the larger run can time no slower than the smaller, a flat line)."""
     import torch
     import transformers as tfm
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
@@ -144,6 +143,8 @@ def _layer_timings(device, sync, dtype, hidden: int, tokens: tuple[int, int]) ->
             out.float().sum().backward()
         points.append((6 * numel * n + 12 * n * n * hidden, _timed(one_layer, 9, sync)))
     overhead, rate = _fit(points)
+    if rate > ceiling:
+        rate, overhead = ceiling, max(0.0, min(t - x / ceiling for x, t in points))
     return overhead, rate
 
 
@@ -323,8 +324,8 @@ def measure(precision: str = "bf16") -> dict:
               "flops_fp32": _matmul_flops(torch.float32, device, n, 5, sync)}
     # a transformer layer's achieved rate in the precision asked for (the other scaled by the matmuls')
     hidden, tokens = (2048, (512, 4096)) if device.type == "cuda" else (256, (64, 512))
-    overhead, rate = _layer_timings(device, sync, dtype, hidden, tokens)
     asked = "flops_fp32" if precision == "fp32" else "flops_half"
+    overhead, rate = _layer_timings(device, sync, dtype, hidden, tokens, matmul[asked])
     other = "flops_half" if asked == "flops_fp32" else "flops_fp32"
     out = {asked: rate, other: rate * matmul[other] / matmul[asked], "layer_overhead_s": overhead,
            "matmul_flops": matmul, "layer_hidden": hidden}
@@ -335,7 +336,7 @@ def measure(precision: str = "bf16") -> dict:
         solo = torch.zeros(1, dtype=torch.float64, device=device)
         dist.barrier()
         if dist.get_rank() == 0:
-            solo[0] = _layer_timings(device, sync, dtype, hidden, tokens)[1]
+            solo[0] = _layer_timings(device, sync, dtype, hidden, tokens, matmul[asked])[1]
         dist.barrier()
         dist.broadcast(solo, 0)
         out["solo_speedup"] = max(1.0, float(solo[0]) / rate)
@@ -396,5 +397,4 @@ def calibrate(world: int = 2, precision: str = "bf16") -> CostConstants:
     with tempfile.TemporaryDirectory() as outdir:
         spawn(_calibrate_worker, world, precision, outdir)
         with open(os.path.join(outdir, "measured.json")) as f:
-            measured = json.load(f)
-    return constants_from(measured)
+            return constants_from(json.load(f))
