@@ -1,7 +1,7 @@
 """`benchmarks/gpu_check.sh --dry-run` (issue 15, item 4) runs on a machine without a GPU: every step
 parses and runs (the CUDA tests skip, the MFU script trains a tiny Llama on CPU through every row of issue
 41's table, plain PyTorch, meshboost eager, + compile, + compile + float8, and prints each row's line, the
-planner's CUDA comparison runs its first case on CPU, without the allocator's figure)."""
+planner's CUDA comparison runs its cases shrunk on CPU and prints its pred.peak / meas.peak table)."""
 
 import subprocess
 import sys
