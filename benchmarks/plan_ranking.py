@@ -29,7 +29,7 @@ RANKING_LAYOUTS = [
     dict(cp=2, precision="fp32"),
     dict(cp=2, cp_mode="ring_attn", precision="fp32"),
 ]
-RANKING_WARMUP, RANKING_STEPS = 3, 10
+RANKING_WARMUP, RANKING_STEPS = 3, 20
 
 
 def ranking_spec():
