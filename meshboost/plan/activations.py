@@ -179,7 +179,9 @@ def live_peak(model, inputs: dict, hooks, body: bool = False) -> tuple[int, arra
         where a peak happens): one op sequence at two batch sizes gives every instant's bytes as an
         affine function of the batch (`_extrapolated`)."""
 
-        totals: list = []
+        def __init__(self):
+            super().__init__()
+            self.totals: list[int] = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = super().__torch_dispatch__(func, types, args, kwargs)
@@ -187,7 +189,6 @@ def live_peak(model, inputs: dict, hooks, body: bool = False) -> tuple[int, arra
             return out
 
     tracker = Timeline()
-    tracker.totals = []
     tracker.track_external(model)
     try:
         with tracker:

@@ -92,15 +92,14 @@ def load(path: str) -> CostConstants:
 
 
 # -- the measurements (on every rank, inside a process group) ----------------------------------------
-def _timed(fn, repeats: int, sync) -> float:
-    """Median seconds of `fn()` over `repeats` runs after one warm-up."""
-    fn()
-    sync()
+def _timed(fn, repeats: int, sync, warm_up: bool = True) -> float:
+    """Median seconds of `fn()` over `repeats` runs (after one warm-up unless `warm_up=False`)."""
+    if warm_up:
+        fn(), sync()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
-        sync()
+        fn(), sync()
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
 
@@ -190,8 +189,10 @@ def _pipeline_overhead(world: int, sync, hidden: int = 64, tokens: int = 8, prec
             dist.barrier()
             booster.execute_pipeline(iter([batch]), model, lambda out, _: out.loss, optimizer)
         steps[m] = step
-    samples = [(m, _timed(steps[m], 1, sync)) for _ in range(7) for m in (2, 8)]    # alternated: a load change
-    t2, t8 = (sorted(t for k, t in samples if k == m)[3] for m in (2, 8))          # falls on both alike
+    for step in steps.values():    # a warm-up each, then their steps alternated: a load change falls on both
+        step(), sync()
+    samples = [(m, _timed(steps[m], 1, sync, warm_up=False)) for _ in range(7) for m in (2, 8)]
+    t2, t8 = (sorted(t for k, t in samples if k == m)[3] for m in (2, 8))
     return max(0.0, (t8 - t2) / 6)
 
 
