@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from meshboost.optim.precision import PRECISION_BYTES as BYTES
 from meshboost.optim.zero_config import DEFAULT_BUCKET_ELEMENTS
+from meshboost.plan import fsdp_peak
 
 DEVICES = ("cpu", "cuda")
 RESERVE_MARGIN = {"cpu": 0.0, "cuda": 0.05}       # fraction of the peak the allocator keeps beyond it
@@ -95,7 +96,12 @@ def stage_peak(layout, state: dict, buffers: int, act: StageActivations, shape: 
     write_back = 0
     if zero_12 and (half or layout.cpu_offload):
         write_back = held + kept + master_grads + w * (shape.owned + shape.largest_bucket)
-    instants = {"backward": backward, "reduction": reduction, "step": step, "write_back": write_back}
+    return finish({"backward": backward, "reduction": reduction, "step": step, "write_back": write_back}, device)
+
+
+def finish(instants: dict, device: str) -> dict:
+    """The record of a rank whose instants' bytes are `instants`: the largest, and what the allocator
+    reserves beyond it."""
     instant = max(instants, key=instants.get)
     peak = instants[instant]
     reserved = int(peak * (1 + RESERVE_MARGIN[device]))
@@ -170,8 +176,13 @@ def _interleaved_activations(planner, layout, pp_rank: int) -> StageActivations:
 
 
 def rank_peak(planner, layout, pp_rank: int, shards, dp_rank: int, mem: dict) -> dict:
-    """`stage_peak` of one rank of `planner`'s layout whose state and buffers are `mem`."""
+    """`stage_peak` of one rank of `planner`'s layout whose state and buffers are `mem` (ZeRO-3 outside a
+    pipeline: fsdp_peak.py's instants)."""
     act = stage_activations(planner, layout, pp_rank)
+    if layout.zero == 3 and layout.pp == 1:
+        adam = adam_temporaries(planner.device, step_shape(layout, shards, dp_rank))
+        return finish(fsdp_peak.rank_instants(planner, layout, shards, dp_rank, mem, act.one_peak, adam),
+                      planner.device)
     return stage_peak(layout, mem, mem["buffers"], act, step_shape(layout, shards, dp_rank), planner.device)
 
 

@@ -100,7 +100,8 @@ def fsdp_units(shards, layer_prefixes) -> list[list]:
 
 
 def fsdp_buffer_bytes(shards, precision: str, dp_size: int, layer_prefixes=()) -> int:
-    """Peak transient bytes of FSDP2's gathers and reductions (an estimate, not measured), with N_u a
+    """Transient bytes of FSDP2's gathers and reductions, the `buffers` figure of a ZeRO-3 rank (an
+    estimate; the peak outside a pipeline counts them per backward instant instead: fsdp_peak.py), with N_u a
     unit's padded unsharded elements and w the compute dtype's size. The root stays gathered from its
     forward to the end of backward, and its unsharded gradients (the LM head's first) live until its
     reduction, last: 2 w N_root. On top, during one layer's backward: its gathered weights, the
