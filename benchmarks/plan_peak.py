@@ -31,7 +31,7 @@ def _peak_worker(rank: int, world: int, spec_fields: dict, fields: dict, outdir:
 
     from benchmarks.models import ModelSpec, make_batch
     from benchmarks.plan_accuracy import _step, boost_layout
-    from meshboost.plan.activations import live_bytes_tracker
+    from meshboost.plan.live import live_bytes_tracker
 
     spec = ModelSpec(**spec_fields)
     layout, plugin, booster, model, optimizer = boost_layout(fields, spec)

@@ -10,8 +10,9 @@ measuring a per-rank config (heads, key/value heads, intermediate size and vocab
 head_dim kept) where the family's config allows it, else a documented approximation; under sequence
 parallelism (split_gather) and context parallelism, the same forward with meshboost's own sequence
 splits emulated shape for shape (emulate.py). The same fake run goes on through backward under
-torch's MemTracker (`live_peak`): the bytes alive after the forward and after each op of forward and
-backward (their maximum: the peak), which the peak model (peak.py) uses; for a pipeline stage that is
+torch's MemTracker (live.py's `live_peak`): the bytes alive after the forward and after each op of
+forward and backward (their maximum: the peak; with the gradients accumulated by each op on top: the
+peak of a layout that holds them), which the peak model (peak.py) uses; for a pipeline stage that is
 not the last, the base model alone with its output's gradient seeding the backward. Every instant's
 bytes are affine in the micro-batch size, so each size's figures come from runs at 2 and 3 sequences
 (`_extrapolated`): one set of fake runs per config, not per size. Must not touch the caller's model.
@@ -23,7 +24,6 @@ import contextlib
 import copy
 import inspect
 import json
-from array import array
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
@@ -31,6 +31,7 @@ from functools import lru_cache
 import torch
 
 from meshboost.optim.precision import PRECISION_DTYPES as DTYPES     # the one precision table
+from meshboost.plan.live import live_peak
 
 SPLIT_GATHER = "split_gather"
 LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
@@ -52,6 +53,10 @@ class ActivationModel:
     live_ends: int = 0
     peak_per_layer: int = 0
     peak_ends: int = 0
+    # that peak with the gradients accumulated by each instant on top (a layout that keeps every working
+    # gradient through the backward holds them: under checkpointing the last layer's recomputation then)
+    grads_peak_per_layer: int = 0
+    grads_peak_ends: int = 0
     # the same for a pipeline stage that is not the last (`body`, measured only for pp > 1): its layers
     # without head and loss, the output kept and its gradient seeding the backward; the ends hold the
     # embedding's, the output and its gradient and, at the peak, one layer's backward temporaries
@@ -59,6 +64,8 @@ class ActivationModel:
     body_live_ends: int = 0
     body_peak_per_layer: int = 0
     body_peak_ends: int = 0
+    body_grads_peak_per_layer: int = 0
+    body_grads_peak_ends: int = 0
 
 
 @dataclass(frozen=True)
@@ -86,7 +93,7 @@ def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpoi
                  split: SequenceSplit | None = None, vocab_tp: int = 1, body: bool = False) -> tuple[int, ...]:
     """(distinct bytes autograd saves in one training forward of `cls(config)` on fake tensors, the
     parameters (and views of them: a linear saves its weight) left out: they are the weights;
-    split_gather's replicated elements fed the chunk; `live_peak`'s two figures) for one rank of
+    split_gather's replicated elements fed the chunk; `live_peak`'s three figures) for one rank of
     `split`'s sequence split. `body`: the base model alone (no head, no loss), its backward fed a
     gradient of its output, as a pipeline stage that is not the last runs it."""
     from meshboost.plan import emulate
@@ -135,87 +142,6 @@ def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpoi
             live = live_peak(model.base_model if body else model, inputs,
                              lambda: torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), body)
     return (sum(saved.values()), sum(sequence.summed.values()) if sequence is not None else 0, *live)
-
-
-@lru_cache(maxsize=None)
-def live_bytes_tracker() -> type:
-    """torch's `MemTracker` without its per-module statistics, for reading live bytes and their peak
-    only: its module hooks cost half of a fake run and change no figure, and a pipeline runs each module
-    once per micro-batch, which its module snapshots refuse (they are for one call per iteration)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class LiveBytesTracker(MemTracker):
-        def _pre_fw_hook(self, module, inputs):
-            pass
-
-        def _post_fw_hook(self, module, inputs, outputs):
-            pass
-
-        def _pre_bw_hook(self, module, args):
-            pass
-
-        def _post_bw_hook(self, module, args):
-            pass
-
-    return LiveBytesTracker
-
-
-def live_peak(model, inputs: dict, hooks, body: bool = False) -> tuple[int, array]:
-    """(bytes alive once the forward has returned its loss, the bytes alive after each op of that
-    forward and the backward: its maximum is the peak), the parameters and their gradients left out,
-    on `model`'s fake tensors, as torch's `MemTracker` counts them (each storage once, whatever views autograd saved of it). The outputs
-    but the loss are dropped, as a training step drops them (the logits are not saved: the loss's
-    softmax is); each gradient is dropped once accumulated (they are counted as `gradients`, held or
-    reduced as the layout does), so the peak is what activations and the kernels' temporaries add.
-    `body`: `model` is a stage that sends its output on: the output is kept until the next stage's
-    gradient of it arrives (the schedule's `saved`), and that gradient seeds the backward."""
-    from torch.distributed._tools.mem_tracker import _MemRefType
-
-    kinds = (_MemRefType.ACT, _MemRefType.TEMP)
-    drops = [p.register_post_accumulate_grad_hook(_drop_grad) for p in model.parameters() if p.requires_grad]
-
-    class Timeline(live_bytes_tracker()):
-        """MemTracker, noting its live activation and temporary bytes after each op (an allocation is
-        where a peak happens): one op sequence at two batch sizes gives every instant's bytes as an
-        affine function of the batch (`_extrapolated`)."""
-
-        def __init__(self):
-            super().__init__()
-            self.totals: list[int] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = super().__torch_dispatch__(func, types, args, kwargs)
-            self.totals.append(sum(snap.get(k, 0) for snap in self._curr_mem_snap.values() for k in kinds))
-            return out
-
-    tracker = Timeline()
-    tracker.track_external(model)
-    try:
-        with tracker:
-            with hooks():
-                outputs = model(**inputs)
-                root = outputs[0] if body else _loss_of(outputs)
-            del outputs
-            after = tracker.get_tracker_snapshot("current")
-            root.backward(torch.empty_like(root) if body else None)
-    finally:
-        for handle in drops:
-            handle.remove()
-    # the timeline as 8-byte integers: the planner caches one per fake run (hundreds, ~2000 ops each)
-    return sum(snap.get(k, 0) for snap in after.values() for k in kinds), array("q", tracker.totals)
-
-
-def _drop_grad(p) -> None:
-    p.grad = None
-
-
-def _loss_of(outputs):
-    """The training loss of a transformers output (a base model without labels: its hidden states summed)."""
-    loss = getattr(outputs, "loss", None)
-    if loss is None:
-        first = outputs[0] if isinstance(outputs, tuple) else outputs.last_hidden_state
-        loss = first.float().sum()
-    return loss
 
 
 class _GroupedMM(torch.autograd.Function):
@@ -297,9 +223,9 @@ def tp_rank_config(config, tp_size: int, padded_vocab: int | None):
 def _measured(cls, config_json: str, model_type: str, batch: int, seq: int, precision: str,
               checkpointing: bool, split: SequenceSplit | None = None, vocab_tp: int = 1,
               body: bool = False) -> tuple[int, ...]:
-    """(per layer, ends, summed per layer, live per layer, live ends, peak per layer, peak ends) for one
-    micro-batch of `batch` sequences. `body`: four more, (live per layer, live ends, peak per layer,
-    peak ends) of a non-last pipeline stage."""
+    """(per layer, ends, summed per layer, live per layer, live ends, peak per layer, peak ends, the peak
+    with the gradients per layer and ends) for one micro-batch of `batch` sequences. `body`: the last six
+    again, of a non-last pipeline stage."""
     whole = _measured_batch(cls, config_json, model_type, batch, seq, precision, checkpointing, split, vocab_tp)
     if not body:
         return whole
@@ -314,29 +240,31 @@ def _measured_batch(cls, config_json: str, model_type: str, batch: int, seq: int
     """`_measured` of one batch size, from a 1-layer and a 2-layer copy of the config."""
     one, two = (_extrapolated(cls, config_json, model_type, n, batch, seq, precision, checkpointing, split,
                               vocab_tp, body) for n in (1, 2))
-    per_layer = tuple(b - a for a, b in zip(one, two))       # (saved, summed, live, peak) per layer
+    per_layer = tuple(b - a for a, b in zip(one, two))       # (saved, summed, live, peak, grads peak) per layer
     ends = tuple(2 * a - b for a, b in zip(one, two))
-    return per_layer[0], ends[0], per_layer[1], per_layer[2], ends[2], per_layer[3], ends[3]
+    return (per_layer[0], ends[0], per_layer[1], *(n for i in (2, 3, 4) for n in (per_layer[i], ends[i])))
 
 
 def _extrapolated(cls, config_json: str, model_type: str, layers: int, batch: int, *rest) -> tuple[int, ...]:
-    """`_saved_bytes` (saved, summed, live after the forward, peak) of a `layers`-layer copy at `batch`
-    sequences, from the runs at 2 and 3: every tensor has the batch dimension or none, so the saved
-    and live bytes at each instant (after each op, the same ops at every batch size) are affine in the
-    batch; the peak is the largest of those instants at `batch` (not an extrapolated peak: at one
+    """`_saved_bytes` (saved, summed, live after the forward, peak, peak with the gradients accumulated
+    by each instant on top) of a `layers`-layer copy at `batch` sequences, from the runs at 2 and 3:
+    every tensor has the batch dimension or none, so the saved and live bytes at each instant (after
+    each op, the same ops at every batch size) are affine in the batch (the gradients do not depend on
+    it); the peak is the largest of those instants at `batch` (not an extrapolated peak: at one
     sequence the embedding's weight gradient can outweigh the loss's softmax gradient, at twelve the
     other way round). A model whose op sequence changes with the batch (a single sequence takes other
     paths: a few ops fewer) is run at `batch` itself."""
     if batch <= 3:
-        saved, summed, after, timeline = _run(cls, config_json, model_type, layers, batch, *rest)
-        return saved, summed, after, max(timeline, default=0)
+        saved, summed, after, timeline, grads = _run(cls, config_json, model_type, layers, batch, *rest)
+        return saved, summed, after, max(timeline, default=0), max(map(sum, zip(timeline, grads)), default=0)
     one, two = (_run(cls, config_json, model_type, layers, b, *rest) for b in (2, 3))
     if len(one[3]) != len(two[3]):
-        saved, summed, after, timeline = _run(cls, config_json, model_type, layers, batch, *rest)
-        return saved, summed, after, max(timeline, default=0)
+        saved, summed, after, timeline, grads = _run(cls, config_json, model_type, layers, batch, *rest)
+        return saved, summed, after, max(timeline, default=0), max(map(sum, zip(timeline, grads)), default=0)
     k = batch - 2
-    timeline = max(a + k * (b - a) for a, b in zip(one[3], two[3]))
-    return (*(a + k * (b - a) for a, b in zip(one[:3], two[:3])), timeline)
+    timeline = [a + k * (b - a) for a, b in zip(one[3], two[3])]
+    return (*(a + k * (b - a) for a, b in zip(one[:3], two[:3])), max(timeline),
+            max(map(sum, zip(timeline, one[4]))))
 
 
 @lru_cache(maxsize=1024)
@@ -386,7 +314,7 @@ def activation_model(cls, config, batch: int, seq: int, precision: str, tp_size:
         per_layer_tp -= per_layer - split_layer
         ends_tp -= ends - split_ends
     # the live and peak bytes scaled as the saved ones are (the same approximation)
-    scale = [per_layer_tp / max(per_layer, 1), ends_tp / max(ends, 1)] * (4 if body else 2)
+    scale = [per_layer_tp / max(per_layer, 1), ends_tp / max(ends, 1)] * (6 if body else 3)
     live = [int(n * f) for n, f in zip(live, scale)]
     return ActivationModel(per_layer_tp, ends_tp, False, summed, *live)
 

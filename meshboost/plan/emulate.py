@@ -10,8 +10,8 @@ Owns:
   the sequence dim instead of communicating, and counts the replicated parameters fed this rank's
   chunk (their gradients are summed over tp each backward, `sequence.install`'s rule);
 - `install_context`: meshboost's own context-parallel attention (`shardformer/context.py`:
-  `UlyssesAttention`, `GatheredKeysAttention`, with `ContextInputs.shard` cutting the inputs) with
-  its exchanges replaced by shape-only ones.
+  `UlyssesAttention`, `GatheredKeysAttention`, with `ContextInputs.shard` cutting the inputs), its own
+  exchange code running with shape-only collectives that allocate what the real ones allocate.
 The real collectives' autograd functions save nothing for backward, and neither do these: what the
 model saves is what the real layout saves. Must not communicate.
 """
@@ -172,9 +172,66 @@ def install_sequence_split(model: nn.Module, roles: SequenceRoles) -> _SequenceS
     return state
 
 
+class _RowsExchange(torch.autograd.Function):
+    """`comm.all_to_all` without its data: `all_to_all_single`'s buffers (the input made contiguous, a
+    received tensor of the rows every rank sends here), forward and (the rows back) backward; saves nothing."""
+
+    @staticmethod
+    def forward(ctx, x, output_sizes, input_sizes):
+        ctx.sizes = output_sizes, input_sizes
+        return _received(x, output_sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_sizes, input_sizes = ctx.sizes
+        return _received(grad, input_sizes), None, None
+
+
+def _received(x: torch.Tensor, sizes) -> torch.Tensor:
+    x = x.contiguous()
+    return x.new_empty((sum(sizes), *x.shape[1:]))
+
+
+def _along_first(x: torch.Tensor, dim: int, factor: float) -> torch.Tensor:
+    """`comm.all_gather` (factor = group size) or `comm.reduce_scatter` (1 / size) along `dim` without
+    the data: `dim` moved first and made contiguous, the output buffer, moved back and made contiguous."""
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((int(moved.shape[0] * factor), *moved.shape[1:]))
+    return out.movedim(0, dim).contiguous()
+
+
+class _GatherSequence(torch.autograd.Function):
+    """`comm.gather_from_seq` without its data: all-gather's buffers forward, reduce-scatter's backward."""
+
+    @staticmethod
+    def forward(ctx, x, size, dim):
+        ctx.size, ctx.dim = size, dim % x.dim()
+        return _along_first(x, ctx.dim, size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _along_first(grad, ctx.dim, 1 / ctx.size), None, None
+
+
+class _ShapeOnlyComm:
+    """The collectives context-parallel attention calls (`UlyssesAttention.comm`) for the fake run of
+    one rank of `size`: the real ones' shapes and buffers (what a step holds while they run: the send
+    copy, the receive buffer, the contiguous result), no exchange."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def all_to_all(self, x, group, output_sizes, input_sizes):
+        return _RowsExchange.apply(x, output_sizes, input_sizes)
+
+    def gather_from_seq(self, x, group, dim: int = 1):
+        return _GatherSequence.apply(x, self.size, dim)
+
+
 def install_context(model: nn.Module, size: int, mode: str):
-    """meshboost's context-parallel attention on `model` (shape-only exchanges) and the `ContextInputs`
-    that cuts a batch into rank 0's piece (every rank holds as many tokens)."""
+    """meshboost's context-parallel attention on `model`, its own code (the exchanges' reshapes and
+    copies) with shape-only collectives (`_ShapeOnlyComm`), and the `ContextInputs` that cuts a batch
+    into rank 0's piece (every rank holds as many tokens)."""
     from meshboost.shardformer.context import (
         ContextInputs,
         GatheredKeysAttention,
@@ -183,22 +240,10 @@ def install_context(model: nn.Module, size: int, mode: str):
     )
     from meshboost.shardformer.context_checks import ALL_TO_ALL
 
-    base = UlyssesAttention if mode == ALL_TO_ALL else GatheredKeysAttention
-
-    class ShapeOnly(base):
-        def _heads_to_sequence(self, x):
-            b, h, s, d = x.shape
-            return _Resize.apply(x, (b, h // self.size, s * self.size, d))
-
-        def _sequence_to_heads(self, x):
-            b, s, h, d = x.shape
-            return _Resize.apply(x, (b, s // self.size, h * self.size, d))
-
-        def _gather_keys(self, t):
-            return _resize_dim(t, 2, t.shape[2] * self.size)
-
     inner = model.config._attn_implementation
-    attention = install(model, None, size, inner, mode, attention=ShapeOnly(None, size, inner))
+    attention = (UlyssesAttention if mode == ALL_TO_ALL else GatheredKeysAttention)(None, size, inner)
+    attention.comm = _ShapeOnlyComm(size)
+    install(model, None, size, inner, mode, attention=attention)
     return ContextInputs(attention, 0, model.config)
 
 

@@ -91,10 +91,11 @@ def state_bytes(shards, precision: str, zero_stage: int, dp_size: int, dp_rank: 
 
 def buffer_bytes(shards, precision: str, zero_stage: int, dp_size: int, pp_size: int,
                  bucket_elements: int = DEFAULT_BUCKET_ELEMENTS) -> int:
-    """Communication buffers (an estimate, not measured): torch DDP's gradient buckets (a second copy
+    """Communication buffers at the gradients' reduction: torch DDP's gradient buckets (a second copy
     of the gradients, zero stage 0 without a pipeline; DDP ignores expert weights), the pipeline's flat
-    all-reduce of the gradients, or ZeRO's flat reduce-scatter input of one bucket plus its fp32
-    gradient shard at step."""
+    all-reduce of the gradients, or ZeRO's flat reduce-scatter input of one bucket and its output shard
+    (both in the working dtype, as `ZeroOptimizer._reduce_bucket` makes them) plus the fp32 gradient
+    shards of the buckets reduced before it."""
     w = BYTES[precision]
     numel = sum(s.numel for s in shards)
     if zero_stage == 0 and pp_size == 1:
@@ -104,4 +105,11 @@ def buffer_bytes(shards, precision: str, zero_stage: int, dp_size: int, pp_size:
     if zero_stage == 0:
         return w * numel
     largest = min(numel, bucket_elements)
-    return w * largest + 4 * -(-numel // dp_size)
+    out = -(-largest // dp_size)
+    return w * (largest + out) + 4 * max(0, -(-numel // dp_size) - out)
+
+
+def resident_buffers(buffers: int, zero_stage: int, pp_size: int) -> int:
+    """The part of `buffer_bytes` allocated for the whole step, not only around the reduction: torch
+    DDP's gradient buckets (zero stage 0 without a pipeline), made when the model is wrapped and kept."""
+    return buffers if zero_stage == 0 and pp_size == 1 else 0

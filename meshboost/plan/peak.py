@@ -5,10 +5,14 @@ really alive then, and the largest of them, with `reserved` beyond it. Must not 
 the activations' live and peak bytes come from activations.py (the real forward and backward on fake
 tensors under torch's MemTracker), the states from memory.py / sharded.py.
 
-The instants (S = weights + fp32 masters + optimizer states, alive throughout):
+The instants (S = weights + fp32 masters + optimizer states + torch DDP's gradient buckets, alive
+throughout: DDP allocates them when it wraps the model):
 - backward: S + the gradients held before it (a pipeline's earlier micro-batches) + the live bytes of
   every micro-batch in flight but the one in backward, which adds its own peak (its saved tensors plus
-  the kernels' temporaries: the loss's softmax gradient, a layer's backward buffers);
+  the kernels' temporaries: the loss's softmax gradient, a layer's backward buffers; with the gradients
+  it has accumulated by then where the layout keeps them all through the backward: no ZeRO, or ZeRO-1/2
+  whose gradients fit one bucket, reduced when the backward ends; under checkpointing the first layer's
+  recomputation, at the end, is then the peak);
 - reduction (end of backward): S + the working gradients not yet reduced (all of them without ZeRO;
   ZeRO's bucket in flight) + the communication buffers (`buffers`);
 - optimizer step: S + the gradients kept + their fp32 copies (the masters' gradients, half precision)
@@ -52,11 +56,13 @@ class StepShape:
 class StageActivations:
     """One stage's activations at its backward instants: the live bytes of the other micro-batches in
     flight at the first backward and at a later one (None: no later backward, one micro-batch), and the
-    peak one micro-batch's backward reaches (its live bytes plus its temporaries)."""
+    peak one micro-batch's backward reaches (its live bytes plus its temporaries), and that peak with
+    the gradients it accumulates by each instant on top."""
 
     others_first: int
     others_later: int | None
     one_peak: int
+    one_peak_grads: int
 
 
 def adam_temporaries(device: str, shape: StepShape) -> int:
@@ -72,6 +78,8 @@ def stage_peak(layout, state: dict, buffers: int, act: StageActivations, shape: 
     instant, what the allocator reserves beyond it, what the process holds outside it."""
     if device not in DEVICES:
         raise ValueError(f"device {device!r}: the peak model predicts one of {DEVICES}")
+    from meshboost.plan.memory import resident_buffers
+
     w = BYTES[layout.precision]
     held = state["weights"] + state["masters"] + state["optimizer_states"]
     offload_elsewhere = layout.cpu_offload and device != "cpu"
@@ -79,16 +87,20 @@ def stage_peak(layout, state: dict, buffers: int, act: StageActivations, shape: 
         held = state["weights"]
     elif layout.cpu_offload:                     # on a CPU the host is the device: they count
         held = state["weights"] + state.get("host", 0)
+    resident = resident_buffers(buffers, layout.zero, layout.pp)
+    held += resident
     half = layout.precision != "fp32"
     zero_12 = layout.zero in (1, 2) and layout.grad_replicas > 1
     working_grads = w * shape.numel
     if layout.zero == 3:                         # FSDP2: fp32 sharded gradients, reduced per unit
         working_grads = state["gradients"]
-    backward = held + act.others_first + act.one_peak
+    # the gradients accumulate during the backward and stay (no ZeRO; ZeRO-1/2 with one bucket: reduced at its end)
+    keeps = layout.zero == 0 or (zero_12 and shape.numel <= DEFAULT_BUCKET_ELEMENTS)
+    backward = held + act.others_first + (act.one_peak_grads if keeps else act.one_peak)
     if act.others_later is not None:            # a later micro-batch: the earlier ones' gradients are held
         backward = max(backward, held + working_grads + act.others_later + act.one_peak)
     unreduced = w * min(shape.numel, DEFAULT_BUCKET_ELEMENTS) if zero_12 else working_grads
-    reduction = held + unreduced + buffers
+    reduction = held + unreduced + buffers - resident
     # the fp32 gradient shards (offloaded: on the host, a copy even in fp32)
     master_grads = 4 * shape.owned if (half or layout.cpu_offload) and layout.zero != 3 and not offload_elsewhere else 0
     kept = state["gradients"]
@@ -145,15 +157,17 @@ def stage_activations(planner, layout, pp_rank: int) -> StageActivations:
     if last:
         one_live = layers * model.live_per_layer + model.live_ends
         one_peak = layers * model.peak_per_layer + model.peak_ends
+        grads_peak = layers * model.grads_peak_per_layer + model.grads_peak_ends
     else:       # its output kept for the next stage's gradient, one of its layers' backward at the peak
         one_live = layers * model.body_live_per_layer + model.body_live_ends
         one_peak = layers * model.body_peak_per_layer + model.body_peak_ends
+        grads_peak = layers * model.body_grads_peak_per_layer + model.body_grads_peak_ends
     in_flight = round(planner.stage_activations(layout, pp_rank) / max(one_saved, 1))
     later = None
     if layout.pp > 1 and layout.microbatches > 1:     # 1F1B: one more forward before the next backward, if any remain
         later = (in_flight if layout.microbatches > in_flight else in_flight - 1) - 1
     return StageActivations((in_flight - 1) * one_live, None if later is None else later * one_live,
-                            max(one_peak, one_live))
+                            max(one_peak, one_live), max(grads_peak, one_peak, one_live))
 
 
 def _interleaved_activations(planner, layout, pp_rank: int) -> StageActivations:
@@ -167,12 +181,15 @@ def _interleaved_activations(planner, layout, pp_rank: int) -> StageActivations:
     units = min(2 * (layout.pp - pp_rank - 1) + (chunks - 1) * layout.pp + 1, layout.microbatches * chunks)
     unit_live = chunk_layers * model.body_live_per_layer + model.body_live_ends
     unit_peak = chunk_layers * model.body_peak_per_layer + model.body_peak_ends
+    grads_peak = chunk_layers * model.body_grads_peak_per_layer + model.body_grads_peak_ends
     extra = 0
     if last:                # the head's chunk: live_ends and peak_ends (with the loss) in place of the body's
         extra = max(0, chunk_layers * model.live_per_layer + model.live_ends - unit_live)
         unit_peak = max(unit_peak, chunk_layers * model.peak_per_layer + model.peak_ends)
+        grads_peak = max(grads_peak, chunk_layers * model.grads_peak_per_layer + model.grads_peak_ends)
     later = max(units - 2, 0) * unit_live + extra if layout.microbatches * chunks > 1 else None
-    return StageActivations((units - 1) * unit_live + extra, later, max(unit_peak, unit_live))
+    return StageActivations((units - 1) * unit_live + extra, later, max(unit_peak, unit_live),
+                            max(grads_peak, unit_peak, unit_live))
 
 
 def rank_peak(planner, layout, pp_rank: int, shards, dp_rank: int, mem: dict) -> dict:

@@ -92,6 +92,9 @@ class UlyssesAttention:
     each call's masks come from the `ContextCall` in its keyword arguments."""
 
     mode = ALL_TO_ALL
+    # the exchanges' collectives (`all_to_all`, `gather_from_seq`): comm's; the planner's fake run puts
+    # shape-only ones here that allocate the same buffers (plan/emulate.py)
+    comm = comm
 
     def __init__(self, group, size: int, inner: str):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -113,7 +116,7 @@ class UlyssesAttention:
         """[B, h, S/cp, D] (all heads, this rank's piece) -> [B, h/cp, S, D] (its heads, every piece)."""
         b, h, s, d = x.shape
         send = x.reshape(b, self.size, h // self.size, s, d).transpose(0, 1).contiguous()
-        got = comm.all_to_all(send.reshape(self.size * b, -1), self.group, [b] * self.size, [b] * self.size)
+        got = self.comm.all_to_all(send.reshape(self.size * b, -1), self.group, [b] * self.size, [b] * self.size)
         return got.view(self.size, b, h // self.size, s, d).permute(1, 2, 0, 3, 4).reshape(b, h // self.size,
                                                                                            self.size * s, d)
 
@@ -122,7 +125,7 @@ class UlyssesAttention:
         b, s, h, d = x.shape
         piece = s // self.size
         send = x.reshape(b, self.size, piece, h, d).transpose(0, 1).contiguous()
-        got = comm.all_to_all(send.reshape(self.size * b, -1), self.group, [b] * self.size, [b] * self.size)
+        got = self.comm.all_to_all(send.reshape(self.size * b, -1), self.group, [b] * self.size, [b] * self.size)
         return got.view(self.size, b, piece, h, d).permute(1, 2, 0, 3, 4).reshape(b, piece, self.size * h, d)
 
     def _keep(self, call: ContextCall, queries: torch.Tensor, keys: torch.Tensor, batch: int, window,
@@ -175,7 +178,7 @@ class GatheredKeysAttention(UlyssesAttention):
 
     def _gather_keys(self, t: torch.Tensor) -> torch.Tensor:
         """[B, kv heads, S/cp, D] of this rank -> every rank's, in rank order (gradient reduce-scattered)."""
-        return comm.gather_from_seq(t.contiguous(), self.group, dim=2)
+        return self.comm.gather_from_seq(t.contiguous(), self.group, dim=2)
 
     def __call__(self, module: nn.Module, query, key, value, attention_mask, **kwargs):
         call = call_of(kwargs)
