@@ -137,29 +137,6 @@ def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpoi
     return (sum(saved.values()), sum(sequence.summed.values()) if sequence is not None else 0, *live)
 
 
-@lru_cache(maxsize=None)
-def live_bytes_tracker() -> type:
-    """torch's `MemTracker` without its per-module statistics, for reading live bytes and their peak
-    only: its module hooks cost half of a fake run and change no figure, and a pipeline runs each module
-    once per micro-batch, which its module snapshots refuse (they are for one call per iteration)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class LiveBytesTracker(MemTracker):
-        def _pre_fw_hook(self, module, inputs):
-            pass
-
-        def _post_fw_hook(self, module, inputs, outputs):
-            pass
-
-        def _pre_bw_hook(self, module, args):
-            pass
-
-        def _post_bw_hook(self, module, args):
-            pass
-
-    return LiveBytesTracker
-
-
 def live_peak(model, inputs: dict, hooks, body: bool = False) -> tuple[int, array]:
     """(bytes alive once the forward has returned its loss, the bytes alive after each op of that
     forward and the backward: its maximum is the peak), the parameters and their gradients left out,
@@ -170,6 +147,8 @@ def live_peak(model, inputs: dict, hooks, body: bool = False) -> tuple[int, arra
     `body`: `model` is a stage that sends its output on: the output is kept until the next stage's
     gradient of it arrives (the schedule's `saved`), and that gradient seeds the backward."""
     from torch.distributed._tools.mem_tracker import _MemRefType
+
+    from meshboost.plan.tracker import device_bytes, live_bytes_tracker
 
     kinds = (_MemRefType.ACT, _MemRefType.TEMP)
     drops = [p.register_post_accumulate_grad_hook(_drop_grad) for p in model.parameters() if p.requires_grad]
@@ -185,7 +164,7 @@ def live_peak(model, inputs: dict, hooks, body: bool = False) -> tuple[int, arra
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = super().__torch_dispatch__(func, types, args, kwargs)
-            self.totals.append(sum(snap.get(k, 0) for snap in self._curr_mem_snap.values() for k in kinds))
+            self.totals.append(device_bytes(self._curr_mem_snap, kinds))
             return out
 
     tracker = Timeline()
@@ -202,7 +181,7 @@ def live_peak(model, inputs: dict, hooks, body: bool = False) -> tuple[int, arra
         for handle in drops:
             handle.remove()
     # the timeline as 8-byte integers: the planner caches one per fake run (hundreds, ~2000 ops each)
-    return sum(snap.get(k, 0) for snap in after.values() for k in kinds), array("q", tracker.totals)
+    return device_bytes(after, kinds), array("q", tracker.totals)
 
 
 def _drop_grad(p) -> None:
