@@ -10,9 +10,10 @@ measuring a per-rank config (heads, key/value heads, intermediate size and vocab
 head_dim kept) where the family's config allows it, else a documented approximation; under sequence
 parallelism (split_gather) and context parallelism, the same forward with meshboost's own sequence
 splits emulated shape for shape (emulate.py). The same fake run goes on through backward under
-torch's MemTracker (`live_peak`): the bytes alive after the forward and after each op of forward and
-backward (their maximum: the peak), which the peak model (peak.py) uses; for a pipeline stage that is
-not the last, the base model alone with its output's gradient seeding the backward. Every instant's
+torch's MemTracker (live.py's `live_peak`): the bytes alive after the forward and after each op of
+forward and backward (their maximum: the peak), which the peak model (peak.py) uses; for a pipeline
+stage that is not the last, the base model's forward ended after its last layer (as the stage's is),
+its output's gradient seeding the backward. Every instant's
 bytes are affine in the micro-batch size, so each size's figures come from runs at 2 and 3 sequences
 (`_extrapolated`): one set of fake runs per config, not per size. Must not touch the caller's model.
 """
@@ -23,7 +24,6 @@ import contextlib
 import copy
 import inspect
 import json
-from array import array
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
@@ -53,8 +53,8 @@ class ActivationModel:
     peak_per_layer: int = 0
     peak_ends: int = 0
     # the same for a pipeline stage that is not the last (`body`, measured only for pp > 1): its layers
-    # without head and loss, the output kept and its gradient seeding the backward; the ends hold the
-    # embedding's, the output and its gradient and, at the peak, one layer's backward temporaries
+    # without final norm, head and loss, the output kept and its gradient seeding the backward; the ends
+    # hold the embedding's, the output and its gradient and, at the peak, one layer's backward temporaries
     body_live_per_layer: int = 0
     body_live_ends: int = 0
     body_peak_per_layer: int = 0
@@ -90,6 +90,7 @@ def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpoi
     `split`'s sequence split. `body`: the base model alone (no head, no loss), its backward fed a
     gradient of its output, as a pipeline stage that is not the last runs it."""
     from meshboost.plan import emulate
+    from meshboost.plan.live import last_layer, live_peak
     from meshboost.shardformer import uses_causal_lm_loss
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -133,68 +134,9 @@ def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpoi
             inputs.pop("labels", None)
         with loss:
             live = live_peak(model.base_model if body else model, inputs,
-                             lambda: torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), body)
+                             lambda: torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+                             last_layer(model) if body else None)
     return (sum(saved.values()), sum(sequence.summed.values()) if sequence is not None else 0, *live)
-
-
-def live_peak(model, inputs: dict, hooks, body: bool = False) -> tuple[int, array]:
-    """(bytes alive once the forward has returned its loss, the bytes alive after each op of that
-    forward and the backward: its maximum is the peak), the parameters and their gradients left out,
-    on `model`'s fake tensors, as torch's `MemTracker` counts them (each storage once, whatever views autograd saved of it). The outputs
-    but the loss are dropped, as a training step drops them (the logits are not saved: the loss's
-    softmax is); each gradient is dropped once accumulated (they are counted as `gradients`, held or
-    reduced as the layout does), so the peak is what activations and the kernels' temporaries add.
-    `body`: `model` is a stage that sends its output on: the output is kept until the next stage's
-    gradient of it arrives (the schedule's `saved`), and that gradient seeds the backward."""
-    from torch.distributed._tools.mem_tracker import _MemRefType
-
-    from meshboost.plan.tracker import device_bytes, live_bytes_tracker
-
-    kinds = (_MemRefType.ACT, _MemRefType.TEMP)
-    drops = [p.register_post_accumulate_grad_hook(_drop_grad) for p in model.parameters() if p.requires_grad]
-
-    class Timeline(live_bytes_tracker()):
-        """MemTracker, noting its live activation and temporary bytes after each op (an allocation is
-        where a peak happens): one op sequence at two batch sizes gives every instant's bytes as an
-        affine function of the batch (`_extrapolated`)."""
-
-        def __init__(self):
-            super().__init__()
-            self.totals: list[int] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = super().__torch_dispatch__(func, types, args, kwargs)
-            self.totals.append(device_bytes(self._curr_mem_snap, kinds))
-            return out
-
-    tracker = Timeline()
-    tracker.track_external(model)
-    try:
-        with tracker:
-            with hooks():
-                outputs = model(**inputs)
-                root = outputs[0] if body else _loss_of(outputs)
-            del outputs
-            after = tracker.get_tracker_snapshot("current")
-            root.backward(torch.empty_like(root) if body else None)
-    finally:
-        for handle in drops:
-            handle.remove()
-    # the timeline as 8-byte integers: the planner caches one per fake run (hundreds, ~2000 ops each)
-    return device_bytes(after, kinds), array("q", tracker.totals)
-
-
-def _drop_grad(p) -> None:
-    p.grad = None
-
-
-def _loss_of(outputs):
-    """The training loss of a transformers output (a base model without labels: its hidden states summed)."""
-    loss = getattr(outputs, "loss", None)
-    if loss is None:
-        first = outputs[0] if isinstance(outputs, tuple) else outputs.last_hidden_state
-        loss = first.float().sum()
-    return loss
 
 
 class _GroupedMM(torch.autograd.Function):
