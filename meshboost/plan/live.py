@@ -17,9 +17,10 @@ def live_peak(model, inputs: dict, hooks, stop_after=None) -> tuple[int, array]:
     """(bytes alive once the forward has returned its loss, the bytes alive after each op of that
     forward and the backward: its maximum is the peak), the parameters and their gradients left out,
     on `model`'s fake tensors, as torch's `MemTracker` counts them (each storage once, whatever views
-    autograd saved of it). The outputs but the loss are dropped, as a training step drops them (the logits are not saved: the loss's
-    softmax is); each gradient is dropped once accumulated (they are counted as `gradients`, held or
-    reduced as the layout does), so the peak is what activations and the kernels' temporaries add.
+    autograd saved of it). The outputs but the loss are dropped, as a training step drops them (the
+    logits are not saved: the loss's softmax is); each gradient is dropped once accumulated (they are
+    counted as `gradients`, held or reduced as the layout does), so the peak is what activations and
+    the kernels' temporaries add.
     `stop_after`: `model` is a pipeline stage that is not the last, whose forward stops after this layer
     (no final norm, no pooler: pipeline/run.py) and sends its output on: the output is kept until the
     next stage's gradient of it arrives (the schedule's `saved`), and that gradient seeds the backward."""

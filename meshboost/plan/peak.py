@@ -13,10 +13,11 @@ The instants (S = weights + fp32 masters + optimizer states, alive throughout):
   waits for its sends at the step's end), each backward of the schedule's own order;
 - reduction (end of backward): S + the working gradients not yet reduced (all of them without ZeRO;
   ZeRO's bucket in flight) + the communication buffers (`buffers`);
-- optimizer step: S + the gradients kept + their fp32 copies (the masters' gradients, half precision)
-  + AdamW's temporaries, which differ by device: on CPU torch runs the single-tensor loop (the square
-  root of one moment and its quotient: 2 x the largest master tensor), on CUDA the foreach kernels (one
-  square root of every moment of the group: 1 x the master elements); ZeRO's write-back then gathers
+- optimizer step: S + the gradients kept (ZeRO-1/2: the reduced shards) + their fp32 copies (the
+  masters' gradients, half precision) + AdamW's temporaries, which differ by device: on CPU torch runs
+  the single-tensor loop (the square root of one moment and its quotient: 2 x the largest master
+  tensor), on CUDA the foreach kernels (one square root of every moment of the group: 1 x the master
+  elements); ZeRO's write-back then gathers
   the working shard into a full bucket (unless the masters are the weights' own slices).
 
 `reserved` (CUDA): the caching allocator rounds each block up (512 B, 2 MiB segments above 1 MiB) and
@@ -93,7 +94,9 @@ def stage_peak(layout, state: dict, buffers: int, act: StageActivations, shape: 
     reduction = held + unreduced + buffers
     # the fp32 gradient shards (offloaded: on the host, a copy even in fp32)
     master_grads = 4 * shape.owned if (half or layout.cpu_offload) and layout.zero != 3 and not offload_elsewhere else 0
-    kept = state["gradients"]
+    # ZeRO-1/2 step on the reduced shards: each bucket's working gradients are freed once reduce-scattered
+    # (zero.py's `_reduce_bucket`), in backward or, ZeRO-1 under a pipeline, at step() before the inner step
+    kept = w * shape.owned if zero_12 else state["gradients"]
     step = held + kept + master_grads + (0 if offload_elsewhere else adam_temporaries(device, shape))
     write_back = 0
     if zero_12 and (half or layout.cpu_offload):
