@@ -31,7 +31,7 @@ def _peak_worker(rank: int, world: int, spec_fields: dict, fields: dict, outdir:
 
     from benchmarks.models import ModelSpec, make_batch
     from benchmarks.plan_accuracy import _step, boost_layout
-    from meshboost.plan.live import live_bytes_tracker
+    from meshboost.plan.tracker import NO_MEMORY, device_bytes, live_bytes_tracker
 
     spec = ModelSpec(**spec_fields)
     layout, plugin, booster, model, optimizer = boost_layout(fields, spec)
@@ -63,10 +63,11 @@ def _peak_worker(rank: int, world: int, spec_fields: dict, fields: dict, outdir:
         torch.cuda.synchronize()
         out.update(peak=torch.cuda.max_memory_allocated(), reserved=torch.cuda.max_memory_reserved())
     else:
-        peak = tracker.get_tracker_snapshot("peak")
-        out["peak"] = sum(snap["Total"] for snap in peak.values())
+        # the peak of the devices holding memory (a pipeline stage's meta-device shape runs hold none)
+        peak = {d: snap for d, snap in tracker.get_tracker_snapshot("peak").items() if str(d) not in NO_MEMORY}
+        out["peak"] = device_bytes(peak)
         # what was alive at the peak instant, by MemTracker's categories (param, grad, act, temp, ...)
-        out["categories"] = {str(k): sum(snap.get(k, 0) for snap in peak.values())
+        out["categories"] = {str(k): device_bytes(peak, (k,))
                              for k in {k for snap in peak.values() for k in snap if k != "Total"}}
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)

@@ -13,7 +13,8 @@ splits emulated shape for shape (emulate.py). The same fake run goes on through 
 torch's MemTracker (live.py's `live_peak`): the bytes alive after the forward and after each op of
 forward and backward (their maximum: the peak; with the gradients accumulated by each op on top: the
 peak of a layout that holds them), which the peak model (peak.py) uses; for a pipeline stage that is
-not the last, the base model alone with its output's gradient seeding the backward. Every instant's
+not the last, the base model's forward ended after its last layer (as the stage's is), its output's
+gradient seeding the backward. Every instant's
 bytes are affine in the micro-batch size, so each size's figures come from runs at 2 and 3 sequences
 (`_extrapolated`): one set of fake runs per config, not per size. Must not touch the caller's model.
 """
@@ -31,7 +32,6 @@ from functools import lru_cache
 import torch
 
 from meshboost.optim.precision import PRECISION_DTYPES as DTYPES     # the one precision table
-from meshboost.plan.live import live_peak
 
 SPLIT_GATHER = "split_gather"
 LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
@@ -58,8 +58,8 @@ class ActivationModel:
     grads_peak_per_layer: int = 0
     grads_peak_ends: int = 0
     # the same for a pipeline stage that is not the last (`body`, measured only for pp > 1): its layers
-    # without head and loss, the output kept and its gradient seeding the backward; the ends hold the
-    # embedding's, the output and its gradient and, at the peak, one layer's backward temporaries
+    # without final norm, head and loss, the output kept and its gradient seeding the backward; the ends
+    # hold the embedding's, the output and its gradient and, at the peak, one layer's backward temporaries
     body_live_per_layer: int = 0
     body_live_ends: int = 0
     body_peak_per_layer: int = 0
@@ -97,6 +97,7 @@ def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpoi
     `split`'s sequence split. `body`: the base model alone (no head, no loss), its backward fed a
     gradient of its output, as a pipeline stage that is not the last runs it."""
     from meshboost.plan import emulate
+    from meshboost.plan.live import last_layer, live_peak
     from meshboost.shardformer import uses_causal_lm_loss
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -140,7 +141,8 @@ def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpoi
             inputs.pop("labels", None)
         with loss:
             live = live_peak(model.base_model if body else model, inputs,
-                             lambda: torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), body)
+                             lambda: torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+                             last_layer(model) if body else None)
     return (sum(saved.values()), sum(sequence.summed.values()) if sequence is not None else 0, *live)
 
 

@@ -8,17 +8,20 @@ tensors under torch's MemTracker), the states from memory.py / sharded.py.
 The instants (S = weights + fp32 masters + optimizer states + torch DDP's gradient buckets, alive
 throughout: DDP allocates them when it wraps the model):
 - backward: S + the gradients held before it (a pipeline's earlier micro-batches) + the live bytes of
-  every micro-batch in flight but the one in backward, which adds its own peak (its saved tensors plus
-  the kernels' temporaries: the loss's softmax gradient, a layer's backward buffers; with the gradients
-  it has accumulated by then where the layout keeps them all through the backward: no ZeRO, or ZeRO-1/2
-  whose gradients fit one bucket, reduced when the backward ends; under checkpointing the first layer's
-  recomputation, at the end, is then the peak);
+  every (chunk-)micro-batch in flight but the one in backward, which adds its own peak (its saved
+  tensors plus the kernels' temporaries: the loss's softmax gradient, a layer's backward buffers; with
+  the gradients it has accumulated by then where the layout keeps them all through the backward: no
+  ZeRO, or ZeRO-1/2 whose gradients fit one bucket, reduced when the backward ends; under checkpointing
+  the first layer's recomputation, at the end, is then the peak) + a pipeline's sends not yet waited
+  for (every finished unit's output and input gradient: the schedule waits for its sends at the step's
+  end), each backward of the schedule's own order;
 - reduction (end of backward): S + the working gradients not yet reduced (all of them without ZeRO;
   ZeRO's bucket in flight) + the communication buffers (`buffers`);
-- optimizer step: S + the gradients kept + their fp32 copies (the masters' gradients, half precision)
-  + AdamW's temporaries, which differ by device: on CPU torch runs the single-tensor loop (the square
-  root of one moment and its quotient: 2 x the largest master tensor), on CUDA the foreach kernels (one
-  square root of every moment of the group: 1 x the master elements); ZeRO's write-back then gathers
+- optimizer step: S + the gradients kept (ZeRO-1/2: the reduced shards) + their fp32 copies (the
+  masters' gradients, half precision) + AdamW's temporaries, which differ by device: on CPU torch runs
+  the single-tensor loop (the square root of one moment and its quotient: 2 x the largest master
+  tensor), on CUDA the foreach kernels (one square root of every moment of the group: 1 x the master
+  elements); ZeRO's write-back then gathers
   the working shard into a full bucket (unless the masters are the weights' own slices).
 
 `reserved` (CUDA): the caching allocator rounds each block up (512 B, 2 MiB segments above 1 MiB) and
@@ -54,15 +57,16 @@ class StepShape:
 
 @dataclass(frozen=True)
 class StageActivations:
-    """One stage's activations at its backward instants: the live bytes of the other micro-batches in
-    flight at the first backward and at a later one (None: no later backward, one micro-batch), and the
-    peak one micro-batch's backward reaches (its live bytes plus its temporaries), and that peak with
-    the gradients it accumulates by each instant on top."""
+    """One rank's activation-side bytes at its backward instants, each the peak of one unit's backward
+    (its live bytes plus the kernels' temporaries) plus what else is alive then: the other chunk-micro-
+    batches in flight and the sends not yet waited for. `first`: at the rank's first backward (no
+    gradient held yet); `later`: the largest over its later ones (None: there are none), beside which
+    the gradients of the earlier backwards are held; `first_grads`: `first` with the unit's own
+    backward peak taken with the gradients it has accumulated by each instant (a layout that keeps them)."""
 
-    others_first: int
-    others_later: int | None
-    one_peak: int
-    one_peak_grads: int
+    first: int
+    later: int | None
+    first_grads: int
 
 
 def adam_temporaries(device: str, shape: StepShape) -> int:
@@ -96,14 +100,16 @@ def stage_peak(layout, state: dict, buffers: int, act: StageActivations, shape: 
         working_grads = state["gradients"]
     # the gradients accumulate during the backward and stay (no ZeRO; ZeRO-1/2 with one bucket: reduced at its end)
     keeps = layout.zero == 0 or (zero_12 and shape.numel <= DEFAULT_BUCKET_ELEMENTS)
-    backward = held + act.others_first + (act.one_peak_grads if keeps else act.one_peak)
-    if act.others_later is not None:            # a later micro-batch: the earlier ones' gradients are held
-        backward = max(backward, held + working_grads + act.others_later + act.one_peak)
+    backward = held + (act.first_grads if keeps else act.first)
+    if act.later is not None:                    # a later backward: the earlier ones' gradients are held
+        backward = max(backward, held + working_grads + act.later)
     unreduced = w * min(shape.numel, DEFAULT_BUCKET_ELEMENTS) if zero_12 else working_grads
     reduction = held + unreduced + buffers - resident
     # the fp32 gradient shards (offloaded: on the host, a copy even in fp32)
     master_grads = 4 * shape.owned if (half or layout.cpu_offload) and layout.zero != 3 and not offload_elsewhere else 0
-    kept = state["gradients"]
+    # ZeRO-1/2 step on the reduced shards: each bucket's working gradients are freed once reduce-scattered
+    # (zero.py's `_reduce_bucket`), in backward or, ZeRO-1 under a pipeline, at step() before the inner step
+    kept = w * shape.owned if zero_12 else state["gradients"]
     step = held + kept + master_grads + (0 if offload_elsewhere else adam_temporaries(device, shape))
     write_back = 0
     if zero_12 and (half or layout.cpu_offload):
@@ -146,50 +152,63 @@ def step_shape(layout, shards, dp_rank: int) -> StepShape:
 
 
 def stage_activations(planner, layout, pp_rank: int) -> StageActivations:
-    """The StageActivations of pipeline rank `pp_rank`: the planner's saved bytes in flight, turned
-    into live bytes by the measured ratio (each storage once), and one micro-batch's peak."""
-    last = pp_rank == layout.pp - 1
-    if layout.num_model_chunks > 1:
-        return _interleaved_activations(planner, layout, pp_rank)
-    model = planner._activation_model(layout, body=not last)
-    layers = planner.layer_counts(layout)[pp_rank]
-    one_saved = layers * model.per_layer + (model.ends if last else 0)
-    if last:
-        one_live = layers * model.live_per_layer + model.live_ends
-        one_peak = layers * model.peak_per_layer + model.peak_ends
-        grads_peak = layers * model.grads_peak_per_layer + model.grads_peak_ends
-    else:       # its output kept for the next stage's gradient, one of its layers' backward at the peak
-        one_live = layers * model.body_live_per_layer + model.body_live_ends
-        one_peak = layers * model.body_peak_per_layer + model.body_peak_ends
-        grads_peak = layers * model.body_grads_peak_per_layer + model.body_grads_peak_ends
-    in_flight = round(planner.stage_activations(layout, pp_rank) / max(one_saved, 1))
-    later = None
-    if layout.pp > 1 and layout.microbatches > 1:     # 1F1B: one more forward before the next backward, if any remain
-        later = (in_flight if layout.microbatches > in_flight else in_flight - 1) - 1
-    return StageActivations((in_flight - 1) * one_live, None if later is None else later * one_live,
-                            max(one_peak, one_live), max(grads_peak, one_peak, one_live))
+    """The StageActivations of pipeline rank `pp_rank`, walking the schedule's own order (1F1B or
+    interleaved, `schedule_order`): at each backward unit, the live bytes of every other unit in flight
+    (forward run, backward not yet), the sends still queued and the unit's own backward peak. A unit
+    of the last virtual stage holds the head and the loss (the whole model's figures); any other its
+    layers and the boundary tensors (the base model's: its input, received or embedded, and its output,
+    kept for the next stage's gradient). Sends are waited for only at the end of the step (StageComm's
+    `wait_sends`), so each finished unit leaves its output (not on the last virtual stage) and its
+    input's gradient (not on the first) in the queue: `boundary_bytes` each."""
+    from meshboost.pipeline import split_layers
+    from meshboost.pipeline.schedule import schedule_order
+
+    P, V = layout.pp, layout.num_model_chunks
+    last_virtual = P * V - 1
+    model = planner._activation_model(layout, body=P > 1 and (V > 1 or pp_rank < P - 1))
+    ranges = split_layers(planner.num_layers, P * V)
+
+    def live(v: int) -> int:
+        if v == last_virtual:
+            return len(ranges[v]) * model.live_per_layer + model.live_ends
+        return len(ranges[v]) * model.body_live_per_layer + model.body_live_ends
+
+    def peak(v: int, grads: bool = False) -> int:
+        if v == last_virtual:
+            per_layer, ends = ((model.grads_peak_per_layer, model.grads_peak_ends) if grads
+                               else (model.peak_per_layer, model.peak_ends))
+        else:
+            per_layer, ends = ((model.body_grads_peak_per_layer, model.body_grads_peak_ends) if grads
+                               else (model.body_peak_per_layer, model.body_peak_ends))
+        best = max(len(ranges[v]) * per_layer + ends, live(v))
+        return max(best, peak(v)) if grads else best
+
+    boundary = boundary_bytes(planner, layout)
+    in_flight: dict[tuple[int, int], int] = {}
+    queued, instants, first_grads = 0, [], None
+    for kind, chunk, mb in schedule_order(P, pp_rank, layout.microbatches if P > 1 else 1, V):
+        v = chunk * P + pp_rank
+        if kind == "F":
+            in_flight[(chunk, mb)] = v
+            continue
+        del in_flight[(chunk, mb)]
+        others = sum(live(u) for u in in_flight.values()) + queued * boundary
+        instants.append(others + peak(v))
+        if first_grads is None:
+            first_grads = others + peak(v, grads=True)
+        queued += (v != last_virtual) + (v != 0)
+    return StageActivations(instants[0], max(instants[1:]) if len(instants) > 1 else None, first_grads)
 
 
-def _interleaved_activations(planner, layout, pp_rank: int) -> StageActivations:
-    """The interleaved schedule's: `units` chunk-micro-batches in flight at the first backward (the
-    planner's count: W + 1, W = 2 (pp - rank - 1) + (V - 1) pp warm-up forwards), each a chunk of
-    layers / V layers run as a non-last stage (its output kept), but on the last rank one of them may
-    be the last chunk's, with the head and the loss (the larger live bytes and peak then)."""
-    chunks, last = layout.num_model_chunks, pp_rank == layout.pp - 1
-    model = planner._activation_model(layout, body=True)
-    chunk_layers = planner.layer_counts(layout)[pp_rank] // chunks
-    units = min(2 * (layout.pp - pp_rank - 1) + (chunks - 1) * layout.pp + 1, layout.microbatches * chunks)
-    unit_live = chunk_layers * model.body_live_per_layer + model.body_live_ends
-    unit_peak = chunk_layers * model.body_peak_per_layer + model.body_peak_ends
-    grads_peak = chunk_layers * model.body_grads_peak_per_layer + model.body_grads_peak_ends
-    extra = 0
-    if last:                # the head's chunk: live_ends and peak_ends (with the loss) in place of the body's
-        extra = max(0, chunk_layers * model.live_per_layer + model.live_ends - unit_live)
-        unit_peak = max(unit_peak, chunk_layers * model.peak_per_layer + model.peak_ends)
-        grads_peak = max(grads_peak, chunk_layers * model.grads_peak_per_layer + model.grads_peak_ends)
-    later = max(units - 2, 0) * unit_live + extra if layout.microbatches * chunks > 1 else None
-    return StageActivations((units - 1) * unit_live + extra, later, max(unit_peak, unit_live),
-                            max(grads_peak, unit_peak, unit_live))
+def boundary_bytes(planner, layout) -> int:
+    """Bytes of one micro-batch's hidden states crossing a stage boundary, and of their gradient sent
+    back: its sequences x this rank's tokens (context parallelism: its piece; sequence parallelism: 1/tp
+    of them) x hidden, in the working precision. (A boundary carrying more, an encoder's output to the
+    decoder stages, is not counted.)"""
+    tokens = planner.seq // layout.cp if layout.cp > 1 else planner.seq
+    if layout.sequence_parallel and layout.tp > 1:
+        tokens //= layout.tp
+    return layout.microbatch_size * tokens * planner.hidden * BYTES[layout.precision]
 
 
 def rank_peak(planner, layout, pp_rank: int, shards, dp_rank: int, mem: dict) -> dict:
@@ -198,7 +217,7 @@ def rank_peak(planner, layout, pp_rank: int, shards, dp_rank: int, mem: dict) ->
     act = stage_activations(planner, layout, pp_rank)
     if layout.zero == 3 and layout.pp == 1:
         adam = adam_temporaries(planner.device, step_shape(layout, shards, dp_rank))
-        return finish(fsdp_peak.rank_instants(planner, layout, shards, dp_rank, mem, act.one_peak, adam),
+        return finish(fsdp_peak.rank_instants(planner, layout, shards, dp_rank, mem, act.first, adam),
                       planner.device)
     return stage_peak(layout, mem, mem["buffers"], act, step_shape(layout, shards, dp_rank), planner.device)
 
