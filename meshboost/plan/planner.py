@@ -271,7 +271,7 @@ class Planner:
             padded = -(-vocab // multiple) * multiple
         return activations.activation_model(self.cls, self.config, layout.microbatch_size, self.seq,
                                             layout.precision, layout.tp, padded, layout.checkpointing,
-                                            self._sequence_split(layout), body)
+                                            self._sequence_split(layout), body, layout.ep)
 
     def _sequence_split(self, layout: Layout) -> activations.SequenceSplit | None:
         if layout.cp > 1:
