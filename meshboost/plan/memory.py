@@ -90,11 +90,12 @@ def state_bytes(shards, precision: str, zero_stage: int, dp_size: int, dp_rank: 
 
 
 def buffer_bytes(shards, precision: str, zero_stage: int, dp_size: int, pp_size: int,
-                 bucket_elements: int = DEFAULT_BUCKET_ELEMENTS) -> int:
-    """Communication buffers (an estimate, not measured): torch DDP's gradient buckets (a second copy
-    of the gradients, zero stage 0 without a pipeline; DDP ignores expert weights), the pipeline's flat
-    all-reduce of the gradients, or ZeRO's flat reduce-scatter input of one bucket plus its fp32
-    gradient shard at step."""
+                 bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, ep_size: int = 1) -> int:
+    """Communication buffers: torch DDP's gradient buckets (a second copy of the gradients, zero stage
+    0 without a pipeline, allocated once and alive for the whole run; DDP ignores expert weights), the
+    pipeline's flat all-reduce of the gradients, or ZeRO's flat reduce-scatter input of its largest
+    bucket (padded; meshboost's own buckets: dense and expert weights, tp-sharded and replicated ones
+    never share one) plus the fp32 gradient shards of every bucket (`zero_buckets`)."""
     w = BYTES[precision]
     numel = sum(s.numel for s in shards)
     if zero_stage == 0 and pp_size == 1:
@@ -103,5 +104,6 @@ def buffer_bytes(shards, precision: str, zero_stage: int, dp_size: int, pp_size:
         return 0
     if zero_stage == 0:
         return w * numel
-    largest = min(numel, bucket_elements)
-    return w * largest + 4 * -(-numel // dp_size)
+    buckets = zero_buckets(shards, dp_size, 0, ep_size, bucket_elements)
+    owned = [-(-n // size) for n, size, _, _ in buckets]
+    return w * max((o * size for o, (_, size, _, _) in zip(owned, buckets)), default=0) + 4 * sum(owned)

@@ -5,12 +5,14 @@ really alive then, and the largest of them, with `reserved` beyond it. Must not 
 the activations' live and peak bytes come from activations.py (the real forward and backward on fake
 tensors under torch's MemTracker), the states from memory.py / sharded.py.
 
-The instants (S = weights + fp32 masters + optimizer states, alive throughout):
+The instants (S = weights + fp32 masters + optimizer states, alive throughout, and torch DDP's gradient
+buckets where DDP reduces (zero stage 0, dp > 1, no pipeline): allocated once, they hold a second copy of
+the dense gradients from the first backward on):
 - backward: S + the gradients held before it (a pipeline's earlier micro-batches) + the live bytes of
   every micro-batch in flight but the one in backward, which adds its own peak (its saved tensors plus
   the kernels' temporaries: the loss's softmax gradient, a layer's backward buffers);
 - reduction (end of backward): S + the working gradients not yet reduced (all of them without ZeRO;
-  ZeRO's bucket in flight) + the communication buffers (`buffers`);
+  ZeRO's largest bucket in flight) + the communication buffers (`buffers`, DDP's counted in S);
 - optimizer step: S + the gradients kept + their fp32 copies (the masters' gradients, half precision)
   + AdamW's temporaries, which differ by device: on CPU torch runs the single-tensor loop (the square
   root of one moment and its quotient: 2 x the largest master tensor), on CUDA the foreach kernels (one
@@ -28,7 +30,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshboost.optim.precision import PRECISION_BYTES as BYTES
-from meshboost.optim.zero_config import DEFAULT_BUCKET_ELEMENTS
 
 DEVICES = ("cpu", "cuda")
 RESERVE_MARGIN = {"cpu": 0.0, "cuda": 0.05}       # fraction of the peak the allocator keeps beyond it
@@ -78,6 +79,8 @@ def stage_peak(layout, state: dict, buffers: int, act: StageActivations, shape: 
         held = state["weights"]
     elif layout.cpu_offload:                     # on a CPU the host is the device: they count
         held = state["weights"] + state.get("host", 0)
+    ddp = buffers if layout.zero == 0 and layout.pp == 1 and layout.grad_replicas > 1 else 0
+    held += ddp                                  # DDP's buckets (memory.buffer_bytes), alive throughout
     half = layout.precision != "fp32"
     zero_12 = layout.zero in (1, 2) and layout.grad_replicas > 1
     working_grads = w * shape.numel
@@ -86,8 +89,12 @@ def stage_peak(layout, state: dict, buffers: int, act: StageActivations, shape: 
     backward = held + act.others_first + act.one_peak
     if act.others_later is not None:            # a later micro-batch: the earlier ones' gradients are held
         backward = max(backward, held + working_grads + act.others_later + act.one_peak)
-    unreduced = w * min(shape.numel, DEFAULT_BUCKET_ELEMENTS) if zero_12 else working_grads
-    reduction = held + unreduced + buffers
+    # ZeRO reducing in backward (stage 2; stage 1 overlapped, outside a pipeline): the largest bucket's
+    # gradients (padded: at most dp elements more), the others reduced by then; else every bucket's
+    # gradients are alive when the first is reduced
+    in_backward = layout.zero == 2 or layout.pp == 1
+    unreduced = w * shape.largest_bucket if zero_12 and in_backward else working_grads
+    reduction = held + unreduced + buffers - ddp
     # the fp32 gradient shards (offloaded: on the host, a copy even in fp32)
     master_grads = 4 * shape.owned if (half or layout.cpu_offload) and layout.zero != 3 and not offload_elsewhere else 0
     kept = state["gradients"]

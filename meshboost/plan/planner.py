@@ -186,7 +186,8 @@ class Planner:
     def _buffers(self, layout: Layout, shards, dp_rank: int) -> int:
         if layout.zero == 3:     # FSDP2's gathers and reductions, and its shards' padding rows
             return sharded.fsdp_rank_buffers(layout, shards, dp_rank, self.layer_prefixes)
-        return memory.buffer_bytes(shards, layout.precision, layout.zero, layout.grad_replicas, layout.pp)
+        return memory.buffer_bytes(shards, layout.precision, layout.zero, layout.grad_replicas, layout.pp,
+                                   ep_size=layout.ep)
 
     @property
     def layer_prefixes(self) -> list[str]:
