@@ -9,7 +9,8 @@ by the stage x micro-batches in flight (1F1B: min(pp - stage, microbatches)), te
 measuring a per-rank config (heads, key/value heads, intermediate size and vocabulary divided by tp,
 head_dim kept) where the family's config allows it, else a documented approximation; under sequence
 parallelism (split_gather) and context parallelism, the same forward with meshboost's own sequence
-splits emulated shape for shape (emulate.py). The same fake run goes on through backward under
+splits emulated shape for shape (emulate.py), and under expert parallelism meshboost's dispatch with
+shape-only exchanges (fake_experts.py). The same fake run goes on through backward under
 torch's MemTracker (live.py's `live_peak`): the bytes alive after the forward and after each op of
 forward and backward (their maximum: the peak; with the gradients accumulated by each op on top: the
 peak of a layout that holds them), which the peak model (peak.py) uses; for a pipeline stage that is
@@ -25,7 +26,6 @@ import contextlib
 import copy
 import inspect
 import json
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -90,13 +90,15 @@ def count_layers(config) -> int:
 
 
 def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpointing: bool,
-                 split: SequenceSplit | None = None, vocab_tp: int = 1, body: bool = False) -> tuple[int, ...]:
+                 split: SequenceSplit | None = None, vocab_tp: int = 1, body: bool = False,
+                 ep: int = 1) -> tuple[int, ...]:
     """(distinct bytes autograd saves in one training forward of `cls(config)` on fake tensors, the
     parameters (and views of them: a linear saves its weight) left out: they are the weights;
     split_gather's replicated elements fed the chunk; `live_peak`'s three figures) for one rank of
     `split`'s sequence split. `body`: the base model alone (no head, no loss), its backward fed a
-    gradient of its output, as a pipeline stage that is not the last runs it."""
-    from meshboost.plan import emulate
+    gradient of its output, as a pipeline stage that is not the last runs it. `ep` > 1: the experts dealt
+    out over ep ranks, meshboost's dispatch with balanced routing (fake_experts.py)."""
+    from meshboost.plan import emulate, fake_experts
     from meshboost.plan.live import last_layer, live_peak
     from meshboost.shardformer import uses_causal_lm_loss
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -111,12 +113,14 @@ def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpoi
         return t
 
     previous = torch.get_default_dtype()
-    with FakeTensorMode(), _fake_grouped_mm():
+    with FakeTensorMode(), fake_experts.fake_grouped_mm():
         torch.set_default_dtype(dtype)          # built in the working dtype (a fake tensor cannot be cast in place)
         try:
             model = cls(config).train()
         finally:
             torch.set_default_dtype(previous)
+        if ep > 1:
+            fake_experts.install_expert_parallel(model, ep)
         weights.update(p.untyped_storage()._cdata for p in model.parameters())
         if checkpointing:
             enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
@@ -146,42 +150,6 @@ def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpoi
     return (sum(saved.values()), sum(sequence.summed.values()) if sequence is not None else 0, *live)
 
 
-class _GroupedMM(torch.autograd.Function):
-    """`grouped_mm(input [S, in], weight [E, in, out], offs)` on fake tensors: the output's shape and
-    what autograd saves (input, weight, offs), without torch's meta kernel, which checks CUDA's dtype
-    rules (bf16 only) and so refuses the fp32 experts a CPU run computes."""
-
-    @staticmethod
-    def forward(ctx, input, weight, offs):
-        ctx.save_for_backward(input, weight, offs)
-        return input.new_empty((input.shape[0], weight.shape[-1]))
-
-    @staticmethod
-    def backward(ctx, grad):
-        input, weight, _ = ctx.saved_tensors
-        return torch.empty_like(input), torch.empty_like(weight), None
-
-
-@contextmanager
-def _fake_grouped_mm():
-    """transformers' grouped-mm experts path (`torch.nn.functional.grouped_mm`) routed through
-    `_GroupedMM` while the fake forward runs: the token count per expert is data, so only shapes
-    matter (tokens x top-k rows in all, whatever the routing)."""
-    original = getattr(torch.nn.functional, "grouped_mm", None)
-    if original is None:
-        yield
-        return
-
-    def grouped_mm(input, weight, offs=None, **kwargs):
-        if input.dim() == 2 and weight.dim() == 3 and offs is not None and not kwargs:
-            return _GroupedMM.apply(input, weight, offs)
-        return original(input, weight, offs=offs, **kwargs)
-
-    torch.nn.functional.grouped_mm = grouped_mm
-    try:
-        yield
-    finally:
-        torch.nn.functional.grouped_mm = original
 
 
 def _forward_args(cls) -> tuple[str, ...]:
@@ -224,24 +192,25 @@ def tp_rank_config(config, tp_size: int, padded_vocab: int | None):
 
 def _measured(cls, config_json: str, model_type: str, batch: int, seq: int, precision: str,
               checkpointing: bool, split: SequenceSplit | None = None, vocab_tp: int = 1,
-              body: bool = False) -> tuple[int, ...]:
+              body: bool = False, ep: int = 1) -> tuple[int, ...]:
     """(per layer, ends, summed per layer, live per layer, live ends, peak per layer, peak ends, the peak
     with the gradients per layer and ends) for one micro-batch of `batch` sequences. `body`: the last six
     again, of a non-last pipeline stage."""
-    whole = _measured_batch(cls, config_json, model_type, batch, seq, precision, checkpointing, split, vocab_tp)
+    whole = _measured_batch(cls, config_json, model_type, batch, seq, precision, checkpointing, split, vocab_tp,
+                            False, ep)
     if not body:
         return whole
     return whole + _measured_batch(cls, config_json, model_type, batch, seq, precision, checkpointing, split,
-                                   vocab_tp, True)[3:]
+                                   vocab_tp, True, ep)[3:]
 
 
 @lru_cache(maxsize=1024)
 def _measured_batch(cls, config_json: str, model_type: str, batch: int, seq: int, precision: str,
                     checkpointing: bool, split: SequenceSplit | None = None, vocab_tp: int = 1,
-                    body: bool = False) -> tuple[int, ...]:
+                    body: bool = False, ep: int = 1) -> tuple[int, ...]:
     """`_measured` of one batch size, from a 1-layer and a 2-layer copy of the config."""
     one, two = (_extrapolated(cls, config_json, model_type, n, batch, seq, precision, checkpointing, split,
-                              vocab_tp, body) for n in (1, 2))
+                              vocab_tp, body, ep) for n in (1, 2))
     per_layer = tuple(b - a for a, b in zip(one, two))       # (saved, summed, live, peak, grads peak) per layer
     ends = tuple(2 * a - b for a, b in zip(one, two))
     return (per_layer[0], ends[0], per_layer[1], *(n for i in (2, 3, 4) for n in (per_layer[i], ends[i])))
@@ -271,11 +240,11 @@ def _extrapolated(cls, config_json: str, model_type: str, layers: int, batch: in
 
 @lru_cache(maxsize=1024)
 def _run(cls, config_json: str, model_type: str, layers: int, batch: int, seq: int, precision: str,
-         checkpointing: bool, split, vocab_tp: int, body: bool) -> tuple:
+         checkpointing: bool, split, vocab_tp: int, body: bool, ep: int) -> tuple:
     from transformers import AutoConfig
 
     config = _with_layers(AutoConfig.for_model(model_type, **json.loads(config_json)), layers)
-    return _saved_bytes(cls, config, batch, seq, DTYPES[precision], checkpointing, split, vocab_tp, body)
+    return _saved_bytes(cls, config, batch, seq, DTYPES[precision], checkpointing, split, vocab_tp, body, ep)
 
 
 def _key(config) -> tuple[str, str]:
@@ -287,15 +256,15 @@ def _key(config) -> tuple[str, str]:
 
 def activation_model(cls, config, batch: int, seq: int, precision: str, tp_size: int = 1,
                      padded_vocab: int | None = None, checkpointing: bool = False,
-                     split: SequenceSplit | None = None, body: bool = False) -> ActivationModel:
+                     split: SequenceSplit | None = None, body: bool = False, ep: int = 1) -> ActivationModel:
     """Per-layer and end bytes saved for backward by one micro-batch of `batch` x `seq` on one tp rank
     (of one cp rank, under context parallelism: `split`); `body`: with a non-last pipeline stage's live
-    and peak bytes too."""
+    and peak bytes too; `ep`: the experts over ep ranks, their tokens dispatched (balanced routing)."""
     rank_config = tp_rank_config(config, tp_size, padded_vocab)
     if rank_config is not None:
         vocab_tp = tp_size if padded_vocab is not None else 1     # the head's logits stay split over tp
         per_layer, ends, summed, *live = _measured(cls, *_key(rank_config), batch, seq, precision, checkpointing,
-                                                   split, vocab_tp, body)
+                                                   split, vocab_tp, body, ep)
         return ActivationModel(per_layer, ends, True, summed, *live)
     # No per-rank config: assume the hidden-sized tensors stay whole on every rank (per layer its 2 norm
     # inputs and the residual path, about 4 x batch x seq x hidden, or all a checkpointed layer keeps,
@@ -303,7 +272,7 @@ def activation_model(cls, config, batch: int, seq: int, precision: str, tp_size:
     # split_gather, what the emulated split saves less on the whole model is taken off that.
     context = split if split is not None and split.mode != SPLIT_GATHER else None
     per_layer, ends, _, *live = _measured(cls, *_key(config), batch, seq, precision, checkpointing, context,
-                                          body=body)
+                                          body=body, ep=ep)
     tokens = seq // context.size if context is not None else seq
     hidden = batch * tokens * config.hidden_size * DTYPES[precision].itemsize
     whole, whole_ends = min(4 * hidden, per_layer), min(2 * hidden, ends)

@@ -160,7 +160,7 @@ def cp_per_step(layout, attention: AttentionShape, layers_held: int, tokens: int
 
 
 def ep_per_step(layout, moe: MoeTraffic, tokens: int, hidden: int) -> list[tuple[str, int]]:
-    """Expert parallelism's all-to-alls per step (`_ExpertParallelForward`): per MoE layer and
+    """Expert parallelism's all-to-alls per step (`ExpertParallelForward`): per MoE layer and
     micro-batch, forward a header of ep x (E / ep + 1) int64 counts, the dispatch of the tokens x top_k
     rows sent and the return of the rows received; backward the same two exchanges reversed (each
     payload the forward output's size). Rows received depend on the routing: their mean over the ep

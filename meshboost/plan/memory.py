@@ -90,12 +90,13 @@ def state_bytes(shards, precision: str, zero_stage: int, dp_size: int, dp_rank: 
 
 
 def buffer_bytes(shards, precision: str, zero_stage: int, dp_size: int, pp_size: int,
-                 bucket_elements: int = DEFAULT_BUCKET_ELEMENTS) -> int:
-    """Communication buffers at the gradients' reduction: torch DDP's gradient buckets (a second copy
-    of the gradients, zero stage 0 without a pipeline; DDP ignores expert weights), the pipeline's flat
-    all-reduce of the gradients, or ZeRO's flat reduce-scatter input of one bucket and its output shard
-    (both in the working dtype, as `ZeroOptimizer._reduce_bucket` makes them) plus the fp32 gradient
-    shards of the buckets reduced before it."""
+                 bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, ep_size: int = 1) -> int:
+    """Communication buffers: torch DDP's gradient buckets (a second copy of the gradients, zero stage
+    0 without a pipeline, allocated once and alive for the whole run; DDP ignores expert weights), the
+    pipeline's flat all-reduce of the gradients, or ZeRO's flat reduce-scatter input of its largest
+    bucket (padded; meshboost's own buckets: dense and expert weights, tp-sharded and replicated ones
+    never share one) and its output shard (both in the working dtype, as `ZeroOptimizer._reduce_bucket`
+    makes them) plus the fp32 gradient shards of the other buckets (`zero_buckets`)."""
     w = BYTES[precision]
     numel = sum(s.numel for s in shards)
     if zero_stage == 0 and pp_size == 1:
@@ -104,9 +105,13 @@ def buffer_bytes(shards, precision: str, zero_stage: int, dp_size: int, pp_size:
         return 0
     if zero_stage == 0:
         return w * numel
-    largest = min(numel, bucket_elements)
-    out = -(-largest // dp_size)
-    return w * (largest + out) + 4 * max(0, -(-numel // dp_size) - out)
+    buckets = zero_buckets(shards, dp_size, 0, ep_size, bucket_elements)
+    owned = [-(-n // size) for n, size, _, _ in buckets]
+    if not owned:
+        return 0
+    largest = max(range(len(owned)), key=lambda i: owned[i] * buckets[i][1])
+    out = owned[largest]
+    return w * (out * buckets[largest][1] + out) + 4 * (sum(owned) - out)
 
 
 def resident_buffers(buffers: int, zero_stage: int, pp_size: int) -> int:

@@ -5,8 +5,9 @@ really alive then, and the largest of them, with `reserved` beyond it. Must not 
 the activations' live and peak bytes come from activations.py (the real forward and backward on fake
 tensors under torch's MemTracker), the states from memory.py / sharded.py.
 
-The instants (S = weights + fp32 masters + optimizer states + torch DDP's gradient buckets, alive
-throughout: DDP allocates them when it wraps the model):
+The instants (S = weights + fp32 masters + optimizer states, alive throughout, and torch DDP's gradient
+buckets where DDP reduces (zero stage 0, dp > 1, no pipeline): allocated when DDP wraps the model, they
+hold a second copy of the dense gradients from the first backward on):
 - backward: S + the gradients held before it (a pipeline's earlier micro-batches) + the live bytes of
   every (chunk-)micro-batch in flight but the one in backward, which adds its own peak (its saved
   tensors plus the kernels' temporaries: the loss's softmax gradient, a layer's backward buffers; with
@@ -16,7 +17,7 @@ throughout: DDP allocates them when it wraps the model):
   for (every finished unit's output and input gradient: the schedule waits for its sends at the step's
   end), each backward of the schedule's own order;
 - reduction (end of backward): S + the working gradients not yet reduced (all of them without ZeRO;
-  ZeRO's bucket in flight) + the communication buffers (`buffers`);
+  ZeRO's largest bucket in flight) + the communication buffers (`buffers`, DDP's counted in S);
 - optimizer step: S + the gradients kept (ZeRO-1/2: the reduced shards) + their fp32 copies (the
   masters' gradients, half precision) + AdamW's temporaries, which differ by device: on CPU torch runs
   the single-tensor loop (the square root of one moment and its quotient: 2 x the largest master
@@ -103,7 +104,11 @@ def stage_peak(layout, state: dict, buffers: int, act: StageActivations, shape: 
     backward = held + (act.first_grads if keeps else act.first)
     if act.later is not None:                    # a later backward: the earlier ones' gradients are held
         backward = max(backward, held + working_grads + act.later)
-    unreduced = w * min(shape.numel, DEFAULT_BUCKET_ELEMENTS) if zero_12 else working_grads
+    # ZeRO reducing in backward (stage 2; stage 1 overlapped, outside a pipeline): the largest bucket's
+    # gradients (padded: at most dp elements more), the others reduced by then; else every bucket's
+    # gradients are alive when the first is reduced
+    in_backward = layout.zero == 2 or layout.pp == 1
+    unreduced = w * shape.largest_bucket if zero_12 and in_backward else working_grads
     reduction = held + unreduced + buffers - resident
     # the fp32 gradient shards (offloaded: on the host, a copy even in fp32)
     master_grads = 4 * shape.owned if (half or layout.cpu_offload) and layout.zero != 3 and not offload_elsewhere else 0

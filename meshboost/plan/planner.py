@@ -186,7 +186,8 @@ class Planner:
     def _buffers(self, layout: Layout, shards, dp_rank: int) -> int:
         if layout.zero == 3:     # FSDP2's gathers and reductions, and its shards' padding rows
             return sharded.fsdp_rank_buffers(layout, shards, dp_rank, self.layer_prefixes)
-        return memory.buffer_bytes(shards, layout.precision, layout.zero, layout.grad_replicas, layout.pp)
+        return memory.buffer_bytes(shards, layout.precision, layout.zero, layout.grad_replicas, layout.pp,
+                                   ep_size=layout.ep)
 
     @property
     def layer_prefixes(self) -> list[str]:
@@ -271,7 +272,7 @@ class Planner:
             padded = -(-vocab // multiple) * multiple
         return activations.activation_model(self.cls, self.config, layout.microbatch_size, self.seq,
                                             layout.precision, layout.tp, padded, layout.checkpointing,
-                                            self._sequence_split(layout), body)
+                                            self._sequence_split(layout), body, layout.ep)
 
     def _sequence_split(self, layout: Layout) -> activations.SequenceSplit | None:
         if layout.cp > 1:

@@ -5,7 +5,7 @@ changes: `check_expert_parallel`), splitting each packed experts module on its e
 of the ep group keeps experts [j E/ep, (j+1) E/ep), whole, or with tensor parallelism inside them
 its tp slice of each: `layers/experts.py`), the records its weights carry (the expert split in
 their `TensorParallelInfo`, kind "expert": averaged over the experts' own data-parallel replicas,
-the edp axis), and the dispatching forward (`_ExpertParallelForward`), which `layers/experts.py`'s
+the edp axis), and the dispatching forward (`ExpertParallelForward`), which `layers/experts.py`'s
 `set_experts_forward` makes the module's, with tensor parallelism's record when tp cut inside the
 experts: one record decides the forward for tp, ep and tp x ep, nothing is taken off and replayed.
 
@@ -118,7 +118,7 @@ def shard_expert_parallel_(model: nn.Module, group, ep_size: int, ep_rank: int) 
                 register_grad_hook(p, _ExpertGradScale(ep_size))
         if hasattr(module, "num_experts"):
             module.num_experts = local            # the HF forward one-hot encodes the local ids with it
-        set_experts_forward(module, ep=_ExpertParallelForward(group, ep_size, num_experts, type(module).forward,
+        set_experts_forward(module, ep=ExpertParallelForward(group, ep_size, num_experts, type(module).forward,
                                                               len(_forward_params(module)) == 1))
     return [path for path, _ in found]
 
@@ -135,7 +135,7 @@ class _ExpertGradScale:
 
 
 @dataclasses.dataclass(frozen=True)
-class _ExpertParallelForward:
+class ExpertParallelForward:
     """The experts module's forward under expert parallelism (see the module docstring), fixed per
     module; `run` gets the module and tensor parallelism's record (None: experts whole) with each call.
     Two input layouts: routed (hidden_states [tokens, H], expert ids and routing weights [tokens, k]:
@@ -168,15 +168,41 @@ class _ExpertParallelForward:
         experts run on [E/ep, all ranks' tokens, H]; the outputs go back the same way."""
         width = hidden.shape[-1]
         tokens = hidden.shape[0] // self.num_experts
-        sizes = torch.full((self.ep_size,), self.local * tokens, dtype=torch.long, device=hidden.device)
-        recv_sizes = comm.all_to_all_single(sizes, self.group).tolist()         # the one host sync
-        send_sizes = sizes.tolist()
-        received = comm.all_to_all(hidden.reshape(-1, width), self.group, recv_sizes, send_sizes)
+        send_sizes = [self.local * tokens] * self.ep_size
+        recv_sizes = self._block_sizes(hidden, send_sizes)                     # the one host sync
+        received = self._exchange(hidden.reshape(-1, width), recv_sizes, send_sizes)
         per_rank = [n // self.local for n in recv_sizes]                        # each rank's token count
         x = torch.cat([b.view(self.local, n, width) for b, n in zip(received.split(recv_sizes), per_rank)], dim=1)
         out = self._run_local(module, tp, (x.reshape(-1, width),)).view(self.local, sum(per_rank), width)
         out = torch.cat([b.reshape(-1, width) for b in out.split(per_rank, dim=1)])
-        return comm.all_to_all(out, self.group, send_sizes, recv_sizes)
+        return self._exchange(out, send_sizes, recv_sizes)
+
+    # The exchanges, each a method of its own: the planner's fake run (plan/ep_dispatch.py) replays this
+    # forward with shape-only ones, so what it measures is what this code allocates and saves.
+    def _exchange(self, x: torch.Tensor, output_sizes: list[int], input_sizes: list[int]) -> torch.Tensor:
+        """Rows `input_sizes[r]` of `x` to ep rank r; the rows every rank sent here (differentiable)."""
+        return comm.all_to_all(x, self.group, output_sizes, input_sizes)
+
+    def _block_sizes(self, hidden: torch.Tensor, send_sizes: list[int]) -> list[int]:
+        """The blocks' rows each ep rank sends here (their token counts may differ)."""
+        sizes = torch.tensor(send_sizes, dtype=torch.long, device=hidden.device)
+        return comm.all_to_all_single(sizes, self.group).tolist()
+
+    def _routed_sizes(self, module: nn.Module, ids: torch.Tensor, flat: torch.Tensor,
+                      bad: torch.Tensor) -> tuple[list[int], list[int], torch.Tensor]:
+        """(rows sent to each ep rank, rows received from each, the received rows' count per (sending
+        rank, local expert)) of the routed layout: the counts' all-to-all and the layer's one host sync.
+        An id outside the experts (`bad`) is flagged, not counted (transformers' experts would skip id E
+        silently); the flag rides with the counts, so every ep rank learns it and raises together."""
+        counts = torch.bincount(flat, minlength=self.num_experts).view(self.ep_size, self.local)
+        header = torch.cat([counts, bad.any().to(counts.dtype).expand(self.ep_size, 1)], dim=1)
+        received_header = comm.all_to_all_single(header.reshape(-1), self.group).view(self.ep_size, self.local + 1)
+        recv_counts = received_header[:, :self.local].reshape(-1)   # [from rank r: its count per local expert]
+        send_sizes, recv_sizes, flags = torch.stack(
+            [counts.sum(1), recv_counts.view(self.ep_size, self.local).sum(1), received_header[:, -1]]).tolist()
+        if any(flags):
+            self._refuse(module, ids, flags)
+        return send_sizes, recv_sizes, recv_counts
 
     def _run_local(self, module: nn.Module, tp, args: tuple) -> torch.Tensor:
         """The HF forward on this rank's experts; with tp inside them, f before and g after (every tp
@@ -207,25 +233,16 @@ class _ExpertParallelForward:
         ids = ids.reshape(hidden.shape[0], -1)
         tokens, k = ids.shape
         flat = ids.reshape(-1)
-        # An id outside the experts is flagged, not counted (transformers' experts would skip id E
-        # silently); the flag rides with the counts, so every ep rank learns it and raises together.
         bad = (flat < 0) | (flat >= self.num_experts)
         flat = flat.clamp(0, self.num_experts - 1)
         order = torch.argsort(flat, stable=True)           # by expert, hence by the rank holding it
         send = hidden[order // k]
-        counts = torch.bincount(flat, minlength=self.num_experts).view(self.ep_size, self.local)
-        header = torch.cat([counts, bad.any().to(counts.dtype).expand(self.ep_size, 1)], dim=1)
-        received_header = comm.all_to_all_single(header.reshape(-1), self.group).view(self.ep_size, self.local + 1)
-        recv_counts = received_header[:, :self.local].reshape(-1)   # [from rank r: its count per local expert]
-        send_sizes, recv_sizes, flags = torch.stack(                # the one host sync of the layer
-            [counts.sum(1), recv_counts.view(self.ep_size, self.local).sum(1), received_header[:, -1]]).tolist()
-        if any(flags):
-            self._refuse(module, ids, flags)
-        received = comm.all_to_all(send, self.group, recv_sizes, send_sizes)
+        send_sizes, recv_sizes, recv_counts = self._routed_sizes(module, ids, flat, bad)
+        received = self._exchange(send, recv_sizes, send_sizes)
         local_ids = torch.arange(self.local, device=flat.device).repeat(self.ep_size)
         local_ids = local_ids.repeat_interleave(recv_counts, output_size=sum(recv_sizes)).unsqueeze(-1)
         out = self._local_experts(module, tp, received, local_ids)
-        back = comm.all_to_all(out, self.group, send_sizes, recv_sizes)
+        back = self._exchange(out, send_sizes, recv_sizes)
         back = back[torch.argsort(order)].view(tokens, k, -1)         # each (token, slot) pair in place again
         combined = (back * weights.reshape(tokens, k, 1).to(back.dtype)).sum(dim=1)
         combined = combined.to(hidden.dtype)

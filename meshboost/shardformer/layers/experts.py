@@ -76,7 +76,7 @@ class TensorParallelExperts:
 @dataclass(frozen=True)
 class ExpertsForward:
     """The one record of how an experts module's forward runs: `tp` (its experts cut on I), `ep` (its
-    experts dealt over ep ranks: `expert_parallel._ExpertParallelForward`, a floor above this file, so
+    experts dealt over ep ranks: `expert_parallel.ExpertParallelForward`, a floor above this file, so
     named by what it does: `ep.run(module, tp, args, kwargs)`), or both. `handles`: what
     `set_experts_forward` installed for it, removed when the layout grows."""
 
