@@ -89,7 +89,7 @@ def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpoi
     split_gather's replicated elements fed the chunk; `live_peak`'s two figures) for one rank of
     `split`'s sequence split. `body`: the base model alone (no head, no loss), its backward fed a
     gradient of its output, as a pipeline stage that is not the last runs it."""
-    from meshboost.plan import emulate
+    from meshboost.plan import emulate, lora
     from meshboost.shardformer import uses_causal_lm_loss
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -106,7 +106,7 @@ def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpoi
     with FakeTensorMode(), _fake_grouped_mm():
         torch.set_default_dtype(dtype)          # built in the working dtype (a fake tensor cannot be cast in place)
         try:
-            model = cls(config).train()
+            model = lora.adapted_from_config(cls(config), config).train()     # LoRA: peft's adapters, base frozen
         finally:
             torch.set_default_dtype(previous)
         weights.update(p.untyped_storage()._cdata for p in model.parameters())
