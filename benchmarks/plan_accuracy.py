@@ -100,6 +100,7 @@ CASES = [
     ("llama", dict(dp=2, zero=1, precision="bf16", lora_rank=8)),
     ("llama", dict(precision="fp32", lora_rank=8, lora_targets="q_proj,v_proj")),
     ("llama", dict(tp=2, sequence_parallel=True, precision="bf16", lora_rank=8)),
+    ("llama", dict(pp=2, microbatches=2, precision="bf16", lora_rank=8)),
 ]
 QUICK = [0, 2, 5, 8, 12, 23]
 # Per rank, an MoE's activations and ep traffic follow the routing (rows received); compared as the

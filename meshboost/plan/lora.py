@@ -105,21 +105,30 @@ def _fake_moves():
         nn.Module.to = original
 
 
-def with_options(config, options: LoraOptions | None):
-    """A copy of `config` carrying `options` (FIELD) for the activations' fake runs, or `config` itself."""
+def with_options(config, options: LoraOptions | None, later_stage: bool = False):
+    """A copy of `config` carrying `options` (FIELD) for the activations' fake runs, or `config` itself.
+    `later_stage`: for a pipeline stage after the first, whose input (received from the stage before)
+    needs a gradient: on the first stage nothing before the first adapter does (the embedding is frozen),
+    so its first layer saves less than the others, and the fake model's first layer stands for a later
+    stage's only when its input is made to require grad (`adapted_from_config`)."""
     if options is None:
         return config
     import copy
 
     out = copy.deepcopy(config)
-    setattr(out, FIELD, {**asdict(options), "targets": list(options.targets)})
+    setattr(out, FIELD, {**asdict(options), "targets": list(options.targets), "later_stage": later_stage})
     return out
 
 
 def adapted_from_config(model, config):
-    """`adapted` with the options `with_options` put in `config` (the activations' fake model)."""
-    fields = getattr(config, FIELD, None)
-    return adapted(model, LoraOptions(**fields) if fields else None, fake=True)
+    """`adapted` with the options `with_options` put in `config` (the activations' fake model); for a
+    later stage the input embedding's output requires grad, as a received activation does."""
+    fields = dict(getattr(config, FIELD, None) or {})
+    later = fields.pop("later_stage", False)
+    model = adapted(model, LoraOptions(**fields) if fields else None, fake=True)
+    if later:
+        model.get_input_embeddings().register_forward_hook(lambda module, args, output: output.requires_grad_(True))
+    return model
 
 
 def check_layout(options: LoraOptions | None, layout) -> None:

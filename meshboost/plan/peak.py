@@ -133,7 +133,7 @@ def stage_activations(planner, layout, pp_rank: int) -> StageActivations:
     last = pp_rank == layout.pp - 1
     if layout.num_model_chunks > 1:
         return _interleaved_activations(planner, layout, pp_rank)
-    model = planner._activation_model(layout, body=not last)
+    model = planner._activation_model(layout, body=not last, pp_rank=pp_rank)
     layers = planner.layer_counts(layout)[pp_rank]
     one_saved = layers * model.per_layer + (model.ends if last else 0)
     if last:

@@ -71,8 +71,7 @@ class Planner:
         check_cluster(gpus, nodes, memory_gb, global_batch)
         self.config = load_config(model, overrides)
         self.cls = model_class(self.config, architecture)
-        self.lora, self.lora_config = lora, with_options(self.config, lora)    # plan/lora.py; the fake runs' config
-        self.meta = adapted(build_meta_model(self.config, architecture), lora)
+        self.lora, self.meta = lora, adapted(build_meta_model(self.config, architecture), lora)   # plan/lora.py
         check_sequence(self.meta, seq)
         self.gpus, self.nodes, self.gpus_per_node = gpus, nodes, gpus // nodes
         self.memory_bytes, self.seq, self.global_batch, self.precision = memory_gb * GIB, seq, global_batch, precision
@@ -203,7 +202,7 @@ class Planner:
         chunks, m = layout.num_model_chunks, layout.microbatches
         layers = self.layer_counts(layout)[pp_rank]
         last = pp_rank == layout.pp - 1
-        model = self._activation_model(layout)
+        model = self._activation_model(layout, pp_rank=pp_rank)
         if chunks > 1 and in_flight is None:
             units = min(2 * (layout.pp - pp_rank - 1) + (chunks - 1) * layout.pp + 1, m * chunks)
             return units * layers * model.per_layer // chunks + (model.ends if last else 0)
@@ -265,13 +264,14 @@ class Planner:
         return Estimate(layout, worst["memory_bytes"], stages, comm, seconds,
                         peak.needed_bytes(worst["memory_bytes"]) <= self.memory_bytes, notes)
 
-    def _activation_model(self, layout: Layout, body: bool = False) -> activations.ActivationModel:
+    def _activation_model(self, layout: Layout, body: bool = False, pp_rank: int = 0) -> activations.ActivationModel:
         vocab = getattr(self.config, "vocab_size", None)
         padded = None
         if isinstance(vocab, int) and layout.tp > 1:
             multiple = self.vocab_multiple * layout.tp
             padded = -(-vocab // multiple) * multiple
-        return activations.activation_model(self.cls, self.lora_config, layout.microbatch_size, self.seq,
+        config = with_options(self.config, self.lora, later_stage=pp_rank > 0)    # LoRA: a stage's input needs grad
+        return activations.activation_model(self.cls, config, layout.microbatch_size, self.seq,
                                             layout.precision, layout.tp, padded, layout.checkpointing,
                                             self._sequence_split(layout), body)
 

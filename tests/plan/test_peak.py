@@ -2,9 +2,11 @@
 `reserved` and the device they are predicted for; `fits` compares reserved + outside-allocator bytes
 with --memory-gb; and, on CPU, the predicted peak of live bytes against torch's MemTracker over a real
 training step (benchmarks/plan_peak.py), each layout in processes of its own (the issue's rule: nothing
-another layout left alive is counted), so three spawns: a world-1 fp32 step (the peak at the loss's
-backward), dp=2 ZeRO-2 (the peak at the gradients' reduction) and pp=2 1F1B (the first stage's: two
-micro-batches' layers, its output kept, one layer's backward temporaries)."""
+another layout left alive is counted), so four spawns: a world-1 fp32 step (the peak at the loss's
+backward), dp=2 ZeRO-2 (the peak at the gradients' reduction), pp=2 1F1B (the first stage's: two
+micro-batches' layers, its output kept, one layer's backward temporaries) and LoRA (peft through
+booster.enable_lora, rank 8 on q/v: the frozen base without gradients or moments, the adapters' saved
+inputs and rank-8 intermediates)."""
 
 from __future__ import annotations
 
@@ -68,8 +70,9 @@ def test_table_shows_peak_and_reserved(capsys):
 
 
 @pytest.mark.parametrize("fields", [dict(precision="fp32"), dict(dp=2, zero=2, precision="fp32"),
-                                    dict(pp=2, microbatches=2, precision="bf16")],
-                         ids=["world1-fp32", "dp2-zero2-fp32", "pp2-1f1b-bf16"])
+                                    dict(pp=2, microbatches=2, precision="bf16"),
+                                    dict(precision="fp32", lora_rank=8, lora_targets="q_proj,v_proj")],
+                         ids=["world1-fp32", "dp2-zero2-fp32", "pp2-1f1b-bf16", "world1-lora-fp32"])
 def test_peak_against_memtracker(fields):
     from benchmarks.plan_accuracy import spec_of
     from benchmarks.plan_peak import compare_peaks, measure_peaks
