@@ -94,6 +94,13 @@ CASES = [
     ("llama", dict(tp=2, cp=2, zero=1, precision="fp32")),
     ("llama", dict(cp=2, dp=2, zero=2, cp_mode="ring_attn", precision="bf16")),
     ("llama", dict(pp=2, cp=2, microbatches=2, precision="fp32")),
+    # LoRA (peft through booster.enable_lora: rank-8 adapters on every linear but the head, the base frozen);
+    # lora_rank / lora_targets are the planner's LoraOptions, not layout fields
+    ("llama", dict(tp=2, precision="fp32", lora_rank=8)),
+    ("llama", dict(dp=2, zero=1, precision="bf16", lora_rank=8)),
+    ("llama", dict(precision="fp32", lora_rank=8, lora_targets="q_proj,v_proj")),
+    ("llama", dict(tp=2, sequence_parallel=True, precision="bf16", lora_rank=8)),
+    ("llama", dict(pp=2, microbatches=2, precision="bf16", lora_rank=8)),
 ]
 QUICK = [0, 2, 5, 8, 12, 23]
 # Per rank, an MoE's activations and ep traffic follow the routing (rows received); compared as the
@@ -127,19 +134,29 @@ def spec_of(family: str, batch: int = 12):
     return ModelSpec(family=family, layers=4, hidden=128, heads=4, seq=32, batch=batch, vocab=1000)
 
 
+LORA_FIELDS = {"lora_rank": "rank", "lora_targets": "targets", "lora_dropout": "dropout"}
+
+
+def lora_of(fields: dict):
+    """The planner's `LoraOptions` a case's fields name (lora_rank, ...), or None."""
+    from meshboost.plan.lora import LoraOptions
+    named = {LORA_FIELDS[k]: v for k, v in fields.items() if k in LORA_FIELDS}
+    return LoraOptions(**named) if named else None
+
+
 def layout_of(fields: dict, spec):
     from meshboost.plan import Layout
-    f = dict(fields)
+    f = {k: v for k, v in fields.items() if k not in LORA_FIELDS}
     dp, m = f.get("dp", 1), f.get("microbatches", 1)
     f.setdefault("microbatch_size", spec.batch // (dp * m))
     return Layout(**f)
 
 
-def planner_for(spec, layout):
+def planner_for(spec, layout, lora=None, device=None):
     from benchmarks.models import build_config
     from meshboost.plan import Planner
     return Planner(build_config(spec), architecture=spec.class_name, gpus=layout.world, seq=spec.seq,
-                   global_batch=spec.batch, precision=layout.precision)
+                   global_batch=spec.batch, precision=layout.precision, lora=lora, device=device)
 
 
 class PeakSaved:
@@ -217,7 +234,8 @@ def _step(booster, model, optimizer, batch, pp: int):
 
 def boost_layout(fields: dict, spec):
     """(layout, plugin, booster, model, optimizer): a fresh model of `spec` boosted with AdamW by the plugin
-    the planner builds for the layout of `fields` (with activation checkpointing when the layout asks)."""
+    the planner builds for the layout of `fields` (with LoRA adapters through `booster.enable_lora` when the
+    fields name them, then activation checkpointing when the layout asks: the planner's fake run's order)."""
     import torch
 
     from benchmarks.models import build_model
@@ -228,9 +246,12 @@ def boost_layout(fields: dict, spec):
     layout = layout_of(fields, spec)
     plugin = HybridParallelPlugin(plugin_config(layout))
     model = build_model(spec)
+    booster = Booster(plugin=plugin)
+    lora = lora_of(fields)
+    if lora is not None:
+        model = booster.enable_lora(model, lora_config=lora.peft_config())
     if layout.checkpointing:
         model.gradient_checkpointing_enable({"use_reentrant": False})
-    booster = Booster(plugin=plugin)
     model, optimizer, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     return layout, plugin, booster, model, optimizer
 
@@ -320,7 +341,7 @@ def measure(cases: list[tuple[str, dict]]) -> list[list[dict]]:
 def predict(family: str, fields: dict, ranks: tuple[int, int, int]) -> dict:
     spec = spec_of(family)
     layout = layout_of(fields, spec)
-    planner = planner_for(spec, layout)
+    planner = planner_for(spec, layout, lora_of(fields))
     planner.check(layout)
     out = planner.rank_state(layout, *ranks)
     out["activations"] = planner.stage_activations(layout, ranks[0])
@@ -387,7 +408,7 @@ def cuda_accuracy(quick: bool = False) -> None:
     for world, group in sorted(by_world.items()):
         for (fam, f), ranks in zip(group, measure(group)):
             layout = layout_of(f, spec_of(fam))
-            planner = planner_for(spec_of(fam), layout)
+            planner = planner_for(spec_of(fam), layout, lora_of(f))
             total = planner.explain(layout).memory_bytes_per_rank["total"]
             errors = compare(fam, f, ranks)
             state = max(errors[k][0] for k in STATE_KEYS)

@@ -90,15 +90,12 @@ def measure_peaks(spec, fields: dict) -> list[dict]:
 def predicted_peak(spec, fields: dict, ranks, device: str = "cpu") -> dict:
     """The planner's peak record (peak, reserved, outside, instant, ...) of `device` for the rank at
     (pp, tp, dp) coordinates of a layout of `spec`."""
-    from benchmarks.models import build_config
-    from benchmarks.plan_accuracy import layout_of
-    from meshboost.plan import Planner
+    from benchmarks.plan_accuracy import layout_of, lora_of, planner_for
     from meshboost.plan.peak import rank_peak
     from meshboost.plan.planner import MEMORY_KEYS
 
     layout = layout_of(fields, spec)
-    planner = Planner(build_config(spec), architecture=spec.class_name, gpus=layout.world, seq=spec.seq,
-                      global_batch=spec.batch, precision=layout.precision, device=device)
+    planner = planner_for(spec, layout, lora_of(fields), device)
     planner.check(layout)
     pp, tp, dp = ranks
     shards = planner.shards(layout, pp, tp)

@@ -22,6 +22,7 @@ import sys
 
 from meshboost.plan.cost import CostConstants
 from meshboost.plan.layout import parse_layout
+from meshboost.plan.lora import LoraOptions
 from meshboost.plan.model import parse_overrides
 from meshboost.plan.advice import nothing_fits
 from meshboost.plan.planner import GIB, MEMORY_KEYS, Planner, _default_batching
@@ -59,6 +60,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layout", default=None, help="explain one layout: tp=2,pp=2,zero=1,mb=4,ckpt=1,... or a table "
                    "row (tp=2,pp=1,dp=4,zero=1,bf16,mb=2x8,ckpt); context parallelism cp=2,cp_mode=ring_attn "
                    "(ColossalAI's sp=2,sp_mode=ring_attn accepted), Megatron sequence parallelism split_gather")
+    p.add_argument("--lora-rank", type=int, default=None, metavar="R",
+                   help="train LoRA adapters of rank R on the frozen model (booster.enable_lora; peft's LoraConfig r)")
+    p.add_argument("--lora-targets", default="all-linear",
+                   help="with --lora-rank: the modules adapted (peft's target_modules: q_proj,v_proj or all-linear)")
+    p.add_argument("--lora-dropout", type=float, default=0.0, help="with --lora-rank: peft's lora_dropout")
     p.add_argument("--top", type=int, default=10, help="rows of the ranking to print (table output)")
     p.add_argument("--all", action="store_true", help="also list layouts that do not fit")
     p.add_argument("--json", action="store_true", help="print a JSON list of estimates")
@@ -86,6 +92,10 @@ def _check_numbers(parser, args) -> None:
     for flag, value in (("--flops", args.flops), ("--intra-bw", args.intra_bw), ("--inter-bw", args.inter_bw)):
         if value is not None and not value > 0:
             parser.error(f"{flag} {value:g}: pass a positive rate (or leave it out for the constants' own)")
+    if args.lora_rank is not None and args.lora_rank < 1:
+        parser.error(f"--lora-rank {args.lora_rank}: pass 1 or more (the adapters' rank, peft's r)")
+    if args.lora_rank is None and (args.lora_targets != "all-linear" or args.lora_dropout):
+        parser.error("--lora-targets / --lora-dropout adapt nothing without --lora-rank R")
     for flag, path in (("--constants", args.constants),):
         if path is not None and not os.path.isfile(path):
             parser.error(f"{flag} {path}: no such file (write one with --calibrate --calibration {path})")
@@ -127,9 +137,11 @@ def _table(estimates) -> str:
     return "\n".join(lines)
 
 
-def _explained(e, constants=None) -> str:
+def _explained(e, constants=None, lora=None) -> str:
     lines = [f"layout {e.layout.describe()}  (fits: {'yes' if e.fits else 'no'}, predicted step "
              f"{e.step_seconds:.3f} s)", _table([e]), "per stage (worst tp/dp rank of each):"]
+    if lora is not None:
+        lines.insert(0, f"training {lora.describe()}, the base weights frozen")
     for s in e.per_stage:
         m = s["memory_bytes"]
         lines.append(f"  pp_rank {s['pp_rank']}: {s['layers']} layers, total {m['total'] / GIB:.2f} GiB, "
@@ -165,9 +177,10 @@ def main(argv=None) -> int:
         parser.error("--model is required (unless --calibrate): an HF model folder, its config.json, or a model type")
     _check_numbers(parser, args)
     try:
+        lora = LoraOptions(args.lora_rank, args.lora_targets, args.lora_dropout) if args.lora_rank else None
         planner = Planner(args.model, parse_overrides(args.set), architecture=args.architecture, gpus=args.gpus,
                           nodes=args.nodes, memory_gb=args.memory_gb, seq=args.seq, global_batch=args.global_batch,
-                          precision=args.precision, constants=_constants(args), device=args.device)
+                          precision=args.precision, constants=_constants(args), device=args.device, lora=lora)
     except (ValueError, TypeError, NotImplementedError, OSError) as exc:
         parser.error(str(exc))
     if args.layout is not None:
@@ -176,7 +189,7 @@ def main(argv=None) -> int:
             estimate = planner.explain(layout)
         except (ValueError, NotImplementedError, TypeError) as exc:
             parser.error(f"--layout {args.layout}: refused: {type(exc).__name__}: {exc}")
-        print(json.dumps([estimate.as_dict()], indent=1) if args.json else _explained(estimate, planner.constants))
+        print(json.dumps([estimate.as_dict()], indent=1) if args.json else _explained(estimate, planner.constants, planner.lora))
         return 0
     return _ranking(parser, args, planner)
 
@@ -202,7 +215,7 @@ def _ranking(parser, args, planner) -> int:
         return 0
     print(f"{type(planner.config).__name__} ({planner.cls.__name__}), {planner.num_layers} layers, "
           f"{args.gpus} GPUs of {args.memory_gb:g} GiB, seq {args.seq}, global batch {args.global_batch}: "
-          f"{len(fitting)} layouts fit, {len(refused)} refused")
+          f"{len(fitting)} layouts fit, {len(refused)} refused" + (f"; {planner.lora.describe()}" if planner.lora else ""))
     print(_table(shown[:args.top]))
     print(f"peak predicted for device: {planner.device}; cost constants: {planner.constants.source}")
     return 0

@@ -98,7 +98,7 @@ def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpoi
     `split`'s sequence split. `body`: the base model alone (no head, no loss), its backward fed a
     gradient of its output, as a pipeline stage that is not the last runs it. `ep` > 1: the experts dealt
     out over ep ranks, meshboost's dispatch with balanced routing (fake_experts.py)."""
-    from meshboost.plan import emulate, fake_experts
+    from meshboost.plan import emulate, fake_experts, lora
     from meshboost.plan.live import last_layer, live_peak
     from meshboost.shardformer import uses_causal_lm_loss
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -116,7 +116,7 @@ def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpoi
     with FakeTensorMode(), fake_experts.fake_grouped_mm():
         torch.set_default_dtype(dtype)          # built in the working dtype (a fake tensor cannot be cast in place)
         try:
-            model = cls(config).train()
+            model = lora.adapted_from_config(cls(config), config).train()     # LoRA: peft's adapters, base frozen
         finally:
             torch.set_default_dtype(previous)
         if ep > 1:

@@ -177,15 +177,16 @@ def ep_per_step(layout, moe: MoeTraffic, tokens: int, hidden: int) -> list[tuple
 
 def tp_per_step(layout, moe: MoeTraffic | None, tokens: int, act: int, layers_held: int, first: bool, last: bool,
                 lm_head: bool, post_norm: bool, sequence: SequenceTraffic | None, tp_grad_sum: int,
-                vocab_parallel_loss: bool) -> list[tuple[str, int]]:
+                vocab_parallel_loss: bool, frozen_inputs: int = 0) -> list[tuple[str, int]]:
     """Tensor parallelism's collectives per step (comm_per_step's arguments; act: one micro-batch's
     [tokens, hidden] activation in bytes): Megatron's f and g per layer, the stack's ends, the recompute's
     under checkpointing, split_gather's all-gathers and reduce-scatters in their place, the experts' and
-    the vocab-parallel loss's."""
+    the vocab-parallel loss's; less the backward ones of `frozen_inputs` blocks whose input needs no gradient
+    (plan/lora.py) and, then, the stack entry's gathered gradient under split_gather."""
     w = BYTES[layout.precision]
     m = layout.microbatches
     out: list[tuple[str, int]] = []
-    per_microbatch = 4 * layers_held + (1 if first else 0) + (1 if last and lm_head else 0)
+    per_microbatch = 4 * layers_held + (1 if first else 0) + (1 if last and lm_head else 0) - frozen_inputs
     if layout.checkpointing:      # the recomputed forward's all-reduces (see the docstring)
         per_microbatch += (2 if post_norm else 1) * layers_held
     moe_layers = moe.layers if moe is not None else 0
@@ -195,10 +196,10 @@ def tp_per_step(layout, moe: MoeTraffic | None, tokens: int, act: int, layers_he
         # split_gather: each layer all-reduce becomes an all-gather and a reduce-scatter of the same
         # [b, s, h] (payload: the whole tensor each); the stack's entry gathers the gradient
         # backward and its exit the output forward; the recompute re-runs its gathers (see docstring)
-        layer_ops = 4 * layers_held + (1 if first else 0) + (1 if last else 0)
+        layer_ops = 4 * layers_held + (1 if first and not frozen_inputs else 0) + (1 if last else 0)
         recomputed = (2 * layers_held, layers_held) if layout.checkpointing else (0, 0)
         out.append(("all_gather", (layer_ops + recomputed[0]) * m * act))
-        out.append(("reduce_scatter", (4 * layers_held + recomputed[1]) * m * act))
+        out.append(("reduce_scatter", (4 * layers_held - frozen_inputs + recomputed[1]) * m * act))
         ends = (1 if first else 0) + (1 if last and lm_head else 0)
         out.append(("all_reduce", ends * m * act))
         if sequence.summed_per_layer:
@@ -218,7 +219,8 @@ def comm_per_step(layout, hidden: int, layers_held: int, first: bool, last: bool
                   padded_numel: int, seq: int, tied_numel: int = 0,
                   vocab_parallel_loss: bool = False, lm_head: bool = True,
                   moe: MoeTraffic | None = None, tp_grad_sum: int = 0,
-                  post_norm: bool = False, sequence: SequenceTraffic | None = None) -> dict[str, list[tuple[str, int]]]:
+                  post_norm: bool = False, sequence: SequenceTraffic | None = None,
+                  frozen_inputs: int = 0) -> dict[str, list[tuple[str, int]]]:
     """{axis: [(op, payload bytes), ...]} one rank of `layout` issues in one optimizer step.
     vocab_parallel_loss: a causal LM, whose last stage's loss runs on vocab-split logits (two fp32
     all-reduces over tp per micro-batch: the row max [N] and the two sums [2, N]) and, outside a
@@ -227,7 +229,8 @@ def comm_per_step(layout, hidden: int, layers_held: int, first: bool, last: bool
     padded_numel are the dense weights'; `moe` the experts' (axes ep and edp); tp_grad_sum: gradient
     elements summed over tp each backward (whole q/k norms, replicated key/value head shards);
     post_norm: the layers end in a norm (BERT's), so checkpointing's recompute runs both all-reduces.
-    sequence: the layout splits the sequence (split_gather over tp, or context parallelism over cp)."""
+    sequence: the layout splits the sequence (split_gather over tp, or context parallelism over cp).
+    frozen_inputs: blocks whose input gradient is never computed (LoRA's frozen embedding: plan/lora.py)."""
     w = BYTES[layout.precision]
     tokens = layout.microbatch_size * seq // layout.cp         # this rank's piece under context parallelism
     act = tokens * hidden * w
@@ -246,7 +249,7 @@ def comm_per_step(layout, hidden: int, layers_held: int, first: bool, last: bool
                 out["edp"].append(("all_gather", moe.padded_numel * w))
     if layout.tp > 1:
         out["tp"] = tp_per_step(layout, moe, tokens, act, layers_held, first, last, lm_head, post_norm, sequence,
-                                tp_grad_sum, vocab_parallel_loss)
+                                tp_grad_sum, vocab_parallel_loss, frozen_inputs)
     # the input check: per forward call (one per pipeline step), an all-gather over tp, pp and cp each
     calls = 1 if layout.pp > 1 else m
     for axis in ("tp", "pp", "cp"):
@@ -322,18 +325,20 @@ def calls_per_step(layout, axis: str, op: str, nbytes: int, hidden: int, seq: in
 
 def step_seconds(layout, stage_numel: int, layers_held: int, hidden: int, seq: int,
                  comm: dict[str, list[tuple[str, int]]], gpus_per_node: int, constants: CostConstants,
-                 ends: bool = True, zero_buckets: int = 1, breakdown: dict | None = None) -> float:
+                 ends: bool = True, zero_buckets: int = 1, breakdown: dict | None = None,
+                 frozen_numel: int = 0) -> float:
     """Predicted seconds of one optimizer step of the busiest stage (the ranking's figure):
     (M + pp - 1) micro-batch slots (1F1B: the bubble is (pp - 1) / (M + pp - 1) of the step), each
     the stage's compute (flops at `flops` per second, plus the fixed cost per layer and per
     micro-batch), plus every collective (latency per call + ring bytes at its axis's bandwidth, the
     tp ones inside each slot), plus the optimizer step over the rank's fp32 masters (ZeRO: its
     shard), nothing overlapped. `ends`: the stage holds the embedding or the head (the per-micro-batch
-    overhead). `breakdown`, when given, receives the terms."""
+    overhead). `breakdown`, when given, receives the terms. `frozen_numel`: frozen weights the stage also
+    runs (LoRA's base): forward and the input's gradient, no weight gradient (2 flops per element less)."""
     tokens = layout.microbatch_size * seq // layout.cp        # this rank's piece under context parallelism
     per_param = 8 if layout.checkpointing else 6
     attention = (4 if layout.checkpointing else 3) * 4 * layout.microbatch_size * seq * seq * hidden * layers_held
-    flops = per_param * stage_numel * tokens + attention / (layout.tp * layout.cp)
+    flops = (per_param * stage_numel + (per_param - 2) * frozen_numel) * tokens + attention / (layout.tp * layout.cp)
     recompute = 4 / 3 if layout.checkpointing else 1.0
     overhead = (layers_held * constants.layer_overhead_s * recompute + (constants.microbatch_overhead_s if ends else 0)
                 + (constants.pipeline_overhead_s if layout.pp > 1 else 0))

@@ -54,7 +54,9 @@ def sequence_roles(model: nn.Module, tp_size: int, make_vocab_size_divisible_by:
     pattern = re.compile(rf"^{re.escape(stack)}\.\d+\.(.+)$")
 
     def relative(paths) -> set[str]:
-        return {m.group(1) for p in paths if (m := pattern.match(p))}
+        # a peft LoRA layer's base (`X.base_layer`): the layer X itself, whose adapter's product joins the
+        # base's inside meshboost's parallel linear (shardformer/lora.py), so it is gathered and split with it
+        return {m.group(1).removesuffix(".base_layer") for p in paths if (m := pattern.match(p))}
 
     regions = plan.regions
     blocks = {}

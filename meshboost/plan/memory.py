@@ -70,11 +70,14 @@ def zero_buckets(shards, dp_size: int, dp_rank: int, ep_size: int = 1,
 def state_bytes(shards, precision: str, zero_stage: int, dp_size: int, dp_rank: int = 0, pp_size: int = 1,
                 overlap_communication: bool = True, bucket_elements: int = DEFAULT_BUCKET_ELEMENTS,
                 ep_size: int = 1) -> dict:
-    """{weights, gradients, masters, optimizer_states} bytes of one rank holding `shards`."""
+    """{weights, gradients, masters, optimizer_states} bytes of one rank holding `shards` (its frozen
+    parameters, `shards.frozen` (LoRA's base), among the weights only: cast to the working dtype with the
+    rest, no gradient, no master, no state: neither optimizer wrapper takes a parameter without grad)."""
     w = BYTES[precision]
     numel = sum(s.numel for s in shards)
+    weights = w * (numel + sum(s.numel for s in getattr(shards, "frozen", ())))
     if zero_stage == 0:
-        return {"weights": w * numel, "gradients": w * numel,
+        return {"weights": weights, "gradients": w * numel,
                 "masters": 0 if precision == "fp32" else 4 * numel,
                 "optimizer_states": ADAM_STATES * 4 * numel}
     buckets = zero_buckets(shards, dp_size, dp_rank, ep_size, bucket_elements)
@@ -85,7 +88,7 @@ def state_bytes(shards, precision: str, zero_stage: int, dp_size: int, dp_rank: 
         masters = 4 * sum(_owned_padding(n, s, size, rank) for (n, size, rank, _), s in zip(buckets, shard_sizes))
     else:
         masters = 4 * owned
-    return {"weights": w * numel, "gradients": w * (owned if reduced else numel), "masters": masters,
+    return {"weights": weights, "gradients": w * (owned if reduced else numel), "masters": masters,
             "optimizer_states": ADAM_STATES * 4 * owned}
 
 

@@ -144,6 +144,9 @@ def tp_splits(model: nn.Module, tp_size: int, make_vocab_size_divisible_by: int 
         splits[id(module.weight)] = Split(0, 1, make_vocab_size_divisible_by)
         if getattr(module, "bias", None) is not None:
             splits[id(module.bias)] = Split(0, 1, make_vocab_size_divisible_by)
+    if plan.adapters:                   # peft LoRA layers on sharded linears: split with their base (plan/lora.py)
+        from meshboost.plan.lora import adapter_splits
+        splits.update(adapter_splits(plan, splits))
     return splits
 
 
@@ -186,15 +189,24 @@ def expert_params(model: nn.Module, ep_size: int) -> set[int]:
     return {id(p) for _, module in check_expert_parallel(model, ep_size) for p in module.parameters(recurse=False)}
 
 
+class RankShards(list):
+    """One rank's trainable `ParamShard`s (what gradients, masters, optimizer states and ZeRO's buckets
+    are made of) and, as `frozen`, the parameters it holds that train nothing (LoRA's base weights:
+    working weights only, no gradient, master or state)."""
+
+    frozen: list = []
+    frozen_inputs: int = 0          # column-parallel blocks whose input gradient is never computed (plan/lora.py)
+
+
 def rank_shards(model: nn.Module, splits: dict[int, Split], held: dict[str, PipelineTie | None], tp_rank: int,
-                tp_size: int, experts: set[int] = frozenset(), ep_size: int = 1) -> list[ParamShard]:
+                tp_size: int, experts: set[int] = frozenset(), ep_size: int = 1) -> RankShards:
     """The trainable parameters one (pp, tp, ep) rank holds, in the order of `model.parameters()` (the
-    order of an optimizer built on it, and so of ZeRO's buckets). `experts`: the ids
-    `expert_params` gives, each split on dim 0 into ep_size runs of experts, after the tp split
-    (`shard_expert_parallel_`'s record; every ep rank holds as many)."""
-    out = []
+    order of an optimizer built on it, and so of ZeRO's buckets), with its frozen ones as `frozen`.
+    `experts`: the ids `expert_params` gives, each split on dim 0 into ep_size runs of experts, after
+    the tp split (`shard_expert_parallel_`'s record; every ep rank holds as many)."""
+    out, frozen = RankShards(), []
     for name, p in model.named_parameters():
-        if name not in held or not p.requires_grad:
+        if name not in held:
             continue
         split = splits.get(id(p))
         shape = tuple(p.shape)
@@ -211,5 +223,10 @@ def rank_shards(model: nn.Module, splits: dict[int, Split], held: dict[str, Pipe
             info = dataclasses.replace(info, expert_size=ep_size)
             local[0] //= ep_size
         numel = math.prod(local)
-        out.append(ParamShard(name, p.numel(), numel, info, held[name], tuple(local), summed if p.requires_grad else 0))
+        shard = ParamShard(name, p.numel(), numel, info, held[name], tuple(local), summed if p.requires_grad else 0)
+        (out if p.requires_grad else frozen).append(shard)
+    out.frozen = frozen
+    if frozen and tp_size > 1:
+        from meshboost.plan.lora import frozen_inputs
+        out.frozen_inputs = frozen_inputs(model, splits, held)
     return out

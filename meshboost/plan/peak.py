@@ -170,7 +170,7 @@ def stage_activations(planner, layout, pp_rank: int) -> StageActivations:
 
     P, V = layout.pp, layout.num_model_chunks
     last_virtual = P * V - 1
-    model = planner._activation_model(layout, body=P > 1 and (V > 1 or pp_rank < P - 1))
+    model = planner._activation_model(layout, body=P > 1 and (V > 1 or pp_rank < P - 1), pp_rank=pp_rank)
     ranges = split_layers(planner.num_layers, P * V)
 
     def live(v: int) -> int:

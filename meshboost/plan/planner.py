@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from meshboost.plan import activations, cost, emulate, memory, params, peak, sharded
 from meshboost.plan.checks import check_cluster, check_sequence
 from meshboost.plan.layout import SPLIT_GATHER, Layout, enumerate_layouts, plugin_config
+from meshboost.plan.lora import adapted, check_layout, with_options
 from meshboost.plan.model import build_meta_model, load_config, model_class
 
 GIB = 2 ** 30
@@ -61,21 +62,19 @@ class Planner:
     """Plans for `model` (an HF folder, a config.json, a model type, or a transformers config) on
     `gpus` devices of `memory_gb` GiB (`gpus_per_node` each node), sequences of `seq` tokens and
     `global_batch` sequences per step. `device` ("cpu" or "cuda"; default: CUDA where torch sees it):
-    whose kernels' temporaries and allocator the peak model (peak.py) predicts."""
+    whose kernels' temporaries and allocator the peak model (peak.py) predicts. `lora`: `LoraOptions` or None."""
 
     def __init__(self, model, overrides: dict | None = None, *, architecture: str | None = None, gpus: int = 8,
                  nodes: int = 1, memory_gb: float = 80.0, seq: int = 2048, global_batch: int = 8,
                  precision: str = "bf16", constants: cost.CostConstants | None = None,
-                 make_vocab_size_divisible_by: int = 64, device: str | None = None):
+                 make_vocab_size_divisible_by: int = 64, device: str | None = None, lora=None):
         check_cluster(gpus, nodes, memory_gb, global_batch)
         self.config = load_config(model, overrides)
         self.cls = model_class(self.config, architecture)
-        self.meta = build_meta_model(self.config, architecture)
+        self.lora, self.meta = lora, adapted(build_meta_model(self.config, architecture), lora)   # plan/lora.py
         check_sequence(self.meta, seq)
-        self.gpus, self.nodes = gpus, nodes
-        self.gpus_per_node = gpus // nodes
-        self.memory_bytes = memory_gb * GIB
-        self.seq, self.global_batch, self.precision = seq, global_batch, precision
+        self.gpus, self.nodes, self.gpus_per_node = gpus, nodes, gpus // nodes
+        self.memory_bytes, self.seq, self.global_batch, self.precision = memory_gb * GIB, seq, global_batch, precision
         self.device = device or peak.default_device()      # whose temporaries and allocator the peak is
         if constants is None:
             from meshboost.plan.calibrate import default_constants
@@ -117,7 +116,7 @@ class Planner:
         return self._roles[tp]
 
     def shards(self, layout: Layout, pp_rank: int, tp_rank: int) -> list:
-        """The trainable parameters one (pp, tp) rank holds (one list per rank and placement, reused)."""
+        """The trainable parameters one (pp, tp) rank holds, the frozen as `.frozen` (one list per rank, reused)."""
         key = (layout.tp, layout.pp, layout.num_model_chunks, layout.ep, pp_rank, tp_rank)
         if key not in self._shards:
             self._shards[key] = params.rank_shards(self.meta, self.splits(layout.tp),
@@ -154,6 +153,7 @@ class Planner:
             check_context(self.meta, layout.cp, layout.tp, layout.cp_mode)
             check_length(self.seq, layout.cp, layout.cp_mode)
         self.experts(layout.ep)                     # expert parallelism's (ep dividing every layer's experts, ...)
+        check_layout(self.lora, layout)             # what the planner does not model of LoRA yet
         self.holdings(layout.pp, layout.num_model_chunks)   # the pipeline's (at most one stage per layer, ...)
         if layout.world != self.gpus:
             raise ValueError(f"layout {layout.describe()} uses tp x pp x dp x cp = {layout.world} ranks, but the world "
@@ -203,7 +203,7 @@ class Planner:
         chunks, m = layout.num_model_chunks, layout.microbatches
         layers = self.layer_counts(layout)[pp_rank]
         last = pp_rank == layout.pp - 1
-        model = self._activation_model(layout)
+        model = self._activation_model(layout, pp_rank=pp_rank)
         if chunks > 1 and in_flight is None:
             units = min(2 * (layout.pp - pp_rank - 1) + (chunks - 1) * layout.pp + 1, m * chunks)
             return units * layers * model.per_layer // chunks + (model.ends if last else 0)
@@ -243,7 +243,8 @@ class Planner:
             breakdown: dict = {}
             seconds = cost.step_seconds(layout, sum(s.numel for s in shards), layer_counts[pp_rank], self.hidden,
                                         self.seq, comm, self.gpus_per_node, self.constants, ends=first or last,
-                                        zero_buckets=self._zero_buckets(layout, shards), breakdown=breakdown)
+                                        zero_buckets=self._zero_buckets(layout, shards), breakdown=breakdown,
+                                        frozen_numel=sum(s.numel for s in shards.frozen))
             stages.append({"pp_rank": pp_rank, "layers": layer_counts[pp_rank], "worst_tp_rank": tp_rank,
                            "worst_dp_rank": dp_rank, "memory_bytes": mem, "step_seconds": seconds,
                            "step_seconds_terms": breakdown,
@@ -264,13 +265,13 @@ class Planner:
         return Estimate(layout, worst["memory_bytes"], stages, comm, seconds,
                         peak.needed_bytes(worst["memory_bytes"]) <= self.memory_bytes, notes)
 
-    def _activation_model(self, layout: Layout, body: bool = False) -> activations.ActivationModel:
-        vocab = getattr(self.config, "vocab_size", None)
-        padded = None
+    def _activation_model(self, layout: Layout, body: bool = False, pp_rank: int = 0) -> activations.ActivationModel:
+        vocab, padded = getattr(self.config, "vocab_size", None), None
         if isinstance(vocab, int) and layout.tp > 1:
             multiple = self.vocab_multiple * layout.tp
             padded = -(-vocab // multiple) * multiple
-        return activations.activation_model(self.cls, self.config, layout.microbatch_size, self.seq,
+        config = with_options(self.config, self.lora, later_stage=pp_rank > 0)    # LoRA: a stage's input needs grad
+        return activations.activation_model(self.cls, config, layout.microbatch_size, self.seq,
                                             layout.precision, layout.tp, padded, layout.checkpointing,
                                             self._sequence_split(layout), body, layout.ep)
 
@@ -321,7 +322,7 @@ class Planner:
             sequence = cost.SequenceTraffic(self.attention_shape(layout), summed_per_layer)
         comm = cost.comm_per_step(layout, self.hidden, layers_held, first, last, local, padded, self.seq, tied,
                                   self.vocab_parallel_loss, self.lm_head, moe, sum(s.tp_grad_sum for s in shards),
-                                  self.config.model_type in POST_NORM, sequence)
+                                  self.config.model_type in POST_NORM, sequence, shards.frozen_inputs)
         fsdp = sharded.fsdp_step_comm(layout, shards, self.layer_prefixes) if layout.zero == 3 else {}
         for axis, ops in fsdp.items():                  # FSDP2's, per op (calls: _zero_buckets)
             comm.setdefault(axis, []).extend(ops)

@@ -148,6 +148,8 @@ def hsdp_replica_bytes(shards, dp_shard: int) -> int:
 
 def fsdp_rank_state(layout, shards, dp_rank: int) -> dict:
     """`fsdp_state_bytes` of one rank of a ZeRO-3 `layout`, each of its `fsdp_groups` over its own group."""
+    if getattr(shards, "frozen", None):     # FSDP2 shards frozen weights too (fp32 shards, gathered per unit)
+        raise NotImplementedError("frozen parameters (LoRA's base) under zero=3 are not modelled yet by the planner")
     parts = [fsdp_state_bytes(g, layout.precision, n, i) for g, n, i in fsdp_groups(layout, shards, dp_rank)]
     return {k: sum(p[k] for p in parts) for k in ("weights", "gradients", "masters", "optimizer_states")}
 

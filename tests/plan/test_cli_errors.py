@@ -55,6 +55,11 @@ def test_bad_inputs_are_one_line_naming_value_and_fix(capsys, configs):
         (["--model", "llama", "--set", TINY, "--gpus", "2", "--layout", "tp=2,fp8"], ["'fp8'", "bf16"]),
         (["--model", "llama", "--set", TINY, "--constants", str(folder / "none.json")], ["--calibrate --calibration"]),
         (["--model", "llama", "--set", TINY, "--top", "0"], ["--top 0"]),
+        (["--model", "llama", "--set", TINY, "--lora-rank", "0"], ["--lora-rank 0", "1 or more"]),
+        (["--model", "llama", "--set", TINY, "--lora-rank", "8", "--lora-targets", "qproj"],
+         ["'qproj'", "not found", "q_proj,v_proj"]),
+        (["--model", "llama", "--set", TINY, "--lora-rank", "8", "--lora-dropout", "1.5"], ["dropout 1.5", "[0, 1)"]),
+        (["--model", "llama", "--set", TINY, "--lora-targets", "q_proj"], ["without --lora-rank"]),
         (["--seq", "4"], ["--model is required"]),
         (["--model", "llama", "--seq", "abc"], ["--seq", "'abc'"]),
     ]

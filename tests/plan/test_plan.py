@@ -407,3 +407,57 @@ def test_zero3_with_pipeline_and_experts():
     assert {op for op, _ in moe.rank_comm(split)["edp"]} == {"all_gather", "reduce_scatter"}
     # ep=2 holds half the experts, sharded over edp=2: the same quarter of them as ZeRO-3 over dp=4 at ep=1
     assert moe.rank_state(whole)["weights"] == state["weights"]
+
+
+def test_lora_accounting_against_peft():
+    """LoRA (plan/lora.py): the planner's trainable elements are peft's own count on the same model (every
+    linear, and q/v only), the frozen base weights are held in the working dtype with no gradient, fp32 master
+    or AdamW moment; at tp=2 a column-parallel linear's lora_B and a row-parallel one's lora_A are split with
+    their base, the other factor whole (its gradient summed over tp), and the first attention's input
+    gradient is never computed (the embedding is frozen: one all-reduce less); zero=3 is refused as not
+    modelled. (Against the tensors and MemTracker: plan_accuracy CASES 44-47, tests/plan/test_peak.py.)"""
+    import copy
+
+    import peft
+    from transformers import LlamaForCausalLM
+
+    from meshboost.plan import Planner, parse_layout
+    from meshboost.plan.lora import LoraOptions
+
+    config = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 4, "vocab_size": 128, "max_position_embeddings": 64}
+    whole = parse_layout("dp=2,zero=0,bf16,mb=1x1")
+    for targets in ("all-linear", "q_proj,v_proj"):
+        options = LoraOptions(4, targets)
+        planner = Planner("llama", config, gpus=2, seq=16, global_batch=2, precision="bf16", device="cpu",
+                          lora=options)
+        reference = peft.get_peft_model(LlamaForCausalLM(copy.deepcopy(planner.config)), options.peft_config())
+        trainable, total = reference.get_nb_trainable_parameters()
+        planner.check(whole)
+        shards = planner.shards(whole, 0, 0)
+        assert sum(s.numel for s in shards) == trainable > 0, targets
+        assert sum(s.numel for s in shards.frozen) == total - trainable, targets
+        assert all("lora_" in s.name for s in shards) and not any("lora_" in s.name for s in shards.frozen)
+        assert planner.rank_state(whole) == {"weights": 2 * total, "gradients": 2 * trainable,
+                                             "masters": 4 * trainable, "optimizer_states": 2 * 4 * trainable}
+    planner = Planner("llama", config, gpus=2, seq=16, global_batch=2, precision="bf16", device="cpu",
+                      lora=LoraOptions(4))
+    split = parse_layout("tp=2,zero=0,bf16,mb=1x2")
+    planner.check(split)
+    shards = planner.shards(split, 0, 1)
+    held = {s.name: s for s in shards}
+    q, o = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj"
+    assert held[f"{q}.lora_B.default.weight"].shape == (32, 4) and held[f"{q}.lora_A.default.weight"].shape == (4, 64)
+    assert held[f"{o}.lora_A.default.weight"].shape == (4, 32) and held[f"{o}.lora_B.default.weight"].shape == (64, 4)
+    assert held[f"{q}.lora_A.default.weight"].tp_grad_sum == held[f"{o}.lora_B.default.weight"].tp_grad_sum == 256
+    assert held[f"{q}.lora_B.default.weight"].tp_grad_sum == 0
+    assert {s.name: s.shape for s in shards.frozen}[f"{q}.base_layer.weight"] == (32, 64)
+    assert shards.frozen_inputs == 1
+    full = Planner("llama", config, gpus=2, seq=16, global_batch=2, precision="bf16", device="cpu")
+    act = 2 * 16 * 64 * 2                  # one [mb, seq, hidden] bf16 activation: the layers' f and g all-reduce it
+    # the stage's traffic without a split sequence (no fake run needed: nothing fed the chunk)
+    (op_full, full_bytes), (op, lora_bytes) = (p._comm(split, p.shards(split, 0, 1), 2, True, True)["tp"][0]
+                                               for p in (full, planner))
+    assert op_full == op == "all_reduce" and full_bytes - lora_bytes == act
+    with pytest.raises(NotImplementedError, match="zero=3"):
+        planner.check(parse_layout("dp=2,zero=3,bf16,mb=1x1"))
