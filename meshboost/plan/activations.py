@@ -31,6 +31,7 @@ from functools import lru_cache
 import torch
 
 from meshboost.optim.precision import PRECISION_DTYPES as DTYPES     # the one precision table
+from meshboost.plan import fakecache
 
 SPLIT_GATHER = "split_gather"
 LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
@@ -307,7 +308,7 @@ def _measured(cls, config_json: str, model_type: str, batch: int, seq: int, prec
                                    vocab_tp, True)[3:]
 
 
-@lru_cache(maxsize=1024)
+@fakecache.derived
 def _measured_batch(cls, config_json: str, model_type: str, batch: int, seq: int, precision: str,
                     checkpointing: bool, split: SequenceSplit | None = None, vocab_tp: int = 1,
                     body: bool = False) -> tuple[int, ...]:
@@ -339,7 +340,7 @@ def _extrapolated(cls, config_json: str, model_type: str, layers: int, batch: in
     return (*(a + k * (b - a) for a, b in zip(one[:3], two[:3])), timeline)
 
 
-@lru_cache(maxsize=1024)
+@fakecache.fake_run
 def _run(cls, config_json: str, model_type: str, layers: int, batch: int, seq: int, precision: str,
          checkpointing: bool, split, vocab_tp: int, body: bool) -> tuple:
     from transformers import AutoConfig

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from meshboost.plan import activations, cost, emulate, memory, params, peak, sharded
+from meshboost.plan import activations, cost, emulate, fakecache, memory, params, peak, sharded
 from meshboost.plan.checks import check_cluster, check_sequence
 from meshboost.plan.layout import SPLIT_GATHER, Layout, enumerate_layouts, plugin_config
 from meshboost.plan.model import build_meta_model, load_config, model_class
@@ -344,8 +344,9 @@ class Planner:
 
     def rank(self, include_unfit: bool = False, **kwargs) -> tuple[list[Estimate], list[tuple[Layout, str]]]:
         """(estimates of every valid layout, fitting ones first, fastest first; [(layout, why refused)])."""
-        estimates, refused = [], []
-        for layout in self.candidates(**kwargs):
+        estimates, refused, layouts = [], [], self.candidates(**kwargs)
+        fakecache.prefetch(self, layouts)          # the fake runs they share, in worker processes
+        for layout in layouts:
             try:
                 estimates.append(self.explain(layout))
             except (ValueError, NotImplementedError, TypeError) as exc:
