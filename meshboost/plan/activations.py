@@ -27,11 +27,11 @@ import copy
 import inspect
 import json
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
 from meshboost.optim.precision import PRECISION_DTYPES as DTYPES     # the one precision table
+from meshboost.plan import fakecache
 
 SPLIT_GATHER = "split_gather"
 LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
@@ -204,7 +204,7 @@ def _measured(cls, config_json: str, model_type: str, batch: int, seq: int, prec
                                    vocab_tp, True, ep)[3:]
 
 
-@lru_cache(maxsize=1024)
+@fakecache.derived
 def _measured_batch(cls, config_json: str, model_type: str, batch: int, seq: int, precision: str,
                     checkpointing: bool, split: SequenceSplit | None = None, vocab_tp: int = 1,
                     body: bool = False, ep: int = 1) -> tuple[int, ...]:
@@ -238,7 +238,7 @@ def _extrapolated(cls, config_json: str, model_type: str, layers: int, batch: in
             max(map(sum, zip(timeline, one[4]))))
 
 
-@lru_cache(maxsize=1024)
+@fakecache.fake_run
 def _run(cls, config_json: str, model_type: str, layers: int, batch: int, seq: int, precision: str,
          checkpointing: bool, split, vocab_tp: int, body: bool, ep: int) -> tuple:
     from transformers import AutoConfig

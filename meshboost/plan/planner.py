@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from meshboost.plan import activations, cost, emulate, memory, params, peak, sharded
+from meshboost.plan import activations, cost, emulate, fakecache, memory, params, peak, sharded
 from meshboost.plan.checks import check_cluster, check_sequence
 from meshboost.plan.layout import SPLIT_GATHER, Layout, enumerate_layouts, plugin_config
 from meshboost.plan.lora import adapted, check_layout, with_options
@@ -346,8 +346,9 @@ class Planner:
 
     def rank(self, include_unfit: bool = False, **kwargs) -> tuple[list[Estimate], list[tuple[Layout, str]]]:
         """(estimates of every valid layout, fitting ones first, fastest first; [(layout, why refused)])."""
-        estimates, refused = [], []
-        for layout in self.candidates(**kwargs):
+        estimates, refused, layouts = [], [], self.candidates(**kwargs)
+        fakecache.prefetch(self, layouts)          # the fake runs they share, in worker processes
+        for layout in layouts:
             try:
                 estimates.append(self.explain(layout))
             except (ValueError, NotImplementedError, TypeError) as exc:
@@ -363,9 +364,8 @@ class Planner:
 
 
 def plan(model, overrides: dict | None = None, layout: Layout | dict | str | None = None, **kwargs):
-    """`meshboost.plan(model, ...)`: the ranked fitting layouts (a list of `Estimate`), or, with
-    `layout` (a Layout, a dict of its fields or 'tp=2,pp=2,zero=1'), that layout's `Estimate`.
-    Keyword arguments are `Planner`'s."""
+    """`meshboost.plan(model, ...)`: the ranked fitting layouts (a list of `Estimate`), or, with `layout` (a
+    Layout, a dict of its fields or 'tp=2,pp=2,zero=1'), that layout's `Estimate`. Keywords: `Planner`'s."""
     from meshboost.plan.layout import parse_layout
 
     planner = Planner(model, overrides, **kwargs)
