@@ -284,9 +284,20 @@ def activation_model(cls, config, batch: int, seq: int, precision: str, tp_size:
                                                         split)
         per_layer_tp -= per_layer - split_layer
         ends_tp -= ends - split_ends
-    # the live and peak bytes scaled as the saved ones are (the same approximation)
-    scale = [per_layer_tp / max(per_layer, 1), ends_tp / max(ends, 1)] * (6 if body else 3)
-    live = [int(n * f) for n, f in zip(live, scale)]
+    # the live and peak bytes scaled as the saved ones are (the same approximation); what the gradients
+    # accumulated by each instant add to a peak (a layout keeping them) are gradient bytes: 1/tp of them
+    scale = [per_layer_tp / max(per_layer, 1), ends_tp / max(ends, 1)] * 2
+    if checkpointing:       # a peak is a layer's recomputation, whose tensors divide as a plain layer's saved ones
+        plain, _, *_ = _measured(cls, *_key(config), batch, seq, precision, False, context, ep=ep)
+        kept = min(4 * hidden, plain)
+        scale[2:] = [(kept + (plain - kept) // tp_size) / max(plain, 1)] * 2
+    scaled = []
+    for group in range(0, len(live), 6):            # (live, peak, grads peak) x (per layer, ends), whole then body
+        run = live[group:group + 6]
+        figures = [int(n * f) for n, f in zip(run[:4], scale)]
+        figures += [figures[2 + i] + max(0, run[4 + i] - run[2 + i]) // tp_size for i in (0, 1)]
+        scaled += figures
+    live = scaled
     return ActivationModel(per_layer_tp, ends_tp, False, summed, *live)
 
 
