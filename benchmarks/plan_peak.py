@@ -54,7 +54,7 @@ def _peak_worker(rank: int, world: int, spec_fields: dict, fields: dict, outdir:
         # the inner optimizer's parameters are the fp32 masters (mixed precision, ZeRO's shards):
         # MemTracker tracks an optimizer's states, not its parameters
         masters = [p for group in inner.param_groups for p in group["params"]]
-        tracker.track_external(model.unwrap(), inner, *masters, *batch.values())
+        tracker.track_external(model.unwrap(), inner, *masters, *batch.values(), *_staging(optimizer))
     with tracker:
         _step(booster, model, optimizer, batch, layout.pp)
         optimizer.step()
@@ -71,6 +71,17 @@ def _peak_worker(rank: int, world: int, spec_fields: dict, fields: dict, outdir:
                              for k in {k for snap in peak.values() for k in snap if k != "Total"}}
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
+
+
+def _staging(optimizer) -> list:
+    """ZeRO's cpu-offload host staging buffers (offload.py's HostStaging), allocated at the first step
+    and alive from then on: the tracker would not see them otherwise."""
+    while optimizer is not None:
+        staging = getattr(optimizer, "staging", None)
+        if staging is not None:
+            return staging.buffers
+        optimizer = getattr(optimizer, "optim", None)
+    return []
 
 
 def measure_peaks(spec, fields: dict) -> list[dict]:

@@ -44,6 +44,11 @@ class HostStaging:
         self.copies_to_host = self.copies_to_device = 0
         self.bytes_to_host = self.bytes_to_device = 0
 
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """The host buffers allocated so far (they live from their first use on: a memory meter counts them)."""
+        return list(self._buffers.values())
+
     def _buffer(self, key, numel: int, device: torch.device) -> torch.Tensor:
         buf = self._buffers.get(key)
         if buf is None or buf.numel() != numel:
