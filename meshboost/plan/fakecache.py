@@ -87,16 +87,18 @@ def workers() -> int:
 
 def needed_runs(planner, layouts) -> list[tuple]:
     """The fake runs (argument tuples) not yet cached that `planner`'s estimates of `layouts` ask for:
-    each layout the planner does not refuse, its whole-model activations and, with a pipeline, the
-    non-last stages' (body) too. A layout refused or failing here is left to the estimate itself."""
+    each layout the planner does not refuse, per pipeline stage its whole-model activations and, for a
+    stage that is not the last (or any, interleaved), the body's too. A layout refused or failing here
+    is left to the estimate itself."""
     global _recording
     _recording = {}
     try:
         for layout in layouts:
             try:
                 planner.check(layout)
-                for body in (False, True) if layout.pp > 1 else (False,):
-                    planner._activation_model(layout, body)
+                for pp_rank in range(layout.pp):    # as peak.stage_activations and the planner ask (LoRA: per stage)
+                    for body in {False, layout.pp > 1 and (layout.num_model_chunks > 1 or pp_rank < layout.pp - 1)}:
+                        planner._activation_model(layout, body, pp_rank)
             except Exception:       # noqa: BLE001 - placeholders can fail where real runs do not
                 continue
         return list(_recording)
