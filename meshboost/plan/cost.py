@@ -33,7 +33,10 @@ and the step time of the busiest stage (`step_seconds`, the ranking's figure), n
         group size); calls: tp one per all-reduced activation, pp two per micro-batch, dp one per DDP
         bucket (25 MiB) or ZeRO bucket, one under a pipeline; HSDP's dp_replicate one per FSDP2 unit;
     + the optimizer step: the rank's fp32 master elements (ZeRO: its 1/dp share) at
-        `optimizer_elements_s`.
+        `optimizer_elements_s`;
+    + ZeRO-1/2's new buffers per step (`zero_fresh_bytes`: the flattened gradients, the reduce-scatter's
+        shard, with fp32 masters their fp32 gradient, the working shard and the gathered bucket) at
+        `fresh_bytes_s`.
 Its constants are `CostConstants`: defaults for an 80 GB H100-class GPU, a known GPU's by name, or
 measured on this machine (calibrate.py); `source` says which. Must not estimate memory.
 """
@@ -75,6 +78,10 @@ class CostConstants:
     optimizer_elements_s: float = 50e9     # AdamW elements (fp32 masters) updated per second
     solo_speedup: float = 1.0              # compute speed-up of a rank while the others idle (shared cores)
     pipeline_overhead_s: float = 50e-6     # the 1F1B schedule's own cost per micro-batch slot
+    # bytes/s written into newly allocated memory (a clone): on a CPU every first touch of a page
+    # faults (glibc returns large blocks to the OS); a GPU's caching allocator reuses its blocks, so
+    # there it is about HBM bandwidth (3.35 TB/s read + write, x 0.6)
+    fresh_bytes_s: float = 1.0e12
     source: str = "defaults (H100 SXM-class: 989 TFLOPS bf16 x 0.4; NVLink; not calibrated)"
 
     def flops(self, precision: str) -> float:
@@ -323,6 +330,22 @@ def calls_per_step(layout, axis: str, op: str, nbytes: int, hidden: int, seq: in
     return 1
 
 
+def zero_fresh_bytes(layout, stage_numel: int) -> int:
+    """Bytes ZeRO-1/2 write into newly allocated tensors per step (optim/zero.py): each bucket's
+    gradients concatenated into one flat tensor and, over dp > 1, the reduce-scatter's output shard, in
+    the working dtype; with fp32 masters (half-precision weights) also the shard's fp32 gradient, the
+    updated working shard and, over dp > 1, the all-gathered bucket (fp32 weights are gathered in
+    place). 0 without ZeRO-1/2. tests/optim/test_zero_hot_path.py counts them on the runtime."""
+    if layout.zero not in (1, 2):
+        return 0
+    replicas, working = layout.grad_replicas, BYTES[layout.precision]
+    shard = stage_numel / replicas
+    out = stage_numel * working + (shard * working if replicas > 1 else 0)
+    if layout.precision != "fp32":
+        out += shard * 4 + shard * working + (stage_numel * working if replicas > 1 else 0)
+    return int(out)
+
+
 def step_seconds(layout, stage_numel: int, layers_held: int, hidden: int, seq: int,
                  comm: dict[str, list[tuple[str, int]]], gpus_per_node: int, constants: CostConstants,
                  ends: bool = True, zero_buckets: int = 1, breakdown: dict | None = None,
@@ -359,13 +382,14 @@ def step_seconds(layout, stage_numel: int, layers_held: int, hidden: int, seq: i
     microbatch_s = flops / constants.flops(layout.precision) + overhead + (wire["tp"] + wire["cp"]) / m
     masters = stage_numel / (layout.fsdp_sizes[1] if layout.zero == 3 else layout.grad_replicas if layout.zero else 1)
     optimizer = masters / constants.optimizer_elements_s
+    fresh = zero_fresh_bytes(layout, stage_numel) / constants.fresh_bytes_s
     # the bubble's pp - 1 slots run while other stages idle: at solo speed where ranks share cores
     bubble_s = (layout.pp - 1) * microbatch_s / constants.solo_speedup / layout.num_model_chunks
-    total = m * microbatch_s + bubble_s + sum(wire[a] for a in wire if a not in ("tp", "cp")) + optimizer
+    total = m * microbatch_s + bubble_s + sum(wire[a] for a in wire if a not in ("tp", "cp")) + optimizer + fresh
     if breakdown is not None:
         breakdown.update(compute=slots * flops / constants.flops(layout.precision), overhead=slots * overhead,
                          tp=slots * wire["tp"] / m, cp=slots * wire["cp"] / m, pp=wire["pp"],
                          dp=wire["dp"] + wire["edp"] + wire.get("dp_replicate", 0), ep=wire["ep"],
-                         optimizer=optimizer,
+                         optimizer=optimizer, zero_buffers=fresh,
                          bubble=(layout.pp - 1) / slots)
     return total

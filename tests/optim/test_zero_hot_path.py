@@ -17,6 +17,8 @@ combined batch (losses and weights within 1e-5 in fp32):
 4. (ZeRO-2 with pipeline parallelism: tests/pipeline/test_pipeline.py `_check_zero2`.)
 5. bf16 gradient accumulation over two backward passes sums the reduced partitions in fp32: exactly
    the fp32 sum of the two single-pass bf16 partitions, which a bf16 sum would not be.
+6. the new tensors ZeRO's reduction, cast and write-back allocate per step are the bytes the planner's
+   cost model charges (`meshboost.plan.cost.zero_fresh_bytes`), fp32 and bf16.
 """
 
 import warnings
@@ -264,6 +266,47 @@ def _check_fp32_accumulation(mesh):
         opt.step()          # the fp32 partition feeds the fp32 masters
 
 
+class _NewBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes of the tensors the ops inside it allocate (outputs whose storage no input holds)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        held = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in held \
+                    and not func._schema.is_mutable:
+                self.bytes += t.untyped_storage().nbytes()
+                held.add(t.untyped_storage().data_ptr())
+        return out
+
+
+def _check_new_buffers_are_the_planners(mesh):
+    """What ZeRO's reduction, cast and write-back allocate in one step is what the planner's cost
+    model charges at `fresh_bytes_s` (cost.zero_fresh_bytes): fp32 (weights gathered in place) and bf16
+    with fp32 masters (the gradient shard cast, the working shard, the gathered bucket)."""
+    from meshboost.plan.cost import zero_fresh_bytes
+    from meshboost.plan.layout import Layout
+    x, y = _data(False)[0]
+    for precision in ("fp32", "bf16"):
+        model, opt = _boost(_mlp, mesh, precision=precision)
+        counter = _NewBytes()
+        for name in ("_reduce_bucket", "_finish", "_unscale_and_clip", "_write_back"):
+            def counted(*a, method=getattr(opt, name), **k):
+                with counter:
+                    return method(*a, **k)
+            setattr(opt, name, counted)
+        opt.backward(_loss(model, _mine(x, mesh), _mine(y, mesh), model[0].weight.dtype))
+        opt.step()
+        padded = sum(b.shard_size * b.dp_size for b in opt.buckets)
+        assert counter.bytes > padded and counter.bytes == zero_fresh_bytes(Layout(dp=2, zero=1, precision=precision), padded), \
+            (precision, counter.bytes, padded)
+
+
 def _body(rank, world):
     mesh = ParallelMesh(tp_size=1, pp_size=1)
     assert mesh.dp_size == 2
@@ -271,6 +314,7 @@ def _body(rank, world):
     _check_masters_are_weights(mesh)
     _check_overlap_in_gradient_order(mesh)
     _check_fp32_accumulation(mesh)
+    _check_new_buffers_are_the_planners(mesh)
 
 
 def test_zero_hot_path_dp2():
