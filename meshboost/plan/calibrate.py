@@ -2,8 +2,9 @@
 
 Owns: `calibrate(world, precision)` (a short run, a few seconds on CPU: spawns `world` processes with
 `meshboost.testing.spawn` unless a process group is already up, each on the device the environment
-gives, gloo on CPU and NCCL on CUDA as `meshboost.distributed.launch` picks) measuring, on every rank
-at once (so that ranks sharing a machine share it as they do in training):
+gives, gloo on CPU and NCCL on CUDA as `meshboost.distributed.launch` picks) measuring (with
+timings.py's measurements), on every rank at once (so that ranks sharing a machine share it as they do
+in training):
     flops_half / flops_fp32 and layer_overhead_s: transformers' Llama decoder layer (hidden 256 on
         CPU, 2048 on CUDA) forward+backward timed at two token counts, in the precision asked for; a
         line through them gives the achieved flop/s (its flops counted as cost.py counts them) and the
@@ -11,6 +12,8 @@ at once (so that ranks sharing a machine share it as they do in training):
         models); the other precision's rate is scaled by square matmuls' ratio of the two;
     microbatch_overhead_s: the same for the ends (an embedding, a norm and a tiny vocab head + loss);
     optimizer_elements_s: AdamW's elements per second on a 1 M-element fp32 parameter;
+    fresh_bytes_s: bytes per second a clone of a 64 MiB tensor writes into newly allocated memory
+        (on a CPU its pages fault on first touch; ZeRO's per-step buffers pay it);
     solo_speedup: the layer's speed with the other ranks idle over its speed with all computing (ranks
         that share cores: a pipeline's bubble runs at the solo speed);
     pipeline_overhead_s: meshboost's 1F1B schedule's own cost per micro-batch slot (a tiny Llama over
@@ -29,10 +32,11 @@ import json
 import math
 import os
 import tempfile
-import time
 from dataclasses import asdict, fields, replace
 
 from meshboost.plan.cost import CostConstants
+from meshboost.plan.timings import (MEASURED_OPS, collectives, ends_overhead, fresh_rate, layer_timings,
+                                    matmul_flops, optimizer_rate, pipeline_overhead)
 
 # datasheet dense peaks (no sparsity): flop/s bf16, flop/s fp32 (no TF32), NVLink bytes/s per direction
 _GPUS = {
@@ -92,222 +96,6 @@ def load(path: str) -> CostConstants:
 
 
 # -- the measurements (on every rank, inside a process group) ----------------------------------------
-def _timed(fn, repeats: int, sync, warm_up: bool = True) -> float:
-    """Median seconds of `fn()` over `repeats` runs (after one warm-up unless `warm_up=False`)."""
-    if warm_up:
-        fn(), sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn(), sync()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
-
-
-def _matmul_flops(dtype, device, n: int, repeats: int, sync) -> float:
-    import torch
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    return 2 * n ** 3 / _timed(lambda: a @ b, repeats, sync)
-
-
-def _layer_timings(device, sync, dtype, hidden: int, tokens: tuple[int, int], ceiling: float) -> tuple[float, float]:
-    """(fixed seconds, flop/s) of a Llama decoder layer's forward+backward in `dtype`: a line through two
-    token counts, flops as cost.py counts them; held to the square matmul's `ceiling` flop/s (on a loaded
-    machine the larger run can time no slower than the smaller, a flat line)."""
-    import torch
-    import transformers as tfm
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
-
-    heads = max(1, hidden // 64)
-    cfg = tfm.LlamaConfig(hidden_size=hidden, intermediate_size=4 * hidden, num_attention_heads=heads,
-                          num_key_value_heads=heads, num_hidden_layers=1, vocab_size=64,
-                          max_position_embeddings=max(tokens))
-    cfg._attn_implementation = "sdpa"
-    layer = LlamaDecoderLayer(cfg, 0).to(device=device, dtype=dtype)
-    rotary = LlamaRotaryEmbedding(cfg).to(device)
-    numel = sum(p.numel() for p in layer.parameters())
-    points = []
-    for n in tokens:
-        x = torch.randn(1, n, hidden, device=device, dtype=dtype, requires_grad=True)
-        positions = torch.arange(n, device=device)[None]
-        embeddings = tuple(e.to(dtype) for e in rotary(x, positions))
-
-        def one_layer():
-            out = layer(x, position_embeddings=embeddings, position_ids=positions)
-            out = out[0] if isinstance(out, tuple) else out
-            out.float().sum().backward()
-        points.append((6 * numel * n + 12 * n * n * hidden, _timed(one_layer, 9, sync)))
-    overhead, rate = _fit(points)
-    if rate > ceiling:
-        rate, overhead = ceiling, max(0.0, min(t - x / ceiling for x, t in points))
-    return overhead, rate
-
-
-def _ends_overhead(device, sync) -> float:
-    """Seconds of a tiny embedding + norm + head + loss forward+backward (the per-micro-batch fixed cost)."""
-    import torch
-    import transformers as tfm
-
-    embed, norm, head = (torch.nn.Embedding(64, 64).to(device), tfm.models.llama.modeling_llama.LlamaRMSNorm(64).to(device),
-                         torch.nn.Linear(64, 64, bias=False).to(device))
-    ids = torch.randint(0, 64, (1, 8), device=device)
-
-    def ends():
-        logits = head(norm(embed(ids)))
-        torch.nn.functional.cross_entropy(logits.view(-1, 64), ids.view(-1)).backward()
-    return _timed(ends, 15, sync)
-
-
-def _pipeline_overhead(world: int, sync, hidden: int = 64, tokens: int = 8, precision: str = "fp32") -> float:
-    """Seconds per micro-batch slot of meshboost's 1F1B schedule (its layers' own cost included): a
-    Llama of one `hidden` layer per stage over pp=world stages, micro-batches of one `tokens`-token
-    sequence, at 2 and 8 micro-batches, their steps alternated (a change in load falls on both); (t8 - t2) / 6."""
-    import torch
-    import torch.distributed as dist
-    import transformers as tfm
-
-    from meshboost.booster import Booster
-    from meshboost.plan.layout import Layout, plugin_config
-    from meshboost.plugins import HybridParallelPlugin
-
-    heads = max(1, hidden // 64)
-    cfg = tfm.LlamaConfig(hidden_size=hidden, intermediate_size=4 * hidden, num_attention_heads=heads,
-                          num_key_value_heads=heads, num_hidden_layers=world, vocab_size=64,
-                          max_position_embeddings=max(64, tokens))
-    steps = {}
-    for m in (2, 8):
-        plugin = HybridParallelPlugin(plugin_config(Layout(pp=world, microbatches=m, precision=precision)))
-        torch.manual_seed(0)
-        model = tfm.LlamaForCausalLM(cfg)
-        booster = Booster(plugin=plugin)
-        model, optimizer, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.0))
-        ids = torch.randint(1, 64, (m, tokens))
-        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-
-        def step(booster=booster, model=model, optimizer=optimizer, batch=batch):
-            dist.barrier()
-            booster.execute_pipeline(iter([batch]), model, lambda out, _: out.loss, optimizer)
-        steps[m] = step
-    for step in steps.values():    # a warm-up each, then their steps alternated: a load change falls on both
-        step(), sync()
-    samples = [(m, _timed(steps[m], 1, sync, warm_up=False)) for _ in range(7) for m in (2, 8)]
-    t2, t8 = (sorted(t for k, t in samples if k == m)[3] for m in (2, 8))
-    return max(0.0, (t8 - t2) / 6)
-
-
-def _optimizer_rate(device, sync) -> float:
-    import torch
-    p = torch.nn.Parameter(torch.randn(1 << 20, device=device))
-    p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW([p], lr=1e-4)
-    return p.numel() / _timed(opt.step, 5, sync)
-
-
-def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """(latency s, bytes/s) of t = latency + x / rate, least squares over (x, t), both kept positive."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    mt = sum(t for _, t in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    slope = sum((x - mx) * (t - mt) for x, t in points) / sxx if sxx else 0.0
-    slope = max(slope, 1e-15)
-    latency = max(mt - slope * mx, min(t for _, t in points) * 0.05)
-    return latency, 1.0 / slope
-
-
-SIZES = (1 << 10, 1 << 15, 1 << 19, 1 << 21, 1 << 23)       # message bytes
-
-
-def _layer_forward(device, hidden: int, tokens: int):
-    """A no-grad forward of transformers' Llama decoder layer (`hidden`, `tokens` tokens), as a callable."""
-    import torch
-    import transformers as tfm
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
-
-    heads = max(1, hidden // 64)
-    cfg = tfm.LlamaConfig(hidden_size=hidden, intermediate_size=4 * hidden, num_attention_heads=heads,
-                          num_key_value_heads=heads, num_hidden_layers=1, vocab_size=64,
-                          max_position_embeddings=max(64, tokens))
-    cfg._attn_implementation = "sdpa"
-    layer = LlamaDecoderLayer(cfg, 0).to(device)
-    x = torch.randn(1, tokens, hidden, device=device)
-    positions = torch.arange(tokens, device=device)[None]
-    embeddings = LlamaRotaryEmbedding(cfg).to(device)(x, positions)
-
-    def forward():
-        with torch.no_grad():
-            layer(x, position_embeddings=embeddings, position_ids=positions)
-    return forward
-
-
-MEASURED_OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send")
-
-
-def _collectives(device, sync, world: int, hidden: int, tokens: int) -> dict:
-    """{op: (latency s, bus bytes/s)} for MEASURED_OPS (ring factors
-    applied). Each call follows a decoder layer's forward (`hidden`, `tokens`) on every rank, as in
-    training, and that forward's own time is taken off: the figure includes the ranks' arrival skew
-    after real work, which back-to-back calls would hide."""
-    import torch
-    import torch.distributed as dist
-
-    from meshboost.plan.cost import ring_factor
-    rank = dist.get_rank()
-    work = _layer_forward(device, hidden, tokens)
-    dist.barrier()
-    work_s = _timed(work, 15, sync)
-    _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    out = {}
-    for op in MEASURED_OPS:
-        points = []
-        for size in SIZES:
-            t = torch.ones(size // 4, device=device)
-            if op == "all_reduce":
-                def fn():
-                    work()
-                    dist.all_reduce(t)
-            elif op == "reduce_scatter":
-                shard = torch.empty(t.numel() // world, device=device)
-
-                def fn():
-                    work()
-                    _reduce_scatter(shard, t)
-            elif op == "all_gather":
-                parts = [torch.empty_like(t) for _ in range(world)]
-
-                def fn():
-                    work()
-                    dist.all_gather(parts, t)
-            elif op == "all_to_all":          # context parallelism's and expert parallelism's exchange
-                received = torch.empty_like(t)
-
-                def fn():
-                    work()
-                    dist.all_to_all_single(received, t)
-            else:             # ping-pong between ranks 0 and 1 after rank 0's matmul: two one-way trips
-                def fn():
-                    if rank == 0:
-                        work()
-                        dist.send(t, 1)
-                        dist.recv(t, 1)
-                    elif rank == 1:
-                        dist.recv(t, 0)
-                        dist.send(t, 0)
-            dist.barrier()
-            seconds = max(_timed(fn, 15, sync) - work_s, 1e-7)
-            if op == "send":
-                seconds /= 2
-            # all_gather's payload is the gathered tensor (comm_counter's units): world x the input
-            payload = size * (world if op == "all_gather" else 1)
-            points.append((payload * ring_factor(op, world), seconds))
-        # every rank takes rank 0's figures (one answer, one file)
-        fit = torch.tensor(_fit(points), dtype=torch.float64, device=device)
-        dist.broadcast(fit, 0)
-        out[op] = (float(fit[0]), float(fit[1]))
-    return out
-
-
 def measure(precision: str = "bf16") -> dict:
     """This rank's figures (call on every rank of an initialised process group, or with none at all:
     then no collective is measured)."""
@@ -320,36 +108,37 @@ def measure(precision: str = "bf16") -> dict:
     n = 4096 if device.type == "cuda" else 384
     half = torch.float16 if precision == "fp16" else torch.bfloat16
     dtype = torch.float32 if precision == "fp32" else half
-    matmul = {"flops_half": _matmul_flops(half, device, n, 5, sync),
-              "flops_fp32": _matmul_flops(torch.float32, device, n, 5, sync)}
+    matmul = {"flops_half": matmul_flops(half, device, n, 5, sync),
+              "flops_fp32": matmul_flops(torch.float32, device, n, 5, sync)}
     # a transformer layer's achieved rate in the precision asked for (the other scaled by the matmuls')
     hidden, tokens = (2048, (512, 4096)) if device.type == "cuda" else (256, (64, 512))
     asked = "flops_fp32" if precision == "fp32" else "flops_half"
-    overhead, rate = _layer_timings(device, sync, dtype, hidden, tokens, matmul[asked])
+    overhead, rate = layer_timings(device, sync, dtype, hidden, tokens, matmul[asked])
     other = "flops_half" if asked == "flops_fp32" else "flops_fp32"
     out = {asked: rate, other: rate * matmul[other] / matmul[asked], "layer_overhead_s": overhead,
            "matmul_flops": matmul, "layer_hidden": hidden}
-    out["microbatch_overhead_s"] = _ends_overhead(device, sync)
+    out["microbatch_overhead_s"] = ends_overhead(device, sync)
     if dist.is_initialized() and dist.get_world_size() > 1:
         # the same layer with the other ranks idle (as in a pipeline's bubble): ranks that share a CPU's
         # cores (or a GPU's) run faster alone; 1 when they do not share
         solo = torch.zeros(1, dtype=torch.float64, device=device)
         dist.barrier()
         if dist.get_rank() == 0:
-            solo[0] = _layer_timings(device, sync, dtype, hidden, tokens, matmul[asked])[1]
+            solo[0] = layer_timings(device, sync, dtype, hidden, tokens, matmul[asked])[1]
         dist.barrier()
         dist.broadcast(solo, 0)
         out["solo_speedup"] = max(1.0, float(solo[0]) / rate)
         # the schedule's own cost per slot: the pipeline's slot less its layer's time (the line fitted
         # above; a Llama layer holds 16 hidden^2 weights) and the ends' fixed cost
         layer_s = overhead + (6 * 16 * hidden ** 2 * tokens[0] + 12 * tokens[0] ** 2 * hidden) / rate
-        slot = _pipeline_overhead(dist.get_world_size(), sync, hidden, tokens[0], precision)
+        slot = pipeline_overhead(dist.get_world_size(), sync, hidden, tokens[0], precision)
         out["pipeline_overhead_s"] = max(0.0, slot - layer_s - out["microbatch_overhead_s"])
         out["pipeline_slot_s"] = slot
-    out["optimizer_elements_s"] = _optimizer_rate(device, sync)
+    out["optimizer_elements_s"] = optimizer_rate(device, sync)
+    out["fresh_bytes_s"] = fresh_rate(device, sync)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world > 1:
-        out["collectives"] = _collectives(device, sync, world, hidden, tokens[0])
+        out["collectives"] = collectives(device, sync, world, hidden, tokens[0])
         out["backend"] = dist.get_backend()
     out.update(device=str(device), world=world, precision=precision,
                device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
@@ -361,7 +150,8 @@ def constants_from(measured: dict, base: CostConstants | None = None) -> CostCon
     measure them)."""
     base = base or default_constants()
     changes = {k: measured[k] for k in ("flops_half", "flops_fp32", "layer_overhead_s", "microbatch_overhead_s",
-                                        "optimizer_elements_s", "solo_speedup", "pipeline_overhead_s") if k in measured}
+                                        "optimizer_elements_s", "solo_speedup", "pipeline_overhead_s", "fresh_bytes_s")
+               if k in measured}
     coll = measured.get("collectives")
     if coll:
         for op in MEASURED_OPS:
