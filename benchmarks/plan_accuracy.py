@@ -428,12 +428,14 @@ def main() -> None:
     parser.add_argument("--constants", default=None, help="with --ranking: read the constants instead of calibrating")
     parser.add_argument("--repeat", type=int, default=3,
                         help="with --ranking: calibrate, measure and predict this many times; rank the medians")
+    parser.add_argument("--runs-json", default=None,
+                        help="with --ranking: also write each run's constants and measured seconds to this file")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if args.ranking:
         from benchmarks.plan_ranking import ranking
-        ranking(args.constants, repeat=args.repeat)
+        ranking(args.constants, repeat=args.repeat, runs_json=args.runs_json)
         return
     if args.cuda:
         import torch

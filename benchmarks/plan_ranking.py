@@ -102,14 +102,36 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / var if var else 0.0
 
 
-def ranking(constants_file: str | None = None, world: int = 2, repeat: int = 1) -> float:
+def predict_runs(runs_json: str) -> list[float]:
+    """Each saved run's Spearman, predicted again from its saved constants by today's cost model."""
+    import json
+
+    from meshboost.plan.cost import CostConstants
+    spec = ranking_spec()
+    out = []
+    for run in json.load(open(runs_json)):
+        constants = CostConstants(**run["constants"])
+        predicted = []
+        for fields in RANKING_LAYOUTS:
+            planner = planner_for(spec, layout_of(fields, spec))
+            planner.constants = constants
+            predicted.append(planner.explain(layout_of(fields, spec)).step_seconds)
+        out.append(spearman(run["measured"], predicted))
+        print(" ".join(f"{m / p:.2f}" for m, p in zip(run["measured"], predicted)), f"Spearman {out[-1]:.3f}")
+    return out
+
+
+def ranking(constants_file: str | None = None, world: int = 2, repeat: int = 1, runs_json: str | None = None) -> float:
     """Calibrate (or read `constants_file`), measure and predict RANKING_LAYOUTS `repeat` times (each
-    calibrating anew); print the per-layout medians over the repeats; their Spearman."""
+    calibrating anew); print the per-layout medians over the repeats; their Spearman. `runs_json`: each
+    run's constants and measured seconds are written there too (`predict_runs` predicts them again)."""
+    import dataclasses
+    import json
     import statistics
 
     from meshboost.plan import calibrate
     spec = ranking_spec()
-    runs = []
+    runs, raw = [], []
     for _ in range(repeat):
         if constants_file:
             constants = calibrate.load(constants_file)
@@ -129,6 +151,10 @@ def ranking(constants_file: str | None = None, world: int = 2, repeat: int = 1) 
         if repeat > 1:
             print(f"  run {len(runs) + 1}: Spearman {spearman(measured, predicted):.3f}")
         runs.append((measured, predicted, terms))
+        raw.append({"constants": dataclasses.asdict(constants), "measured": measured})
+        if runs_json:
+            with open(runs_json, "w") as f:
+                json.dump(raw, f, indent=1)
     measured = [statistics.median(r[0][i] for r in runs) for i in range(len(RANKING_LAYOUTS))]
     predicted = [statistics.median(r[1][i] for r in runs) for i in range(len(RANKING_LAYOUTS))]
     terms = [{k: statistics.median(r[2][i][k] for r in runs) for k in runs[0][2][i]}
@@ -141,7 +167,8 @@ def ranking(constants_file: str | None = None, world: int = 2, repeat: int = 1) 
     order_p = {i: r for r, i in enumerate(sorted(range(len(predicted)), key=predicted.__getitem__))}
     for i, fields in enumerate(RANKING_LAYOUTS):
         t = terms[i]
-        detail = " ".join(f"{k} {t[k]:.4f}" for k in ("compute", "overhead", "tp", "cp", "pp", "dp", "optimizer"))
+        detail = " ".join(f"{k} {t[k]:.4f}" for k in ("compute", "overhead", "tp", "cp", "pp", "dp", "optimizer",
+                                                       "zero_buffers"))
         print(f"{layout_of(fields, spec).describe():44s} {measured[i]:10.4f} {predicted[i]:11.4f} "
               f"{order_m[i] + 1:>4d}/{order_p[i] + 1:<3d}   {detail}")
     rho = spearman(measured, predicted)
