@@ -271,8 +271,14 @@ def activation_model(cls, config, batch: int, seq: int, precision: str, tp_size:
     # its input; at the ends the final norm's and the head's inputs) and the rest divides by tp. Under
     # split_gather, what the emulated split saves less on the whole model is taken off that.
     context = split if split is not None and split.mode != SPLIT_GATHER else None
+    # a vocab-parallel head: the padded vocabulary and the sharder's loss as the last tp rank runs it (its
+    # padding masked in a copy of the logits); the logits' bytes divide by tp below
+    vocab_tp = 1
+    if padded_vocab is not None:
+        config, vocab_tp = copy.deepcopy(config), tp_size
+        config.vocab_size = padded_vocab
     per_layer, ends, _, *live = _measured(cls, *_key(config), batch, seq, precision, checkpointing, context,
-                                          body=body, ep=ep)
+                                          vocab_tp, body, ep)
     tokens = seq // context.size if context is not None else seq
     hidden = batch * tokens * config.hidden_size * DTYPES[precision].itemsize
     whole, whole_ends = min(4 * hidden, per_layer), min(2 * hidden, ends)
@@ -281,14 +287,14 @@ def activation_model(cls, config, batch: int, seq: int, precision: str, tp_size:
     summed = 0
     if split is not None and split.mode == SPLIT_GATHER:
         split_layer, split_ends, summed, *_ = _measured(cls, *_key(config), batch, seq, precision, checkpointing,
-                                                        split)
+                                                        split, vocab_tp)
         per_layer_tp -= per_layer - split_layer
         ends_tp -= ends - split_ends
     # the live and peak bytes scaled as the saved ones are (the same approximation); what the gradients
     # accumulated by each instant add to a peak (a layout keeping them) are gradient bytes: 1/tp of them
     scale = [per_layer_tp / max(per_layer, 1), ends_tp / max(ends, 1)] * 2
     if checkpointing:       # a peak is a layer's recomputation, whose tensors divide as a plain layer's saved ones
-        plain, _, *_ = _measured(cls, *_key(config), batch, seq, precision, False, context, ep=ep)
+        plain, _, *_ = _measured(cls, *_key(config), batch, seq, precision, False, context, vocab_tp, ep=ep)
         kept = min(4 * hidden, plain)
         scale[2:] = [(kept + (plain - kept) // tp_size) / max(plain, 1)] * 2
     scaled = []
