@@ -11,7 +11,7 @@ in training):
         fixed cost per layer per micro-batch (Python, autograd, kernel launches: what dominates small
         models); the other precision's rate is scaled by square matmuls' ratio of the two;
     microbatch_overhead_s: the same for the ends (an embedding, a norm and a tiny vocab head + loss);
-    optimizer_elements_s: AdamW's elements per second on a 1 M-element fp32 parameter;
+    optimizer_elements_s: AdamW's elements per second over the same decoder layer's fp32 parameters;
     fresh_bytes_s: bytes per second a clone of a 64 MiB tensor writes into newly allocated memory
         (on a CPU its pages fault on first touch; ZeRO's per-step buffers pay it);
     solo_speedup: the layer's speed with the other ranks idle over its speed with all computing (ranks
@@ -134,7 +134,7 @@ def measure(precision: str = "bf16") -> dict:
         slot = pipeline_overhead(dist.get_world_size(), sync, hidden, tokens[0], precision)
         out["pipeline_overhead_s"] = max(0.0, slot - layer_s - out["microbatch_overhead_s"])
         out["pipeline_slot_s"] = slot
-    out["optimizer_elements_s"] = optimizer_rate(device, sync)
+    out["optimizer_elements_s"] = optimizer_rate(device, sync, hidden)
     out["fresh_bytes_s"] = fresh_rate(device, sync)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world > 1:

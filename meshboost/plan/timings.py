@@ -124,12 +124,22 @@ def pipeline_overhead(world: int, sync, hidden: int = 64, tokens: int = 8, preci
     return max(0.0, (t8 - t2) / 6)
 
 
-def optimizer_rate(device, sync) -> float:
+def optimizer_rate(device, sync, hidden: int) -> float:
+    """AdamW's elements per second over a Llama decoder layer's parameters (`hidden`; the shapes a model
+    steps: one 1 M-element tensor, as until 2026-12-06, stepped 3x slower per element on a CPU, its
+    temporaries new pages each time, and over-predicted the ranking's full-model steps 2x)."""
     import torch
-    p = torch.nn.Parameter(torch.randn(1 << 20, device=device))
-    p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW([p], lr=1e-4)
-    return p.numel() / timed(opt.step, 11, sync)
+    import transformers as tfm
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    heads = max(1, hidden // 64)
+    cfg = tfm.LlamaConfig(hidden_size=hidden, intermediate_size=4 * hidden, num_attention_heads=heads,
+                          num_key_value_heads=heads, num_hidden_layers=1, vocab_size=64)
+    params = list(LlamaDecoderLayer(cfg, 0).to(device).parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    return sum(p.numel() for p in params) / timed(opt.step, 11, sync)
 
 
 def fresh_rate(device, sync) -> float:
