@@ -36,7 +36,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshboost.optim.precision import PRECISION_BYTES as BYTES
-from meshboost.optim.zero_config import DEFAULT_BUCKET_ELEMENTS
 from meshboost.plan import fsdp_peak
 
 DEVICES = ("cpu", "cuda")
@@ -54,6 +53,7 @@ class StepShape:
     owned: int
     largest_master: int
     largest_bucket: int = 0
+    buckets: int = 0                # ZeRO-1/2's buckets (0: no ZeRO-1/2 over dp > 1)
 
 
 @dataclass(frozen=True)
@@ -99,8 +99,9 @@ def stage_peak(layout, state: dict, buffers: int, act: StageActivations, shape: 
     working_grads = w * shape.numel
     if layout.zero == 3:                         # FSDP2: fp32 sharded gradients, reduced per unit
         working_grads = state["gradients"]
-    # the gradients accumulate during the backward and stay (no ZeRO; ZeRO-1/2 with one bucket: reduced at its end)
-    keeps = layout.zero == 0 or (zero_12 and shape.numel <= DEFAULT_BUCKET_ELEMENTS)
+    # the gradients accumulate during the backward and stay: no ZeRO; ZeRO-1/2 in a pipeline (reduced after
+    # the schedule) or with one bucket (reduced at the backward's end); else each bucket goes when it is full
+    keeps = layout.zero == 0 or (zero_12 and (layout.pp > 1 or shape.buckets == 1))
     backward = held + (act.first_grads if keeps else act.first)
     if act.later is not None:                    # a later backward: the earlier ones' gradients are held
         backward = max(backward, held + working_grads + act.later)
@@ -152,7 +153,7 @@ def step_shape(layout, shards, dp_rank: int) -> StepShape:
         buckets = memory.zero_buckets(shards, layout.grad_replicas, dp_rank, layout.ep)
         owned = [-(-n // size) for n, size, _, _ in buckets]
         padded = [o * size for o, (_, size, _, _) in zip(owned, buckets)]
-        return StepShape(numel, sum(owned), max(owned, default=0), max(padded, default=0))
+        return StepShape(numel, sum(owned), max(owned, default=0), max(padded, default=0), len(buckets))
     return StepShape(numel, numel, max((s.numel for s in shards), default=0))
 
 
