@@ -17,7 +17,7 @@ in training):
     solo_speedup: the layer's speed with the other ranks idle over its speed with all computing (ranks
         that share cores: a pipeline's bubble runs at the solo speed);
     pipeline_overhead_s: meshboost's 1F1B schedule's own cost per micro-batch slot (a tiny Llama over
-        pp=world stages at 2 and 8 micro-batches, less the layers' and ends' fixed cost);
+        pp=world stages at 2 and 16 micro-batches, less the layers' and ends' fixed cost);
     for all_reduce, reduce_scatter, all_gather, all_to_all and send/recv over the world group: latency (seconds per call) and
     bus bandwidth (bytes/s, after the ring factor), a least-squares line through a few message sizes;
 `known_gpu_constants(name)` (defaults for H100 / H200 / A100 by `torch.cuda.get_device_name`: datasheet
