@@ -101,6 +101,11 @@ CASES = [
     ("llama", dict(precision="fp32", lora_rank=8, lora_targets="q_proj,v_proj")),
     ("llama", dict(tp=2, sequence_parallel=True, precision="bf16", lora_rank=8)),
     ("llama", dict(pp=2, microbatches=2, precision="bf16", lora_rank=8)),
+    ("llama", dict(pp=2, microbatches=4, num_model_chunks=2, precision="fp32", lora_rank=8)),
+    # HSDP: ZeRO-3 sharded over dp_shard = dp / dp_replicate, replicated over dp_replicate
+    ("llama", dict(dp=4, dp_replicate=2, zero=3, precision="bf16")),
+    # ZeRO-3 inside a pipeline
+    ("llama", dict(pp=2, dp=2, zero=3, microbatches=2, precision="bf16")),
 ]
 QUICK = [0, 2, 5, 8, 12, 23]
 # Per rank, an MoE's activations and ep traffic follow the routing (rows received); compared as the
