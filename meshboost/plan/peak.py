@@ -218,13 +218,14 @@ def boundary_bytes(planner, layout) -> int:
 
 
 def rank_peak(planner, layout, pp_rank: int, shards, dp_rank: int, mem: dict) -> dict:
-    """`stage_peak` of one rank of `planner`'s layout whose state and buffers are `mem` (ZeRO-3 outside a
-    pipeline: fsdp_peak.py's instants)."""
+    """`stage_peak` of one rank of `planner`'s layout whose state and buffers are `mem` (ZeRO-3:
+    fsdp_peak.py's instants)."""
     act = stage_activations(planner, layout, pp_rank)
-    if layout.zero == 3 and layout.pp == 1:
+    if layout.zero == 3:
         adam = adam_temporaries(planner.device, step_shape(layout, shards, dp_rank))
-        return finish(fsdp_peak.rank_instants(planner, layout, shards, dp_rank, mem, act.first, adam),
-                      planner.device)
+        instants = (fsdp_peak.rank_instants(planner, layout, shards, dp_rank, mem, act.first, adam) if layout.pp == 1
+                    else fsdp_peak.pipeline_instants(planner, layout, shards, dp_rank, mem, act, adam))
+        return finish(instants, planner.device)
     return stage_peak(layout, mem, mem["buffers"], act, step_shape(layout, shards, dp_rank), planner.device)
 
 
