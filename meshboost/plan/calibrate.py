@@ -1,6 +1,6 @@
 """Calibrating the cost model's constants on this machine: `python -m meshboost.plan --calibrate`.
 
-Owns: `calibrate(world, precision)` (a short run, a few seconds on CPU: spawns `world` processes with
+Owns: `calibrate(world, precision)` (a short run, about 20 s on a 2-core CPU: spawns `world` processes with
 `meshboost.testing.spawn` unless a process group is already up, each on the device the environment
 gives, gloo on CPU and NCCL on CUDA as `meshboost.distributed.launch` picks) measuring (with
 timings.py's measurements), on every rank at once (so that ranks sharing a machine share it as they do
