@@ -31,7 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshboost.plan.memory import BYTES
-from meshboost.plan.sharded import REDUCE_BYTES, SHARD_BYTES, fsdp_local_numel, fsdp_padded_numel, fsdp_units
+from meshboost.plan.sharded import (REDUCE_BYTES, SHARD_BYTES, dense_shard_index, fsdp_local_numel, fsdp_padded_numel,
+                                    fsdp_units)
 
 
 @dataclass(frozen=True)
@@ -129,9 +130,7 @@ def rank_instants(planner, layout, shards, dp_rank: int, mem: dict, whole_peak: 
     if layout.pp != 1:
         raise ValueError("fsdp_peak models ZeRO-3 outside a pipeline")
     prefixes = planner.layer_prefixes
-    # HSDP: the index inside the rank's shard group (the replica coordinate is outermost, as sharded.py's)
-    size = layout.fsdp_sizes[1]
-    shape = fsdp_shape(shards, size, dp_rank % size, prefixes, head_side(planner.meta, prefixes))
+    shape = fsdp_shape(shards, *dense_shard_index(layout, dp_rank), prefixes, head_side(planner.meta, prefixes))
     held = mem["weights"] + mem["masters"] + mem["optimizer_states"]
     body = planner._activation_model(layout, body=True)
     instants = backward_instants(shape, layout.precision, held, whole_peak,
@@ -150,8 +149,7 @@ def pipeline_instants(planner, layout, shards, dp_rank: int, mem: dict, act, ada
     gradients; the step's end runs each unit's post-backward in turn (the root, then the layers): the
     unit is resharded, its gradients go into the fp32 reduce-scatter input (4 G; gloo copies it once
     more on CPU) while the previous unit's input is still kept, and the reduced fp32 shards stay."""
-    size = layout.fsdp_sizes[1]
-    shape = fsdp_shape(shards, size, dp_rank % size, planner.layer_prefixes, set())
+    shape = fsdp_shape(shards, *dense_shard_index(layout, dp_rank), planner.layer_prefixes, set())
     w = BYTES[layout.precision]
     held = mem["weights"] + mem["masters"] + mem["optimizer_states"] + shape.weight_padding
     units = [shape.root, *shape.layers]

@@ -51,6 +51,13 @@ def fsdp_padded_numel(shard, dp_size: int) -> int:
     return -(-rows // dp_size) * row
 
 
+def dense_shard_index(layout, dp_rank: int) -> tuple[int, int]:
+    """(size, this rank's index) of dp rank `dp_rank`'s dense ZeRO-3 shard group: the replica coordinate
+    (HSDP's dp_replicate) is outermost, so the index is `dp_rank` modulo the group."""
+    size = layout.fsdp_sizes[1]
+    return size, dp_rank % size
+
+
 def fsdp_groups(layout, shards, dp_rank: int) -> list[tuple[list, int, int]]:
     """[(shards, shard group size, this rank's index in it)] of a rank under zero_stage=3, from the
     layout's `ParallelDims`: dense weights over their shard axes (dp x cp; HSDP's dp_shard x cp inside a
@@ -58,11 +65,11 @@ def fsdp_groups(layout, shards, dp_rank: int) -> list[tuple[list, int, int]]:
     gradient group (dp x cp, cp inner), as the planner's dp ranks do."""
     from meshboost.distributed.param_info import EXPERT
     dims = layout.dims
-    dense_size = layout.fsdp_sizes[1]
+    dense_size, dense_index = dense_shard_index(layout, dp_rank)
     expert_size = dims.size(*dims.shard_axes(EXPERT)[1])
     dp, cp = divmod(dp_rank, dims.cp)
     # the replica coordinate is outermost (dp_replicate, edp_shard, ep): modulo the group, the index inside it
-    groups = [([s for s in shards if not s.expert], dense_size, dp_rank % dense_size),
+    groups = [([s for s in shards if not s.expert], dense_size, dense_index),
               ([s for s in shards if s.expert], expert_size, ((dp // dims.ep) * dims.cp + cp) % expert_size)]
     return [g for g in groups if g[0]]
 
