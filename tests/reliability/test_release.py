@@ -103,8 +103,19 @@ def _train_step(booster, model, optimizer, criterion, batch, plugin) -> None:
         booster.execute_pipeline(iter([batch]), model, criterion, optimizer)
     else:
         booster.backward(model(**batch).loss, optimizer)
+    _check_works_waited(model)
     optimizer.step()
     optimizer.zero_grad()
+
+
+def _check_works_waited(model) -> None:
+    """Every bucket all-reduce DDP's hook started is waited by the end of its backward: ProcessGroupNCCL
+    keeps an async collective's tensors (the bucket, a copy of the gradients) until its work is waited,
+    past the model's drop (gloo does not, so the waits are checked, not the bytes)."""
+    for module in model.modules():
+        state = getattr(module, "meshboost_allreduce", None)
+        if isinstance(module, torch.nn.parallel.DistributedDataParallel) and state is not None:
+            assert not state.pending and state.waited >= 1, (state.pending, state.waited)
 
 
 def _model_refs(model) -> dict:
