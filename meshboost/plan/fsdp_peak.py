@@ -145,22 +145,30 @@ def pipeline_instants(planner, layout, shards, dp_rank: int, mem: dict, act, ada
     """{instant: bytes} of one rank of a ZeRO-3 `layout` inside a pipeline (fsdp/pipeline.py's
     `StepSharding`): every unit stays gathered from its first forward to the step's end and the
     unsharded gradients accumulate through the schedule (gradient sync off), so a backward holds all
-    of the stage's gathered weights and `act`'s (peak.py's `StageActivations`) activations and
-    gradients; the step's end runs each unit's post-backward in turn (the root, then the layers): the
-    unit is resharded, its gradients go into the fp32 reduce-scatter input (4 G; gloo copies it once
-    more on CPU) while the previous unit's input is still kept, and the reduced fp32 shards stay."""
+    of the stage's gathered weights and `act`'s (peak.py's `StageActivations`) activations. Each unit's
+    post-backward without sync (torch's `to_accumulated_grad_if_needed`) turns its working-precision
+    gradients into an accumulator of the reduce dtype (fp32), to which a later micro-batch's gradients
+    are added there: so the first backward holds `act.first_grads` with every finished unit's gradients
+    in fp32 (counted as if all had finished), a later one every unit's fp32 accumulator plus the working
+    gradients of the unit in its backward (counted as the largest unit's, at the backward's own peak);
+    the step's end runs each unit's post-backward in turn (the root, then the layers): the unit is
+    resharded, its accumulator goes into the fp32 reduce-scatter input (4 G; gloo copies it once more
+    on CPU) while the previous unit's input is still kept, and the reduced fp32 shards stay."""
     shape = fsdp_shape(shards, *dense_shard_index(layout, dp_rank), planner.layer_prefixes, set())
     w = BYTES[layout.precision]
     held = mem["weights"] + mem["masters"] + mem["optimizer_states"] + shape.weight_padding
     units = [shape.root, *shape.layers]
-    gathered, grads = w * sum(u.gathered for u in units), w * sum(u.grads for u in units)
-    backward = held + gathered + act.first_grads
-    if act.later is not None:                    # a later micro-batch's backward: the earlier gradients held
-        backward = max(backward, held + gathered + grads + act.later)
+    gathered, elements = w * sum(u.gathered for u in units), sum(u.grads for u in units)
+    grads = REDUCE_BYTES * elements              # the accumulators
+    backward = held + gathered + act.first_grads + (REDUCE_BYTES - w) * elements
+    if act.later is not None:                    # a later micro-batch's backward: the accumulators held
+        # the unit in backward's own working gradients, bounded by the largest unit's: an upper bound where
+        # the backward's peak is the loss's (the last stage: none of them exist yet there)
+        backward = max(backward, held + gathered + grads + act.later + w * max(u.grads for u in units))
     copies = 2 if planner.device == "cpu" else 1
     reduction = reduced = previous = 0
     for u in units:
-        gathered, grads = gathered - w * u.gathered, grads - w * u.grads
+        gathered, grads = gathered - w * u.gathered, grads - REDUCE_BYTES * u.grads
         reduced += REDUCE_BYTES * u.shard
         reduction = max(reduction, held + gathered + grads + copies * REDUCE_BYTES * u.gathered + previous + reduced)
         previous = REDUCE_BYTES * u.gathered
@@ -168,13 +176,4 @@ def pipeline_instants(planner, layout, shards, dp_rank: int, mem: dict, act, ada
     return {"backward": backward, "reduction": reduction, "step": step, "write_back": 0}
 
 
-PIPELINE_UNDER = 0.18    # measured peak over predicted, minus 1, of plan_accuracy's ZeRO-3 pipeline case (CPU)
 
-
-def notes(layout) -> list[str]:
-    """What the planner says of its ZeRO-3 peak for `layout`: inside a pipeline it is known to be low."""
-    if layout.zero != 3 or layout.pp == 1:
-        return []
-    return [f"ZeRO-3 inside a pipeline: the predicted peak is known to be low (measured {PIPELINE_UNDER:.0%} "
-            "above it on CPU, benchmarks/plan_peak.py case 51: what FSDP2 holds besides the gathered weights "
-            "and gradients through the schedule is not modelled yet); keep that margin under --memory-gb"]

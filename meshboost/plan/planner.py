@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from meshboost.plan import activations, cost, emulate, fakecache, fsdp_peak, memory, params, peak, sharded
+from meshboost.plan import activations, cost, emulate, fakecache, memory, params, peak, sharded
 from meshboost.plan.checks import check_cluster, check_sequence
 from meshboost.plan.layout import SPLIT_GATHER, Layout, enumerate_layouts, plugin_config
 from meshboost.plan.lora import adapted, check_layout, with_options
@@ -259,7 +259,7 @@ class Planner:
                          "rank (tokens x top_k rows per rank, what the ep group receives in all), and the flops "
                          "count every expert's parameters (the cost model is dense)")
         notes += (["split_gather at tp=1 splits nothing (the plugin runs plain data parallelism)"]
-                  if layout.sequence_parallel and layout.tp == 1 else []) + fsdp_peak.notes(layout)
+                  if layout.sequence_parallel and layout.tp == 1 else [])
         seconds = max(s["step_seconds"] for s in stages)
         comm = {axis: max(s["comm_bytes_per_step"][axis] for s in stages) for axis in stages[0]["comm_bytes_per_step"]}
         return Estimate(layout, worst["memory_bytes"], stages, comm, seconds,

@@ -2,12 +2,13 @@
 `reserved` and the device they are predicted for; `fits` compares reserved + outside-allocator bytes
 with --memory-gb; and, on CPU, the predicted peak of live bytes against torch's MemTracker over a real
 training step (benchmarks/plan_peak.py), each layout in processes of its own (the issue's rule: nothing
-another layout left alive is counted), so seven spawns: a world-1 fp32 step (the peak at the loss's
+another layout left alive is counted), so eight spawns: a world-1 fp32 step (the peak at the loss's
 backward), dp=2 ZeRO-2 (the peak at the gradients' reduction), pp=2 1F1B (the first stage's: two
 micro-batches' layers, its output kept, one layer's backward temporaries), pp=2 interleaved (four
 chunk-micro-batches in flight on the first rank, the sends queued until the step's end), dp=3 ZeRO-3
 (FSDP2: the last layer's reduce-scatter measured, a layer's backward predicted; padded shards on the
-last rank) and cp=2 all_to_all (torch DDP's gradient buckets, alive all step, under the backward's
+last rank), pp=2 x dp=2 ZeRO-3 (FSDP2 inside a pipeline: every unit gathered through the
+schedule, its gradients accumulated in fp32 between micro-batches) and cp=2 all_to_all (torch DDP's gradient buckets, alive all step, under the backward's
 peak; the exchanges' buffers emulated); and that the meter's tracker counts what a step holds (no
 leaked received activation, no meta-device bytes); LoRA (peft through booster.enable_lora, rank 8
 on q/v: the frozen base without gradients or moments, the adapters' saved inputs and rank-8
@@ -77,10 +78,12 @@ def test_table_shows_peak_and_reserved(capsys):
 @pytest.mark.parametrize("fields", [dict(precision="fp32"), dict(dp=2, zero=2, precision="fp32"),
                                     dict(pp=2, microbatches=2, precision="bf16"),
                                     dict(pp=2, microbatches=4, num_model_chunks=2, precision="fp32"),
-                                    dict(dp=3, zero=3, precision="bf16"), dict(cp=2, precision="fp32"),
+                                    dict(dp=3, zero=3, precision="bf16"),
+                                    dict(pp=2, dp=2, zero=3, microbatches=2, precision="bf16"),
+                                    dict(cp=2, precision="fp32"),
                                     dict(precision="fp32", lora_rank=8, lora_targets="q_proj,v_proj")],
                          ids=["world1-fp32", "dp2-zero2-fp32", "pp2-1f1b-bf16", "pp2-interleaved-fp32",
-                              "dp3-zero3-bf16", "cp2-all_to_all-fp32", "world1-lora-fp32"])
+                              "dp3-zero3-bf16", "pp2-dp2-zero3-bf16", "cp2-all_to_all-fp32", "world1-lora-fp32"])
 def test_peak_against_memtracker(fields):
     from benchmarks.plan_accuracy import spec_of
     from benchmarks.plan_peak import compare_peaks, measure_peaks
