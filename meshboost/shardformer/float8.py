@@ -23,7 +23,6 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 import torch.nn as nn
 
 from meshboost.shardformer.optimizations import say

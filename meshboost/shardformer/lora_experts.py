@@ -45,7 +45,7 @@ from meshboost.distributed.param_info import (
     set_grad_reduction,
     set_tp_info,
 )
-from meshboost.shardformer.layers.experts import UP_PARAMS, expert_dims, is_packed_experts
+from meshboost.shardformer.layers.experts import UP_PARAMS, is_packed_experts
 from meshboost.shardformer.layers.linear import shard_parameter_, sum_grad_over_tp
 
 ADAPTED = (*UP_PARAMS, "down_proj")     # the packed tensors whose adapters meshboost splits
