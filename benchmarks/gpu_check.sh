@@ -61,6 +61,7 @@ step "5/5 planner: predicted peak/reserved against max_memory_allocated/max_memo
 if [ "$DRY" = 1 ]; then
   timeout 240 "$PY" benchmarks/plan_peak.py --cuda --dry-run
 else
-  timeout 300 "$PY" benchmarks/plan_peak.py --cuda
+  # with the device tool's $OUT: each case's allocator events come back (the reserved model's data)
+  timeout 300 "$PY" benchmarks/plan_peak.py --cuda ${OUT:+--trace "$OUT/alloc"}
 fi
 step "done"

@@ -2,6 +2,7 @@
 
     python benchmarks/plan_peak.py                 # every layout of plan_accuracy.CASES
     python benchmarks/plan_peak.py --cases 0,2,5   # chosen ones
+    python benchmarks/plan_peak.py --cuda [--trace DIR]   # world-1 CUDA cases (DIR: allocator events)
 
 Each layout runs in processes of its own (one spawn per layout: nothing another layout left alive is
 counted). Every rank boosts the model with the planner's plugin config, trains two steps, then runs a
@@ -34,6 +35,9 @@ def _peak_worker(rank: int, world: int, spec_fields: dict, fields: dict, outdir:
     from meshboost.plan.tracker import NO_MEMORY, device_bytes, live_bytes_tracker
 
     spec = ModelSpec(**spec_fields)
+    trace = os.environ.get(TRACE_ENV) if torch.cuda.is_available() and rank == 0 else None
+    if trace:                          # every allocator event of the process, from before the boost on
+        torch.cuda.memory._record_memory_history(context=None, stacks="python", max_entries=2_000_000)
     layout, plugin, booster, model, optimizer = boost_layout(fields, spec)
     mesh = plugin.mesh
     batch = make_batch(spec, mesh.dp_size, mesh.dp_rank, device=mesh.device)
@@ -62,6 +66,11 @@ def _peak_worker(rank: int, world: int, spec_fields: dict, fields: dict, outdir:
     if cuda:
         torch.cuda.synchronize()
         out.update(peak=torch.cuda.max_memory_allocated(), reserved=torch.cuda.max_memory_reserved())
+        if trace:
+            try:
+                write_allocator_trace(trace)
+            except Exception as exc:   # the trace is extra data: the row's figures stand without it
+                print(f"allocator trace not written: {type(exc).__name__}: {exc}", flush=True)
     else:
         # the peak of the devices holding memory (a pipeline stage's meta-device shape runs hold none)
         peak = {d: snap for d, snap in tracker.get_tracker_snapshot("peak").items() if str(d) not in NO_MEMORY}
@@ -71,6 +80,32 @@ def _peak_worker(rank: int, world: int, spec_fields: dict, fields: dict, outdir:
                              for k in {k for snap in peak.values() for k in snap if k != "Total"}}
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
+
+
+TRACE_ENV = "MESHBOOST_ALLOC_TRACE"       # --trace: where rank 0 of a CUDA case writes its allocator's events
+
+
+def write_allocator_trace(path: str) -> None:
+    """The CUDA caching allocator's events of this process (torch.cuda.memory._snapshot's device trace:
+    every alloc, free and segment alloc/free with its address, size and stream, stacks left out) and its
+    segments at the end, gzipped JSON at `path`: the data a model of the allocator's segments (the
+    planner's `reserved`) is checked against, which no CPU run can give."""
+    import gzip
+
+    import torch
+
+    snapshot = torch.cuda.memory._snapshot()
+    events = snapshot["device_traces"][torch.cuda.current_device()]
+    keys = ("action", "addr", "size", "stream")
+    record = {"fields": keys, "events": [[e.get(k) for k in keys] for e in events],
+              "segments": [{"address": seg.get("address"), "total_size": seg.get("total_size"),
+                            "allocated_size": seg.get("allocated_size"), "segment_type": seg.get("segment_type"),
+                            "blocks": [[b.get("size"), b.get("state")] for b in seg.get("blocks", ())]}
+                           for seg in snapshot["segments"]],
+              "max_allocated": torch.cuda.max_memory_allocated(), "max_reserved": torch.cuda.max_memory_reserved()}
+    torch.cuda.memory._record_memory_history(enabled=None)
+    with gzip.open(path, "wt") as f:
+        json.dump(record, f)
 
 
 def _staging(optimizer) -> list:
@@ -158,17 +193,22 @@ CUDA_CASES = [
 DRY_SPEC = dict(layers=2, hidden=64, heads=4, seq=16, batch=4, vocab=1000)
 
 
-def cuda_cases(dry: bool) -> None:
+def cuda_cases(dry: bool, trace_dir: str | None = None) -> None:
     """CUDA_CASES, each in its own process: predicted peak and reserved (+ outside the allocator: the
     CUDA context, NCCL) against max_memory_allocated and max_memory_reserved; `dry` (no GPU): the
-    shrunk cases on CPU against MemTracker, to check the script's path."""
+    shrunk cases on CPU against MemTracker, to check the script's path. `trace_dir`: each case's
+    allocator events there (`write_allocator_trace`, case<i>.json.gz; CUDA only)."""
     from benchmarks.models import ModelSpec
 
     device = "cpu" if dry else "cuda"
     print(f"device: {device}{' (dry run: shrunk models, MemTracker)' if dry else ''}")
     print(f"{'case':32s} {'pred.peak':>11s} {'meas.peak':>11s} {'ratio':>6s} {'pred.reserved':>13s} "
           f"{'meas.reserved':>13s} {'outside':>10s}  instant")
-    for name, spec_fields, fields in CUDA_CASES:
+    if trace_dir:
+        os.makedirs(trace_dir, exist_ok=True)
+    for i, (name, spec_fields, fields) in enumerate(CUDA_CASES):
+        if trace_dir:
+            os.environ[TRACE_ENV] = os.path.join(trace_dir, f"case{i}.json.gz")
         spec = ModelSpec(**({**spec_fields, **DRY_SPEC} if dry else spec_fields))
         if dry and spec.family == "qwen3_moe":
             spec = ModelSpec(**{**spec_fields, **DRY_SPEC, "intermediate": 32})
@@ -189,11 +229,13 @@ def main() -> None:
     parser.add_argument("--cases", default=None, help="comma list of plan_accuracy.CASES indices (default: all)")
     parser.add_argument("--cuda", action="store_true", help="CUDA_CASES against the allocator (world 1)")
     parser.add_argument("--dry-run", action="store_true", help="with --cuda: the shrunk cases on CPU")
+    parser.add_argument("--trace", default=None, metavar="DIR",
+                        help="with --cuda on a GPU: each case's allocator events (gzipped JSON) into DIR")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if args.cuda:
-        cuda_cases(args.dry_run)
+        cuda_cases(args.dry_run, args.trace)
         return
     chosen = [int(i) for i in args.cases.split(",")] if args.cases else range(len(CASES))
     print("device: cpu (MemTracker: live tensor bytes over one step, each layout in processes of its own)")
