@@ -4,8 +4,9 @@
 # utilisation side by side (issue 41; benchmarks/gpu_mfu.py, each row its own process): plain PyTorch
 # (autocast; bf16), meshboost eager, + compile, + compile + float8, for a 0.94B Llama at 8 x 2048 and a
 # 3.1B one at 4 x 2048, printing ms/step, tokens/s, MFU (datasheet and measured matmul rate), peak memory
-# and the loss after 10 steps, and last the planner's predicted peak and reserved bytes against
-# torch.cuda.max_memory_allocated and max_memory_reserved (benchmarks/plan_peak.py --cuda: world-1
+# and the loss after 10 steps, and last the planner's predicted peak, reserved bytes and step time
+# (calibrated on the machine first) against torch.cuda.max_memory_allocated, max_memory_reserved and
+# the median of five timed steps (benchmarks/plan_peak.py --cuda: world-1
 # cases, each in a process of its own, a ~3B Llama at seq 4096 with checkpointing and a 2-layer
 # 64-expert MoE among them). Budget: under 9 minutes on one H100/H200.
 #
@@ -57,11 +58,19 @@ else
   timeout 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/release_check.py
   timeout 420 "$PY" benchmarks/gpu_mfu.py --row-timeout 120
 fi
-step "5/5 planner: predicted peak/reserved against max_memory_allocated/max_memory_reserved"
+step "5/5 planner: predicted peak/reserved/step time against max_memory_allocated/max_memory_reserved/timed steps"
+COST=$(mktemp -d)/cost.json         # this machine's cost constants (issue 39 point 4), world 1
+CONSTANTS=()
+if timeout 120 "$PY" -m meshboost.plan --calibrate --world 1 --precision bf16 --calibration "$COST" >"$COST.log" 2>&1; then
+  tail -n 2 "$COST.log"
+  CONSTANTS=(--constants "$COST")
+else
+  tail -n 5 "$COST.log"; echo "calibration failed: the step times below use the planner's defaults"
+fi
 if [ "$DRY" = 1 ]; then
-  timeout 240 "$PY" benchmarks/plan_peak.py --cuda --dry-run
+  timeout 240 "$PY" benchmarks/plan_peak.py --cuda --dry-run "${CONSTANTS[@]}"
 else
   # with the device tool's $OUT: each case's allocator events come back (the reserved model's data)
-  timeout 300 "$PY" benchmarks/plan_peak.py --cuda ${OUT:+--trace "$OUT/alloc"}
+  timeout 300 "$PY" benchmarks/plan_peak.py --cuda "${CONSTANTS[@]}" ${OUT:+--trace "$OUT/alloc"}
 fi
 step "done"

@@ -2,7 +2,8 @@
 
     python benchmarks/plan_peak.py                 # every layout of plan_accuracy.CASES
     python benchmarks/plan_peak.py --cases 0,2,5   # chosen ones
-    python benchmarks/plan_peak.py --cuda [--trace DIR]   # world-1 CUDA cases (DIR: allocator events)
+    python benchmarks/plan_peak.py --cuda [--constants FILE] [--trace DIR]   # world-1 CUDA cases: peak,
+        # reserved and step time (FILE: calibrated constants; DIR: allocator events)
 
 Each layout runs in processes of its own (one spawn per layout: nothing another layout left alive is
 counted). Every rank boosts the model with the planner's plugin config, trains two steps, then runs a
@@ -78,11 +79,36 @@ def _peak_worker(rank: int, world: int, spec_fields: dict, fields: dict, outdir:
         # what was alive at the peak instant, by MemTracker's categories (param, grad, act, temp, ...)
         out["categories"] = {str(k): device_bytes(peak, (k,))
                              for k in {k for snap in peak.values() for k in snap if k != "Total"}}
+    timed = int(os.environ.get(TIMED_ENV, "0"))
+    if timed:                          # after the measured step: the median of `timed` whole steps
+        out["seconds"] = _median_step_seconds(timed, booster, model, optimizer, batch, layout.pp, cuda)
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
 
 
+def _median_step_seconds(steps: int, booster, model, optimizer, batch, pp: int, cuda: bool) -> float:
+    import statistics
+    import time
+
+    import torch
+
+    from benchmarks.plan_accuracy import _step
+    seconds = []
+    for _ in range(steps):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        _step(booster, model, optimizer, batch, pp)
+        optimizer.step()
+        optimizer.zero_grad()
+        if cuda:
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
 TRACE_ENV = "MESHBOOST_ALLOC_TRACE"       # --trace: where rank 0 of a CUDA case writes its allocator's events
+TIMED_ENV = "MESHBOOST_PEAK_TIMED_STEPS"  # --cuda: steps timed after the measured one (their median: seconds)
 
 
 def write_allocator_trace(path: str) -> None:
@@ -189,21 +215,31 @@ CUDA_CASES = [
                                              vocab=32000, intermediate=512, experts=64, top_k=8),
      dict(precision="bf16")),
 ]
+TIMED_STEPS = 5
 # on CPU (gpu_check.sh --dry-run): the same cases shrunk, measured by MemTracker
 DRY_SPEC = dict(layers=2, hidden=64, heads=4, seq=16, batch=4, vocab=1000)
 
 
-def cuda_cases(dry: bool, trace_dir: str | None = None) -> None:
+def cuda_cases(dry: bool, trace_dir: str | None = None, constants_file: str | None = None) -> None:
     """CUDA_CASES, each in its own process: predicted peak and reserved (+ outside the allocator: the
-    CUDA context, NCCL) against max_memory_allocated and max_memory_reserved; `dry` (no GPU): the
-    shrunk cases on CPU against MemTracker, to check the script's path. `trace_dir`: each case's
-    allocator events there (`write_allocator_trace`, case<i>.json.gz; CUDA only)."""
+    CUDA context, NCCL) against max_memory_allocated and max_memory_reserved, and the predicted step
+    time (cost constants from `constants_file`, `python -m meshboost.plan --calibrate --world 1
+    --calibration FILE` on the same machine; else the planner's defaults) against the median of
+    TIMED_STEPS steps; `dry` (no GPU): the shrunk cases on CPU against MemTracker, to check the script's
+    path. `trace_dir`: each case's allocator events there (`write_allocator_trace`, case<i>.json.gz;
+    CUDA only)."""
+    from benchmarks.plan_accuracy import layout_of, lora_of, planner_for
+    from meshboost.plan import calibrate
+
+    constants = calibrate.load(constants_file) if constants_file else None
+    os.environ[TIMED_ENV] = str(TIMED_STEPS)
     from benchmarks.models import ModelSpec
 
     device = "cpu" if dry else "cuda"
     print(f"device: {device}{' (dry run: shrunk models, MemTracker)' if dry else ''}")
+    print(f"cost constants: {constants.source if constants else 'the planner defaults'}")
     print(f"{'case':32s} {'pred.peak':>11s} {'meas.peak':>11s} {'ratio':>6s} {'pred.reserved':>13s} "
-          f"{'meas.reserved':>13s} {'outside':>10s}  instant")
+          f"{'meas.reserved':>13s} {'outside':>10s} {'pred.s':>8s} {'meas.s':>8s} {'ratio':>6s}  instant")
     if trace_dir:
         os.makedirs(trace_dir, exist_ok=True)
     for i, (name, spec_fields, fields) in enumerate(CUDA_CASES):
@@ -218,8 +254,14 @@ def cuda_cases(dry: bool, trace_dir: str | None = None) -> None:
             print(f"{name:32s} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}", flush=True)
             continue
         p = predicted_peak(spec, fields, tuple(m["ranks"]), device)
+        layout = layout_of(fields, spec)
+        planner = planner_for(spec, layout, lora_of(fields), device)
+        if constants is not None:
+            planner.constants = constants
+        seconds = planner.explain(layout).step_seconds
         print(f"{name:32s} {p['peak']:11d} {m['peak']:11d} {m['peak'] / p['peak']:6.3f} {p['reserved']:13d} "
-              f"{m.get('reserved', 0):13d} {p['outside']:10d}  {p['instant']}", flush=True)
+              f"{m.get('reserved', 0):13d} {p['outside']:10d} {seconds:8.4f} {m['seconds']:8.4f} "
+              f"{m['seconds'] / seconds:6.2f}  {p['instant']}", flush=True)
 
 
 def main() -> None:
@@ -231,11 +273,13 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="with --cuda: the shrunk cases on CPU")
     parser.add_argument("--trace", default=None, metavar="DIR",
                         help="with --cuda on a GPU: each case's allocator events (gzipped JSON) into DIR")
+    parser.add_argument("--constants", default=None, metavar="FILE",
+                        help="with --cuda: cost constants (python -m meshboost.plan --calibrate --calibration FILE)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if args.cuda:
-        cuda_cases(args.dry_run, args.trace)
+        cuda_cases(args.dry_run, args.trace, args.constants)
         return
     chosen = [int(i) for i in args.cases.split(",")] if args.cases else range(len(CASES))
     print("device: cpu (MemTracker: live tensor bytes over one step, each layout in processes of its own)")
