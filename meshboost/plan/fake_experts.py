@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-from meshboost.plan.emulate import _Resize
+from meshboost.plan.emulate import _RowsExchange
 from meshboost.shardformer.layers.experts import experts_forward, set_experts_forward
 
 
@@ -78,7 +78,7 @@ def install_expert_parallel(model: nn.Module, ep_size: int) -> None:
 
     class BalancedExchange(ExpertParallelForward):
         def _exchange(self, x, output_sizes, input_sizes):
-            return _Resize.apply(x, (sum(output_sizes), *x.shape[1:]))
+            return _RowsExchange.apply(x, output_sizes, input_sizes)
 
         def _block_sizes(self, hidden, send_sizes):
             return list(send_sizes)          # every rank holds as many tokens

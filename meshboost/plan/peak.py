@@ -20,8 +20,9 @@ hold a second copy of the dense gradients from the first backward on):
   ZeRO's largest bucket in flight) + the communication buffers (`buffers`, DDP's counted in S);
 - optimizer step: S + the gradients kept (ZeRO-1/2: the reduced shards) + their fp32 copies (the
   masters' gradients, half precision) + AdamW's temporaries, which differ by device: on CPU torch runs
-  the single-tensor loop (the square root of one moment and its quotient: 2 x the largest master
-  tensor), on CUDA the foreach kernels (one square root of every moment of the group: 1 x the master
+  the single-tensor loop (the square root of one moment and its quotient, while the previous master's
+  quotient is still bound: the largest previous + 2 x current over the masters in order), on CUDA the
+  foreach kernels (one square root of every moment of the group: 1 x the master
   elements); ZeRO's write-back then gathers
   the working shard into a full bucket (unless the masters are the weights' own slices).
 
@@ -54,6 +55,7 @@ class StepShape:
     largest_master: int
     largest_bucket: int = 0
     buckets: int = 0                # ZeRO-1/2's buckets (0: no ZeRO-1/2 over dp > 1)
+    adam_pair: int = 0              # max over the masters in step order of the previous one + 2 x this one
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,13 @@ def adam_temporaries(device: str, shape: StepShape) -> int:
     """AdamW's temporaries at its step (fp32), by device: see the module's docstring."""
     if device == "cuda":
         return 4 * shape.owned
-    return 2 * 4 * shape.largest_master
+    return 4 * (shape.adam_pair or 2 * shape.largest_master)
+
+
+def _adam_pair(sizes: list[int]) -> int:
+    """The CPU loop's temporaries at master i (elements): its moment's square root and their quotient,
+    while the previous master's quotient is still bound (`denom`, rebound once the new one exists)."""
+    return max((prev + 2 * size for prev, size in zip([0, *sizes], sizes)), default=0)
 
 
 def stage_peak(layout, state: dict, buffers: int, act: StageActivations, shape: StepShape,
@@ -148,13 +156,15 @@ def step_shape(layout, shards, dp_rank: int) -> StepShape:
     if layout.zero == 3:
         groups = sharded.fsdp_groups(layout, shards, dp_rank)       # dense over dp (HSDP: dp_shard), experts edp
         local = [sharded.fsdp_local_numel(s, n, i) for g, n, i in groups for s in g]
-        return StepShape(numel, sum(local), max(local, default=0))
+        return StepShape(numel, sum(local), max(local, default=0), adam_pair=_adam_pair(local))
     if layout.zero in (1, 2) and layout.grad_replicas > 1:
         buckets = memory.zero_buckets(shards, layout.grad_replicas, dp_rank, layout.ep)
         owned = [-(-n // size) for n, size, _, _ in buckets]
         padded = [o * size for o, (_, size, _, _) in zip(owned, buckets)]
-        return StepShape(numel, sum(owned), max(owned, default=0), max(padded, default=0), len(buckets))
-    return StepShape(numel, numel, max((s.numel for s in shards), default=0))
+        return StepShape(numel, sum(owned), max(owned, default=0), max(padded, default=0), len(buckets),
+                         _adam_pair(owned))
+    sizes = [s.numel for s in shards]
+    return StepShape(numel, numel, max(sizes, default=0), adam_pair=_adam_pair(sizes))
 
 
 def stage_activations(planner, layout, pp_rank: int) -> StageActivations:
