@@ -114,27 +114,8 @@ QUICK = [0, 2, 5, 8, 12, 23]
 ROUTED = ("activations", "comm ep", "comm tp")
 
 
-# --cuda: one process per GPU and models large enough that the allocator's peak means something
-CUDA_CASES = [
-    ("llama", dict(precision="bf16")),
-    ("llama", dict(precision="bf16", checkpointing=True)),
-    ("gpt2", dict(precision="bf16")),
-    ("qwen3_moe", dict(precision="bf16")),
-    ("llama", dict(tp=2, precision="bf16")),
-    ("llama", dict(dp=2, zero=2, precision="bf16")),
-    ("qwen3_moe", dict(dp=2, ep=2, zero=1, precision="bf16")),
-    ("llama", dict(tp=2, sequence_parallel=True, precision="bf16")),
-    ("llama", dict(cp=2, precision="bf16")),
-    ("llama", dict(cp=2, cp_mode="ring_attn", precision="bf16")),
-]
-SPEC_ENV = "MESHBOOST_PLAN_SPEC"      # "cuda": spec_of's larger models (read in every spawned process too)
-
-
 def spec_of(family: str, batch: int = 12):
     from benchmarks.models import ModelSpec
-    if os.environ.get(SPEC_ENV) == "cuda":
-        return ModelSpec(family=family, layers=8, hidden=1024, heads=16, seq=1024, batch=8, vocab=32000,
-                         intermediate=1024 if family == "qwen3_moe" else None)
     # vocabulary 1000: not a multiple of 64 x tp, so the vocab-parallel padding is exercised
     return ModelSpec(family=family, layers=4, hidden=128, heads=4, seq=32, batch=batch, vocab=1000)
 
@@ -263,8 +244,6 @@ def boost_layout(fields: dict, spec):
 
 def measure_rank(family: str, fields: dict) -> dict:
     """This rank's measured bytes for one case (call inside a process group of layout.world ranks)."""
-    import torch
-
     from benchmarks.models import make_batch
     from meshboost.distributed.profiling import comm_counter, dispatched_comm_counter
     from meshboost.optim.memory import memory_breakdown
@@ -280,10 +259,6 @@ def measure_rank(family: str, fields: dict) -> dict:
         if len(optimizer.unwrap().state):
             break
     peak = PeakSaved(model.unwrap())
-    cuda = mesh.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
     # zero=3: FSDP2 calls torch.distributed itself, so its dp traffic is what the dispatcher sees
     witness = dispatched_comm_counter(mesh) if layout.zero == 3 else contextlib.nullcontext()
     # under context parallelism the gradients are averaged over dp x cp: that group's traffic is dp's
@@ -294,8 +269,6 @@ def measure_rank(family: str, fields: dict) -> dict:
         measured = memory_breakdown(model.unwrap(), optimizer)
         optimizer.step()
     out = {key: measured[name] for key, name in STATE_KEYS.items()}
-    # the allocator's peak over that forward, backward and step (None on CPU)
-    out["max_allocated"] = torch.cuda.max_memory_allocated() if cuda else None
     out["comm"] = counted.summary()
     if dispatched is not None:
         out["comm"]["dp"] = dispatched.summary().get("dp", {"payload_bytes": 0})
@@ -322,7 +295,7 @@ def _worker(rank: int, world: int, cases: list, outdir: str) -> None:
     results = []
     for index, family, fields in cases:
         results.append((index, measure_rank(family, fields)))
-        free_case()                        # the next case's max_allocated holds nothing of this one
+        free_case()                        # the next case holds nothing of this one
         dist.barrier()
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
@@ -395,39 +368,9 @@ def compare(family: str, fields: dict, measured_ranks: list[dict]) -> dict:
     return out
 
 
-def cuda_accuracy(quick: bool = False) -> None:
-    """CUDA_CASES whose world fits the visible GPUs (on CPU, `--dry-run` of gpu_check.sh: the world-1
-    ones, without the allocator column): the table's rows, then per case the predicted total per rank
-    (weights, gradients, masters, states, activations, buffers) against max_memory_allocated over the
-    measured step, which also holds what the planner does not count (autograd's transient buffers,
-    the logits' loss intermediates, allocator rounding)."""
-    import torch
-    gpus = torch.cuda.device_count()
-    cases = [(fam, f) for fam, f in CUDA_CASES if layout_of(f, spec_of(fam)).world <= max(gpus, 1)]
-    cases = cases[:1] if quick else cases
-    print(f"{gpus} CUDA device(s): {len(cases)} of {len(CUDA_CASES)} cases fit; model {spec_of('llama')}")
-    by_world: dict[int, list] = {}
-    for fam, f in cases:
-        by_world.setdefault(layout_of(f, spec_of(fam)).world, []).append((fam, f))
-    print(f"{'model':9s} {'layout':42s} {'predicted total':>15s} {'max_allocated':>13s} {'ratio':>6s}  worst state/act err")
-    for world, group in sorted(by_world.items()):
-        for (fam, f), ranks in zip(group, measure(group)):
-            layout = layout_of(f, spec_of(fam))
-            planner = planner_for(spec_of(fam), layout, lora_of(f))
-            total = planner.explain(layout).memory_bytes_per_rank["total"]
-            errors = compare(fam, f, ranks)
-            state = max(errors[k][0] for k in STATE_KEYS)
-            peak = max((r["max_allocated"] or 0) for r in ranks)
-            ratio = f"{peak / total:6.3f}" if peak else "   n/a"
-            print(f"{fam:9s} {layout.describe():42s} {total:15d} {peak or 0:13d} {ratio}  "
-                  f"{100 * state:.3f}% / {100 * errors['activations'][0]:.2f}%")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--cuda", action="store_true",
-                        help="CUDA_CASES on larger models (one process per GPU), also against torch.cuda.max_memory_allocated")
     parser.add_argument("--cases", default=None, help="comma list of CASES indices (e.g. 22,23) instead of all")
     parser.add_argument("--ranking", action="store_true", help="only the step-time ranking (calibrates first)")
     parser.add_argument("--constants", default=None, help="with --ranking: read the constants instead of calibrating")
@@ -441,12 +384,6 @@ def main() -> None:
     if args.ranking:
         from benchmarks.plan_ranking import ranking
         ranking(args.constants, repeat=args.repeat, runs_json=args.runs_json)
-        return
-    if args.cuda:
-        import torch
-        if torch.cuda.is_available():      # on CPU (gpu_check.sh --dry-run) the tiny models
-            os.environ[SPEC_ENV] = "cuda"
-        cuda_accuracy(quick=args.quick)
         return
     chosen = [int(i) for i in args.cases.split(",")] if args.cases else QUICK if args.quick else range(len(CASES))
     cases = [CASES[i] for i in chosen]
