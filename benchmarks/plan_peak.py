@@ -48,10 +48,13 @@ def _peak_worker(rank: int, world: int, spec_fields: dict, fields: dict, outdir:
     layout, plugin, booster, model, optimizer = boost_layout(fields, spec)
     mesh = plugin.mesh
     batch = make_batch(spec, mesh.dp_size, mesh.dp_rank, device=mesh.device)
-    for _ in range(2):                 # Adam's moments exist before the measured step
+    def train_step() -> None:
         _step(booster, model, optimizer, batch, layout.pp)
         optimizer.step()
         optimizer.zero_grad()
+
+    for _ in range(2):                 # Adam's moments exist before the measured step
+        train_step()
     gc.collect()
     cuda = mesh.device.type == "cuda"
     out = {"ranks": (mesh.pp_rank, mesh.tp_rank, mesh.reduction_of([])[3]), "device": mesh.device.type}
@@ -70,9 +73,7 @@ def _peak_worker(rank: int, world: int, spec_fields: dict, fields: dict, outdir:
     gc.disable()                       # see the module docstring: no collection at a random point of the step
     try:
         with tracker:
-            _step(booster, model, optimizer, batch, layout.pp)
-            optimizer.step()
-            optimizer.zero_grad()
+            train_step()
     finally:
         if collecting:
             gc.enable()
@@ -93,26 +94,23 @@ def _peak_worker(rank: int, world: int, spec_fields: dict, fields: dict, outdir:
                              for k in {k for snap in peak.values() for k in snap if k != "Total"}}
     timed = int(os.environ.get(TIMED_ENV, "0"))
     if timed:                          # after the measured step: the median of `timed` whole steps
-        out["seconds"] = _median_step_seconds(timed, booster, model, optimizer, batch, layout.pp, cuda)
+        out["seconds"] = _median_seconds(timed, train_step, cuda)
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
 
 
-def _median_step_seconds(steps: int, booster, model, optimizer, batch, pp: int, cuda: bool) -> float:
+def _median_seconds(steps: int, train_step, cuda: bool) -> float:
     import statistics
     import time
 
     import torch
 
-    from benchmarks.plan_accuracy import _step
     seconds = []
     for _ in range(steps):
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        _step(booster, model, optimizer, batch, pp)
-        optimizer.step()
-        optimizer.zero_grad()
+        train_step()
         if cuda:
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
@@ -171,15 +169,15 @@ def measure_peaks(spec, fields: dict) -> list[dict]:
         return [json.load(open(os.path.join(outdir, f"rank{r}.json"))) for r in range(world)]
 
 
-def predicted_peak(spec, fields: dict, ranks, device: str = "cpu") -> dict:
+def predicted_peak(spec, fields: dict, ranks, device: str = "cpu", planner=None) -> dict:
     """The planner's peak record (peak, reserved, outside, instant, ...) of `device` for the rank at
-    (pp, tp, dp) coordinates of a layout of `spec`."""
+    (pp, tp, dp) coordinates of a layout of `spec` (`planner`: that layout's, else built here)."""
     from benchmarks.plan_accuracy import layout_of, lora_of, planner_for
     from meshboost.plan.peak import rank_peak
     from meshboost.plan.planner import MEMORY_KEYS
 
     layout = layout_of(fields, spec)
-    planner = planner_for(spec, layout, lora_of(fields), device)
+    planner = planner or planner_for(spec, layout, lora_of(fields), device)
     planner.check(layout)
     pp, tp, dp = ranks
     shards = planner.shards(layout, pp, tp)
@@ -240,12 +238,12 @@ def cuda_cases(dry: bool, trace_dir: str | None = None, constants_file: str | No
     TIMED_STEPS steps; `dry` (no GPU): the shrunk cases on CPU against MemTracker, to check the script's
     path. `trace_dir`: each case's allocator events there (`write_allocator_trace`, case<i>.json.gz;
     CUDA only)."""
+    from benchmarks.models import ModelSpec
     from benchmarks.plan_accuracy import layout_of, lora_of, planner_for
     from meshboost.plan import calibrate
 
     constants = calibrate.load(constants_file) if constants_file else None
     os.environ[TIMED_ENV] = str(TIMED_STEPS)
-    from benchmarks.models import ModelSpec
 
     device = "cpu" if dry else "cuda"
     print(f"device: {device}{' (dry run: shrunk models, MemTracker)' if dry else ''}")
@@ -265,11 +263,11 @@ def cuda_cases(dry: bool, trace_dir: str | None = None, constants_file: str | No
         except Exception as exc:           # an OOM or a refusal is a row, not the end of the table
             print(f"{name:32s} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}", flush=True)
             continue
-        p = predicted_peak(spec, fields, tuple(m["ranks"]), device)
         layout = layout_of(fields, spec)
         planner = planner_for(spec, layout, lora_of(fields), device)
         if constants is not None:
             planner.constants = constants
+        p = predicted_peak(spec, fields, tuple(m["ranks"]), device, planner)
         seconds = planner.explain(layout).step_seconds
         print(f"{name:32s} {p['peak']:11d} {m['peak']:11d} {m['peak'] / p['peak']:6.3f} {p['reserved']:13d} "
               f"{m.get('reserved', 0):13d} {p['outside']:10d} {seconds:8.4f} {m['seconds']:8.4f} "

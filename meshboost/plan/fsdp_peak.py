@@ -174,6 +174,3 @@ def pipeline_instants(planner, layout, shards, dp_rank: int, mem: dict, act, ada
         previous = REDUCE_BYTES * u.gathered
     step = held + REDUCE_BYTES * sum(u.shard for u in units) + adam
     return {"backward": backward, "reduction": reduction, "step": step, "write_back": 0}
-
-
-

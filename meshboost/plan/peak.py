@@ -47,15 +47,15 @@ OUTSIDE_BYTES = {"cpu": 0, "cuda": 1 << 30}       # CUDA context + NCCL communic
 @dataclass(frozen=True)
 class StepShape:
     """What the optimizer step and the gradient reduction of one rank touch: `numel` local elements,
-    `owned` master elements (ZeRO's shards, else numel), the largest single master tensor (a ZeRO
-    bucket's shard, else the largest parameter), the largest ZeRO bucket (padded elements)."""
+    `owned` master elements (ZeRO's shards, else numel), `adam_pair` the most elements CPU AdamW's
+    loop holds in temporaries (`_adam_pair` over the masters in step order: ZeRO's bucket shards, else
+    the parameters), the largest ZeRO bucket (padded elements)."""
 
     numel: int
     owned: int
-    largest_master: int
+    adam_pair: int
     largest_bucket: int = 0
     buckets: int = 0                # ZeRO-1/2's buckets (0: no ZeRO-1/2 over dp > 1)
-    adam_pair: int = 0              # max over the masters in step order of the previous one + 2 x this one
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def adam_temporaries(device: str, shape: StepShape) -> int:
     """AdamW's temporaries at its step (fp32), by device: see the module's docstring."""
     if device == "cuda":
         return 4 * shape.owned
-    return 4 * (shape.adam_pair or 2 * shape.largest_master)
+    return 4 * shape.adam_pair
 
 
 def _adam_pair(sizes: list[int]) -> int:
@@ -156,15 +156,13 @@ def step_shape(layout, shards, dp_rank: int) -> StepShape:
     if layout.zero == 3:
         groups = sharded.fsdp_groups(layout, shards, dp_rank)       # dense over dp (HSDP: dp_shard), experts edp
         local = [sharded.fsdp_local_numel(s, n, i) for g, n, i in groups for s in g]
-        return StepShape(numel, sum(local), max(local, default=0), adam_pair=_adam_pair(local))
+        return StepShape(numel, sum(local), _adam_pair(local))
     if layout.zero in (1, 2) and layout.grad_replicas > 1:
         buckets = memory.zero_buckets(shards, layout.grad_replicas, dp_rank, layout.ep)
         owned = [-(-n // size) for n, size, _, _ in buckets]
         padded = [o * size for o, (_, size, _, _) in zip(owned, buckets)]
-        return StepShape(numel, sum(owned), max(owned, default=0), max(padded, default=0), len(buckets),
-                         _adam_pair(owned))
-    sizes = [s.numel for s in shards]
-    return StepShape(numel, numel, max(sizes, default=0), adam_pair=_adam_pair(sizes))
+        return StepShape(numel, sum(owned), _adam_pair(owned), max(padded, default=0), len(buckets))
+    return StepShape(numel, numel, _adam_pair([s.numel for s in shards]))
 
 
 def stage_activations(planner, layout, pp_rank: int) -> StageActivations:

@@ -35,14 +35,12 @@ class CountingAllReduce:
         self.waited += len(pending)
 
     def track(self, work) -> None:
-        if not self.pending:
+        self.pending.append(work)
+        if len(self.pending) == 1:
             try:                            # runs once the backward that called the hook is done
                 torch.autograd.Variable._execution_engine.queue_callback(self.finish)
             except RuntimeError:            # called outside a backward (DDP's join shadows): wait now
-                self.pending.append(work)
                 self.finish()
-                return
-        self.pending.append(work)
 
 
 def _counting_allreduce(state: CountingAllReduce, bucket):
