@@ -207,12 +207,20 @@ def check_variants(model_type: str, group, variants: list[dict], atol: float = 1
     return [_check_sharded(model_type, cls, shrink_head_dim, reference, group, options, atol) for options in variants]
 
 
+# Two fp32 runs that sum in different orders are each off from float64 by a random amount: one draw of the
+# unsharded error is a noisy scale. DiffusionGemma's sharded gradients came out 1.8-2.04x its unsharded error on
+# every parameter on one CPU and under 2x on another (2026-12-06), so 2x flaked; a wrong sharding is off by orders
+# of magnitude more (its error is of the gradient's own size), which 4x still catches.
+ROUNDING_SLACK = 4
+
+
 def _beyond_rounding(model_type: str, shrink_head_dim: bool, batch: dict, ref, par, problems: list[str]) -> list[str]:
     """The gradient differences that are more than fp32 rounding: each differing gradient is compared with a
     float64 run of the same model (experts in transformers' eager loop, which has a float64 path); the sharded
-    gradient passes when it is no further from it than the unsharded fp32 one is (x2). A wrong sharding is off
-    by far more than rounding; a model with large gradients and no 1/sqrt(d) attention scaling (Gemma-4's,
-    DiffusionGemma's) rounds more than the sweep's fixed tolerance. Without a float64 run, nothing passes."""
+    gradient passes when it is no further from it than ROUNDING_SLACK times the unsharded fp32 one is. A wrong
+    sharding is off by far more than rounding; a model with large gradients and no 1/sqrt(d) attention scaling
+    (Gemma-4's, DiffusionGemma's) rounds more than the sweep's fixed tolerance. Without a float64 run, nothing
+    passes."""
     try:
         _, exact = build(model_type, shrink_head_dim=shrink_head_dim)
         if hasattr(exact, "set_experts_implementation") and experts_modules(exact):
@@ -229,7 +237,8 @@ def _beyond_rounding(model_type: str, shrink_head_dim: bool, batch: dict, ref, p
         name = problem.removeprefix("grad ")
         p, truth = par_params[name], exact_params[name].grad
         full = gather_tensor(p.grad, get_tp_info(p)).double()
-        if truth is None or (full - truth).abs().max() > 2 * (ref_params[name].grad.double() - truth).abs().max():
+        slack = ROUNDING_SLACK * (ref_params[name].grad.double() - truth).abs().max() if truth is not None else 0
+        if truth is None or (full - truth).abs().max() > slack:
             left.append(problem)
     return left
 
