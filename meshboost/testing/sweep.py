@@ -209,8 +209,9 @@ def check_variants(model_type: str, group, variants: list[dict], atol: float = 1
 
 # Two fp32 runs that sum in different orders are each off from float64 by a random amount: one draw of the
 # unsharded error is a noisy scale. DiffusionGemma's sharded gradients came out 1.8-2.04x its unsharded error on
-# every parameter on one CPU and under 2x on another (2026-12-06), so 2x flaked; a wrong sharding is off by orders
-# of magnitude more (its error is of the gradient's own size), which 4x still catches.
+# every parameter on the CPU of 2026-12-06 (it had passed at 2x on the CPUs of earlier CI runs); a wrong sharding is
+# off by orders of magnitude more (its error is of the gradient's own size), which 4x still catches. Why this
+# model's sharded error sits near 2x is not known: if a cause is found in meshboost, fix it and restore 2x.
 ROUNDING_SLACK = 4
 
 
@@ -237,8 +238,8 @@ def _beyond_rounding(model_type: str, shrink_head_dim: bool, batch: dict, ref, p
         name = problem.removeprefix("grad ")
         p, truth = par_params[name], exact_params[name].grad
         full = gather_tensor(p.grad, get_tp_info(p)).double()
-        slack = ROUNDING_SLACK * (ref_params[name].grad.double() - truth).abs().max() if truth is not None else 0
-        if truth is None or (full - truth).abs().max() > slack:
+        if truth is None or ((full - truth).abs().max()
+                             > ROUNDING_SLACK * (ref_params[name].grad.double() - truth).abs().max()):
             left.append(problem)
     return left
 
