@@ -24,6 +24,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from meshboost.distributed import shm
 from meshboost.distributed.launch import TIMEOUT_ENV, group_timeout
 from meshboost.distributed.profiling import record_collective, record_wait, timing_waits
 
@@ -59,11 +60,20 @@ def run_collective(op: str, group, call):
 
 # -- raw collectives (not differentiable) -----------------------------------------------------
 def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """In-place all-reduce of `tensor` over `group`; returns it."""
+    """In-place all-reduce of `tensor` over `group`; returns it. A CPU tensor over ranks of one host
+    goes through shared memory (shm.py), bitwise the same result as the backend's."""
     if dist.get_world_size(group) > 1:
         record_collective("all_reduce", group, tensor)
-        run_collective("all_reduce", group, lambda: dist.all_reduce(tensor, op=op, group=group))
+        run_collective("all_reduce", group, lambda: _all_reduce(tensor, group, op))
     return tensor
+
+
+def _all_reduce(tensor: torch.Tensor, group, op, async_op: bool = False):
+    """The transport's all-reduce: shared memory where it applies (done on return: no work handle),
+    else the backend's (its work handle when `async_op`)."""
+    if shm.usable(tensor, op) and shm.all_reduce(tensor, group, op):
+        return None
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
 def all_gather(tensor: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
@@ -135,7 +145,7 @@ def all_reduce_async(tensor: torch.Tensor, group) -> Pending:
     if dist.get_world_size(group) == 1:
         return Pending("all_reduce", group, None, lambda: tensor)
     record_collective("all_reduce", group, tensor)
-    work = run_collective("all_reduce", group, lambda: dist.all_reduce(tensor, group=group, async_op=True))
+    work = run_collective("all_reduce", group, lambda: _all_reduce(tensor, group, dist.ReduceOp.SUM, async_op=True))
     return Pending("all_reduce", group, work, lambda: tensor)
 
 

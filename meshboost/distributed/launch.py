@@ -21,8 +21,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from meshboost.distributed import shm
+
 _REQUIRED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 TIMEOUT_ENV = "MESHBOOST_DIST_TIMEOUT"      # seconds; torch itself reads no such variable
+SHM_ENV = "MESHBOOST_CPU_SHM"               # 0: CPU all-reduces between same-host ranks stay on gloo's sockets
 
 
 def get_current_device() -> torch.device:
@@ -68,14 +71,27 @@ def resolve_timeout(timeout: datetime.timedelta | float | None) -> datetime.time
     return timeout
 
 
+def resolve_cpu_shared_memory(enabled: bool | None) -> bool:
+    """Whether CPU all-reduces between ranks of one host go through shared memory (distributed/shm.py):
+    `enabled`, else the environment's MESHBOOST_CPU_SHM (0 or 1), else yes. Pure, as resolve_timeout."""
+    if enabled is not None:
+        return bool(enabled)
+    value = os.environ.get(SHM_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{SHM_ENV}={value!r}: expected 0 (CPU all-reduces on gloo) or 1 (shared memory "
+                         "between ranks of one host, the default)")
+    return value != "0"
+
+
 def launch(rank: int, world_size: int, host: str, port: int | str, backend: str | None = None,
            local_rank: int | None = None, seed: int = 1024, verbose: bool = False,
-           timeout: datetime.timedelta | float | None = None) -> None:
+           timeout: datetime.timedelta | float | None = None, cpu_shared_memory: bool | None = None) -> None:
     """Initialise the default process group from explicit values (ColossalAI's `launch`, same order:
     rank, world_size, host, port, backend, local_rank, seed, verbose). backend: None chooses NCCL with
     CUDA and gloo without. local_rank: the CUDA device index on this node (default: LOCAL_RANK from
     the environment, else rank modulo the node's device count). `timeout`: see `resolve_timeout`;
-    every group the mesh builds inherits it. verbose: rank 0 logs the backend, world and device."""
+    every group the mesh builds inherits it. verbose: rank 0 logs the backend, world and device.
+    `cpu_shared_memory`: see `resolve_cpu_shared_memory` (False keeps every CPU collective on gloo)."""
     for name, value in (("rank", rank), ("world_size", world_size)):
         if not isinstance(value, int) or isinstance(value, bool):
             raise TypeError(f"launch: {name}={value!r} must be an int (ColossalAI's order is rank, world_size, "
@@ -86,6 +102,7 @@ def launch(rank: int, world_size: int, host: str, port: int | str, backend: str 
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
     backend = backend or default_backend()
     timeout = resolve_timeout(timeout)
+    shm.configure(resolve_cpu_shared_memory(cpu_shared_memory))
     if backend == "nccl" and not torch.cuda.is_available():
         raise RuntimeError("backend='nccl' needs CUDA, but torch.cuda.is_available() is False; "
                            "pass backend='gloo' (or None to choose automatically)")
@@ -132,7 +149,7 @@ def _elastic_attempt_store(host: str, port, world_size: int, timeout: datetime.t
 
 def launch_from_torch(seed: int = 1024, backend: str | None = None,
                       timeout: datetime.timedelta | float | None = None, verbose: bool = False,
-                      config=None) -> None:
+                      config=None, cpu_shared_memory: bool | None = None) -> None:
     """Initialise the default process group from the environment `torchrun` sets.
 
     Uses NCCL when CUDA is available and gloo otherwise (or `backend`), binds this process to
@@ -143,6 +160,7 @@ def launch_from_torch(seed: int = 1024, backend: str | None = None,
     size and device once (ColossalAI's keyword). `config` (older ColossalAI tutorials pass
     `config={}` or a config file, first positionally) is ignored with a one-time warning, as
     ColossalAI did when it dropped the argument; a dict or path given as `seed` is taken for it.
+    `cpu_shared_memory`: as in `launch`.
     """
     if isinstance(seed, (dict, str, os.PathLike)):       # launch_from_torch({}) / ("config.py")
         seed, config = 1024, seed
@@ -156,7 +174,7 @@ def launch_from_torch(seed: int = 1024, backend: str | None = None,
             "MASTER_ADDR and MASTER_PORT yourself)")
     launch(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), host=os.environ["MASTER_ADDR"],
            port=os.environ["MASTER_PORT"], backend=backend, local_rank=int(os.environ["LOCAL_RANK"]), seed=seed,
-           verbose=verbose, timeout=timeout)
+           verbose=verbose, timeout=timeout, cpu_shared_memory=cpu_shared_memory)
 
 
 @functools.cache

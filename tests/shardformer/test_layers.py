@@ -203,14 +203,18 @@ def _overlap_body(rank, world):
     """The block's input-gradient collective runs asynchronously behind the weight gradients of the
     columns reading that input (q/k/v, gate/up; c_attn, c_fc): with and without sequence parallelism,
     the input and weight gradients equal the unsharded layer's, the collectives are the same (calls and
-    bytes), and the asynchronous ones were in flight while the weight gradients were computed."""
+    bytes), and the asynchronous ones were in flight while the weight gradients were computed. On gloo's
+    sockets (the transport that runs on its own threads, as NCCL runs on its own stream); the same-host
+    shared memory all-reduce (distributed/shm.py) is done when it returns, and gives the same gradients."""
+    from meshboost.distributed import shm
     from meshboost.distributed.profiling import wait_timer
     from meshboost.shardformer import ShardConfig, ShardFormer
     from meshboost.testing.models import build_model, tiny_config
 
-    for (cls, family), sp in itertools.product((("BertModel", "bert"), ("LlamaModel", "llama"),
-                                                ("GPT2Model", "gpt2")), (False, True)):
-        where = f"{cls} sp={sp}"
+    for (cls, family), sp, on_shm in itertools.product((("BertModel", "bert"), ("LlamaModel", "llama"),
+                                                        ("GPT2Model", "gpt2")), (False, True), (False, True)):
+        where = f"{cls} sp={sp} shm={on_shm}"
+        shm.configure(on_shm)
         config = tiny_config(family, num_hidden_layers=2)
         model = build_model(cls, config)
         ref = copy.deepcopy(model)
@@ -221,7 +225,7 @@ def _overlap_body(rank, world):
         with comm_counter() as counted, wait_timer() as waits:
             model(input_ids=ids).last_hidden_state.pow(2).mean().backward()
         ref(input_ids=ids).last_hidden_state.pow(2).mean().backward()
-        assert waits.overlapped_s > 0, f"{where}: no collective ran behind compute"
+        assert waits.overlapped_s > 0 or (on_shm and not sp), f"{where}: no collective ran behind compute"
         ops = counted.summary()["world"]["by_op"]
         assert ops.get("all_reduce", 0) + ops.get("reduce_scatter", 0) >= 4, (where, ops)
         refs = dict(ref.named_parameters())

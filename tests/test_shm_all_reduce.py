@@ -1,0 +1,137 @@
+"""The same-host shared-memory all-reduce (`meshboost.distributed.shm`), which `comm.all_reduce` takes for
+CPU tensors between ranks of one machine: on 2 processes, bitwise the result of gloo's all-reduce for every
+reduction, dtype and size it takes (tensors larger than one slot included, in chunks), counted once by
+meshboost's counter and once by the dispatcher witness, with nothing written to a socket; inf and nan
+propagate; tensors of different sizes on different ranks are refused on every rank and the group goes on;
+a stalled peer raises CollectiveTimeout after the group's timeout; `launch(cpu_shared_memory=False)` (here
+`shm.configure(False)`) puts the traffic back on gloo's sockets. On 3 processes, every rank gets bitwise the
+same sum, the rank-order sum (r0 + r1) + r2."""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from meshboost.distributed import comm, comm_counter, shm
+from meshboost.distributed.comm import CollectiveTimeout
+from meshboost.distributed.launch import resolve_cpu_shared_memory
+from meshboost.distributed.profiling import dispatched_comm_counter, wire_bytes
+from meshboost.testing import spawn
+
+OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT)
+
+
+def _inputs(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + numel)
+    return (torch.randn(numel, generator=g) * 50).to(dtype)
+
+
+def _two_ranks(rank, world):
+    world_group = dist.group.WORLD
+    comm.all_reduce(torch.ones(1), world_group)
+    assert shm._segments.get(world_group) is not None, "two ranks of one host did not get a shared segment"
+
+    # bitwise gloo's result: every op, dtype and size (one more than a slot holds: two chunks)
+    big = shm.SLOT_BYTES // 4 + 7
+    for numel in (0, 1, 1000, big):
+        for dtype in (torch.float32, torch.float16, torch.float64, torch.int64):
+            for op in OPS:
+                if numel == big and (dtype != torch.float32 or op != dist.ReduceOp.SUM):
+                    continue
+                x = _inputs(rank, numel, dtype)
+                expected = x.clone()
+                dist.all_reduce(expected, op=op)                 # gloo's sockets
+                assert comm.all_reduce(x, world_group, op) is x
+                assert torch.equal(x, expected), f"{numel} {dtype} {op}: {(x.double() - expected.double()).abs().max()}"
+
+    # counted once by meshboost and once by the witness; nothing on the sockets
+    x = _inputs(rank, 4096, torch.float32)
+    before = wire_bytes()
+    with comm_counter() as counted, dispatched_comm_counter() as witness:
+        comm.all_reduce(x, world_group)
+    moved = wire_bytes() - before
+    assert counted.summary() == witness.summary(), (counted.summary(), witness.summary())
+    assert counted.summary()["world"]["calls"] == 1 and counted.summary()["world"]["payload_bytes"] == 4096 * 4
+    assert moved < 4096, f"{moved} bytes written to sockets by a shared-memory all-reduce"
+
+    # asynchronous form: done on return, the same sum
+    y = _inputs(rank, 300, torch.float32)
+    expected = y.clone()
+    dist.all_reduce(expected)
+    assert torch.equal(comm.all_reduce_async(y, world_group).wait(), expected)
+
+    # an fp16 overflow stays inf and a nan stays nan (the loss scaler reads them)
+    z = torch.tensor([60000.0, 1.0, float("nan") if rank else 0.0], dtype=torch.float16)
+    comm.all_reduce(z, world_group)
+    assert z[0].isinf() and z[1] == 2 and z[2].isnan(), z
+
+    # dtypes numpy cannot add (bfloat16) and reductions it has no ufunc for keep gloo, and stay right
+    b = torch.full((5,), 1.5 + rank, dtype=torch.bfloat16)
+    assert not shm.usable(b, dist.ReduceOp.SUM)
+    assert torch.equal(comm.all_reduce(b, world_group), torch.full((5,), 4.0, dtype=torch.bfloat16))
+
+    # different sizes on different ranks: refused on every rank, and the group goes on
+    with pytest.raises(ValueError, match=r"ranks passed tensors of different sizes \(\[40, 48\] bytes"):
+        comm.all_reduce(torch.ones(10 + 2 * rank), world_group)
+    assert comm.all_reduce(torch.ones(3), world_group).tolist() == [2.0, 2.0, 2.0]
+
+    # switched off: gloo's sockets carry it
+    shm.configure(False)
+    try:
+        before = wire_bytes()
+        assert comm.all_reduce(torch.ones(4096), world_group)[0] == 2
+        assert wire_bytes() - before >= 4096 * 4, "with shared memory off the payload must cross the sockets"
+    finally:
+        shm.configure(True)
+
+    # a stalled peer: the waiting rank raises CollectiveTimeout after the group's own timeout
+    seconds = 2
+    short = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=seconds))
+    comm.all_reduce(torch.ones(1), short)                       # both ranks set the group up together
+    assert shm._segments.get(short) is not None
+    if rank == 1:
+        time.sleep(seconds + 3)
+    else:
+        start = time.perf_counter()
+        with pytest.raises(CollectiveTimeout, match=r"all_reduce over ranks \[0, 1\] did not complete.*group ranks \[1\]"):
+            comm.all_reduce(torch.ones(1), short)
+        assert seconds <= time.perf_counter() - start < seconds + 2.5
+    dist.barrier()
+
+
+def _three_ranks(rank, world):
+    x = _inputs(rank, 1001, torch.float32)
+    inputs = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(inputs, x)
+    comm.all_reduce(x, dist.group.WORLD)
+    assert shm._segments.get(dist.group.WORLD) is not None
+    assert torch.equal(x, (inputs[0] + inputs[1]) + inputs[2]), "not the rank-order sum"
+    results = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(results, x)
+    assert all(torch.equal(r, results[0]) for r in results), "ranks got different sums"
+
+
+def test_shared_memory_all_reduce_is_gloos_on_two_ranks():
+    spawn(_two_ranks, 2)
+
+
+def test_shared_memory_all_reduce_agrees_on_three_ranks():
+    spawn(_three_ranks, 3)
+
+
+def test_switch_values_are_checked(monkeypatch):
+    monkeypatch.delenv("MESHBOOST_CPU_SHM", raising=False)
+    assert resolve_cpu_shared_memory(None) is True and resolve_cpu_shared_memory(False) is False
+    monkeypatch.setenv("MESHBOOST_CPU_SHM", "0")
+    assert resolve_cpu_shared_memory(None) is False and resolve_cpu_shared_memory(True) is True
+    monkeypatch.setenv("MESHBOOST_CPU_SHM", "off")
+    with pytest.raises(ValueError, match="MESHBOOST_CPU_SHM='off': expected 0"):
+        resolve_cpu_shared_memory(None)
+    assert shm.decide([("h", "boot", True, True), ("h", "boot", True, True)])
+    assert not shm.decide([("h", "boot", True, True), ("other", "boot", True, True)])      # two machines
+    assert not shm.decide([("h", "boot", False, True), ("h", "boot", False, True)])         # weak ordering
+    assert not shm.decide([("h", None, True, True)])                                         # unknown boot
