@@ -2,7 +2,8 @@
 CPU tensors between ranks of one machine: on 2 processes, bitwise the result of gloo's all-reduce for every
 reduction, dtype and size it takes (tensors larger than one slot included, in chunks), counted once by
 meshboost's counter and once by the dispatcher witness, with nothing written to a socket; inf and nan
-propagate; tensors of different sizes on different ranks are refused on every rank and the group goes on;
+propagate; tensors of different sizes on different ranks are refused on every rank and the group goes on; a
+segment one rank cannot make leaves the group on gloo on every rank;
 a stalled peer raises CollectiveTimeout after the group's timeout; `launch(cpu_shared_memory=False)` (here
 `shm.configure(False)`) puts the traffic back on gloo's sockets. On 3 processes, every rank gets bitwise the
 same sum, the rank-order sum (r0 + r1) + r2."""
@@ -87,6 +88,17 @@ def _two_ranks(rank, world):
         assert wire_bytes() - before >= 4096 * 4, "with shared memory off the payload must cross the sockets"
     finally:
         shm.configure(True)
+
+    # a segment that cannot be made (here: rank 0's directory is not one; in Docker, a full /dev/shm): the
+    # ranks agree to keep gloo for that group, and its all-reduces stay right
+    fallback = dist.new_group([0, 1])
+    shm_dir = shm._SHM_DIR
+    shm._SHM_DIR = "/dev/null" if rank == 0 else shm_dir
+    try:
+        assert comm.all_reduce(torch.ones(3), fallback).tolist() == [2.0, 2.0, 2.0]
+    finally:
+        shm._SHM_DIR = shm_dir
+    assert shm._segments.get(fallback, "unset") is None, "a group whose segment failed must keep gloo"
 
     # a stalled peer: the waiting rank raises CollectiveTimeout after the group's own timeout
     seconds = 2

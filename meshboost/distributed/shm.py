@@ -96,7 +96,9 @@ class _Segment:
         total = header + 2 * size * SLOT_BYTES
         if create:
             with open(path, "wb") as f:
-                f.truncate(total)
+                # reserve every page now: a segment larger than what /dev/shm has left (Docker gives 64 MB
+                # by default) fails here, and the group keeps gloo, instead of a SIGBUS mid-collective
+                os.posix_fallocate(f.fileno(), 0, total)
         self.raw = np.memmap(path, dtype=np.uint8, mode="r+", shape=(total,))
         self.lines = self.raw[:header].view(np.int64).reshape(size, _LINE // 8)     # [flag, bytes0, bytes1]
         self.data = self.raw[header:].reshape(2, size, SLOT_BYTES)
