@@ -2,7 +2,8 @@
 CPU tensors between ranks of one machine: on 2 processes, bitwise the result of gloo's all-reduce for every
 reduction, dtype and size it takes (tensors larger than one slot included, in chunks), counted once by
 meshboost's counter and once by the dispatcher witness, with nothing written to a socket; inf and nan
-propagate; tensors of different sizes on different ranks are refused on every rank and the group goes on; a
+propagate; tensors of different sizes, dtypes or reductions on different ranks are refused on every rank and
+the group goes on; a
 segment one rank cannot make leaves the group on gloo on every rank;
 a stalled peer raises CollectiveTimeout after the group's timeout; `launch(cpu_shared_memory=False)` (here
 `shm.configure(False)`) puts the traffic back on gloo's sockets. On 3 processes, every rank gets bitwise the
@@ -76,8 +77,16 @@ def _two_ranks(rank, world):
     assert torch.equal(comm.all_reduce(b, world_group), torch.full((5,), 4.0, dtype=torch.bfloat16))
 
     # different sizes on different ranks: refused on every rank, and the group goes on
-    with pytest.raises(ValueError, match=r"ranks passed tensors of different sizes \(\[40, 48\] bytes"):
+    with pytest.raises(ValueError, match=r"ranks passed different tensors or reductions .*\[\(40, 40, 0\), \(48, 48, 0\)\]"):
         comm.all_reduce(torch.ones(10 + 2 * rank), world_group)
+    # one chunk alike, the rest not: refused in the first chunk, not matched with the next call
+    with pytest.raises(ValueError, match="ranks passed different tensors or reductions"):
+        comm.all_reduce(torch.ones(shm.SLOT_BYTES // 4 + rank), world_group)
+    # the same bytes as another dtype or op
+    with pytest.raises(ValueError, match="ranks passed different tensors or reductions"):
+        comm.all_reduce(torch.ones(4, dtype=torch.float32 if rank else torch.int32), world_group)
+    with pytest.raises(ValueError, match="ranks passed different tensors or reductions"):
+        comm.all_reduce(torch.ones(4), world_group, dist.ReduceOp.SUM if rank else dist.ReduceOp.MAX)
     assert comm.all_reduce(torch.ones(3), world_group).tolist() == [2.0, 2.0, 2.0]
 
     # switched off: gloo's sockets carry it

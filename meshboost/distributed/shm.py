@@ -11,10 +11,11 @@ collective before choosing the transport, and the witness (`profiling.dispatched
 hears this transport as it hears torch's dispatcher.
 
 The exchange, for round k of a group (every rank counts the same rounds):
-  1. copy my chunk into my slot of buffer k % 2, write its byte count beside my flag, set my flag to k;
+  1. copy my chunk into my slot of buffer k % 2, write its size, the whole tensor's size and a code for
+     its dtype and reduction beside my flag, set my flag to k;
   2. wait until every flag is >= k (a peer may already be at k + 1: it writes the other buffer);
-  3. check every byte count equals mine (a mismatch is a user error, refused on every rank), then
-     reduce the slots in rank order into my tensor.
+  3. check every rank wrote what I wrote (a mismatch is a user error, refused on every rank in the same
+     round, never summed), then reduce the slots in rank order into my tensor.
 Two buffers suffice: a peer can write buffer k % 2 again only in round k + 2, which needs my flag
 k + 1, which I set after I have read round k. The flag is written after the data by a separate
 store, and x86-64 keeps stores (and loads) in order, so a flag seen means its data is there; other
@@ -39,7 +40,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
 SLOT_BYTES = 4 * 2 ** 20      # per rank and buffer; larger tensors go through in chunks of this size
-_LINE = 64                    # bytes: each rank's flag and byte counts on their own cache line
+_LINE = 64                    # bytes: each rank's flag and, per buffer, its round's sizes and kind, on one cache line
 _SHM_DIR = "/dev/shm"
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
                  torch.int64: np.int64, torch.int32: np.int32}
@@ -100,30 +101,34 @@ class _Segment:
                 # by default) fails here, and the group keeps gloo, instead of a SIGBUS mid-collective
                 os.posix_fallocate(f.fileno(), 0, total)
         self.raw = np.memmap(path, dtype=np.uint8, mode="r+", shape=(total,))
-        self.lines = self.raw[:header].view(np.int64).reshape(size, _LINE // 8)     # [flag, bytes0, bytes1]
+        # per rank: [flag, then for each buffer: chunk bytes, tensor bytes, dtype-and-op code]
+        self.lines = self.raw[:header].view(np.int64).reshape(size, _LINE // 8)
         self.data = self.raw[header:].reshape(2, size, SLOT_BYTES)
         self.lock = threading.Lock()
 
-    def all_reduce(self, flat: np.ndarray, ufunc) -> None:
-        """In-place all-reduce of the 1-D array `flat`, in chunks of at most SLOT_BYTES."""
+    def all_reduce(self, flat: np.ndarray, ufunc, kind: int) -> None:
+        """In-place all-reduce of the 1-D array `flat`, in chunks of at most SLOT_BYTES; `kind` names
+        its dtype and reduction (the ranks must agree on it as on the sizes)."""
         step = SLOT_BYTES // flat.itemsize
         # inf and nan are results here as in torch (an fp16 overflow is how the loss scaler learns of it)
         with self.lock, np.errstate(all="ignore"):
             for start in range(0, max(flat.size, 1), step):
-                self._round(flat[start:start + step], ufunc)
+                self._round(flat[start:start + step], ufunc, (flat.nbytes, kind))
 
-    def _round(self, chunk: np.ndarray, ufunc) -> None:
+    def _round(self, chunk: np.ndarray, ufunc, whole: tuple[int, int]) -> None:
         self.round += 1
-        k, buf, nbytes = self.round, self.round % 2, chunk.nbytes
-        slots = self.data[buf, :, :nbytes].view(chunk.dtype)
+        k, buf = self.round, self.round % 2
+        slots = self.data[buf, :, :chunk.nbytes].view(chunk.dtype)
         np.copyto(slots[self.me], chunk)
-        self.lines[self.me, 1 + buf] = nbytes
+        mine = (chunk.nbytes, *whole)
+        self.lines[self.me, 1 + 3 * buf:4 + 3 * buf] = mine
         self.lines[self.me, 0] = k                          # publish: after the data (in-order stores)
         self._wait(k)
-        counts = self.lines[:, 1 + buf].tolist()
-        if any(c != nbytes for c in counts):
-            raise ValueError(f"all_reduce: ranks passed tensors of different sizes ({counts} bytes by group rank); "
-                             "every rank must all-reduce a tensor of the same shape and dtype")
+        theirs = [tuple(row) for row in self.lines[:, 1 + 3 * buf:4 + 3 * buf].tolist()]
+        if any(t != mine for t in theirs):
+            raise ValueError(f"all_reduce: the ranks passed different tensors or reductions (bytes in this chunk, "
+                             f"bytes in all, dtype and op code, by group rank: {theirs}); every rank must all-reduce "
+                             "a tensor of the same shape and dtype with the same op")
         ufunc(slots[0], slots[1], out=chunk)        # my own input is safe in my slot
         for r in range(2, self.size):
             ufunc(chunk, slots[r], out=chunk)
@@ -207,5 +212,6 @@ def all_reduce(tensor: torch.Tensor, group, op) -> bool:
         return False
     from meshboost.distributed.profiling import witness_transport
     witness_transport("all_reduce", group, tensor.numel() * tensor.element_size())
-    segment.all_reduce(tensor.detach().view(-1).numpy(), _OPS[op])
+    kind = 16 * list(_NUMPY_DTYPES).index(tensor.dtype) + list(_OPS).index(op)
+    segment.all_reduce(tensor.detach().view(-1).numpy(), _OPS[op], kind)
     return True
