@@ -1,13 +1,14 @@
-"""The same-host shared-memory all-reduce (`meshboost.distributed.shm`), which `comm.all_reduce` takes for
-CPU tensors between ranks of one machine: on 2 processes, bitwise the result of gloo's all-reduce for every
-reduction, dtype and size it takes (tensors larger than one slot included, in chunks), counted once by
+"""The same-host shared-memory collectives (`meshboost.distributed.shm`), which `comm.py`'s all-reduce, all-gather
+and reduce-scatter take for CPU tensors between ranks of one machine: on 2 processes, bitwise the result of
+gloo's for every reduction, dtype and size they take (tensors larger than one slot included, in chunks; the
+all-gather of any dtype, along a middle dim and in place as ZeRO gathers its buckets), counted once by
 meshboost's counter and once by the dispatcher witness, with nothing written to a socket; inf and nan
 propagate; tensors of different sizes, dtypes or reductions on different ranks are refused on every rank and
 the group goes on; a
 segment one rank cannot make leaves the group on gloo on every rank;
 a stalled peer raises CollectiveTimeout after the group's timeout; `launch(cpu_shared_memory=False)` (here
 `shm.configure(False)`) puts the traffic back on gloo's sockets. On 3 processes, every rank gets bitwise the
-same sum, the rank-order sum (r0 + r1) + r2."""
+same sum, the rank-order sum (r0 + r1) + r2, and the reduce-scatter and all-gather agree with it."""
 
 from __future__ import annotations
 
@@ -50,14 +51,44 @@ def _two_ranks(rank, world):
                 assert comm.all_reduce(x, world_group, op) is x
                 assert torch.equal(x, expected), f"{numel} {dtype} {op}: {(x.double() - expected.double()).abs().max()}"
 
+    # all-gather (any dtype: bytes) and sum-reduce-scatter, along a middle dim and flat in place, bitwise gloo's
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool):
+        x = _inputs(rank, 3 * 4 * 5, torch.float32).view(3, 4, 5).to(dtype)
+        expected = torch.cat([_inputs(r, 3 * 4 * 5, torch.float32).view(3, 4, 5).to(dtype) for r in range(world)], 1)
+        assert torch.equal(comm.all_gather(x, world_group, dim=1), expected), dtype
+    for numel in (0, 6, big):
+        flat = torch.zeros(world * numel)
+        mine = flat[rank * numel:(rank + 1) * numel]
+        mine.copy_(_inputs(rank, numel, torch.float32))
+        comm.all_gather_into(flat, mine, world_group)
+        assert torch.equal(flat, torch.cat([_inputs(r, numel, torch.float32) for r in range(world)])), numel
+    for dtype, numel, dim in ((torch.float32, 4 * 6, 1), (torch.float16, 4 * 6, 0), (torch.float64, 2 * big, 0)):
+        x = _inputs(rank, numel, dtype).view(4, -1) if numel < big else _inputs(rank, numel, dtype)
+        dim = dim if x.dim() > 1 else 0
+        moved = x.movedim(dim, 0).contiguous()
+        expected = torch.empty((moved.shape[0] // world, *moved.shape[1:]), dtype=dtype)
+        dist.reduce_scatter_tensor(expected, moved)                     # gloo's sockets
+        got = comm.reduce_scatter(x, world_group, dim=dim)
+        assert torch.equal(got, expected.movedim(0, dim)), (dtype, numel, dim)
+        assert torch.equal(comm.reduce_scatter_async(x, world_group, dim=dim).wait(), got)
+    # a rank calling another collective: refused on both
+    with pytest.raises(ValueError, match="ranks passed different tensors or collectives"):
+        if rank:
+            comm.all_reduce(torch.ones(2), world_group)
+        else:
+            comm.all_gather(torch.ones(1), world_group, dim=0)
+
     # counted once by meshboost and once by the witness; nothing on the sockets
     x = _inputs(rank, 4096, torch.float32)
     before = wire_bytes()
     with comm_counter() as counted, dispatched_comm_counter() as witness:
         comm.all_reduce(x, world_group)
+        comm.all_gather(x, world_group)
+        comm.reduce_scatter(x, world_group)
     moved = wire_bytes() - before
     assert counted.summary() == witness.summary(), (counted.summary(), witness.summary())
-    assert counted.summary()["world"]["calls"] == 1 and counted.summary()["world"]["payload_bytes"] == 4096 * 4
+    assert counted.summary()["world"]["by_op"] == {"all_reduce": 1, "all_gather": 1, "reduce_scatter": 1}
+    assert counted.summary()["world"]["payload_bytes"] == 4096 * 4 * (1 + world + 1)
     assert moved < 4096, f"{moved} bytes written to sockets by a shared-memory all-reduce"
 
     # asynchronous form: done on return, the same sum
@@ -77,15 +108,15 @@ def _two_ranks(rank, world):
     assert torch.equal(comm.all_reduce(b, world_group), torch.full((5,), 4.0, dtype=torch.bfloat16))
 
     # different sizes on different ranks: refused on every rank, and the group goes on
-    with pytest.raises(ValueError, match=r"ranks passed different tensors or reductions .*\[\(40, 40, 0\), \(48, 48, 0\)\]"):
+    with pytest.raises(ValueError, match=r"ranks passed different tensors or collectives .*\[\(40, 40, 10000\), \(48, 48, 10000\)\]"):
         comm.all_reduce(torch.ones(10 + 2 * rank), world_group)
     # one chunk alike, the rest not: refused in the first chunk, not matched with the next call
-    with pytest.raises(ValueError, match="ranks passed different tensors or reductions"):
+    with pytest.raises(ValueError, match="ranks passed different tensors or collectives"):
         comm.all_reduce(torch.ones(shm.SLOT_BYTES // 4 + rank), world_group)
     # the same bytes as another dtype or op
-    with pytest.raises(ValueError, match="ranks passed different tensors or reductions"):
+    with pytest.raises(ValueError, match="ranks passed different tensors or collectives"):
         comm.all_reduce(torch.ones(4, dtype=torch.float32 if rank else torch.int32), world_group)
-    with pytest.raises(ValueError, match="ranks passed different tensors or reductions"):
+    with pytest.raises(ValueError, match="ranks passed different tensors or collectives"):
         comm.all_reduce(torch.ones(4), world_group, dist.ReduceOp.SUM if rank else dist.ReduceOp.MAX)
     assert comm.all_reduce(torch.ones(3), world_group).tolist() == [2.0, 2.0, 2.0]
 
@@ -134,6 +165,11 @@ def _three_ranks(rank, world):
     results = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(results, x)
     assert all(torch.equal(r, results[0]) for r in results), "ranks got different sums"
+    # reduce-scatter: my part of the rank-order sum; all-gather: every rank's part in rank order
+    part = comm.reduce_scatter(inputs[rank][:999], dist.group.WORLD, dim=0)
+    mine = slice(rank * 333, (rank + 1) * 333)
+    assert torch.equal(part, (inputs[0][:999][mine] + inputs[1][:999][mine]) + inputs[2][:999][mine])
+    assert torch.equal(comm.all_gather(inputs[rank], dist.group.WORLD, dim=0), torch.cat(inputs))
 
 
 def test_shared_memory_all_reduce_is_gloos_on_two_ranks():

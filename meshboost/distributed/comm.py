@@ -60,8 +60,9 @@ def run_collective(op: str, group, call):
 
 # -- raw collectives (not differentiable) -----------------------------------------------------
 def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """In-place all-reduce of `tensor` over `group`; returns it. A CPU tensor over ranks of one host
-    goes through shared memory (shm.py), bitwise the same result as the backend's."""
+    """In-place all-reduce of `tensor` over `group`; returns it. CPU tensors between ranks of one host
+    go through shared memory (shm.py; the all-gathers and reduce-scatters too), bitwise the backend's
+    result at two ranks."""
     if dist.get_world_size(group) > 1:
         record_collective("all_reduce", group, tensor)
         run_collective("all_reduce", group, lambda: _all_reduce(tensor, group, op))
@@ -85,7 +86,7 @@ def all_gather(tensor: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     moved = tensor.movedim(dim, 0).contiguous()
     out = torch.empty((size * moved.shape[0], *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
     record_collective("all_gather", group, out)
-    run_collective("all_gather", group, lambda: _all_gather_single(out, moved, group=group))
+    run_collective("all_gather", group, lambda: _all_gather(out, moved, group))
     return out.movedim(0, dim).contiguous()
 
 
@@ -98,8 +99,22 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group) -> torch.Tens
             out.copy_(shard)
         return out
     record_collective("all_gather", group, out)
-    run_collective("all_gather", group, lambda: _all_gather_single(out, shard, group=group))
+    run_collective("all_gather", group, lambda: _all_gather(out, shard, group))
     return out
+
+
+def _all_gather(out: torch.Tensor, shard: torch.Tensor, group) -> None:
+    """The transport's all-gather: shared memory where it applies (shm.py), else the backend's."""
+    if not (shm.gather_usable(out, shard, dist.get_world_size(group)) and shm.all_gather(out, shard, group)):
+        _all_gather_single(out, shard, group=group)
+
+
+def _reduce_scatter(out: torch.Tensor, moved: torch.Tensor, group, async_op: bool = False):
+    """The transport's sum-reduce-scatter: shared memory where it applies (done on return: no work
+    handle), else the backend's (its work handle when `async_op`)."""
+    if shm.scatter_usable(out, moved, dist.get_world_size(group)) and shm.reduce_scatter(out, moved, group):
+        return None
+    return _reduce_scatter_single(out, moved, group=group, async_op=async_op)
 
 
 def _scatter_buffers(tensor: torch.Tensor, size: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,7 +134,7 @@ def reduce_scatter(tensor: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     dim = dim % tensor.dim()
     moved, out = _scatter_buffers(tensor, size, dim)
     record_collective("reduce_scatter", group, moved)
-    run_collective("reduce_scatter", group, lambda: _reduce_scatter_single(out, moved, group=group))
+    run_collective("reduce_scatter", group, lambda: _reduce_scatter(out, moved, group))
     return out.movedim(0, dim).contiguous()
 
 
@@ -157,8 +172,7 @@ def reduce_scatter_async(tensor: torch.Tensor, group, dim: int = -1) -> Pending:
     dim = dim % tensor.dim()
     moved, out = _scatter_buffers(tensor, size, dim)
     record_collective("reduce_scatter", group, moved)
-    work = run_collective("reduce_scatter", group,
-                          lambda: _reduce_scatter_single(out, moved, group=group, async_op=True))
+    work = run_collective("reduce_scatter", group, lambda: _reduce_scatter(out, moved, group, async_op=True))
     return Pending("reduce_scatter", group, work, lambda: out.movedim(0, dim).contiguous())
 
 

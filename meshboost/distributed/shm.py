@@ -47,6 +47,7 @@ _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.flo
 _OPS = {dist.ReduceOp.SUM: np.add, dist.ReduceOp.MAX: np.maximum, dist.ReduceOp.MIN: np.minimum,
         dist.ReduceOp.PRODUCT: np.multiply}
 _TSO_MACHINES = ("x86_64", "amd64", "i686", "i386")     # stores and loads stay in program order
+KIND_REDUCE, KIND_GATHER, KIND_SCATTER = 10_000, 20_000, 30_000     # in a round's header: which collective
 
 _enabled = True
 # group -> its _Segment, or None when the group keeps gloo; dropped with the group
@@ -108,30 +109,61 @@ class _Segment:
 
     def all_reduce(self, flat: np.ndarray, ufunc, kind: int) -> None:
         """In-place all-reduce of the 1-D array `flat`, in chunks of at most SLOT_BYTES; `kind` names
-        its dtype and reduction (the ranks must agree on it as on the sizes)."""
+        the collective, dtype and reduction (the ranks must agree on it as on the sizes)."""
         step = SLOT_BYTES // flat.itemsize
-        # inf and nan are results here as in torch (an fp16 overflow is how the loss scaler learns of it)
-        with self.lock, np.errstate(all="ignore"):
-            for start in range(0, max(flat.size, 1), step):
-                self._round(flat[start:start + step], ufunc, (flat.nbytes, kind))
+        for start in range(0, max(flat.size, 1), step):
+            chunk = flat[start:start + step]
+            slots = self._exchange(chunk.nbytes, (flat.nbytes, kind),
+                                   lambda mine: np.copyto(mine.view(chunk.dtype), chunk)).view(chunk.dtype)
+            ufunc(slots[0], slots[1], out=chunk)        # my own input is safe in my slot
+            for r in range(2, self.size):
+                ufunc(chunk, slots[r], out=chunk)
 
-    def _round(self, chunk: np.ndarray, ufunc, whole: tuple[int, int]) -> None:
+    def all_gather(self, out: np.ndarray, shard: np.ndarray) -> None:
+        """Every rank's 1-D byte array `shard` into the byte array `out` of `size` times its length, in
+        rank order (`shard` may be this rank's part of `out`)."""
+        width = shard.nbytes
+        rows = out.reshape(self.size, width)
+        for start in range(0, max(width, 1), SLOT_BYTES):
+            piece = shard[start:start + SLOT_BYTES]
+            slots = self._exchange(piece.nbytes, (width, KIND_GATHER), lambda mine: np.copyto(mine, piece))
+            np.copyto(rows[:, start:start + piece.nbytes], slots)
+
+    def reduce_scatter(self, out: np.ndarray, flat: np.ndarray, ufunc, kind: int) -> None:
+        """This rank's part of the rank-order reduction of every rank's 1-D `flat` (`size` parts of
+        `out`'s length) into `out`: each round carries a column of every part."""
+        width = out.size
+        parts = flat.reshape(self.size, width)
+        step = max(SLOT_BYTES // (self.size * flat.itemsize), 1)
+        for start in range(0, max(width, 1), step):
+            cols = parts[:, start:start + step]
+            n = cols.shape[1]
+            slots = self._exchange(cols.nbytes, (flat.nbytes, kind),
+                                   lambda mine: np.copyto(mine.view(flat.dtype).reshape(self.size, n), cols))
+            mine = [slots[r].view(flat.dtype).reshape(self.size, n)[self.me] for r in range(self.size)]
+            target = out[start:start + n]
+            ufunc(mine[0], mine[1], out=target)
+            for r in range(2, self.size):
+                ufunc(target, mine[r], out=target)
+
+    def _exchange(self, nbytes: int, whole: tuple[int, int], fill) -> np.ndarray:
+        """One round: `fill` my slot's first `nbytes` bytes, publish, wait for every rank, check they all
+        wrote what I wrote (`nbytes` and `whole`: the whole tensor's bytes and the kind); returns the
+        round's slots, [size, nbytes] bytes, readable until my next round."""
         self.round += 1
         k, buf = self.round, self.round % 2
-        slots = self.data[buf, :, :chunk.nbytes].view(chunk.dtype)
-        np.copyto(slots[self.me], chunk)
-        mine = (chunk.nbytes, *whole)
+        slots = self.data[buf, :, :nbytes]
+        fill(slots[self.me])
+        mine = (nbytes, *whole)
         self.lines[self.me, 1 + 3 * buf:4 + 3 * buf] = mine
         self.lines[self.me, 0] = k                          # publish: after the data (in-order stores)
         self._wait(k)
         theirs = [tuple(row) for row in self.lines[:, 1 + 3 * buf:4 + 3 * buf].tolist()]
         if any(t != mine for t in theirs):
-            raise ValueError(f"all_reduce: the ranks passed different tensors or reductions (bytes in this chunk, "
-                             f"bytes in all, dtype and op code, by group rank: {theirs}); every rank must all-reduce "
-                             "a tensor of the same shape and dtype with the same op")
-        ufunc(slots[0], slots[1], out=chunk)        # my own input is safe in my slot
-        for r in range(2, self.size):
-            ufunc(chunk, slots[r], out=chunk)
+            raise ValueError(f"shared-memory collective: the ranks passed different tensors or collectives (bytes in "
+                             f"this round, bytes in all, collective/dtype/op code, by group rank: {theirs}); every "
+                             "rank must call the same collective on a tensor of the same shape and dtype")
+        return slots
 
     def _wait(self, k: int) -> None:
         flags = self.lines[:, 0]
@@ -204,14 +236,52 @@ def _set_up(group) -> _Segment | None:
     return None if any(e is not None for e in errors) else segment
 
 
-def all_reduce(tensor: torch.Tensor, group, op) -> bool:
-    """All-reduce `tensor` in place over `group` through shared memory when the group can; False
-    (nothing done) when it keeps gloo. Call only where `usable(tensor, op)`."""
+def _run(group, op_name: str, nbytes: int, work) -> bool:
     segment = _segment(group)
     if segment is None:
         return False
     from meshboost.distributed.profiling import witness_transport
-    witness_transport("all_reduce", group, tensor.numel() * tensor.element_size())
-    kind = 16 * list(_NUMPY_DTYPES).index(tensor.dtype) + list(_OPS).index(op)
-    segment.all_reduce(tensor.detach().view(-1).numpy(), _OPS[op], kind)
+    witness_transport(op_name, group, nbytes)
+    # inf and nan are results here as in torch (an fp16 overflow is how the loss scaler learns of it)
+    with segment.lock, np.errstate(all="ignore"):
+        work(segment)
     return True
+
+
+def _kind(collective: int, dtype: torch.dtype, op=dist.ReduceOp.SUM) -> int:
+    return collective + 100 * list(_NUMPY_DTYPES).index(dtype) + list(_OPS).index(op)
+
+
+def all_reduce(tensor: torch.Tensor, group, op) -> bool:
+    """All-reduce `tensor` in place over `group` through shared memory when the group can; False
+    (nothing done) when it keeps gloo. Call only where `usable(tensor, op)`."""
+    flat = tensor.detach().view(-1).numpy()
+    return _run(group, "all_reduce", flat.nbytes,
+                lambda seg: seg.all_reduce(flat, _OPS[op], _kind(KIND_REDUCE, tensor.dtype, op)))
+
+
+def gather_usable(out: torch.Tensor, shard: torch.Tensor, size: int) -> bool:
+    """Whether an all-gather of `shard` into `out` can take this transport (any dtype: bytes are copied)."""
+    return (_enabled and out.device.type == "cpu" and shard.device.type == "cpu" and out.dtype == shard.dtype
+            and out.is_contiguous() and shard.is_contiguous() and out.numel() == size * shard.numel()
+            and not torch.compiler.is_compiling())
+
+
+def all_gather(out: torch.Tensor, shard: torch.Tensor, group) -> bool:
+    """Every rank's `shard` into `out` (rank order, flat), as `all_reduce`. Call only where `gather_usable`."""
+    out_bytes, shard_bytes = (t.detach().reshape(-1).view(torch.uint8).numpy() for t in (out, shard))
+    return _run(group, "all_gather", out_bytes.nbytes, lambda seg: seg.all_gather(out_bytes, shard_bytes))
+
+
+def scatter_usable(out: torch.Tensor, tensor: torch.Tensor, size: int) -> bool:
+    """Whether a sum-reduce-scatter of `tensor` into `out` can take this transport."""
+    return (usable(tensor, dist.ReduceOp.SUM) and out.device.type == "cpu" and out.dtype == tensor.dtype
+            and out.is_contiguous() and tensor.numel() == size * out.numel())
+
+
+def reduce_scatter(out: torch.Tensor, tensor: torch.Tensor, group) -> bool:
+    """This rank's part of the sum over ranks of `tensor` (flat, `size` parts) into `out`, as
+    `all_reduce`. Call only where `scatter_usable`."""
+    out_flat, flat = out.detach().view(-1).numpy(), tensor.detach().reshape(-1).numpy()
+    return _run(group, "reduce_scatter", flat.nbytes,
+                lambda seg: seg.reduce_scatter(out_flat, flat, np.add, _kind(KIND_SCATTER, tensor.dtype)))
