@@ -1,27 +1,30 @@
-"""A shared-memory all-reduce for CPU process groups whose ranks share one host.
+"""Shared-memory collectives for CPU process groups whose ranks share one host: all-reduce, all-gather
+and sum-reduce-scatter.
 
-Owns: deciding, once per group, whether its CPU all-reduces can go through shared memory instead of
+Owns: deciding, once per group, whether its CPU collectives can go through shared memory instead of
 gloo's loopback sockets, the segment that group maps, and the exchange itself. On this repository's
 2-core test machine a 1 MB gloo all-reduce between two processes takes 2.0-3.4 ms of wall time and
 1.1-1.9 ms of CPU (threads waking threads, socket copies), and a tensor-parallel step makes 20 of
 them; through shared memory it is two memory copies and a flag. Must not change a number: every rank
-sums the same slots in the same (rank) order, so all ranks get bitwise the same result, and at two
-ranks the result is gloo's (a + b == b + a). Must not change what is counted: `comm.py` records the
-collective before choosing the transport, and the witness (`profiling.dispatched_comm_counter`)
-hears this transport as it hears torch's dispatcher.
+reduces the same slots in the same (rank) order, so all ranks get bitwise the same result, and at two
+ranks the result is gloo's (a + b == b + a); a gather copies bytes. Must not change what is counted:
+`comm.py` records the collective before choosing the transport, and the witness
+(`profiling.dispatched_comm_counter`) hears this transport as it hears torch's dispatcher.
 
 The exchange, for round k of a group (every rank counts the same rounds):
-  1. copy my chunk into my slot of buffer k % 2, write its size, the whole tensor's size and a code for
-     its dtype and reduction beside my flag, set my flag to k;
+  1. fill my slot of buffer k % 2 (a chunk of my tensor; for a reduce-scatter a column of every rank's
+     part), write its size, the whole tensor's size and a code for the collective, dtype and reduction
+     beside my flag, set my flag to k;
   2. wait until every flag is >= k (a peer may already be at k + 1: it writes the other buffer);
   3. check every rank wrote what I wrote (a mismatch is a user error, refused on every rank in the same
-     round, never summed), then reduce the slots in rank order into my tensor.
+     round, never summed), then reduce the slots in rank order into my tensor (or copy them, gathering).
 Two buffers suffice: a peer can write buffer k % 2 again only in round k + 2, which needs my flag
 k + 1, which I set after I have read round k. The flag is written after the data by a separate
 store, and x86-64 keeps stores (and loads) in order, so a flag seen means its data is there; other
-architectures (weaker ordering) keep gloo. Not under torch.compile (dynamo traces the collective
-itself), not for dtypes numpy cannot add (bfloat16) nor for reductions other than sum, max, min and
-product: those keep gloo too.
+architectures (weaker ordering) keep gloo. The collectives are done when they return (no work runs
+behind the caller: on two cores there is no idle one to run it). Not under torch.compile (dynamo traces
+the collective itself), not for reductions of dtypes numpy cannot add (bfloat16) nor other than sum,
+max, min and product: those keep gloo too.
 """
 
 from __future__ import annotations
