@@ -180,6 +180,21 @@ def test_shared_memory_all_reduce_agrees_on_three_ranks():
     spawn(_three_ranks, 3)
 
 
+def test_other_backends_keep_their_collectives():
+    """A group on another backend (here torch's fake one, whose collectives do nothing) never takes shared
+    memory: its collectives stay the backend's, with no set-up exchange that could wait for absent peers."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        x = torch.ones(3)
+        comm.all_reduce(x, None)
+        assert comm.all_gather(x, None, dim=0).shape == (6,)
+        assert shm._segments.get(dist.group.WORLD, "unset") is None
+    finally:
+        dist.destroy_process_group()
+
+
 def test_switch_values_are_checked(monkeypatch):
     monkeypatch.delenv("MESHBOOST_CPU_SHM", raising=False)
     assert resolve_cpu_shared_memory(None) is True and resolve_cpu_shared_memory(False) is False

@@ -213,6 +213,8 @@ def _segment(group) -> _Segment | None:
 
 
 def _set_up(group) -> _Segment | None:
+    if "gloo" not in str(dist.get_backend(group)):     # MPI, torch's fake group, a backend of the user's: theirs
+        return None
     size, me = dist.get_world_size(group), dist.get_rank(group)
     facts = [None] * size
     dist.all_gather_object(facts, (_host_facts(), os.getpid(), f"meshboost-{uuid.uuid4().hex}"), group=group)
