@@ -1,14 +1,14 @@
-"""The same-host shared-memory collectives (`meshboost.distributed.shm`), which `comm.py`'s all-reduce, all-gather
-and reduce-scatter take for CPU tensors between ranks of one machine: on 2 processes, bitwise the result of
-gloo's for every reduction, dtype and size they take (tensors larger than one slot included, in chunks; the
-all-gather of any dtype, along a middle dim and in place as ZeRO gathers its buckets), counted once by
-meshboost's counter and once by the dispatcher witness, with nothing written to a socket; inf and nan
-propagate; tensors of different sizes, dtypes or reductions on different ranks are refused on every rank and
-the group goes on; a
-segment one rank cannot make leaves the group on gloo on every rank;
-a stalled peer raises CollectiveTimeout after the group's timeout; `launch(cpu_shared_memory=False)` (here
-`shm.configure(False)`) puts the traffic back on gloo's sockets. On 3 processes, every rank gets bitwise the
-same sum, the rank-order sum (r0 + r1) + r2, and the reduce-scatter and all-gather agree with it."""
+"""The same-host shared-memory collectives (`meshboost.distributed.shm`), which `comm.py`'s all-reduce,
+all-gather and reduce-scatter take for CPU tensors between ranks of one machine. On 2 processes: bitwise
+gloo's result for every reduction, dtype and size they take (tensors larger than one slot included, in
+chunks; the all-gather of any dtype, along a middle dim and in place as ZeRO gathers its buckets); counted
+once by meshboost's counter and once by the dispatcher witness, with nothing written to a socket; inf and
+nan propagate; tensors of different sizes, dtypes, reductions or collectives on different ranks are refused
+on every rank and the group goes on; a segment one rank cannot make leaves the group on gloo on every rank;
+a stalled peer raises CollectiveTimeout after the group's timeout, and one whose process exited is reported
+at once; `launch(cpu_shared_memory=False)` (here `shm.configure(False)`) puts the traffic back on gloo's
+sockets. On 3 processes: every rank gets bitwise the same sum, the rank-order sum (r0 + r1) + r2, and the
+reduce-scatter and all-gather agree with it. Another backend (torch's fake group) keeps its collectives."""
 
 from __future__ import annotations
 
@@ -108,7 +108,8 @@ def _two_ranks(rank, world):
     assert torch.equal(comm.all_reduce(b, world_group), torch.full((5,), 4.0, dtype=torch.bfloat16))
 
     # different sizes on different ranks: refused on every rank, and the group goes on
-    with pytest.raises(ValueError, match=r"ranks passed different tensors or collectives .*\[\(40, 40, 10000\), \(48, 48, 10000\)\]"):
+    sizes = r"\[\(40, 40, 10000\), \(48, 48, 10000\)\]"          # (chunk bytes, tensor bytes, kind) by rank
+    with pytest.raises(ValueError, match=rf"ranks passed different tensors or collectives .*{sizes}"):
         comm.all_reduce(torch.ones(10 + 2 * rank), world_group)
     # one chunk alike, the rest not: refused in the first chunk, not matched with the next call
     with pytest.raises(ValueError, match="ranks passed different tensors or collectives"):
@@ -149,10 +150,21 @@ def _two_ranks(rank, world):
         time.sleep(seconds + 3)
     else:
         start = time.perf_counter()
-        with pytest.raises(CollectiveTimeout, match=r"all_reduce over ranks \[0, 1\] did not complete.*group ranks \[1\]"):
+        waited = r"all_reduce over ranks \[0, 1\] did not complete.*group ranks \[1\]"
+        with pytest.raises(CollectiveTimeout, match=waited):
             comm.all_reduce(torch.ones(1), short)
         assert seconds <= time.perf_counter() - start < seconds + 2.5
     dist.barrier()
+
+    # a peer whose process has exited: reported at once, not after the group's timeout
+    patient = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=60))
+    comm.all_reduce(torch.ones(1), patient)
+    if rank == 1:
+        return                                                  # this process leaves
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"group rank 1 \(pid \d+\) exited"):
+        comm.all_reduce(torch.ones(1), patient)
+    assert time.perf_counter() - start < 30
 
 
 def _three_ranks(rank, world):

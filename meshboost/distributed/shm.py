@@ -83,6 +83,13 @@ def _host_facts() -> tuple:
             os.access(_SHM_DIR, os.W_OK))
 
 
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
 def decide(facts: list[tuple]) -> bool:
     """One decision for a group from every rank's `_host_facts()`: shared memory only when every rank
     is on the same booted machine, with in-order stores and a shared-memory directory."""
@@ -94,9 +101,9 @@ class _Segment:
     """One group's mapped segment: a cache line per rank (flag, byte counts of the two buffers) and
     two buffers of `size` slots of SLOT_BYTES."""
 
-    def __init__(self, path: str, size: int, me: int, create: bool, peers: list[int], timeout_s: float | None):
+    def __init__(self, path: str, size: int, me: int, create: bool, peers: list[int | None], timeout_s: float | None):
         self.size, self.me, self.round = size, me, 0
-        self.peers, self.timeout_s = peers, timeout_s        # each group rank's pid; the group's timeout
+        self.peers, self.timeout_s = peers, timeout_s        # each rank's pid (None: not visible here); the timeout
         header = _LINE * size
         total = header + 2 * size * SLOT_BYTES
         if create:
@@ -184,15 +191,15 @@ class _Segment:
 
     def _check_peers(self, k: int, start: float) -> None:
         late = [r for r in range(self.size) if self.lines[r, 0] < k]
-        for r in late:
+        for r in (r for r in late if self.peers[r] is not None):
             try:
                 os.kill(self.peers[r], 0)
             except ProcessLookupError:
-                raise RuntimeError(f"shared-memory all_reduce: group rank {r} (pid {self.peers[r]}) exited") from None
+                raise RuntimeError(f"shared-memory collective: group rank {r} (pid {self.peers[r]}) exited") from None
             except PermissionError:
                 pass
         if self.timeout_s is not None and time.monotonic() - start > self.timeout_s:
-            raise RuntimeError(f"shared-memory all_reduce timed out after {self.timeout_s:.0f} s waiting for group "
+            raise RuntimeError(f"shared-memory collective timed out after {self.timeout_s:.0f} s waiting for group "
                                f"ranks {late}")
 
 
@@ -217,10 +224,13 @@ def _set_up(group) -> _Segment | None:
         return None
     size, me = dist.get_world_size(group), dist.get_rank(group)
     facts = [None] * size
-    dist.all_gather_object(facts, (_host_facts(), os.getpid(), f"meshboost-{uuid.uuid4().hex}"), group=group)
+    dist.all_gather_object(facts, (_host_facts(), (_pid_namespace(), os.getpid()), f"meshboost-{uuid.uuid4().hex}"),
+                           group=group)
     if not decide([f[0] for f in facts]):
         return None
-    path, pids = os.path.join(_SHM_DIR, facts[0][2]), [f[1] for f in facts]
+    path = os.path.join(_SHM_DIR, facts[0][2])
+    # a peer's pid can be checked only from its own pid namespace (containers sharing /dev/shm may not share it)
+    pids = [pid if namespace == _pid_namespace() else None for namespace, pid in (f[1] for f in facts)]
     try:                                    # the timeout the group's CPU backend was created with
         timeout_s = group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
     except (AttributeError, RuntimeError):
