@@ -98,8 +98,8 @@ def decide(facts: list[tuple]) -> bool:
 
 
 class _Segment:
-    """One group's mapped segment: a cache line per rank (flag, byte counts of the two buffers) and
-    two buffers of `size` slots of SLOT_BYTES."""
+    """One group's mapped segment: a cache line per rank (its flag and, per buffer, the round's header:
+    chunk bytes, tensor bytes, collective/dtype/op code) and two buffers of `size` slots of SLOT_BYTES."""
 
     def __init__(self, path: str, size: int, me: int, create: bool, peers: list[int | None], timeout_s: float | None):
         self.size, self.me, self.round = size, me, 0
