@@ -41,8 +41,7 @@ ROWS = ("plain", "tp=2", "tp=2 on gloo sockets", "tp=2, all-reduces skipped")
 def _transport(row: str):
     from meshboost.distributed import comm, shm
 
-    if row == "tp=2 on gloo sockets":
-        shm.configure(False)
+    previous = shm.configure(False) if row == "tp=2 on gloo sockets" else None
     real = comm._all_reduce
     if row == "tp=2, all-reduces skipped":
         comm._all_reduce = lambda *args, **kwargs: None        # no transport: the tensor keeps this rank's part
@@ -50,7 +49,8 @@ def _transport(row: str):
         yield
     finally:
         comm._all_reduce = real
-        shm.configure(True)
+        if previous is not None:
+            shm.configure(previous)       # MESHBOOST_CPU_SHM=0 keeps the other rows on gloo too
 
 
 def _step(runner) -> float:

@@ -129,11 +129,11 @@ def _transport(config: ConfigSpec):
     if not config.sockets:
         yield
         return
-    shm.configure(False)
+    previous = shm.configure(False)
     try:
         yield
     finally:
-        shm.configure(True)
+        shm.configure(previous)       # MESHBOOST_CPU_SHM=0 keeps every row on gloo
 
 
 class DTensorRunner(Runner):

@@ -122,7 +122,7 @@ def _two_ranks(rank, world):
     assert comm.all_reduce(torch.ones(3), world_group).tolist() == [2.0, 2.0, 2.0]
 
     # switched off: gloo's sockets carry it
-    shm.configure(False)
+    assert shm.configure(False) is True                         # the previous setting comes back
     try:
         before = wire_bytes()
         assert comm.all_reduce(torch.ones(4096), world_group)[0] == 2

@@ -25,7 +25,7 @@ from meshboost.distributed import shm
 
 _REQUIRED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 TIMEOUT_ENV = "MESHBOOST_DIST_TIMEOUT"      # seconds; torch itself reads no such variable
-SHM_ENV = "MESHBOOST_CPU_SHM"               # 0: CPU all-reduces between same-host ranks stay on gloo's sockets
+SHM_ENV = "MESHBOOST_CPU_SHM"               # 0: CPU collectives between same-host ranks stay on gloo's sockets
 
 
 def get_current_device() -> torch.device:
@@ -72,13 +72,14 @@ def resolve_timeout(timeout: datetime.timedelta | float | None) -> datetime.time
 
 
 def resolve_cpu_shared_memory(enabled: bool | None) -> bool:
-    """Whether CPU all-reduces between ranks of one host go through shared memory (distributed/shm.py):
+    """Whether CPU all-reduces, all-gathers and reduce-scatters between ranks of one host go through shared
+    memory (distributed/shm.py):
     `enabled`, else the environment's MESHBOOST_CPU_SHM (0 or 1), else yes. Pure, as resolve_timeout."""
     if enabled is not None:
         return bool(enabled)
     value = os.environ.get(SHM_ENV, "").strip()
     if value not in ("", "0", "1"):
-        raise ValueError(f"{SHM_ENV}={value!r}: expected 0 (CPU all-reduces on gloo) or 1 (shared memory "
+        raise ValueError(f"{SHM_ENV}={value!r}: expected 0 (CPU collectives on gloo) or 1 (shared memory "
                          "between ranks of one host, the default)")
     return value != "0"
 

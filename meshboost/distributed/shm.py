@@ -58,10 +58,12 @@ _segments: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _setup_lock = threading.Lock()
 
 
-def configure(enabled: bool) -> None:
-    """Whether groups decided after this call may use shared memory (`launch(cpu_shared_memory=)`)."""
+def configure(enabled: bool) -> bool:
+    """Whether CPU collectives may use shared memory from now on (`launch(cpu_shared_memory=)`); returns
+    the previous setting, for a caller that switches it for a while to put back."""
     global _enabled
-    _enabled = bool(enabled)
+    previous, _enabled = _enabled, bool(enabled)
+    return previous
 
 
 def usable(tensor: torch.Tensor, op) -> bool:
