@@ -7,8 +7,11 @@ nan propagate; tensors of different sizes, dtypes, reductions or collectives on 
 on every rank and the group goes on; a segment one rank cannot make leaves the group on gloo on every rank;
 a stalled peer raises CollectiveTimeout after the group's timeout, and one whose process exited is reported
 at once; `launch(cpu_shared_memory=False)` (here `shm.configure(False)`) puts the traffic back on gloo's
-sockets. On 3 processes: every rank gets bitwise the same sum, the rank-order sum (r0 + r1) + r2, and the
-reduce-scatter and all-gather agree with it. Another backend (torch's fake group) keeps its collectives."""
+sockets; an asynchronous all-reduce or reduce-scatter of one round is published at issue and read at
+wait() (a late peer does not hold the issuing rank), also when a later collective reads it first; an
+out-of-place all-reduce leaves its input alone. On 3 processes: every rank gets bitwise the same sum, the
+rank-order sum (r0 + r1) + r2 (in and out of place, one chunk and two), and the reduce-scatter and
+all-gather agree with it. Another backend (torch's fake group) keeps its collectives."""
 
 from __future__ import annotations
 
@@ -91,11 +94,16 @@ def _two_ranks(rank, world):
     assert counted.summary()["world"]["payload_bytes"] == 4096 * 4 * (1 + world + 1)
     assert moved < 4096, f"{moved} bytes written to sockets by a shared-memory all-reduce"
 
-    # asynchronous form: done on return, the same sum
-    y = _inputs(rank, 300, torch.float32)
-    expected = y.clone()
-    dist.all_reduce(expected)
-    assert torch.equal(comm.all_reduce_async(y, world_group).wait(), expected)
+    # out of place: the sum lands in `out`, the input is untouched; bitwise the in-place result (one chunk and two)
+    for numel in (1000, big):
+        x = _inputs(rank, numel, torch.float32)
+        expected = x.clone()
+        dist.all_reduce(expected)
+        out = torch.empty_like(x)
+        assert comm.all_reduce(x, world_group, out=out) is out
+        assert torch.equal(out, expected) and torch.equal(x, _inputs(rank, numel, torch.float32)), numel
+
+    _split_rounds(rank, world_group, big)
 
     # an fp16 overflow stays inf and a nan stays nan (the loss scaler reads them)
     z = torch.tensor([60000.0, 1.0, float("nan") if rank else 0.0], dtype=torch.float16)
@@ -167,13 +175,53 @@ def _two_ranks(rank, world):
     assert time.perf_counter() - start < 30
 
 
+def _split_rounds(rank, world_group, big):
+    """An asynchronous all-reduce or reduce-scatter that fits one round is published at issue and read at
+    wait(): the publisher goes on while a peer is late, and the result is the synchronous one."""
+    y = _inputs(rank, 300, torch.float32)
+    expected = y.clone()
+    dist.all_reduce(expected)
+    if rank == 1:
+        time.sleep(0.5)                         # the peer is late
+    start = time.perf_counter()
+    pending = comm.all_reduce_async(y, world_group)
+    issued = time.perf_counter() - start
+    assert torch.equal(pending.wait(), expected)
+    if rank == 0:
+        assert issued < 0.25 < time.perf_counter() - start, (issued, "issuing must not wait for the late peer")
+    # a round nobody waited for is read by the group's next collective first (the two-buffer rule)
+    y, z = _inputs(rank, 300, torch.float32), _inputs(rank, 40, torch.float32)
+    first = comm.all_reduce_async(y, world_group)
+    second = comm.reduce_scatter_async(z.view(4, 10), world_group, dim=0)
+    third = comm.all_reduce_async(y * 0 + 1, world_group)
+    assert torch.equal(third.wait(), torch.full((300,), 2.0))
+    assert torch.equal(first.wait(), expected)
+    assert torch.equal(second.wait(), comm.reduce_scatter(z.view(4, 10), world_group, dim=0))
+    # larger than one slot: done on return, as the synchronous call
+    x = _inputs(rank, big, torch.float32)
+    expected = x.clone()
+    dist.all_reduce(expected)
+    assert torch.equal(comm.all_reduce_async(x, world_group).wait(), expected)
+    # refused at wait() on every rank when the ranks published different sizes, and the group goes on
+    with pytest.raises(ValueError, match="ranks passed different tensors or collectives"):
+        comm.all_reduce_async(torch.ones(10 + rank), world_group).wait()
+    assert torch.equal(comm.all_reduce(torch.ones(3), world_group), torch.full((3,), 2.0))
+
+
 def _three_ranks(rank, world):
     x = _inputs(rank, 1001, torch.float32)
     inputs = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(inputs, x)
+    out = comm.all_reduce(x, dist.group.WORLD, out=torch.empty_like(x))         # out of place, then in place
     comm.all_reduce(x, dist.group.WORLD)
     assert shm._segments.get(dist.group.WORLD) is not None
     assert torch.equal(x, (inputs[0] + inputs[1]) + inputs[2]), "not the rank-order sum"
+    assert torch.equal(out, x)
+    big = _inputs(rank, shm.SLOT_BYTES // 4 + 7, torch.float32)                 # two chunks, in place
+    whole = [torch.empty_like(big) for _ in range(world)]
+    dist.all_gather(whole, big)
+    assert torch.equal(comm.all_reduce(big, dist.group.WORLD), (whole[0] + whole[1]) + whole[2])
+    assert torch.equal(comm.all_reduce_async(inputs[rank].clone(), dist.group.WORLD).wait(), out), "one round, later"
     results = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(results, x)
     assert all(torch.equal(r, results[0]) for r in results), "ranks got different sums"

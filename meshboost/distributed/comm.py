@@ -59,21 +59,26 @@ def run_collective(op: str, group, call):
 
 
 # -- raw collectives (not differentiable) -----------------------------------------------------
-def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """In-place all-reduce of `tensor` over `group`; returns it. CPU tensors between ranks of one host
-    go through shared memory (shm.py; the all-gathers and reduce-scatters too), bitwise the backend's
-    result at two ranks."""
-    if dist.get_world_size(group) > 1:
-        record_collective("all_reduce", group, tensor)
-        run_collective("all_reduce", group, lambda: _all_reduce(tensor, group, op))
-    return tensor
+def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, out: torch.Tensor | None = None) -> torch.Tensor:
+    """All-reduce of `tensor` over `group`, in place, or into `out` (a contiguous tensor like it; `tensor`
+    unchanged); returns the result. CPU tensors between ranks of one host go through shared memory (shm.py;
+    the all-gathers and reduce-scatters too), bitwise the backend's result at two ranks."""
+    if dist.get_world_size(group) == 1:
+        return tensor if out is None else out.copy_(tensor)
+    record_collective("all_reduce", group, tensor)
+    run_collective("all_reduce", group, lambda: _all_reduce(tensor, group, op, out=out))
+    return tensor if out is None else out
 
 
-def _all_reduce(tensor: torch.Tensor, group, op, async_op: bool = False):
-    """The transport's all-reduce: shared memory where it applies (done on return: no work handle),
-    else the backend's (its work handle when `async_op`)."""
-    if shm.usable(tensor, op) and shm.all_reduce(tensor, group, op):
-        return None
+def _all_reduce(tensor: torch.Tensor, group, op, async_op: bool = False, out: torch.Tensor | None = None):
+    """The transport's all-reduce (into `out` when given): shared memory where it applies (when `async_op`,
+    a round published and read at its `wait()`; None when done on return), else the backend's on a copy
+    (its work handle when `async_op`)."""
+    taken, posted = shm.all_reduce(tensor, group, op, later=async_op, out=out)
+    if taken:
+        return posted
+    if out is not None:
+        tensor = out.copy_(tensor)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
@@ -105,15 +110,15 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group) -> torch.Tens
 
 def _all_gather(out: torch.Tensor, shard: torch.Tensor, group) -> None:
     """The transport's all-gather: shared memory where it applies (shm.py), else the backend's."""
-    if not (shm.gather_usable(out, shard, dist.get_world_size(group)) and shm.all_gather(out, shard, group)):
+    if not shm.all_gather(out, shard, group):
         _all_gather_single(out, shard, group=group)
 
 
 def _reduce_scatter(out: torch.Tensor, moved: torch.Tensor, group, async_op: bool = False):
-    """The transport's sum-reduce-scatter: shared memory where it applies (done on return: no work
-    handle), else the backend's (its work handle when `async_op`)."""
-    if shm.scatter_usable(out, moved, dist.get_world_size(group)) and shm.reduce_scatter(out, moved, group):
-        return None
+    """The transport's sum-reduce-scatter, as `_all_reduce`."""
+    taken, posted = shm.reduce_scatter(out, moved, group, later=async_op)
+    if taken:
+        return posted
     return _reduce_scatter_single(out, moved, group=group, async_op=async_op)
 
 
@@ -268,7 +273,8 @@ class _CopyToTP(torch.autograd.Function):
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return all_reduce(x.contiguous().clone(), group)
+        x = x.contiguous()
+        return all_reduce(x, group, out=torch.empty_like(x))      # out of place: x may be saved for backward
 
     @staticmethod
     def backward(ctx, grad):

@@ -17,14 +17,22 @@ The exchange, for round k of a group (every rank counts the same rounds):
      beside my flag, set my flag to k;
   2. wait until every flag is >= k (a peer may already be at k + 1: it writes the other buffer);
   3. check every rank wrote what I wrote (a mismatch is a user error, refused on every rank in the same
-     round, never summed), then reduce the slots in rank order into my tensor (or copy them, gathering).
+     round, never summed), then reduce the parts in rank order (mine from my own tensor, still in this
+     core's cache) into my tensor or the caller's output (or copy the slots, gathering).
 Two buffers suffice: a peer can write buffer k % 2 again only in round k + 2, which needs my flag
 k + 1, which I set after I have read round k. The flag is written after the data by a separate
 store, and x86-64 keeps stores (and loads) in order, so a flag seen means its data is there; other
-architectures (weaker ordering) keep gloo. The collectives are done when they return (no work runs
-behind the caller: on two cores there is no idle one to run it). Not under torch.compile (dynamo traces
-the collective itself), not for reductions of dtypes numpy cannot add (bfloat16) nor other than sum,
-max, min and product: those keep gloo too.
+architectures (weaker ordering) keep gloo.
+
+No thread runs behind the caller (on two cores there is no idle one to run it). An asynchronous
+all-reduce or reduce-scatter that fits one round is split instead: step 1 runs at issue and steps 2-3
+at its `wait()`, so the caller's independent work (the weight-gradient products of Megatron's
+backward overlap) runs while the peers catch up, instead of this rank waiting for the slowest at the
+collective. A round is read before the next one is published (the two-buffer rule above), so a later
+collective on the group first finishes a round nobody waited for. Larger tensors, all-gathers and
+synchronous calls are done when they return. Not under torch.compile (dynamo traces the collective
+itself), not for reductions of dtypes numpy cannot add (bfloat16) nor other than sum, max, min and
+product: those keep gloo too.
 """
 
 from __future__ import annotations
@@ -99,6 +107,19 @@ def decide(facts: list[tuple]) -> bool:
     return first[1] is not None and all(f[:2] == first[:2] and f[2] and f[3] for f in facts)
 
 
+class _Posted:
+    """A round this rank published and has not read: `wait()` reads it (reduces into the caller's tensor)
+    unless a later collective on the group already did. The work handle of an asynchronous call."""
+
+    def __init__(self, segment: "_Segment", finish):
+        self.segment, self.finish = segment, finish
+
+    def wait(self) -> None:
+        with self.segment.lock, np.errstate(all="ignore"):
+            if self.segment.posted is self:
+                self.segment.settle()
+
+
 class _Segment:
     """One group's mapped segment: a cache line per rank (its flag and, per buffer, the round's header:
     chunk bytes, tensor bytes, collective/dtype/op code) and two buffers of `size` slots of SLOT_BYTES."""
@@ -118,18 +139,35 @@ class _Segment:
         self.lines = self.raw[:header].view(np.int64).reshape(size, _LINE // 8)
         self.data = self.raw[header:].reshape(2, size, SLOT_BYTES)
         self.lock = threading.Lock()
+        self.posted: _Posted | None = None      # a round this rank published and has not read yet
 
-    def all_reduce(self, flat: np.ndarray, ufunc, kind: int) -> None:
-        """In-place all-reduce of the 1-D array `flat`, in chunks of at most SLOT_BYTES; `kind` names
-        the collective, dtype and reduction (the ranks must agree on it as on the sizes)."""
+    def all_reduce(self, flat: np.ndarray, ufunc, kind: int, later: bool = False,
+                   out: np.ndarray | None = None) -> _Posted | None:
+        """All-reduce of the 1-D array `flat` into `out` (default: in place), in chunks of at most SLOT_BYTES;
+        `kind` names the collective, dtype and reduction (the ranks must agree on it as on the sizes).
+        `later` and one chunk: published only, returns the round, read (and reduced) at its `wait()`."""
+        in_place, out = out is None, flat if out is None else out
         step = SLOT_BYTES // flat.itemsize
+
+        def combine(slots: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
+            # rank order, my own part read from `src` (the bytes of my slot, still in this core's cache)
+            # unless an in-place reduction has overwritten it by then (from the third rank on)
+            slots = slots.view(src.dtype)
+            parts = [src if r == self.me and (self.me < 2 or not in_place) else slots[r] for r in range(self.size)]
+            ufunc(parts[0], parts[1], out=dst)
+            for part in parts[2:]:
+                ufunc(dst, part, out=dst)
+
+        def fill(chunk: np.ndarray):
+            return lambda mine: np.copyto(mine.view(chunk.dtype), chunk)
+
+        if later and flat.size <= step:
+            posted = self._publish(flat.nbytes, (flat.nbytes, kind), fill(flat))
+            return self._defer(lambda: combine(self._read(*posted), flat, out))
         for start in range(0, max(flat.size, 1), step):
             chunk = flat[start:start + step]
-            slots = self._exchange(chunk.nbytes, (flat.nbytes, kind),
-                                   lambda mine: np.copyto(mine.view(chunk.dtype), chunk)).view(chunk.dtype)
-            ufunc(slots[0], slots[1], out=chunk)        # my own input is safe in my slot
-            for r in range(2, self.size):
-                ufunc(chunk, slots[r], out=chunk)
+            combine(self._exchange(chunk.nbytes, (flat.nbytes, kind), fill(chunk)), chunk, out[start:start + step])
+        return None
 
     def all_gather(self, out: np.ndarray, shard: np.ndarray) -> None:
         """Every rank's 1-D byte array `shard` into the byte array `out` of `size` times its length, in
@@ -141,27 +179,42 @@ class _Segment:
             slots = self._exchange(piece.nbytes, (width, KIND_GATHER), lambda mine: np.copyto(mine, piece))
             np.copyto(rows[:, start:start + piece.nbytes], slots)
 
-    def reduce_scatter(self, out: np.ndarray, flat: np.ndarray, ufunc, kind: int) -> None:
+    def reduce_scatter(self, out: np.ndarray, flat: np.ndarray, ufunc, kind: int, later: bool = False) -> _Posted | None:
         """This rank's part of the rank-order reduction of every rank's 1-D `flat` (`size` parts of
-        `out`'s length) into `out`: each round carries a column of every part."""
+        `out`'s length) into `out`: each round carries a column of every part. `later` and one round:
+        as `all_reduce`'s."""
         width = out.size
         parts = flat.reshape(self.size, width)
         step = max(SLOT_BYTES // (self.size * flat.itemsize), 1)
-        for start in range(0, max(width, 1), step):
-            cols = parts[:, start:start + step]
-            n = cols.shape[1]
-            slots = self._exchange(cols.nbytes, (flat.nbytes, kind),
-                                   lambda mine: np.copyto(mine.view(flat.dtype).reshape(self.size, n), cols))
+
+        def combine(slots: np.ndarray, n: int, target: np.ndarray) -> None:
             mine = [slots[r].view(flat.dtype).reshape(self.size, n)[self.me] for r in range(self.size)]
-            target = out[start:start + n]
             ufunc(mine[0], mine[1], out=target)
             for r in range(2, self.size):
                 ufunc(target, mine[r], out=target)
+
+        def fill(cols: np.ndarray):
+            return lambda mine: np.copyto(mine.view(flat.dtype).reshape(self.size, cols.shape[1]), cols)
+
+        if later and width <= step:
+            posted = self._publish(parts.nbytes, (flat.nbytes, kind), fill(parts))
+            return self._defer(lambda: combine(self._read(*posted), width, out))
+        for start in range(0, max(width, 1), step):
+            cols = parts[:, start:start + step]
+            combine(self._exchange(cols.nbytes, (flat.nbytes, kind), fill(cols)), cols.shape[1],
+                    out[start:start + cols.shape[1]])
+        return None
 
     def _exchange(self, nbytes: int, whole: tuple[int, int], fill) -> np.ndarray:
         """One round: `fill` my slot's first `nbytes` bytes, publish, wait for every rank, check they all
         wrote what I wrote (`nbytes` and `whole`: the whole tensor's bytes and the kind); returns the
         round's slots, [size, nbytes] bytes, readable until my next round."""
+        return self._read(*self._publish(nbytes, whole, fill))
+
+    def _publish(self, nbytes: int, whole: tuple[int, int], fill) -> tuple:
+        """Step 1 of a round (after reading the round still unread: the two-buffer rule); returns what
+        `_read` needs."""
+        self.settle()
         self.round += 1
         k, buf = self.round, self.round % 2
         slots = self.data[buf, :, :nbytes]
@@ -169,6 +222,20 @@ class _Segment:
         mine = (nbytes, *whole)
         self.lines[self.me, 1 + 3 * buf:4 + 3 * buf] = mine
         self.lines[self.me, 0] = k                          # publish: after the data (in-order stores)
+        return k, buf, slots, mine
+
+    def _defer(self, finish) -> _Posted:
+        self.posted = _Posted(self, finish)
+        return self.posted
+
+    def settle(self) -> None:
+        """Read the round this rank published and has not read yet, if any (caller holds the lock)."""
+        posted, self.posted = self.posted, None
+        if posted is not None:
+            posted.finish()
+
+    def _read(self, k: int, buf: int, slots: np.ndarray, mine: tuple) -> np.ndarray:
+        """Steps 2 and 3 of round `k`: wait for every rank, check they wrote what I wrote."""
         self._wait(k)
         theirs = [tuple(row) for row in self.lines[:, 1 + 3 * buf:4 + 3 * buf].tolist()]
         if any(t != mine for t in theirs):
@@ -253,28 +320,36 @@ def _set_up(group) -> _Segment | None:
     return None if any(e is not None for e in errors) else segment
 
 
-def _run(group, op_name: str, nbytes: int, work) -> bool:
+def _run(group, op_name: str, nbytes: int, work) -> tuple[bool, _Posted | None]:
+    """(False, None) when the group keeps gloo; else (True, the round still to read or None when done)."""
     segment = _segment(group)
     if segment is None:
-        return False
+        return False, None
     from meshboost.distributed.profiling import witness_transport
     witness_transport(op_name, group, nbytes)
     # inf and nan are results here as in torch (an fp16 overflow is how the loss scaler learns of it)
     with segment.lock, np.errstate(all="ignore"):
-        work(segment)
-    return True
+        return True, work(segment)
 
 
 def _kind(collective: int, dtype: torch.dtype, op=dist.ReduceOp.SUM) -> int:
     return collective + 100 * list(_NUMPY_DTYPES).index(dtype) + list(_OPS).index(op)
 
 
-def all_reduce(tensor: torch.Tensor, group, op) -> bool:
-    """All-reduce `tensor` in place over `group` through shared memory when the group can; False
-    (nothing done) when it keeps gloo. Call only where `usable(tensor, op)`."""
+def all_reduce(tensor: torch.Tensor, group, op, later: bool = False,
+               out: torch.Tensor | None = None) -> tuple[bool, _Posted | None]:
+    """All-reduce `tensor` over `group`, in place or into `out` (contiguous, its shape and dtype; `tensor`
+    then unchanged), through shared memory when it can: (False, None) when it keeps the backend (nothing
+    done), (True, None) when done, (True, a round) when `later` and published only: the round's `wait()`
+    finishes it, and `tensor` must not be touched until then."""
+    if not usable(tensor, op) or (out is not None and not (out.is_contiguous() and out.dtype == tensor.dtype
+                                                           and out.device == tensor.device
+                                                           and out.numel() == tensor.numel())):
+        return False, None
     flat = tensor.detach().view(-1).numpy()
+    dst = None if out is None else out.detach().view(-1).numpy()
     return _run(group, "all_reduce", flat.nbytes,
-                lambda seg: seg.all_reduce(flat, _OPS[op], _kind(KIND_REDUCE, tensor.dtype, op)))
+                lambda seg: seg.all_reduce(flat, _OPS[op], _kind(KIND_REDUCE, tensor.dtype, op), later, dst))
 
 
 def gather_usable(out: torch.Tensor, shard: torch.Tensor, size: int) -> bool:
@@ -285,9 +360,12 @@ def gather_usable(out: torch.Tensor, shard: torch.Tensor, size: int) -> bool:
 
 
 def all_gather(out: torch.Tensor, shard: torch.Tensor, group) -> bool:
-    """Every rank's `shard` into `out` (rank order, flat), as `all_reduce`. Call only where `gather_usable`."""
+    """Every rank's `shard` into `out` (rank order, flat) through shared memory when it can; False
+    (nothing done) when the transfer keeps the backend."""
+    if not gather_usable(out, shard, dist.get_world_size(group)):
+        return False
     out_bytes, shard_bytes = (t.detach().reshape(-1).view(torch.uint8).numpy() for t in (out, shard))
-    return _run(group, "all_gather", out_bytes.nbytes, lambda seg: seg.all_gather(out_bytes, shard_bytes))
+    return _run(group, "all_gather", out_bytes.nbytes, lambda seg: seg.all_gather(out_bytes, shard_bytes))[0]
 
 
 def scatter_usable(out: torch.Tensor, tensor: torch.Tensor, size: int) -> bool:
@@ -296,9 +374,11 @@ def scatter_usable(out: torch.Tensor, tensor: torch.Tensor, size: int) -> bool:
             and out.is_contiguous() and tensor.numel() == size * out.numel())
 
 
-def reduce_scatter(out: torch.Tensor, tensor: torch.Tensor, group) -> bool:
-    """This rank's part of the sum over ranks of `tensor` (flat, `size` parts) into `out`, as
-    `all_reduce`. Call only where `scatter_usable`."""
+def reduce_scatter(out: torch.Tensor, tensor: torch.Tensor, group, later: bool = False) -> tuple[bool, _Posted | None]:
+    """This rank's part of the sum over ranks of `tensor` (flat, `size` parts) into `out`, returning as
+    `all_reduce`."""
+    if not scatter_usable(out, tensor, dist.get_world_size(group)):
+        return False, None
     out_flat, flat = out.detach().view(-1).numpy(), tensor.detach().reshape(-1).numpy()
     return _run(group, "reduce_scatter", flat.nbytes,
-                lambda seg: seg.reduce_scatter(out_flat, flat, np.add, _kind(KIND_SCATTER, tensor.dtype)))
+                lambda seg: seg.reduce_scatter(out_flat, flat, np.add, _kind(KIND_SCATTER, tensor.dtype), later))

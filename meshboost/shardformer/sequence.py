@@ -161,7 +161,10 @@ def _classify(record: _LayerRecord, tp_size: int, path: str, decided: _Replicate
 def _replicated_grad(group, decided: _Replicated, grad: torch.Tensor) -> torch.Tensor:
     """Gradient hook of a replicated parameter in a sequence-parallel layer: summed over tp when its
     module was fed this rank's chunk of the sequence (see `_classify`)."""
-    return comm.all_reduce(grad.clone(), group) if decided.partial else grad
+    if not decided.partial:
+        return grad
+    grad = grad.contiguous()
+    return comm.all_reduce(grad, group, out=torch.empty_like(grad))
 
 
 def install(model: nn.Module, layers_path: str, group, tp_size: int) -> None:

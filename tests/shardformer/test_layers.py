@@ -204,8 +204,8 @@ def _overlap_body(rank, world):
     columns reading that input (q/k/v, gate/up; c_attn, c_fc): with and without sequence parallelism,
     the input and weight gradients equal the unsharded layer's, the collectives are the same (calls and
     bytes), and the asynchronous ones were in flight while the weight gradients were computed. On gloo's
-    sockets (the transport that runs on its own threads, as NCCL runs on its own stream); the same-host
-    shared-memory collectives (distributed/shm.py) are done when they return, and give the same gradients."""
+    sockets (the transport that runs on its own threads, as NCCL runs on its own stream) and on the same-host
+    shared memory (distributed/shm.py: published at issue, read at wait())."""
     from meshboost.distributed import shm
     from meshboost.distributed.profiling import wait_timer
     from meshboost.shardformer import ShardConfig, ShardFormer
@@ -225,7 +225,7 @@ def _overlap_body(rank, world):
         with comm_counter() as counted, wait_timer() as waits:
             model(input_ids=ids).last_hidden_state.pow(2).mean().backward()
         ref(input_ids=ids).last_hidden_state.pow(2).mean().backward()
-        assert waits.overlapped_s > 0 or on_shm, f"{where}: no collective ran behind compute"
+        assert waits.overlapped_s > 0, f"{where}: no collective ran behind compute"
         ops = counted.summary()["world"]["by_op"]
         assert ops.get("all_reduce", 0) + ops.get("reduce_scatter", 0) >= 4, (where, ops)
         refs = dict(ref.named_parameters())

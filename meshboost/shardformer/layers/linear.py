@@ -373,4 +373,5 @@ class ColumnSubsetLinear(_ParallelLinearBase):
 def sum_grad_over_tp(group, grad: torch.Tensor) -> torch.Tensor:
     """A gradient hook for a weight every tp rank holds whole but uses only in part (its rows, its
     heads): the sum over tp is the gradient of the whole use."""
-    return comm.all_reduce(grad.clone(), group)
+    grad = grad.contiguous()
+    return comm.all_reduce(grad, group, out=torch.empty_like(grad))
