@@ -27,7 +27,7 @@ def models(layers: int) -> dict:
     return {
         "gpt2": ("GPT2LMHeadModel", tfm.GPT2Config(vocab_size=4096, n_embd=256, n_head=4, n_layer=layers,
                                                    n_positions=512, resid_pdrop=0.0, embd_pdrop=0.0,
-                                                   attn_pdrop=0.0)),
+                                                   attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)),
         "llama": ("LlamaForCausalLM", tfm.LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=688,
                                                       num_attention_heads=4, num_key_value_heads=4,
                                                       num_hidden_layers=layers, max_position_embeddings=512)),
