@@ -182,13 +182,13 @@ def _split_rounds(rank, world_group, big):
     expected = y.clone()
     dist.all_reduce(expected)
     if rank == 1:
-        time.sleep(0.5)                         # the peer is late
+        time.sleep(1.5)                         # the peer is late (margins wide enough for a loaded machine)
     start = time.perf_counter()
     pending = comm.all_reduce_async(y, world_group)
     issued = time.perf_counter() - start
     assert torch.equal(pending.wait(), expected)
     if rank == 0:
-        assert issued < 0.25 < time.perf_counter() - start, (issued, "issuing must not wait for the late peer")
+        assert issued < 0.75 < time.perf_counter() - start, (issued, "issuing must not wait for the late peer")
     # a round nobody waited for is read by the group's next collective first (the two-buffer rule)
     y, z = _inputs(rank, 300, torch.float32), _inputs(rank, 40, torch.float32)
     first = comm.all_reduce_async(y, world_group)
