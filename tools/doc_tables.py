@@ -17,7 +17,8 @@ shell block sets, spelled out); `;;` separates commands whose outputs follow eac
 and a trailing `| grep REGEX` keeps the lines of their outputs that match. Each command runs in this
 process (`meshboost.plan.__main__.main`) with CUDA hidden, so a block reads the same on every machine:
 the cost constants are the defaults (a GPU would choose its own) and the peak the `--device` asked for
-(cuda, the default). `find_blocks` and `render` are what tests/plan/test_doc_tables.py calls.
+(cuda, the default); a command that finds no layout fitting shows its advice and its error line.
+`find_blocks` and `render` are what tests/plan/test_doc_tables.py calls.
 """
 
 from __future__ import annotations
@@ -65,14 +66,23 @@ def _argvs(command: str, variables: dict) -> tuple[list[list[str]], str | None]:
 
 
 def run(argv: list[str]) -> str:
-    """What `python -m meshboost.plan ARGV` prints on stdout, CUDA hidden (exit status 0 asked for)."""
+    """What `python -m meshboost.plan ARGV` prints on stdout, CUDA hidden, and its error line when it
+    exits with one (no layout fits: the advice, then the error); its progress lines are left out."""
     from meshboost.plan.__main__ import main
 
-    out = io.StringIO()
-    with mock.patch("torch.cuda.is_available", return_value=False), contextlib.redirect_stdout(out):
-        code = main(argv)
-    if code != 0:
-        raise RuntimeError(f"python -m meshboost.plan {shlex.join(argv)} exited {code}")
+    out, err = io.StringIO(), io.StringIO()
+    with mock.patch("torch.cuda.is_available", return_value=False), contextlib.redirect_stdout(out), \
+            contextlib.redirect_stderr(err):
+        try:
+            main(argv)
+        except SystemExit as exc:
+            if exc.code in (None, 0):
+                raise
+            errors = [line for line in err.getvalue().splitlines() if line.startswith("meshboost.plan: error")]
+            if not errors:
+                raise RuntimeError(f"python -m meshboost.plan {shlex.join(argv)} exited {exc.code}: "
+                                   f"{err.getvalue()}") from None
+            out.write("\n".join(errors) + "\n")
     return out.getvalue()
 
 

@@ -22,6 +22,7 @@ from meshboost.plan import fakecache, peak
 PROGRESS_AFTER_S = 3.0          # the first progress line, once a ranking has taken this long
 PROGRESS_EVERY_S = 10.0         # then one line this often
 REFUSALS = (ValueError, NotImplementedError, TypeError)
+SMALLEST_CHUNK = 16             # layouts whose fake runs `smallest` makes at once
 
 
 class Progress:
@@ -92,16 +93,22 @@ def smallest(planner, **kwargs):
     """The estimate of the valid layout needing the least device memory (None: every one is refused),
     found without estimating the layouts whose state alone needs more than one already estimated."""
     kept, _ = _checked(planner, planner.candidates(**kwargs))
+    ordered = [layout for layout, _ in sorted(kept, key=lambda c: c[1])]
+    bounds = dict(kept)
     best = None
-    for layout, bound in sorted(kept, key=lambda c: c[1]):
-        if best is not None and bound > peak.needed_bytes(best.memory_bytes_per_rank):
+    for start in range(0, len(ordered), SMALLEST_CHUNK):       # the next few, their fake runs made at once
+        chunk = [layout for layout in ordered[start:start + SMALLEST_CHUNK]
+                 if best is None or bounds[layout] <= peak.needed_bytes(best.memory_bytes_per_rank)]
+        if not chunk:
             break
-        try:
-            estimate = planner.explain(layout)
-        except REFUSALS:
-            continue
-        if best is None or estimate.memory_bytes_per_rank["peak"] < best.memory_bytes_per_rank["peak"]:
-            best = estimate
+        fakecache.prefetch(planner, chunk)
+        for layout in chunk:
+            try:
+                estimate = planner.explain(layout)
+            except REFUSALS:
+                continue
+            if best is None or estimate.memory_bytes_per_rank["peak"] < best.memory_bytes_per_rank["peak"]:
+                best = estimate
     return best
 
 
