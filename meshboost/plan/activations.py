@@ -237,16 +237,16 @@ def _layers_run(cls, config_json: str, model_type: str, layers: int, batch: int,
                 checkpointing: bool, split, vocab_tp: int, body: bool, ep: int) -> tuple:
     """(saved, summed, live after the forward, timeline, gradients timeline) of a `layers`-layer copy:
     two layers alike (`_alike_layers`) from the marked one-layer run (live.two_layers: a fake run
-    fewer, the costlier one), any other copy run. Not a pipeline stage's body: the gradient its
-    backward starts from is held to the end (the schedule holds it), so one layer's backward gets its
-    output's gradient for free where a second layer's first holds a gradient of its own beside it."""
+    fewer, the costlier one), any other copy run; a pipeline stage's body reads the whole model's marked
+    one-layer run too (`two_layers`' `whole`: a ranking makes it for the last stage anyway)."""
     from meshboost.plan.live import two_layers
 
     args = (seq, precision, checkpointing, split, vocab_tp, body, ep)
-    if layers == 2 and not body and _alike_layers(config_json, split):
+    if layers == 2 and _alike_layers(config_json, split):
         saved, summed, after, totals, grads, marks = _run(cls, config_json, model_type, 1, batch, *args)
-        if marks is not None:
-            saved, after, totals, grads = two_layers(saved, after, totals, grads, marks)
+        whole = _run(cls, config_json, model_type, 1, batch, *args[:5], False, ep)[5] if body else None
+        if marks is not None and (not body or whole is not None and whole[-1] is not None):
+            saved, after, totals, grads = two_layers(saved, after, totals, grads, marks, whole)
             return saved, summed, after, totals, grads
     return _run(cls, config_json, model_type, layers, batch, *args)[:5]
 

@@ -26,7 +26,7 @@ from array import array
 WORKERS_ENV = "MESHBOOST_PLAN_WORKERS"
 MAX_ENTRIES = 4096          # runs kept (~16 KB each: a timeline of ~2000 ops); the oldest go first
 # what a run answers while recording: a result's shape (a one-layer run's marks included: live.two_layers)
-_PLACEHOLDER = (0, 0, 0, array("q", [0]), array("q", [0]), (0, 0, (), (), 0, False, False, 0, 0, (), 0, 0, 0, 0, 0))
+_PLACEHOLDER = (0, 0, 0, array("q", [0]), array("q", [0]), (0, 0, (), (), 0, False, False, 0, 0, (), 0, 0, 0, 0, 0, 0))
 
 _recording: dict | None = None      # the runs noted by the recording pass (ordered), None outside it
 _runs: list = []                    # the fake-run function (fake_run's argument): what workers call

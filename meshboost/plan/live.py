@@ -189,6 +189,7 @@ class LayerMarks:
         self.input = self.output = self.input_ref = None            # id(storage) of each, a weak reference
         self.input_bytes = self.output_bytes = 0
         self.input_saved, self.input_gone = False, None
+        self.output_grad = self.output_grad_gone = None     # id(storage) of its output's gradient, op it went
         self.frees: list[tuple[int, int]] = []          # (op index, bytes) of what it made, gone before backward
         self.sighted: list[tuple[int, int]] = []        # (op index, bytes) of earlier storages first seen in it
         self.shared_frees: list[tuple[int, int]] = []   # (op index, bytes) of earlier tensors gone in its backward
@@ -212,6 +213,8 @@ class LayerMarks:
             self.frees.append((self._now(), size))
         elif self.b0 is not None and self.b1 is None and 0 <= first_op < self.f0 and key != self.input:
             self.shared_frees.append((self._now(), size))
+        if key == self.output_grad and self.output_grad_gone is None:
+            self.output_grad_gone = self._now()
 
     def _pre(self, module, args, kwargs):
         if self.f0 is None:
@@ -239,6 +242,8 @@ class LayerMarks:
     def _output_grad(self, grad_outputs) -> None:
         if self.b0 is None:
             self.b0 = self._now()
+            if grad_outputs and grad_outputs[0] is not None:
+                self.output_grad = id(grad_outputs[0].untyped_storage())
             self.grads = -self.tracker.grad_bytes
 
     def _input_grad(self, grad_outputs) -> None:
@@ -259,8 +264,11 @@ class LayerMarks:
         marks = (self.f0, self.f1, self.b0, self.b1, self.after)
         if None in marks or self.input_gone is None or not self.f0 <= self.f1 <= self.after <= self.b0 <= self.b1:
             return None
+        gone = self.output_grad_gone
+        life = gone - self.b0 if gone is not None and gone <= self.b1 else None
         return (self.layer_saved, self.made, tuple(self.frees), tuple(self.sighted), self.input_bytes,
-                self.input_saved, self.input_gone, self.output_bytes, self.grads, tuple(self.shared_frees), *marks)
+                self.input_saved, self.input_gone, self.output_bytes, self.grads, tuple(self.shared_frees), *marks,
+                life)
 
     def remove(self) -> None:
         self.tracker.on_free = self.tracker.on_next_op = self.tracker.on_sight = None
@@ -268,7 +276,7 @@ class LayerMarks:
             handle.remove()
 
 
-def two_layers(saved: int, after: int, totals: array, grads: array, layer: tuple) -> tuple:
+def two_layers(saved: int, after: int, totals: array, grads: array, layer: tuple, whole: tuple | None = None) -> tuple:
     """`live_peak`'s figures for two copies of the layer, from those of a run with one (`layer`: its
     `LayerMarks` figures). The two-layer timeline is this one's with the layer's forward run twice, its
     backward twice, each op's bytes those of this run at the same op plus what the other layer holds
@@ -280,9 +288,15 @@ def two_layers(saved: int, after: int, totals: array, grads: array, layer: tuple
     tensors (masks, position embeddings) this run's layer lets go; the first layer's backward and the
     embedding's as here, the second layer's gradients (G) accumulated beside them. Exact where the
     layers are alike (the same ops on tensors of the same shapes; tests/plan/test_fakecache.py compares
-    it with two-layer runs) but for a cache the first layer fills for the others (counted twice)."""
+    it with two-layer runs) but for a cache the first layer fills for the others (counted twice).
+    `whole`: `layer` is a pipeline stage's body and these are the marks of the whole model's run of the
+    same layer: the body's forward stops after its layer, letting go of what the model's forward held
+    (its embedding output, a cache), so what the first layer leaves to the second's forward is read
+    from the whole run; and its backward starts from a gradient held to the end (the schedule holds
+    what it received), so the second layer's backward makes the first's output gradient beside it,
+    alive as long as a layer's output gradient lives in the whole run."""
     (layer_saved, made, frees, sighted, in_bytes, in_saved, in_gone, out_bytes, g, shared_frees,
-     f0, f1, b0, b1, after_op) = layer
+     f0, f1, b0, b1, after_op, _) = layer
 
     first_layer = [(at, -size) for at, size in frees]     # what the first layer made goes at these ops
 
@@ -301,12 +315,18 @@ def two_layers(saved: int, after: int, totals: array, grads: array, layer: tuple
     def alive(op: int) -> int:              # what the first layer made (its output left out) alive at `op`
         return made - sum(size for at, size in frees if at <= op)
 
-    forward = alive(f1) + out_bytes - (in_bytes if in_gone else 0)
+    def left(figures: tuple) -> int:        # what a layer leaves to the next one's forward
+        made, frees, in_bytes, in_gone, out_bytes, f1 = (figures[i] for i in (1, 2, 4, 6, 7, 11))
+        return made - sum(size for at, size in frees if at <= f1) + out_bytes - (in_bytes if in_gone else 0)
+
+    forward = left(whole or layer)
     saved_input = out_bytes if in_saved else 0
     second = plus(f0, f1, forward, before_op=sighted)
     head = plus(f1, b0, made + saved_input, from_op=first_layer)
     backward = plus(b0, b1, alive(b0) + (in_bytes if in_saved else 0), from_op=shared_frees)
-    two_totals = array("q", [*totals[:f1], *second, *head, *backward, *totals[b0:]])
+    received_life = whole[-1] if whole is not None else None
+    first_backward = plus(b0, len(totals), 0, before_op=[(b0 + received_life, out_bytes)] if received_life else ())
+    two_totals = array("q", [*totals[:f1], *second, *head, *backward, *first_backward])
     two_grads = array("q", [*grads[:f1], *grads[f0:b1], *(x + g for x in grads[b0:])])
     return saved + layer_saved, after + alive(after_op) + saved_input, two_totals, two_grads
 

@@ -44,11 +44,10 @@ def test_a_ranking_runs_each_shape_once_and_derives_two_layers(monkeypatch):
     fitting, _ = planner.rank()
     assert len(fitting) > 20
     assert len(runs) == len(set(runs)), "a fake run was made twice"
-    # two layers are run only where they differ from one: a pipeline stage's body (its backward starts
-    # from a gradient the schedule holds) and split_gather (the stack's first layer cuts, its last gathers)
+    # two layers are run only where they differ from one: under split_gather (the stack's first layer
+    # cuts the sequence, its last gathers it)
     two = [run for run in runs if run[0] == 2]
-    assert two and all(body or split is not None and split[0] == "split_gather"
-                       for *_, split, _, body, _ in two)
+    assert two and all(split is not None and split[0] == "split_gather" for *_, split, _, body, _ in two)
     assert sum(run[0] == 1 for run in runs) > len(two)
     # a second ranking of the same planner asks nothing new
     before = len(runs)
@@ -73,20 +72,27 @@ def test_layouts_whose_state_cannot_fit_make_no_fake_run(monkeypatch):
     assert len(runs) == len(set(runs)) == len(wanted)      # the kept layouts' runs, once each, and no other
 
 
-@pytest.mark.parametrize("model,overrides,split,checkpointing,ep", [
-    ("llama", TINY, None, False, 1),
-    ("llama", TINY, None, True, 1),
-    ("llama", TINY, activations.SequenceSplit("ring_attn", 2), False, 1),
-    ("gpt2", "n_embd=64,n_layer=2,n_head=4,vocab_size=1000,n_positions=64", None, False, 1),
-    ("qwen3_moe", MOE, None, False, 2),
-], ids=["llama", "llama-ckpt", "llama-ring_attn", "gpt2", "moe-ep2"])
-def test_two_layers_derived_equal_a_two_layer_run(model, overrides, split, checkpointing, ep):
+GPT2 = "n_embd=64,n_layer=2,n_head=4,vocab_size=1000,n_positions=64"
+
+
+@pytest.mark.parametrize("model,overrides,split,checkpointing,body,ep", [
+    ("llama", TINY, None, False, False, 1),
+    ("llama", TINY, None, True, False, 1),
+    ("llama", TINY, activations.SequenceSplit("ring_attn", 2), False, False, 1),
+    ("llama", TINY, activations.SequenceSplit("all_to_all", 2), False, True, 1),
+    ("gpt2", GPT2, None, False, False, 1),
+    ("gpt2", GPT2, None, True, True, 1),
+    ("qwen3_moe", MOE, None, False, False, 2),
+], ids=["llama", "llama-ckpt", "llama-ring_attn", "llama-all_to_all-stage-body", "gpt2", "gpt2-ckpt-stage-body",
+        "moe-ep2"])
+def test_two_layers_derived_equal_a_two_layer_run(model, overrides, split, checkpointing, body, ep):
     planner = Planner(model, parse_overrides(overrides), gpus=2, seq=32, global_batch=4, device="cpu")
     config_json, model_type = activations._key(planner.config)
     assert activations._alike_layers(config_json, split)
-    args = (2, 32, "bf16", checkpointing, split, 1, False, ep)
+    args = (2, 32, "bf16", checkpointing, split, 1, body, ep)
     one = activations._run.uncached(planner.cls, config_json, model_type, 1, *args)
-    saved, after, totals, grads = live.two_layers(one[0], one[2], one[3], one[4], one[5])
+    whole = activations._run.uncached(planner.cls, config_json, model_type, 1, *args[:6], False, ep)[5]
+    saved, after, totals, grads = live.two_layers(one[0], one[2], one[3], one[4], one[5], whole if body else None)
     real = activations._run.uncached(planner.cls, config_json, model_type, 2, *args)
     assert (saved, after) == (real[0], real[2])
     assert len(totals) == len(real[3]) and list(grads) == list(real[4])
