@@ -7,8 +7,9 @@ layout whose weights, masters, optimizer states, buffers and gradients already n
 device holds at one of the step's instants (peak.py's instants with no activation bytes: each instant
 only grows with them) cannot fit, whatever its activations: its fake runs are not made unless its
 estimate is asked for (`include_unfit`), so a ranking makes the fake runs of the layouts that can fit
-only (30B MoE on 8 GPUs: 1352 of 1740 layouts set aside, 288 of 636 runs left). `Progress` writes one
-line on stderr once a ranking has taken a few seconds, then one every few more, and a last one.
+only (docs/planner.md's 7B on 8 GPUs: 180 of 1080 layouts set aside; its 30B MoE on 8 GPUs at sequence
+8192: all 1740, and `smallest` then explains 60 of them for the advice). `Progress` writes one line on
+stderr once a ranking has taken a few seconds, then one every few more, and a last one.
 Must not estimate anything itself: every figure is `Planner.explain`'s or peak.py's.
 """
 
