@@ -279,7 +279,9 @@ class HybridParallelPlugin(Plugin):
         context = None
         if attention is not None:
             dims = self.mesh.dims
-            context = ContextInputs(install(hf, self.mesh.group("cp"), dims.cp, attention, dims.cp_mode),
+            # wraps what the model runs now: check_model vetted its own implementation (`attention`), the
+            # sharder's kernel switch may since have chosen SDPA (never one context parallelism cannot wrap)
+            context = ContextInputs(install(hf, self.mesh.group("cp"), dims.cp, mode=dims.cp_mode),
                                     self.mesh.cp_rank, hf.config)
         router_group = self.mesh.dp_group if self.config.router_statistics == GLOBAL and self.mesh.dp_size > 1 else None
         if router_group is not None:

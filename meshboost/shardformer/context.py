@@ -57,7 +57,7 @@ import torch.nn as nn
 
 from meshboost.distributed import comm
 from meshboost.distributed.inputs import count_items
-from meshboost.shardformer.context_checks import ALL_TO_ALL, RING_ATTN, check_length
+from meshboost.shardformer.context_checks import ALL_TO_ALL, RING_ATTN, WRAPPED, check_length
 
 ATTENTION_NAME = "meshboost_ulysses"
 # the keyword under which the sharded inputs carry their `ContextCall` down to the attention function
@@ -200,21 +200,32 @@ class _GroupsView:
         return getattr(self._module, name)
 
 
-def install(model: nn.Module, group, size: int, inner: str, mode: str = ALL_TO_ALL,
+def install(model: nn.Module, group, size: int, inner: str | None = None, mode: str = ALL_TO_ALL,
             attention: UlyssesAttention | None = None) -> UlyssesAttention:
     """Register this model's context-parallel attention (the mode's, or `attention`: the planner's
     shape-only one) in transformers' attention interface and switch the model to it (every attention
-    module then calls it; no forward is replaced)."""
+    module then calls it; no forward is replaced). `inner`: the implementation it wraps; None: the one
+    the model runs now, after ShardConfig's kernel switch (enable_flash_attention turns eager into
+    sdpa). Refused when no module runs `inner`: the attention would silently see each rank's piece alone."""
     from transformers import AttentionInterface
 
+    inner = getattr(model.config, "_attn_implementation", None) if inner is None else inner
+    if inner not in WRAPPED:
+        raise NotImplementedError(f"context parallelism wraps attention implementations {WRAPPED}; "
+                                  f"{type(model).__name__} runs {inner!r}")
     if attention is None:
         attention = (UlyssesAttention if mode == ALL_TO_ALL else GatheredKeysAttention)(group, size, inner)
     name = f"{ATTENTION_NAME}_{id(model)}"
     AttentionInterface.register(name, attention)
+    switched = 0
     for module in model.modules():
         config = getattr(module, "config", None)
         if config is not None and getattr(config, "_attn_implementation", None) == inner:
             config._attn_implementation = name
+            switched += 1
+    if not switched:
+        raise RuntimeError(f"context parallelism: no module of {type(model).__name__} runs attn_implementation="
+                           f"{inner!r}, so none would call the context-parallel attention")
     return attention
 
 

@@ -27,6 +27,7 @@ from meshboost.shardformer.layers import (
     VocabParallelLMHead,
     make_causal_lm_loss,
 )
+from meshboost.shardformer.context_checks import WRAPPED
 from meshboost.shardformer.layers.vocab import embedding_extras, uses_causal_lm_loss
 from meshboost.shardformer.lora import adapter_base, adapter_linears, is_peft_module, shard_adapter_
 from meshboost.shardformer.optimizations import fuse_norms, jit_fuse, say, use_fast_attention
@@ -159,7 +160,7 @@ class ShardFormer:
                     rng.hold_across(layer, layer)
         device_type = get_current_device().type
         if self.shard_config.enable_flash_attention:
-            use_fast_attention(model, device_type)
+            use_fast_attention(model, device_type, self._attention_kernels())
         if self.shard_config.enable_fused_normalization:
             fuse_norms(model, device_type)
         if self.shard_config.enable_jit_fused:
@@ -168,6 +169,13 @@ class ShardFormer:
             say("meshboost: enable_sequence_parallelism has no effect at tp_size=1 (the sequence is split over "
                 "the tensor-parallel ranks)")
         return model, tied_parameters(model)
+
+    def _attention_kernels(self) -> tuple[str, ...] | None:
+        """The attention implementations the kernel switch may choose: under context parallelism only those
+        its attention wraps (context.py installs around what the model runs after the switch; flash-attn 2
+        takes no dense mask); None: any."""
+        mesh = self.shard_config.mesh
+        return WRAPPED if mesh is not None and mesh.cp_size > 1 else None
 
     # -- validation: pure, identical on every rank ---------------------------------------------
     def validate(self, model: nn.Module, policy: Policy, tp_size: int) -> ShardPlan:
