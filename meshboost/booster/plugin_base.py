@@ -34,7 +34,7 @@ class Plugin(ABC):
             raise RuntimeError(f"{type(self).__name__}: torch.distributed is not initialised; call "
                                "meshboost.launch_from_torch() (or meshboost.launch) before building the plugin")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.mesh = ParallelMesh(tp_size=1, pp_size=1)
+        self.mesh = ParallelMesh()
 
     @abstractmethod
     def configure(self, model: nn.Module, optimizer: Optimizer | None = None, criterion: Callable | None = None,

@@ -68,7 +68,7 @@ class FSDPPlugin(Plugin):
 
     def _build(self, config: FSDPConfig) -> None:
         self.config = config
-        self.mesh = ParallelMesh(tp_size=1, pp_size=1)                  # collective: after the checks
+        self.mesh = ParallelMesh()                  # collective: after the checks
 
     @property
     def precision(self) -> str:

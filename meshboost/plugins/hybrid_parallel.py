@@ -175,7 +175,7 @@ class HybridParallelPlugin(Plugin):
                 raise NotImplementedError(refusal)
         pc = config.pipeline
         # collective: after the checks
-        self.mesh = ParallelMesh(dims=config.dims)     # the layout's one record, dp resolved over the world
+        self.mesh = ParallelMesh(config.dims)     # the layout's one record, dp resolved over the world
         self.shard_config = dataclasses.replace(config.sharding, mesh=self.mesh)     # tp group and size: the mesh's
         # the replicas of a dense weight: dp, times the cp ranks (each saw other pieces of the sequences)
         self.dp_reducer = dp_reducer(self.mesh.size(*self.mesh.dims.grad_axes()), pc.pp_size, config.zero.stage)

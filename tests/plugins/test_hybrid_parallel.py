@@ -78,7 +78,7 @@ def _tp2_body(rank, world):
         _compare_weights(boosted, ref, f"{cls} tp=2 after {STEPS} steps")
 
     # A configuration error is raised identically on every rank, before any collective.
-    with pytest.raises(ValueError, match="world_size=2 is not divisible by tp_size \\* pp_size = 4"):
+    with pytest.raises(ValueError, match="world_size=2 is not divisible by tp_size x pp_size x cp_size = 4 x 1 x 1"):
         HybridParallelPlugin(tp_size=4)
     with pytest.raises(ValueError, match="precision='fp8'"):
         HybridParallelPlugin(tp_size=2, precision="fp8")
