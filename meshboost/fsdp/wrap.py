@@ -161,11 +161,11 @@ def carry_state(optimizer: torch.optim.Optimizer, names: dict[int, str], model: 
 
 
 def boost_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], model: nn.Module, mesh,
-                    precision: PrecisionConfig) -> FSDPOptimizer:
+                    precision: PrecisionConfig, wrapper: type[FSDPOptimizer] = FSDPOptimizer) -> FSDPOptimizer:
     """The user's `optimizer` moved onto the sharded `model` (`carry_state`) and wrapped in
-    `FSDPOptimizer` with `precision`'s step (compute dtype, clipping, fp16 loss scaler)."""
+    `FSDPOptimizer` (or the subclass `wrapper`) with `precision`'s step (compute dtype, clipping, fp16 loss scaler)."""
     carry_state(optimizer, names, model)
-    return FSDPOptimizer(optimizer, mesh, precision)
+    return wrapper(optimizer, mesh, precision)
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -239,7 +239,7 @@ class HybridParallelPlugin(Plugin):
         plan = check_model(model, optimizer, self.config, self.mesh.dims, self.dp_reducer)
         hf = plan.hf        # plans and stages read the transformers model; the wrappers hold `model` itself
         original = copy.deepcopy(model) if plan.lazy is not None else None        # on meta: no memory
-        ShardFormer(self.shard_config).optimize(hf, self.config.custom_policy)
+        ShardFormer(self.shard_config).shard(hf, self.config.custom_policy)       # materialised below, once cut
         apply_float8(hf, self.config.float8, self.mesh, self.dp_reducer == FSDP, optimizer)   # speed.py
         if self.ep_size > 1:        # after tp, which cut inside the experts: now split the experts over ep
             shard_expert_parallel_(hf, self.mesh.group("ep"), self.ep_size, self.mesh.ep_rank)

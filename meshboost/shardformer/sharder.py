@@ -6,14 +6,16 @@ raises the same error), the plan's block regions (a `regions.RegionPlan` built w
 `BlockRegion` per block input and per sequence-parallel block, which decides every parallel
 linear's `LinearRole` once and owns the record of column-parallel outputs the split-input guards
 read), applying each matched style from the registry (`styles.py`) at every path the module is
-reached by, the per-rank attribute values, and the vocab-parallel embedding / LM head with the
-loss-function swap. Must not copy or fork any HuggingFace forward, must not know a model family
-(those are tables in `policies/`), and must not pass state through a module's `__dict__` or
-attributes set on tensors: the regions carry it.
+reached by, the per-rank attribute values, the vocab-parallel embedding / LM head with the
+loss-function swap, and (`optimize`) materialising a LazyInitContext model once it is sharded. Must
+not copy or fork any HuggingFace forward, must not know a model family (those are tables in
+`policies/`), and must not pass state through a module's `__dict__` or attributes set on tensors:
+the regions carry it.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 import torch
@@ -21,6 +23,7 @@ import torch.nn as nn
 
 from meshboost.distributed.launch import get_current_device
 from meshboost.distributed.param_info import get_tp_info
+from meshboost.lazy import lazy_seed, materialize
 from meshboost.shardformer import sequence
 from meshboost.shardformer.layers import (
     VocabParallelEmbedding,
@@ -136,8 +139,25 @@ class ShardFormer:
         """Shard `model` in place; returns (model, shared_params) as ColossalAI's ShardFormer does.
 
         shared_params lists the weights the model reaches under several names (`tied_parameters`),
-        which keep being one parameter after sharding.
+        which keep being one parameter after sharding. A model built under `LazyInitContext` (every
+        parameter on meta) is materialised after sharding, on this process's device, as ColossalAI's
+        sharder does: each rank initialises only its shards, with the values the unsharded model gets
+        from the same seed (`meshboost.lazy`).
         """
+        seed = lazy_seed(model)
+        original = copy.deepcopy(model) if seed is not None else None      # on meta: no memory
+        shared = self.shard(model, policy)[1]
+        if seed is not None:
+            materialize(model, original, get_current_device(), seed)
+        return model, shared
+
+    def shard(self, model: nn.Module, policy: Policy | None = None) -> tuple[nn.Module, list]:
+        """`optimize` without materialising: a lazy model's parameters stay on meta, for a caller that
+        cuts it further first (the plugin keeps only its pipeline stages, then materialises those)."""
+        if self.shard_config.pipeline_stage_manager is not None and self.shard_config.mesh is None:
+            raise NotImplementedError("ShardConfig(pipeline_stage_manager=...): ShardFormer shards over the "
+                                      "tensor-parallel group only and never cuts pipeline stages; boost the model with "
+                                      "HybridParallelPlugin(pp_size=..., num_microbatches=...), which cuts them")
         tp_size = self.shard_config.tensor_parallel_size
         sharded = [n for n, p in model.named_parameters() if get_tp_info(p) is not None]
         if sharded:

@@ -256,8 +256,8 @@ def test_context_parallel_refusals():
     with pytest.raises(ValueError, match="enable_sequence_parallelism=True \\(split_gather"):
         HybridParallelConfig(cp_size=2, sharding=ShardConfig(enable_sequence_parallelism=True))
     from meshboost.booster.plugin.hybrid_parallel_plugin import _context
-    with pytest.raises(NotImplementedError, match="split_gather sequence parallelism runs over the tensor-parallel"):
-        _context(dict(sp_size=2, sequence_parallelism_mode="split_gather", enable_sequence_parallelism=True))
+    with pytest.raises(ValueError, match="splits the sequence over the tensor-parallel ranks"):
+        _context(dict(sp_size=2, sequence_parallelism_mode="split_gather", enable_sequence_parallelism=True, tp_size=1))
     llama = build_causal_lm(_config(num_key_value_heads=2))
     with pytest.raises(ValueError, match="4 attention heads over tp_size=1 leave 4 per rank, not divisible by cp_size=8"):
         check_context(llama, 8, 1)
