@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from meshboost.booster.plugin.fsdp_keywords import gemini_config, settings
 from meshboost.distributed.agreement import agree_settings
 from meshboost.fsdp import FSDPOptimizer
+from meshboost.fsdp.optimizer import full_tensor
 from meshboost.plugins import FSDPPlugin
 from meshboost.plugins.fsdp import FSDPModel
 
@@ -39,7 +40,8 @@ class GeminiDDP(FSDPModel):
         out = OrderedDict() if destination is None else destination
         here = _here(only_rank_0)
         for name, tensor in self.unwrap().state_dict(prefix=prefix, keep_vars=True).items():
-            whole = tensor.detach().full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+            # an offloaded shard is gathered on the mesh's device (NCCL cannot gather CPU tensors)
+            whole = full_tensor(tensor, self.mesh.device) if isinstance(tensor, DTensor) else tensor.detach()
             if here:
                 out[name] = whole.to("cpu", copy=True)
         return out
