@@ -12,7 +12,8 @@ same seed (loss, and the weights after one SGD step: the gradients, compared wit
     build_pipeline_model): no parameter left on meta, every shard the materialised original's, bit for bit;
 (d) Linear1D_Col / Linear1D_Row (ColossalAI's test_linear_1d, lazy and not): state_dict() whole,
     load_state_dict of a whole tensor sliced back, output and gradients the nn.Linear's; keep_vars=True still
-    gives the parameters (what meshboost's checkpoints read);
+    gives the parameters (what meshboost's checkpoints read): a model sharded with them (a custom Policy) saves
+    and loads the reference's weights;
 (e) at pp=2: save_model(shard=False) to "<dir>/model.safetensors" and ".bin", with and without use_async (a
     folder that does not exist yet): one file holding the reference's weights; save_optimizer(shard=False): one
     file, which loads at tp=2 into Adam's reference state;
@@ -163,6 +164,30 @@ def _check_linear_1d(rank: int) -> None:
             assert_close(x_par.grad, x_ref.grad, msg=f"{cls.__name__} input grad")
 
 
+def _check_linear_1d_checkpoints(rank: int, tmp: str) -> None:
+    """A model sharded with ColossalAI's layer names (a custom Policy) saves and loads as any sharded model."""
+    from meshboost.shardformer import get_policy
+
+    config = tiny_config("gpt2")
+    ref = build_model("GPT2LMHeadModel", copy.deepcopy(config))
+    base = get_policy(ref)
+    names = {"colwise": "Linear1D_Col", "rowwise": "Linear1D_Row"}
+    policy = type(base)(**{**base.__dict__, "name": "gpt2-linear1d",
+                           "plan": {k: names.get(v, v) for k, v in base.plan.items()}})
+    booster = Booster(plugin=HybridParallelPlugin(tp_size=2, custom_policy=policy))
+    model, *_ = booster.boost(copy.deepcopy(ref))
+    path = os.path.join(tmp, "linear1d")
+    booster.save_model(model, path, shard=False)
+    saved = transformers.GPT2LMHeadModel.from_pretrained(path)
+    for name, p in ref.state_dict().items():
+        assert torch.equal(saved.state_dict()[name], p), f"saved {name}"
+    fresh, *_ = Booster(plugin=HybridParallelPlugin(tp_size=2, custom_policy=policy)).boost(
+        build_model("GPT2LMHeadModel", copy.deepcopy(config)))
+    booster.load_model(fresh, path)
+    for name, p in fresh.unwrap().named_parameters():
+        assert torch.equal(gathered(p), dict(ref.named_parameters())[name].detach()), f"loaded {name}"
+
+
 # -- (e) one-file saves at pp=2 -----------------------------------------------------------------------------------
 def _check_pipeline_single_files(rank: int, tmp: str) -> None:
     from safetensors.torch import load_file
@@ -260,6 +285,7 @@ def _body(rank: int, world: int, tmp: str) -> None:
     _check_sequence_keywords(rank)
     _check_lazy_shardformer(rank)
     _check_linear_1d(rank)
+    _check_linear_1d_checkpoints(rank, tmp)
     _check_pipeline_single_files(rank, tmp)
     _check_gemini_state_dicts(rank)
     _check_empty_chunks(rank)
