@@ -42,6 +42,7 @@ FLOORS = {
     "booster": 2, "fsdp": 2,                                        # peers; fsdp: the FSDP2 engine (distributed, optim)
     "plugins": 3,                                                   # composition only
     "testing": 4,                                                   # test support: nothing imports it
+    "post_training": 4,                                             # log-probs, references, preference losses on a boosted model
     "plan": 5,                                                      # the layout planner: plugins' rules; spawns
     "compat": 5,                                                    # ColossalAI's surface: nothing imports it
 }
