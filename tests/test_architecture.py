@@ -42,6 +42,7 @@ FLOORS = {
     "booster": 3, "fsdp": 3,                                        # peers; fsdp: the FSDP2 engine (distributed, optim)
     "plugins": 4,                                                   # composition only
     "testing": 5,                                                   # test support: nothing imports it
+    "post_training": 5,                                             # log-probs, references, preference losses on a boosted model
     "plan": 6,                                                      # the layout planner: plugins' rules; spawns
     "compat": 6,                                                    # ColossalAI's surface: nothing imports it
 }

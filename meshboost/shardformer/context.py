@@ -260,6 +260,11 @@ class ContextInputs:
         chunks = torch.arange(length, device=device).chunk(2 * self.size)
         return [torch.cat([chunks[r], chunks[2 * self.size - 1 - r]]) for r in range(self.size)]
 
+    def positions(self, length: int, device=None) -> torch.Tensor:
+        """The token indices of a length-`length` sequence that this rank holds, in the order of its piece
+        of the model's outputs (training; post_training reads its log-probs by them)."""
+        return self._pieces(length, device)[self.rank]
+
     def shard(self, kwargs: dict, training: bool = False) -> dict:
         """This rank's piece of `kwargs` (one replica's batch, whole on every cp rank), with the call's
         `ContextCall` under `CALL_KWARG` (the model passes it down to every attention call). `training`:
