@@ -41,6 +41,7 @@ from meshboost.plugins.shortcuts import config_from
 from meshboost.plugins.speed import apply_compile, apply_float8, to_device
 from meshboost.shardformer import (PipelineGradientCheckpointConfig, ShardConfig, ShardFormer, pipeline_layout,
                                    uses_causal_lm_loss)
+from meshboost.shardformer import packed_rows
 from meshboost.shardformer.context import ContextInputs, install
 from meshboost.shardformer.layers.expert_parallel import shard_expert_parallel_
 from meshboost.shardformer.lora_experts import shard_ep_adapters_
@@ -95,7 +96,7 @@ class HybridParallelModule(ModelWrapper):
             labels = kwargs.get("labels")
             if torch.is_tensor(labels) and kwargs.get("num_items_in_batch") is None:     # eval: the replica's own
                 kwargs["num_items_in_batch"] = count_items(labels, shifted=True) / self.mesh.cp_size
-            kwargs = self.context.shard(kwargs, self.training)
+            kwargs = self.context.shard(kwargs)
         output = self.module(*args, **kwargs)
         if self.context is not None:
             output = self.context.combine(output, kwargs, self.training)
@@ -282,7 +283,9 @@ class HybridParallelPlugin(Plugin):
             # wraps what the model runs now: check_model vetted its own implementation (`attention`), the
             # sharder's kernel switch may since have chosen SDPA (never one context parallelism cannot wrap)
             context = ContextInputs(install(hf, self.mesh.group("cp"), dims.cp, mode=dims.cp_mode),
-                                    self.mesh.cp_rank, hf.config)
+                                    self.mesh.cp_rank, hf)
+        # packed rows with the cache on attend across documents as transformers decides: say so once, at every layout
+        hf.register_forward_pre_hook(packed_rows.tell_hook, with_kwargs=True)
         router_group = self.mesh.dp_group if self.config.router_statistics == GLOBAL and self.mesh.dp_size > 1 else None
         if router_group is not None:
             loss_function(hf)                         # pure: a model without a router loss is refused here

@@ -211,6 +211,8 @@ def run(args, booster, model, optimizer, schedule, loader, mesh, device, logger,
             if step >= stop:
                 break
             batch = {k: v.to(device) for k, v in batch.items()}
+            if args.pack:       # no cache: transformers (and meshboost at every layout) then isolates the documents
+                batch["use_cache"] = False
             loss = train_loop.train_step(booster, model, optimizer, batch, mesh.pp_size)
             lr = schedule.get_last_lr()[0]
             schedule.step()
