@@ -49,14 +49,13 @@ def _too_long(ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, side:
     lengths = mask.sum(dim=1)
     labelled = labels != IGNORE_INDEX
     prompts = torch.where(labelled.any(dim=1), labelled.int().argmax(dim=1), lengths)
-    for row in range(ids.shape[0]):
-        if prompts[row] >= max_length:
-            return (f"the prompt of {side} row {row} holds {int(prompts[row])} tokens, the sequence limit "
-                    f"max_length={max_length}: no response token would fit. Drop the example or shorten the prompt "
-                    "(truncate it from the left) when the data is prepared")
-        if lengths[row] > max_length:
-            return (f"{side} row {row} holds {int(lengths[row])} tokens, past the sequence limit max_length={max_length}: "
-                    "truncate its response when the data is prepared (the log-prob of a cut sequence is another number)")
+    for row in (prompts >= max_length).nonzero().flatten().tolist():
+        return (f"the prompt of {side} row {row} holds {int(prompts[row])} tokens, the sequence limit "
+                f"max_length={max_length}: no response token would fit. Drop the example or shorten the prompt "
+                "(truncate it from the left) when the data is prepared")
+    for row in (lengths > max_length).nonzero().flatten().tolist():
+        return (f"{side} row {row} holds {int(lengths[row])} tokens, past the sequence limit max_length={max_length}: "
+                "truncate its response when the data is prepared (the log-prob of a cut sequence is another number)")
     return None
 
 

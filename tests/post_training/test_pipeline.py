@@ -8,17 +8,22 @@ logits), each against one process from the same weights and pairs over two SGD s
   reward, margin, accuracy and log-prob equal, on every rank (the metrics travel from the last stage); the second
   step's loss moves by more than that (SGD: a wrong gradient scale, e.g. a micro-batch counted twice, shows);
 - the forward-only log-probs of a micro-batch-laid batch equal the unsharded log_softmax gather, per sequence;
-- pair_batch(microbatches=M) keeps every pair in one micro-batch ([chosen; rejected] per block).
+- pair_batch(microbatches=M) keeps every pair in one micro-batch ([chosen; rejected] per block);
+- refused on every rank before any collective (the ranks still in step after): a prompt longer than the sequence
+  limit on one rank (`max_length`), a row past it, pairs that do not split into whole-pair micro-batches, a
+  reference boosted with another layout than the policy (tp2 x pp2 against pp2 x dp2) or not boosted at all under
+  pp, and pp x cp (the last stage would hold a piece of every sequence).
 One process group, the layouts looped inside."""
 
 import copy
 
+import pytest
 import torch
 
 from meshboost import Booster
 from meshboost.pipeline.config import PipelineConfig
 from meshboost.plugins import HybridParallelConfig, HybridParallelPlugin
-from meshboost.post_training import (boost_reference, pair_batch, pipeline_sequence_logprobs, preference_loss,
+from meshboost.post_training import (PreferenceBatchError, boost_reference, pair_batch, pipeline_sequence_logprobs, preference_loss,
                                      preference_step, sequence_logprobs)
 from meshboost.testing import spawn
 from meshboost.testing.models import VOCAB, build_model, tiny_config
@@ -132,7 +137,41 @@ def _check_paired(rank):
             _compare(_pipelined(objective, config, pairs, plugin_config), want, f"{objective} {what}")
 
 
+def _check_refusals(rank):
+    good = _pairs(5)
+    long_prompt = {**good, "chosen_labels": good["chosen_labels"].clone()}
+    long_prompt["chosen_labels"][1, :7] = -100                # a 7-token prompt, limit 6
+    bad = {"a prompt past the limit": (long_prompt, dict(max_length=6), "the prompt of chosen row 1 holds 7"),
+           "a row past the limit": (good, dict(max_length=6), "past the sequence limit max_length=6"),
+           "pairs that split a micro-batch": (good, dict(microbatches=3), "do not split into 3 pipeline")}
+    for culprit, (what, (batch, kwargs, text)) in enumerate(bad.items()):
+        with pytest.raises(PreferenceBatchError) as error:
+            pair_batch(batch if rank == culprit else _pairs(5), **(kwargs if rank == culprit else {}))
+        message = str(error.value)
+        assert (text in message) == (rank == culprit) and "every rank before any collective" in message, (what, message)
+    config = _config()
+    policy_booster = Booster(plugin=HybridParallelPlugin(LAYOUTS["pp2 dp2"]))
+    other = boost_reference(Booster(plugin=HybridParallelPlugin(LAYOUTS["pp2 tp2"])),
+                            build_model("LlamaForCausalLM", copy.deepcopy(config)))
+    policy = build_model("LlamaForCausalLM", copy.deepcopy(config))
+    model, optimizer, *_ = policy_booster.boost(policy, torch.optim.SGD(policy.parameters(), lr=LR))
+    rows = _replica(good, model.mesh.dp_rank, 2)
+    with pytest.raises(ValueError, match="boost_reference"):
+        preference_step(policy_booster, model, optimizer, rows, "dpo", reference=other)
+    with pytest.raises(ValueError, match="with pp_size=2 the reference must be boosted"):
+        preference_step(policy_booster, model, optimizer, rows, "dpo",
+                        reference=build_model("LlamaForCausalLM", copy.deepcopy(config)))
+    cp_booster = Booster(plugin=HybridParallelPlugin(HybridParallelConfig(
+        cp_size=2, pipeline=PipelineConfig(pp_size=2, num_microbatches=2))))
+    policy = build_model("LlamaForCausalLM", copy.deepcopy(config))
+    cp_model, cp_optimizer, *_ = cp_booster.boost(policy, torch.optim.SGD(policy.parameters(), lr=LR))
+    with pytest.raises(NotImplementedError, match="cp_size=2"):
+        preference_step(cp_booster, cp_model, cp_optimizer, good, "simpo")
+    pair_batch(good)             # every rank fine: nothing raised, and the ranks are still in step
+
+
 def _body(rank, world_size):
+    _check_refusals(rank)
     _check_layout_of_pairs(rank)
     _check_forward_logprobs(rank)
     _check_paired(rank)
