@@ -66,3 +66,27 @@ def preference_step(booster, model, optimizer, rows: dict, objective: str, refer
                           chosen_tokens_in_batch=chosen_tokens_in_batch, **hyper)
     booster.backward(out.loss, optimizer)
     return out
+
+
+def kto_step(booster, model, optimizer, batch: dict, kl_batch: dict, desirable: torch.Tensor, reference,
+             examples_in_batch=None, **hyper) -> PreferenceOutput:
+    """Forward and backward of KTO on this replica's unpaired `batch` (input_ids, attention_mask, labels), its
+    `desirable` flags and `kl_batch` (the mismatched prompt/completion rows of its KL estimate). reference: a
+    frozen reference boosted like the policy, or BASE (LoRA). Not under pipeline stages (refused)."""
+    from meshboost.post_training.objectives import kto_loss
+
+    if isinstance(model, HybridParallelModule) and model.pipeline is not None:
+        raise NotImplementedError("KTO with pp_size > 1 is not supported yet (its KL pass and loss would need the "
+                                  "pipeline's criterion): use pp_size=1, or a paired objective (dpo, ipo, simpo, orpo)")
+    if reference is None:
+        raise ValueError("KTO needs a reference: boost_reference(booster, model) or BASE (LoRA)")
+    check_reference(model, reference)
+    with adapters_disabled(model) if reference == BASE else torch.no_grad():
+        ref_model = model if reference == BASE else reference
+        ref, kl_ref = sequence_logprobs(ref_model, batch), sequence_logprobs(ref_model, kl_batch)
+    with torch.no_grad():
+        kl_policy = sequence_logprobs(model, kl_batch)
+    out = kto_loss(sequence_logprobs(model, batch), ref, desirable, kl_policy, kl_ref, group=dp_group_of(model),
+                   examples_in_batch=examples_in_batch, **hyper)
+    booster.backward(out.loss, optimizer)
+    return out
