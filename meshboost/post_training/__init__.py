@@ -6,8 +6,11 @@ from meshboost.post_training.batch import PreferenceBatchError, agree, pair_batc
 from meshboost.post_training.logprobs import (SequenceLogprobs, TokenLogprobs, sequence_logprobs, shifted_labels,
                                               token_logprobs)
 from meshboost.post_training.objectives import GlobalBatch, PreferenceOutput, dp_group_of, kto_loss, preference_loss
-from meshboost.post_training.reference import adapters_disabled, boost_reference
+from meshboost.post_training.pipeline import PairScorer, pipeline_sequence_logprobs
+from meshboost.post_training.reference import adapters_disabled, boost_reference, check_reference
+from meshboost.post_training.step import BASE, kto_step, preference_step
 
 __all__ = ["token_logprobs", "sequence_logprobs", "shifted_labels", "TokenLogprobs", "SequenceLogprobs", "pair_batch",
            "agree", "PreferenceBatchError", "preference_loss", "kto_loss", "GlobalBatch", "PreferenceOutput",
-           "dp_group_of", "boost_reference", "adapters_disabled"]
+           "dp_group_of", "boost_reference", "adapters_disabled", "check_reference", "PairScorer",
+           "pipeline_sequence_logprobs", "preference_step", "kto_step", "BASE"]

@@ -108,6 +108,13 @@ def token_logprobs(model: torch.nn.Module, batch: dict, entropy: bool = False) -
     if context is not None and model.training:          # this rank's piece of every sequence
         positions = context.positions(labels.shape[1], logits.device)
         target = target[:, positions]
+    return label_logprobs(logits, target, head, split, entropy, positions)
+
+
+def label_logprobs(logits: torch.Tensor, target: torch.Tensor, head, split: bool, entropy: bool = False,
+                   positions: torch.Tensor | None = None) -> TokenLogprobs:
+    """The log-prob of each (already shifted) `target` under `logits` [B, S, V or V/tp]: minus the vocab-parallel
+    cross-entropy when `split` (the logits are `head`'s vocab shard), else the ordinary one; -100 counts 0."""
     if logits.shape[:2] != target.shape:
         raise ValueError(f"the model returned logits {tuple(logits.shape)} for labels {tuple(target.shape)}")
     if split:

@@ -68,7 +68,8 @@ class PreferenceOutput:
     metrics: dict[str, float]         # global means: loss, rewards/chosen, rewards/rejected, margins, accuracies, logps
 
 
-def _terms(objective: str, chosen: SequenceLogprobs, rejected: SequenceLogprobs, ref, hyper: dict) -> L.PairTerms:
+def pair_terms(objective: str, chosen: SequenceLogprobs, rejected: SequenceLogprobs, ref, hyper: dict) -> L.PairTerms:
+    """`objective`'s per-pair terms; ref: the reference's (chosen, rejected), or None."""
     if objective in NEEDS_REFERENCE and ref is None:
         raise ValueError(f"objective {objective!r} needs the reference model's log-probs (reference=...)")
     if objective == "dpo":
@@ -82,6 +83,53 @@ def _terms(objective: str, chosen: SequenceLogprobs, rejected: SequenceLogprobs,
     raise ValueError(f"objective={objective!r}: one of {PAIRED} (KTO is unpaired: kto_loss)")
 
 
+def replica_share(objective: str, terms: L.PairTerms, chosen: SequenceLogprobs, pairs, chosen_tokens,
+                  size: int) -> torch.Tensor:
+    """This replica's share of the global loss from its own pairs: sum x dp / the global pair count (and, for
+    ORPO, minus its chosen log-probs x dp / the global chosen tokens: the SFT term's token mean)."""
+    loss = terms.losses.sum() * size / pairs
+    if objective == "orpo":
+        loss = loss - chosen.sums.sum() * size / chosen_tokens
+    return loss
+
+
+METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+           "logps/rejected")
+
+
+def metric_names(objective: str) -> tuple[str, ...]:
+    """The keys `pair_metrics` returns for `objective`, in order."""
+    return METRICS + (("nll",) if objective == "orpo" else ())
+
+
+def pair_metrics(objective: str, terms: L.PairTerms, chosen: SequenceLogprobs, rejected: SequenceLogprobs,
+                 batch: GlobalBatch, chosen_tokens=None) -> dict[str, float]:
+    """The logged global means: loss, rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies,
+    logps/chosen, logps/rejected (and ORPO's nll, in its loss)."""
+    named = {"loss": terms.losses.detach(), "rewards/chosen": terms.chosen_rewards,
+             "rewards/rejected": terms.rejected_rewards,
+             "rewards/margins": terms.chosen_rewards - terms.rejected_rewards,
+             "rewards/accuracies": (terms.chosen_rewards > terms.rejected_rewards).float(),
+             "logps/chosen": chosen.sums.detach(), "logps/rejected": rejected.sums.detach()}
+    metrics = batch.metrics(named)
+    if objective == "orpo":                 # the SFT term: the chosen tokens' NLL, a token mean of the global batch
+        sums = batch.totals(chosen.sums, chosen.counts)
+        tokens = chosen_tokens if chosen_tokens is not None else sums[1]
+        metrics["nll"] = (-sums[0] / tokens).item()
+        metrics["loss"] += metrics["nll"]
+    return metrics
+
+
+def global_counts(chosen: SequenceLogprobs, batch: GlobalBatch, pairs_in_batch=None, chosen_tokens_in_batch=None):
+    """(pairs, chosen tokens) of the global batch: the given counts of an accumulation window, else this
+    call's, all-reduced over the replicas (one all-reduce)."""
+    if pairs_in_batch is not None and chosen_tokens_in_batch is not None:
+        return pairs_in_batch, chosen_tokens_in_batch
+    totals = batch.totals(torch.tensor(float(chosen.sums.numel()), device=chosen.sums.device), chosen.counts)
+    return (pairs_in_batch if pairs_in_batch is not None else totals[0],
+            chosen_tokens_in_batch if chosen_tokens_in_batch is not None else totals[1])
+
+
 def preference_loss(objective: str, policy: SequenceLogprobs, reference: SequenceLogprobs | None = None,
                     group=None, pairs_in_batch=None, chosen_tokens_in_batch=None, **hyper) -> PreferenceOutput:
     """`objective`'s loss of a [chosen; rejected] batch (`pair_batch`) over the global batch. group: the
@@ -89,22 +137,11 @@ def preference_loss(objective: str, policy: SequenceLogprobs, reference: Sequenc
     accumulation window (default: this call's, all-reduced). hyper: the loss's beta, label_smoothing, gamma."""
     chosen, rejected = policy.halves()
     ref = reference.halves() if reference is not None else None
-    terms = _terms(objective, chosen, rejected, ref, hyper)
+    terms = pair_terms(objective, chosen, rejected, ref, hyper)
     batch = GlobalBatch(group)
-    loss = batch.mean(terms.losses, pairs_in_batch)
-    named = {"loss": terms.losses.detach(), "rewards/chosen": terms.chosen_rewards,
-             "rewards/rejected": terms.rejected_rewards,
-             "rewards/margins": terms.chosen_rewards - terms.rejected_rewards,
-             "rewards/accuracies": (terms.chosen_rewards > terms.rejected_rewards).float(),
-             "logps/chosen": chosen.sums.detach(), "logps/rejected": rejected.sums.detach()}
-    if objective == "orpo":                 # the SFT term: the chosen tokens' NLL, a token mean of the global batch
-        sums = batch.totals(chosen.sums, chosen.counts)
-        tokens = chosen_tokens_in_batch if chosen_tokens_in_batch is not None else sums[1]
-        loss = loss - chosen.sums.sum() * batch.size / tokens
-        metrics = batch.metrics(named) | {"nll": (-sums[0] / tokens).item()}
-        metrics["loss"] += metrics["nll"]
-        return PreferenceOutput(loss, metrics)
-    return PreferenceOutput(loss, batch.metrics(named))
+    pairs, tokens = global_counts(chosen, batch, pairs_in_batch, chosen_tokens_in_batch)
+    loss = replica_share(objective, terms, chosen, pairs, tokens, batch.size)
+    return PreferenceOutput(loss, pair_metrics(objective, terms, chosen, rejected, batch, tokens))
 
 
 def kto_loss(policy: SequenceLogprobs, reference: SequenceLogprobs, desirable: torch.Tensor,
