@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import inspect
 
 import torch
 import torch.nn as nn
@@ -45,6 +46,16 @@ from meshboost.shardformer import packed_rows
 from meshboost.shardformer.context import ContextInputs, install
 from meshboost.shardformer.layers.expert_parallel import shard_expert_parallel_
 from meshboost.shardformer.lora_experts import shard_ep_adapters_
+
+
+def positional_by_name(model: nn.Module, args: tuple) -> dict:
+    """Positional inputs of `model`'s forward under their parameter names (ColossalChat's trainers call
+    `model(input_ids, attention_mask=...)`)."""
+    params = list(inspect.signature(model.forward).parameters.values())[:len(args)]
+    if len(params) < len(args) or any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params):
+        raise TypeError(f"{type(model).__name__}.forward takes no {len(args)} named positional inputs; pass them "
+                        "by keyword (input_ids=..., attention_mask=...)")
+    return dict(zip((p.name for p in params), args))
 
 
 class HybridParallelModule(ModelWrapper):
@@ -93,6 +104,8 @@ class HybridParallelModule(ModelWrapper):
             elif self.mesh.dp_size > 1:        # the gradient reduction averages over the replicas
                 kwargs["num_items_in_batch"] = items / self.mesh.dp_size
         if self.context is not None:
+            if args:                           # model(input_ids, ...): the sequence split reads inputs by name
+                args, kwargs = (), {**positional_by_name(super().unwrap(), args), **kwargs}
             labels = kwargs.get("labels")
             if torch.is_tensor(labels) and kwargs.get("num_items_in_batch") is None:     # eval: the replica's own
                 kwargs["num_items_in_batch"] = count_items(labels, shifted=True) / self.mesh.cp_size
