@@ -24,7 +24,6 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from meshboost.distributed import shm
 from meshboost.distributed.launch import TIMEOUT_ENV, group_timeout
 from meshboost.distributed.profiling import record_collective, record_wait, timing_waits
 
@@ -61,8 +60,7 @@ def run_collective(op: str, group, call):
 # -- raw collectives (not differentiable) -----------------------------------------------------
 def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, out: torch.Tensor | None = None) -> torch.Tensor:
     """All-reduce of `tensor` over `group`, in place, or into `out` (a contiguous tensor like it; `tensor`
-    unchanged); returns the result. CPU tensors between ranks of one host go through shared memory (shm.py;
-    the all-gathers and reduce-scatters too), bitwise the backend's result at two ranks."""
+    unchanged); returns the result."""
     if dist.get_world_size(group) == 1:
         return tensor if out is None else out.copy_(tensor)
     record_collective("all_reduce", group, tensor)
@@ -71,12 +69,9 @@ def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, out: torch.Ten
 
 
 def _all_reduce(tensor: torch.Tensor, group, op, async_op: bool = False, out: torch.Tensor | None = None):
-    """The transport's all-reduce (into `out` when given): shared memory where it applies (when `async_op`,
-    a round published and read at its `wait()`; None when done on return), else the backend's on a copy
-    (its work handle when `async_op`)."""
-    taken, posted = shm.all_reduce(tensor, group, op, later=async_op, out=out)
-    if taken:
-        return posted
+    """The backend's all-reduce (into `out` when given, on a copy; its work handle when `async_op`): the one
+    transport call of every all-reduce here (benchmarks/comm_floor.py replaces it to time a step with free
+    communication)."""
     if out is not None:
         tensor = out.copy_(tensor)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
@@ -109,16 +104,12 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group) -> torch.Tens
 
 
 def _all_gather(out: torch.Tensor, shard: torch.Tensor, group) -> None:
-    """The transport's all-gather: shared memory where it applies (shm.py), else the backend's."""
-    if not shm.all_gather(out, shard, group):
-        _all_gather_single(out, shard, group=group)
+    """The backend's all-gather."""
+    _all_gather_single(out, shard, group=group)
 
 
 def _reduce_scatter(out: torch.Tensor, moved: torch.Tensor, group, async_op: bool = False):
-    """The transport's sum-reduce-scatter, as `_all_reduce`."""
-    taken, posted = shm.reduce_scatter(out, moved, group, later=async_op)
-    if taken:
-        return posted
+    """The backend's sum-reduce-scatter."""
     return _reduce_scatter_single(out, moved, group=group, async_op=async_op)
 
 
