@@ -16,8 +16,9 @@ in torch.distributed. Layers, optimizers and checkpoints call these and contain 
 collectives. A group of size 1 (or no process group) makes every function the identity.
 
 Any strided input or output is fine: the backends read and write a tensor's storage as if it were
-contiguous (gloo sums a transposed view's storage in the wrong places and says nothing), so what
-reaches them is always a contiguous tensor, copied from and back into a view where needed.
+contiguous (gloo's all-reduce of `t[:, ::2]` sums elements outside the view and says nothing; NCCL
+refuses it), so what reaches them is always a contiguous tensor, copied from and back into a view where
+needed.
 """
 
 from __future__ import annotations
