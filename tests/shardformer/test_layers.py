@@ -203,18 +203,15 @@ def _overlap_body(rank, world):
     """The block's input-gradient collective runs asynchronously behind the weight gradients of the
     columns reading that input (q/k/v, gate/up; c_attn, c_fc): with and without sequence parallelism,
     the input and weight gradients equal the unsharded layer's, the collectives are the same (calls and
-    bytes), and the asynchronous ones were in flight while the weight gradients were computed. On gloo's
-    sockets (the transport that runs on its own threads, as NCCL runs on its own stream) and on the same-host
-    shared memory (distributed/shm.py: published at issue, read at wait())."""
-    from meshboost.distributed import shm
+    bytes), and the asynchronous ones were in flight while the weight gradients were computed (gloo runs them
+    on its own threads, as NCCL runs them on its own stream)."""
     from meshboost.distributed.profiling import wait_timer
     from meshboost.shardformer import ShardConfig, ShardFormer
     from meshboost.testing.models import build_model, tiny_config
 
-    for (cls, family), sp, on_shm in itertools.product((("BertModel", "bert"), ("LlamaModel", "llama"),
-                                                        ("GPT2Model", "gpt2")), (False, True), (False, True)):
-        where = f"{cls} sp={sp} shm={on_shm}"
-        shm.configure(on_shm)
+    for (cls, family), sp in itertools.product((("BertModel", "bert"), ("LlamaModel", "llama"),
+                                                ("GPT2Model", "gpt2")), (False, True)):
+        where = f"{cls} sp={sp}"
         config = tiny_config(family, num_hidden_layers=2)
         model = build_model(cls, config)
         ref = copy.deepcopy(model)
