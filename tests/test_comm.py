@@ -177,10 +177,23 @@ def _differentiable(rank: int, group) -> None:
             assert torch.equal(y, y_ref), f"{where}: forward"
             gradient = _values(rank, tuple(y.shape), salt=19)
             y.backward(_view(gradient, layout)[1])
-            y_ref.backward(gradient.clone())           # copy_to_tp sums the gradient it is given in place
+            y_ref.backward(gradient)
             expected = torch.zeros_like(base)
             _view_of(expected, layout).copy_(contiguous.grad)
             assert torch.equal(base.grad, expected), f"{where}: input gradient"
+
+
+def _sibling_gradient(rank: int, group) -> None:
+    """copy_to_tp's backward sums the tp gradient out of place: a sibling branch that receives the same
+    upstream gradient buffer (y = r + f(x), r = w * x) keeps its own gradient (an in-place sum doubled w's)."""
+    w = torch.ones(3, requires_grad=True)
+    x = torch.full((3,), float(rank + 1))
+    y = w * x + comm.copy_to_tp(w * x, group)
+    gradient = torch.ones(3)
+    y.backward(gradient)
+    # d/dw of w*x (this rank's own branch, summed nowhere) + the all-reduced d/dw through f: x + sum of ones * x
+    assert torch.equal(w.grad, x + 2 * x), (rank, w.grad)
+    assert torch.equal(gradient, torch.ones(3)), "the upstream gradient was changed in place"
 
 
 def _refused(rank: int, group) -> None:
@@ -209,6 +222,7 @@ def _body(rank: int, world: int) -> None:
     _out_of_place(rank, group)
     _flat(rank, group)
     _differentiable(rank, group)
+    _sibling_gradient(rank, group)
     _refused(rank, group)
 
 

@@ -295,7 +295,8 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce(grad.contiguous(), ctx.group), None
+        # out of place: autograd may hand the same gradient buffer to another consumer (x + f(x))
+        return all_reduce(grad, ctx.group, out=torch.empty_like(grad, memory_format=torch.contiguous_format)), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
