@@ -14,7 +14,8 @@
   whole logits' gradient (zero on the padding); whole logits at tp=2 (a model in eval) give the same numbers;
   vocab_size=None on a shard, a width that is neither, and context parallelism are refused;
 - at cp=2 x dp=2 (ColossalChat's sp_all_to_all) a boosted model called as coati's trainers call it,
-  `model(input_ids, attention_mask=..., labels=...)`, gives the loss of the keyword call, and the replicas' mean is one process's;
+  `model(input_ids, attention_mask=..., labels=...)`, gives the loss of the keyword call, and the replicas' mean is
+  one process's;
 - at tp=2 x dp=2 a module of the script's own around a transformers base model (train_rm.py's RewardModel: the
   base model under `model`, a value head beside it, `custom_policy=get_autopolicy(model.model)`) is sharded
   inside; its values before and after one AdamW step equal one process's.

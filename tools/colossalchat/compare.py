@@ -27,7 +27,8 @@ def steps(prefix: Path) -> list[float]:
 
 def main(folder: Path) -> None:
     names = sorted({p.name.rsplit(".", 1)[0] for p in folder.iterdir()})
-    print("| script | plugin | processes | steps | first loss | last loss | max abs. diff vs 1 process | max rel. diff |")
+    print("| script | plugin | processes | steps | first loss | last loss | max abs. diff vs 1 process "
+          "| max rel. diff |")
     print("|---|---|---|---|---|---|---|---|")
     for name in names:
         script, plugin, n = name.rsplit("-", 2)
