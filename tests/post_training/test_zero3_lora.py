@@ -25,7 +25,7 @@ from meshboost.post_training import (BASE, boost_reference, pair_batch, preferen
 from meshboost.testing import spawn
 from meshboost.testing.models import tiny_config
 
-from tests.post_training.test_pipeline import HYPER, LR, STEPS, _compare, _pairs, _replica
+from tests.post_training.test_preference_pipeline import HYPER, LR, STEPS, _compare, _pairs, _replica
 
 peft = pytest.importorskip("peft")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
