@@ -9,10 +9,11 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.distributed as dist
 
 from meshboost.distributed.param_info import gather_tensor, get_tp_info
 from meshboost.shardformer import ShardConfig, ShardFormer
-from meshboost.testing.models import build_model, tiny_batch, tiny_config
+from meshboost.testing.models import build_model, tiny_batch, tiny_config, vocab_edge_batch
 from meshboost.testing.tolerance import LOSS_ATOL, assert_close
 
 
@@ -38,19 +39,21 @@ def gathered(param: torch.Tensor, tensor: torch.Tensor | None = None) -> torch.T
 
 def check_tp_equivalence(class_name: str, family: str, group, lr: float = 1e-3, shard_options: dict | None = None,
                          attention: str | None = None, device: torch.device | str | None = None,
-                         **config_overrides) -> dict:
+                         vocab_edges: bool = False, **config_overrides) -> dict:
     """Assert that `class_name` sharded over `group` matches the unsharded model (fp32). Returns
     the measured maxima for reporting. shard_options: more `ShardConfig` fields (kernel switches);
     attention: both models start with this attention implementation (e.g. "eager", so that
     `enable_flash_attention` is what switches the sharded one); device: where both models and the
-    batch live (None: where they are built, the CPU)."""
+    batch live (None: where they are built, the CPU); vocab_edges: the batch's ids and labels are
+    every vocabulary shard's first and last id (`vocab_edge_batch`) instead of `tiny_batch`'s."""
     config = tiny_config(family, **config_overrides)
     ref = build_model(class_name, copy.deepcopy(config), seed=0)
     par = build_model(class_name, copy.deepcopy(config), seed=0)
     if attention is not None:
         ref.set_attn_implementation(attention)
         par.set_attn_implementation(attention)
-    batch = tiny_batch(class_name, config)
+    batch = vocab_edge_batch(class_name, config, dist.get_world_size(group)) if vocab_edges \
+        else tiny_batch(class_name, config)
     if device is not None:             # NCCL needs the tensors on the GPU
         ref.to(device), par.to(device)
         batch = {k: v.to(device) for k, v in batch.items()}
