@@ -4,8 +4,8 @@ unsharded global gradient norm (fp32 within 1e-5) at dp=2 and tp=2 x dp=2; fp16 
 rank makes every rank skip with weights bitwise unchanged and the scale backed off per
 hysteresis, also when the inf sits in one rank's gradient shard after the backward (a tp shard,
 a reduced ZeRO-1/2 partition, a stage's own weight at pp=2 x dp=2), where only the verdict agreed
-over every rank of the step reaches the others; no_sync accumulation equals one combined-batch step; optimizer state round trip;
-per-rank memory within 3% of 2Psi/tp + 2Psi/tp + 12Psi/(tp*dp)."""
+over every rank of the step reaches the others; no_sync accumulation equals one combined-batch
+step; optimizer state round trip; per-rank memory within 3% of 2Psi/tp + 2Psi/tp + 12Psi/(tp*dp)."""
 
 import contextlib
 import copy
