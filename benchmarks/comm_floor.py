@@ -3,12 +3,12 @@
     python benchmarks/comm_floor.py --model llama,gpt2,bert --steps 12
 
 One 2-process group per model; each round, step by step in the same processes: plain PyTorch (rank 0
-computes, rank 1 waits at the barrier), meshboost tp=2 (its CPU all-reduces through shared memory),
-tp=2 with them on gloo's sockets, and tp=2 with every all-reduce skipped: timing only, its numbers
-are wrong (each rank keeps its partial sums) but it does every FLOP of the step, so its time is what
-tp=2 would take with free, perfectly synchronised communication. Prints the median of per-round
-ratios to plain (the paired ratio `train_step.py` prints) and how much of plain's step each
-transport's communication costs. Same models, sizes and data as train_step.py (benchmarks/models.py).
+computes, rank 1 waits at the barrier), meshboost tp=2 (its all-reduces on the backend: gloo's sockets
+on CPU, NCCL on CUDA), and tp=2 with every all-reduce skipped: timing only, its numbers are wrong
+(each rank keeps its partial sums) but it does every FLOP of the step, so its time is what tp=2 would
+take with free, perfectly synchronised communication. Prints the median of per-round ratios to plain
+(the paired ratio `train_step.py` prints) and how much of plain's step the communication costs. Same
+models, sizes and data as train_step.py (benchmarks/models.py).
 """
 
 from __future__ import annotations
@@ -34,14 +34,13 @@ from benchmarks.models import FAMILIES, ModelSpec
 from benchmarks.runners import CONFIGS, make_runner
 from meshboost.testing.spawn import free_port
 
-ROWS = ("plain", "tp=2", "tp=2 on gloo sockets", "tp=2, all-reduces skipped")
+ROWS = ("plain", "tp=2", "tp=2, all-reduces skipped")
 
 
 @contextlib.contextmanager
 def _transport(row: str):
-    from meshboost.distributed import comm, shm
+    from meshboost.distributed import comm
 
-    previous = shm.configure(False) if row == "tp=2 on gloo sockets" else None
     real = comm._all_reduce
     if row == "tp=2, all-reduces skipped":
         comm._all_reduce = _skipped
@@ -49,14 +48,10 @@ def _transport(row: str):
         yield
     finally:
         comm._all_reduce = real
-        if previous is not None:
-            shm.configure(previous)       # MESHBOOST_CPU_SHM=0 keeps the other rows on gloo too
 
 
-def _skipped(tensor, group, op, async_op=False, out=None):
+def _skipped(tensor, group, op, async_op=False):
     """No transport: the result keeps this rank's part."""
-    if out is not None:
-        out.copy_(tensor)
 
 
 def _step(runner) -> float:
@@ -110,16 +105,14 @@ def main(argv=None) -> None:
         mp.start_processes(_worker, args=(free_port(), [s.as_dict() for s in specs], args.warmup, args.steps, out),
                            nprocs=2, join=True, start_method="spawn")
         results = dict(out)
-    print(f"{'model':<7} " + "  ".join(f"{row + ' ms':>27}" for row in ROWS) + "   tp=2 / plain: shm  gloo  skipped"
-          "   communication, share of plain: shm  gloo")
+    print(f"{'model':<7} " + "  ".join(f"{row + ' ms':>27}" for row in ROWS) + "   tp=2 / plain  skipped / plain"
+          "   communication, share of plain")
     for spec in specs:
         t = results[spec.family]
         ratio = {row: statistics.median(a / b for a, b in zip(t[row], t["plain"])) for row in ROWS}
         print(f"{spec.family:<7} " + "  ".join(f"{1e3 * statistics.median(t[row]):>27.1f}" for row in ROWS)
-              + f"   {ratio['tp=2']:>17.3f} {ratio['tp=2 on gloo sockets']:>5.3f}"
-              + f" {ratio['tp=2, all-reduces skipped']:>8.3f}"
-              + f"   {ratio['tp=2'] - ratio['tp=2, all-reduces skipped']:>37.3f} "
-                f"{ratio['tp=2 on gloo sockets'] - ratio['tp=2, all-reduces skipped']:>5.3f}")
+              + f"   {ratio['tp=2']:>12.3f} {ratio['tp=2, all-reduces skipped']:>16.3f}"
+              + f"   {ratio['tp=2'] - ratio['tp=2, all-reduces skipped']:>30.3f}")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ class ConfigSpec:
     zero_stage: int = 0
     solo: bool = False   # one process's run placed in a larger group: rank 0 computes, the others idle at the
                          # step barrier, so it takes turns step by step with that group's configurations
-    sockets: bool = False   # meshboost's CPU all-reduces on gloo's sockets, as DTensor's, not shared memory
 
     @property
     def dp(self) -> int:
@@ -43,7 +42,6 @@ CONFIGS = {c.key: c for c in (
     ConfigSpec("plain", "plain PyTorch", "plain", 1),
     ConfigSpec("tp1", "meshboost tp=1", "meshboost", 1, tp=1),
     ConfigSpec("tp2", "meshboost tp=2", "meshboost", 2, tp=2),
-    ConfigSpec("tp2gloo", "meshboost tp=2 (gloo sockets)", "meshboost", 2, tp=2, sockets=True),
     ConfigSpec("dtensor", "DTensor tp=2", "dtensor", 2, tp=2),
     ConfigSpec("plain2", "plain PyTorch (in the tp=2 group)", "plain", 2, solo=True),
     ConfigSpec("dp2", "meshboost tp=2 dp=2", "meshboost", 4, tp=2),
@@ -110,30 +108,6 @@ class MeshboostRunner(Runner):
 
     def _backward(self, loss) -> None:
         self.booster.backward(loss, self.optimizer)
-
-    def forward_backward(self) -> float:
-        with _transport(self.config):
-            return super().forward_backward()
-
-    def optimizer_step(self) -> None:
-        with _transport(self.config):
-            super().optimizer_step()
-
-
-@contextlib.contextmanager
-def _transport(config: ConfigSpec):
-    """A `sockets` configuration's steps keep every CPU all-reduce on gloo (launch(cpu_shared_memory=False)
-    for a whole run); the other configurations of the same processes keep shared memory."""
-    from meshboost.distributed import shm
-
-    if not config.sockets:
-        yield
-        return
-    previous = shm.configure(False)
-    try:
-        yield
-    finally:
-        shm.configure(previous)       # MESHBOOST_CPU_SHM=0 keeps every row on gloo
 
 
 class DTensorRunner(Runner):

@@ -32,16 +32,15 @@ from benchmarks.runners import CONFIGS
 from benchmarks.theory import dp_comm_theory, memory_theory, tp_comm_theory
 from meshboost.testing.spawn import free_port
 
-DEFAULT_CONFIGS = "plain,tp1,tp2,tp2gloo,dtensor,plain2,dp2,zero1"
+DEFAULT_CONFIGS = "plain,tp1,tp2,dtensor,plain2,dp2,zero1"
 LEGEND = """\
 step/fwd+bwd/optim ms: median over timed steps of the slowest rank; cpu ms: CPU time of the busiest rank (the work,
   whatever the scheduler granted). x plain, x DTensor: step-time ratio (< 1 is faster);
-  only pairs sharing processes are interleaved step by step (plain<->tp=1, tp=2 (both transports)<->DTensor,
-  dp=2<->ZeRO-1): trust those. meshboost's CPU all-reduces between ranks of one host go through shared memory
-  (meshboost/distributed/shm.py); "(gloo sockets)" rows keep them on gloo, as DTensor's are: the like-for-like pair.
+  only pairs sharing processes are interleaved step by step (plain<->tp=1, tp=2<->DTensor, dp=2<->ZeRO-1): trust
+  those. meshboost and DTensor use the same transport (gloo on CPU, NCCL on CUDA): tp=2 / DTensor is like for like.
 tp calls / MB / meas/theory: forward+backward, rank 0, ring bytes sent; theory = Megatron (benchmarks/theory.py).
 dp: gradient reduction (DDP hook in backward, ZeRO in the step). step comm: collectives of the optimizer step.
-wire/ring: bytes this rank really wrote to its sockets / ring bytes counted (about 0 where shared memory carried them).
+wire/ring: bytes this rank really wrote to its sockets / ring bytes counted (about 1 on gloo; 0 on NCCL's GPU links).
 (!): a collective bypassed record_collective
   (the dispatcher witness saw more; JSON witness_*). Memory: max over ranks; weights and grads after backward,
   masters and optimizer states after the step."""
@@ -222,8 +221,7 @@ def format_summary(records: list[dict]) -> str:
     run has them, and each row's time in collectives."""
     by_key = {r["key"]: r for r in records if not r.get("skipped")}
     lines = []
-    for key, name in (("tp2", "vs_dtensor"), ("tp2gloo", "vs_dtensor"), ("tp2", "vs_plain"), ("tp2gloo", "vs_plain"),
-                      ("tp1", "vs_plain")):
+    for key, name in (("tp2", "vs_dtensor"), ("tp2", "vs_plain"), ("tp1", "vs_plain")):
         r = by_key.get(key)
         if r is not None and r.get(name) is not None:
             other = "DTensor tp=2" if name == "vs_dtensor" else \

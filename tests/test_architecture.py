@@ -37,13 +37,14 @@ mirror_file = _load_paths_rule().mirror_file
 
 FLOORS = {
     "distributed": 0,                                               # the ground floor
-    "shardformer": 1, "pipeline": 1, "optim": 1, "checkpoint": 1,   # peers: none imports another
     "lazy": 1,                                                      # LazyInitContext: init on meta, per unit
-    "booster": 2, "fsdp": 2,                                        # peers; fsdp: the FSDP2 engine (distributed, optim)
-    "plugins": 3,                                                   # composition only
-    "testing": 4,                                                   # test support: nothing imports it
-    "plan": 5,                                                      # the layout planner: plugins' rules; spawns
-    "compat": 5,                                                    # ColossalAI's surface: nothing imports it
+    "shardformer": 2, "pipeline": 2, "optim": 2, "checkpoint": 2,   # peers: none imports another
+    "booster": 3, "fsdp": 3,                                        # peers; fsdp: the FSDP2 engine (distributed, optim)
+    "plugins": 4,                                                   # composition only
+    "testing": 5,                                                   # test support: nothing imports it
+    "post_training": 5,                                             # log-probs, references, preference losses on a boosted model
+    "plan": 6,                                                      # the layout planner: plugins' rules; spawns
+    "compat": 6,                                                    # ColossalAI's surface: nothing imports it
 }
 MAX_LINES = 400         # a file: one reader's sitting (split by concern before it fills)
 MAX_FUNCTION_LINES = 80  # a function: one screen
@@ -296,3 +297,43 @@ if __name__ == "__main__":
             print(f"FAIL {test.__name__}: {e}")
     print("ok: no arrow up, no cycle" if not failures else f"{failures} check(s) failed")
     sys.exit(1 if failures else 0)
+
+
+# the mesh dimensions the data-parallel axis unfolds into: only dims.py says which stand behind which axis
+DP_DIMENSIONS = {"dp", "edp", "ep", "dp_replicate", "dp_shard", "edp_shard"}
+LAYOUT_ALGEBRA = "meshboost.distributed.dims"
+# who may read the dims' raw dimension names: the mesh builder, to name the DeviceMesh's dimensions
+RAW_DIMENSION_READERS = {("meshboost.distributed.mesh", "__init__"), ("meshboost.distributed.mesh", "_timeout_override")}
+
+
+def _axis_map_entries(node: ast.Dict) -> list[str]:
+    """The entries of dict literal `node` that map a data-parallel axis to a tuple of other dp dimensions."""
+    out = []
+    for key, value in zip(node.keys, node.values):
+        if isinstance(key, ast.Constant) and key.value in DP_DIMENSIONS and isinstance(value, (ast.Tuple, ast.List)):
+            named = {e.value for e in value.elts if isinstance(e, ast.Constant)} & DP_DIMENSIONS
+            if named - {key.value}:
+                out.append(f"{key.value!r} -> {sorted(named)}")
+    return out
+
+
+def test_only_dims_maps_logical_axes_to_mesh_dimensions():
+    """The layout algebra is written once (distributed/dims.py, issue 57): no other module holds an axis
+    map ("dp" -> ("edp", "ep")), and only the mesh builder reads the dims' raw dimension names (`mesh_axes`,
+    to name the DeviceMesh's); everyone else asks for logical axes (`mesh.group("dp")`,
+    `dims.groups("edp")`, `dims.mesh_dims(...)`)."""
+    bad = []
+    for name, path in _modules().items():
+        if name == LAYOUT_ALGEBRA:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for function in [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))]:
+            scope = getattr(function, "name", None)
+            body = function.body if isinstance(function, ast.Module) else [function]
+            for node in (n for b in body for n in ast.walk(b)):
+                if isinstance(node, ast.Dict) and _axis_map_entries(node):
+                    bad.append(f"{name}:{node.lineno} maps axes to mesh dimensions: {_axis_map_entries(node)}")
+                if (isinstance(node, ast.Attribute) and node.attr == "mesh_axes" and scope is not None
+                        and (name, scope) not in RAW_DIMENSION_READERS):
+                    bad.append(f"{name}:{node.lineno} ({scope}) reads mesh_axes: ask dims.mesh_dims / dims.groups")
+    assert not bad, "layout algebra outside distributed/dims.py:\n" + "\n".join(sorted(set(bad)))

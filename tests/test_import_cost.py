@@ -30,6 +30,10 @@ def test_import_meshboost_loads_no_model_family():
     assert families == [], f"import meshboost imported transformers model families: {families[:10]}"
     heavy = sorted(loaded & {"transformers.modeling_utils", "torch.distributed.tensor", "peft", "torchao"})
     assert heavy == [], f"import meshboost imported {heavy}"
+    # docs/colossalai.md says so (it once said the opposite, issue 56 item 10): no transformers module at all
+    assert sorted(m for m in loaded if m.split(".")[0] == "transformers") == []
+    assert "`import meshboost` itself imports no transformers module at all" in \
+        " ".join((ROOT / "docs" / "colossalai.md").read_text().split())
 
 
 def test_family_tables_load_on_lookup():

@@ -171,7 +171,7 @@ class Booster:
     def save_optimizer(self, optimizer, checkpoint: str, shard: bool = False, gather_dtensor: bool = True,
                        prefix: str | None = None, size_per_shard: int = 1024, use_async: bool = False) -> None:
         """Save optimizer states keyed by parameter name as full tensors (loads at any layout). shard=False:
-        one file; shard=True: a folder with an index (needed with pipeline stages). use_async: as in
+        one file (over pipeline stages too); shard=True: a folder with an index. use_async: as in
         save_model (written before returning)."""
         _check_flag("use_async", use_async)
         checkpoint_io.save_boosted_optimizer(optimizer, checkpoint, shard, gather_dtensor, prefix, size_per_shard,

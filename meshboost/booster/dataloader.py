@@ -1,7 +1,8 @@
 """Data-parallel DataLoaders that can resume mid-epoch: every plugin samples over its mesh's dp
 axis only.
 
-Owns: `ResumableSampler` (torch's DistributedSampler that can skip the first samples of an epoch)
+Owns: `ResumableSampler` (torch's DistributedSampler that can skip the first samples of an epoch;
+`set_start_index` is ColossalAI's examples' name for that skip)
 and `ResumableDataLoader` (counts the batches it has handed out this epoch; `state_dict` /
 `load_state_dict` carry the epoch and the *global* sample position into a training checkpoint).
 The count is taken where the user receives a batch, so worker prefetching never makes it run ahead.
@@ -53,6 +54,13 @@ class ResumableSampler(DistributedSampler):
 
     def __len__(self) -> int:
         return max(super().__len__() - self.skip, 0)
+
+    def set_start_index(self, start_index: int) -> None:
+        """ColossalAI examples' `StatefulDistributedSampler.set_start_index`: the next iteration (of this
+        epoch) starts after the first `start_index` samples of this replica's own share."""
+        if not isinstance(start_index, int) or start_index < 0:
+            raise ValueError(f"set_start_index({start_index!r}): a count of this replica's samples, an int >= 0")
+        self.skip = start_index
 
 
 class ResumableDataLoader(DataLoader):
@@ -122,12 +130,14 @@ class ResumableDataLoader(DataLoader):
 
 def build_dataloader(dataset: Dataset, batch_size: int, num_replicas: int, rank: int, shuffle: bool = False,
                      seed: int = 1024, drop_last: bool = False, pin_memory: bool = False, num_workers: int = 0,
-                     **kwargs) -> DataLoader:
+                     sampler_cls=None, **kwargs) -> DataLoader:
     """A DataLoader whose DistributedSampler splits `dataset` over `num_replicas` (the data-parallel
     replicas only: tensor- and pipeline-parallel ranks of one replica get the same samples).
 
     `set_epoch` on `loader.sampler` reshuffles per epoch, as with torch's DistributedSampler; the
     loader's position is saved by `booster.save_checkpoint(..., dataloader=loader)`.
+    `sampler_cls`: the caller's own sampler class instead, built as ColossalAI's prepare_dataloader builds
+    it (`sampler_cls(dataset, num_replicas=, rank=, shuffle=)`, nothing else passed), under a plain DataLoader.
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be a positive integer")
@@ -135,14 +145,22 @@ def build_dataloader(dataset: Dataset, batch_size: int, num_replicas: int, rank:
         if forbidden in kwargs:
             raise ValueError(f"prepare_dataloader builds its own data-parallel sampler and generator (seeded from "
                              f"seed=); do not pass {forbidden}=")
+    if sampler_cls is not None and not callable(sampler_cls):
+        raise TypeError(f"distributed_sampler_cls={sampler_cls!r} must be a sampler class (called as "
+                        "cls(dataset, num_replicas=, rank=, shuffle=))")
     size = len(dataset) if hasattr(dataset, "__len__") else None
     if size is not None and size < num_replicas:
         effect = "some replicas get no sample" if drop_last else "samples are repeated to give every replica one"
         warnings.warn(f"the dataset has {size} samples for {num_replicas} data-parallel replicas: {effect}; use a "
                       "larger dataset or fewer data-parallel ranks", stacklevel=3)
+    worker_init_fn = _seed_worker(seed + rank * max(num_workers, 1))
+    if sampler_cls is not None:
+        sampler = sampler_cls(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle)
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, pin_memory=pin_memory,
+                          num_workers=num_workers, worker_init_fn=worker_init_fn,
+                          generator=torch.Generator().manual_seed(seed), **kwargs)
     sampler = ResumableSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
                                drop_last=drop_last)
     return ResumableDataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
                                pin_memory=pin_memory, num_workers=num_workers, seed=seed,
-                               worker_init_fn=_seed_worker(seed + rank * max(num_workers, 1)),
-                               generator=torch.Generator(), **kwargs)
+                               worker_init_fn=worker_init_fn, generator=torch.Generator(), **kwargs)

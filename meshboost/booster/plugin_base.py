@@ -34,7 +34,7 @@ class Plugin(ABC):
             raise RuntimeError(f"{type(self).__name__}: torch.distributed is not initialised; call "
                                "meshboost.launch_from_torch() (or meshboost.launch) before building the plugin")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.mesh = ParallelMesh(tp_size=1, pp_size=1)
+        self.mesh = ParallelMesh()
 
     @abstractmethod
     def configure(self, model: nn.Module, optimizer: Optimizer | None = None, criterion: Callable | None = None,
@@ -49,16 +49,16 @@ class Plugin(ABC):
                            drop_last: bool = False, pin_memory: bool = False, num_workers: int = 0,
                            distributed_sampler_cls=None, **kwargs) -> DataLoader:
         """A DataLoader that gives each data-parallel replica its own samples (tensor- and
-        pipeline-parallel ranks of one replica get the same ones)."""
-        if distributed_sampler_cls is not None:
-            raise NotImplementedError(
-                f"prepare_dataloader(distributed_sampler_cls={getattr(distributed_sampler_cls, '__name__', '?')}) "
-                "is not supported: meshboost's loader samples over the data-parallel ranks with its own resumable "
-                "sampler (its position is saved by booster.save_checkpoint(..., dataloader=loader)); drop the "
-                "argument, or build your own DataLoader with sampler rank plugin.mesh.dp_rank of plugin.dp_size")
+        pipeline-parallel ranks of one replica get the same ones).
+
+        `distributed_sampler_cls` (ColossalAI's argument): a sampler class built as ColossalAI builds it,
+        `cls(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle)` (its own default seed, as there),
+        so a class of the script's own (ColossalChat's `StatefulDistributedSampler`) keeps its methods; the
+        loader is then a plain DataLoader and that sampler owns resumption. Without it, meshboost's resumable
+        loader (`booster.save_checkpoint(..., dataloader=loader)`; `loader.sampler.set_start_index`)."""
         mesh = self._own_mesh("prepare_dataloader")
         return build_dataloader(dataset, batch_size, mesh.dp_size, mesh.dp_rank, shuffle, seed, drop_last,
-                                pin_memory, num_workers, **kwargs)
+                                pin_memory, num_workers, sampler_cls=distributed_sampler_cls, **kwargs)
 
     def _own_mesh(self, what: str) -> ParallelMesh:
         """The plugin's mesh, or an error naming the fix for a subclass that built none."""

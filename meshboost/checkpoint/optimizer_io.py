@@ -8,11 +8,12 @@ entry into the loading optimizer's layout. Must not know where an optimizer keep
 optimizer does) nor how a save is staged and committed (`writer.py`).
 
 On disk (written atomically by the writer):
-  shard=False: one torch file at `checkpoint` {"format", "state": {name: entry}, "extra": {...}}.
+  shard=False: one torch file at `checkpoint` {"format", "state": {name: entry}, "extra": {...}}; over
+               pipeline stages each stage stages its entries and global rank 0 writes the one file.
   shard=True:  a folder: optimizer-0000k-of-0000N.bin ({name: entry}), optimizer.groups.bin (the
                "extra" part) and optimizer.index.json {"format", "weight_map": name -> file,
-               "param_groups": "optimizer.groups.bin"}. Pipeline stages (shard=True only) each
-               write their own files; global rank 0 merges the stages' extras.
+               "param_groups": "optimizer.groups.bin"}. Pipeline stages each write their own files;
+               global rank 0 merges the stages' extras.
 "extra" = the optimizer's meta (format, param groups with params by name, loss-scaler state) plus
 "aliases" (every name a parameter goes by -> the name it is saved under). The optimizer checks the
 format when it imports.
@@ -25,6 +26,7 @@ import os
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from meshboost.checkpoint.atomic import recover
@@ -56,12 +58,15 @@ def save_optimizer(optimizer, model: nn.Module, checkpoint: str, shard: bool = F
     if prefix and not shard:
         raise ValueError(f"prefix={prefix!r} names shard files; it only applies with shard=True")
     roles = save_roles(mesh)
-    if roles.num_stages > 1 and not shard:
-        raise NotImplementedError(f"save_optimizer(shard=False) with pp_size={roles.num_stages}: each pipeline stage "
-                                  "writes its own files; use shard=True")
     names = ParamNames(model)
     key_of = names.key_of(_trained(optimizer))
     extra = {**optimizer.export_meta(key_of), "aliases": names.aliases()}
+    if roles.num_stages > 1 and not shard:
+        # one file over pipeline stages (ColossalAI's): its extra lists every stage's parameters, so every rank
+        # learns the others' now (one all-gather of small dicts); rank 0 merges the stages' entries
+        every = [None] * dist.get_world_size(roles.group)
+        dist.all_gather_object(every, (roles.stage, extra), group=roles.group)
+        extra = _merge_extras([e for _, e in sorted(every, key=lambda se: se[0])])
 
     def write_file(entries: dict, path: str) -> None:
         _write_file(entries if shard else {"format": extra.get("format"), "state": entries, "extra": extra}, path)
@@ -69,7 +74,7 @@ def save_optimizer(optimizer, model: nn.Module, checkpoint: str, shard: bool = F
     writer = CheckpointWriter(
         checkpoint, roles, shard=shard, as_file=not shard, size_per_shard_mb=size_per_shard,
         shard_name=lambda k, total: f"{prefix + '-' if prefix else ''}optimizer-{k:05d}-of-{total:05d}.bin",
-        write_file=write_file, what="save_optimizer")
+        write_file=write_file, read_file=_read_entries, what="save_optimizer")
     try:
         for key, entry in optimizer.export_state(key_of, replica0_only=True):
             if entry is not None:
@@ -81,14 +86,24 @@ def save_optimizer(optimizer, model: nn.Module, checkpoint: str, shard: bool = F
     writer.finish(extra, _write_index if shard else None)
 
 
-def _write_index(folder: str, files, extras: list[dict]) -> None:
-    """Merge the stages' extras (their param groups list only their own parameters) and write the
-    groups file and the index (global rank 0)."""
+def _merge_extras(extras: list[dict]) -> dict:
+    """The stages' extras (in stage order; their param groups list only their own parameters) as one."""
     extra = extras[0]
     for other in extras[1:]:
         extra["aliases"].update(other["aliases"])
         for mine, theirs in zip(extra["param_groups"], other["param_groups"]):
             mine["params"] += [n for n in theirs["params"] if n not in mine["params"]]
+    return extra
+
+
+def _read_entries(path: str) -> dict:
+    """The entries of one file `write_file` wrote with shard=False (a stage's part, merged by rank 0)."""
+    return torch.load(path, map_location="cpu", weights_only=True)["state"]
+
+
+def _write_index(folder: str, files, extras: list[dict]) -> None:
+    """Merge the stages' extras and write the groups file and the index (global rank 0)."""
+    extra = _merge_extras(extras)
     torch.save(extra, os.path.join(folder, GROUPS_NAME))
     with open(os.path.join(folder, INDEX_NAME), "w", encoding="utf-8") as fh:
         json.dump({"format": extra.get("format"), "metadata": {"total_size": sum(f.nbytes for f in files)},

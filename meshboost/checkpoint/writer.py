@@ -191,8 +191,9 @@ class CheckpointWriter:
         if roles.num_stages > 1:
             if roles.stage_writer and not roles.main_writer and self.error is None:
                 try:
+                    # beside the files, in the staging folder (the target's own path is a file for as_file)
                     torch.save({"files": [(f.name, f.names, f.nbytes) for f in self.parts], "extra": extra},
-                               os.path.join(self.target.path, f".stage{roles.stage}.part"))
+                               os.path.join(self.target.staging, f".stage{roles.stage}.part"))
                 except Exception as e:  # noqa: BLE001
                     self.error = e
             if self._failed():                   # every stage has written its part (a barrier)
@@ -201,7 +202,7 @@ class CheckpointWriter:
             try:
                 files, extras = list(self.parts), [extra]
                 for s in range(1, roles.num_stages):
-                    path = os.path.join(self.target.path, f".stage{s}.part")
+                    path = os.path.join(self.target.staging, f".stage{s}.part")
                     part = torch.load(path, weights_only=True)
                     os.remove(path)
                     files += [WrittenFile(*f) for f in part["files"]]

@@ -14,6 +14,11 @@ region transition, named forward->backward as in Megatron's mappings:
 Every function takes its `group` explicitly; None means torch's default group (the world), as
 in torch.distributed. Layers, optimizers and checkpoints call these and contain no `dist.*`
 collectives. A group of size 1 (or no process group) makes every function the identity.
+
+Any strided input or output is fine: the backends read and write a tensor's storage as if it were
+contiguous (gloo's all-reduce of `t[:, ::2]` sums elements outside the view and says nothing; NCCL
+refuses it), so what reaches them is always a contiguous tensor, copied from and back into a view where
+needed.
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from meshboost.distributed import shm
 from meshboost.distributed.launch import TIMEOUT_ENV, group_timeout
 from meshboost.distributed.profiling import record_collective, record_wait, timing_waits
 
@@ -59,26 +63,48 @@ def run_collective(op: str, group, call):
 
 
 # -- raw collectives (not differentiable) -----------------------------------------------------
+def _dense(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` itself when contiguous, else a contiguous copy: the only layout a backend reads right."""
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
+
+
+def _writable(target: torch.Tensor, values: torch.Tensor | None = None) -> torch.Tensor:
+    """A contiguous tensor a backend may write `target`'s result into, holding `values` when given:
+    `target` itself when contiguous, else a new one (`_landed` copies it back). A target whose elements
+    share memory (an `expand`ed view) cannot hold one result per element: refused on every rank that
+    passes one, before any communication."""
+    buffer = target
+    if not target.is_contiguous():
+        if any(stride == 0 and size > 1 for size, stride in zip(target.shape, target.stride())):
+            raise ValueError(f"a collective cannot write into a tensor of shape {tuple(target.shape)} and strides "
+                             f"{target.stride()}: its elements share memory (an expand()ed view); pass a .clone()")
+        buffer = torch.empty_like(target, memory_format=torch.contiguous_format)
+    if values is not None and values is not buffer:
+        buffer.copy_(values)
+    return buffer
+
+
+def _landed(target: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """`target` holding what a collective wrote into `buffer` (its `_writable` stand-in)."""
+    return target if buffer is target else target.copy_(buffer)
+
+
 def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, out: torch.Tensor | None = None) -> torch.Tensor:
-    """All-reduce of `tensor` over `group`, in place, or into `out` (a contiguous tensor like it; `tensor`
-    unchanged); returns the result. CPU tensors between ranks of one host go through shared memory (shm.py;
-    the all-gathers and reduce-scatters too), bitwise the backend's result at two ranks."""
+    """All-reduce of `tensor` over `group`, in place, or into `out` (a tensor of its shape; `tensor`
+    unchanged); returns the result. Either may be a strided view."""
+    target = tensor if out is None else out
     if dist.get_world_size(group) == 1:
-        return tensor if out is None else out.copy_(tensor)
-    record_collective("all_reduce", group, tensor)
-    run_collective("all_reduce", group, lambda: _all_reduce(tensor, group, op, out=out))
-    return tensor if out is None else out
+        return target if out is None else out.copy_(tensor)
+    buffer = _writable(target, tensor)
+    record_collective("all_reduce", group, buffer)
+    run_collective("all_reduce", group, lambda: _all_reduce(buffer, group, op))
+    return _landed(target, buffer)
 
 
-def _all_reduce(tensor: torch.Tensor, group, op, async_op: bool = False, out: torch.Tensor | None = None):
-    """The transport's all-reduce (into `out` when given): shared memory where it applies (when `async_op`,
-    a round published and read at its `wait()`; None when done on return), else the backend's on a copy
-    (its work handle when `async_op`)."""
-    taken, posted = shm.all_reduce(tensor, group, op, later=async_op, out=out)
-    if taken:
-        return posted
-    if out is not None:
-        tensor = out.copy_(tensor)
+def _all_reduce(tensor: torch.Tensor, group, op, async_op: bool = False):
+    """The backend's all-reduce of a contiguous `tensor`, in place (its work handle when `async_op`): the
+    one transport call of every all-reduce here (benchmarks/comm_floor.py replaces it to time a step with
+    free communication)."""
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
@@ -91,35 +117,32 @@ def all_gather(tensor: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     moved = tensor.movedim(dim, 0).contiguous()
     out = torch.empty((size * moved.shape[0], *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
     record_collective("all_gather", group, out)
-    run_collective("all_gather", group, lambda: _all_gather(out, moved, group))
+    run_collective("all_gather", group, lambda: _all_gather_single(out, moved, group=group))
     return out.movedim(0, dim).contiguous()
 
 
 def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group) -> torch.Tensor:
     """Flat all-gather into `out` (every rank's `shard`, rank order, concatenated), in place: `shard`
     may be this rank's own slice of `out` (ZeRO's owned part of a bucket of weights), so nothing is
-    allocated. Returns `out`."""
+    allocated when both are contiguous. Returns `out`."""
     if dist.get_world_size(group) == 1:
         if out.data_ptr() != shard.data_ptr():
             out.copy_(shard)
         return out
-    record_collective("all_gather", group, out)
-    run_collective("all_gather", group, lambda: _all_gather(out, shard, group))
-    return out
+    shard, buffer = _dense(shard), _writable(out)
+    record_collective("all_gather", group, buffer)
+    run_collective("all_gather", group, lambda: _all_gather_single(buffer, shard, group=group))
+    return _landed(out, buffer)
 
 
-def _all_gather(out: torch.Tensor, shard: torch.Tensor, group) -> None:
-    """The transport's all-gather: shared memory where it applies (shm.py), else the backend's."""
-    if not shm.all_gather(out, shard, group):
-        _all_gather_single(out, shard, group=group)
-
-
-def _reduce_scatter(out: torch.Tensor, moved: torch.Tensor, group, async_op: bool = False):
-    """The transport's sum-reduce-scatter, as `_all_reduce`."""
-    taken, posted = shm.reduce_scatter(out, moved, group, later=async_op)
-    if taken:
-        return posted
-    return _reduce_scatter_single(out, moved, group=group, async_op=async_op)
+def broadcast(tensor: torch.Tensor, src: int, group) -> torch.Tensor:
+    """`tensor` of global rank `src` on every rank of `group`, in place (a strided view too); returns it."""
+    if dist.get_world_size(group) == 1:
+        return tensor
+    buffer = _writable(tensor, tensor)
+    record_collective("broadcast", group, buffer)
+    run_collective("broadcast", group, lambda: dist.broadcast(buffer, src=src, group=group))
+    return _landed(tensor, buffer)
 
 
 def _scatter_buffers(tensor: torch.Tensor, size: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,7 +162,7 @@ def reduce_scatter(tensor: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     dim = dim % tensor.dim()
     moved, out = _scatter_buffers(tensor, size, dim)
     record_collective("reduce_scatter", group, moved)
-    run_collective("reduce_scatter", group, lambda: _reduce_scatter(out, moved, group))
+    run_collective("reduce_scatter", group, lambda: _reduce_scatter_single(out, moved, group=group))
     return out.movedim(0, dim).contiguous()
 
 
@@ -161,12 +184,14 @@ class Pending:
 
 
 def all_reduce_async(tensor: torch.Tensor, group) -> Pending:
-    """In-place all-reduce of `tensor` over `group`, started now; `wait()` returns it."""
+    """In-place all-reduce of `tensor` over `group`, started now; `wait()` returns it (a strided view is
+    written at `wait()`)."""
     if dist.get_world_size(group) == 1:
         return Pending("all_reduce", group, None, lambda: tensor)
-    record_collective("all_reduce", group, tensor)
-    work = run_collective("all_reduce", group, lambda: _all_reduce(tensor, group, dist.ReduceOp.SUM, async_op=True))
-    return Pending("all_reduce", group, work, lambda: tensor)
+    buffer = _writable(tensor, tensor)
+    record_collective("all_reduce", group, buffer)
+    work = run_collective("all_reduce", group, lambda: _all_reduce(buffer, group, dist.ReduceOp.SUM, async_op=True))
+    return Pending("all_reduce", group, work, lambda: _landed(tensor, buffer))
 
 
 def reduce_scatter_async(tensor: torch.Tensor, group, dim: int = -1) -> Pending:
@@ -177,7 +202,8 @@ def reduce_scatter_async(tensor: torch.Tensor, group, dim: int = -1) -> Pending:
     dim = dim % tensor.dim()
     moved, out = _scatter_buffers(tensor, size, dim)
     record_collective("reduce_scatter", group, moved)
-    work = run_collective("reduce_scatter", group, lambda: _reduce_scatter(out, moved, group, async_op=True))
+    work = run_collective("reduce_scatter", group,
+                          lambda: _reduce_scatter_single(out, moved, group=group, async_op=True))
     return Pending("reduce_scatter", group, work, lambda: out.movedim(0, dim).contiguous())
 
 
@@ -202,7 +228,9 @@ def gather_spans(piece: torch.Tensor, spans: list[tuple[int, int]], group, dst: 
             out[a:b] = piece
         elif b > a:
             src = dist.get_global_rank(group, r)
-            run_collective("recv", group, lambda: dist.recv(out[a:b], src=src, group=group))
+            buffer = _writable(out[a:b])
+            run_collective("recv", group, lambda: dist.recv(buffer, src=src, group=group))
+            _landed(out[a:b], buffer)
     return out
 
 
@@ -267,7 +295,8 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce(grad.contiguous(), ctx.group), None
+        # out of place: autograd may hand the same gradient buffer to another consumer (x + f(x))
+        return all_reduce(grad, ctx.group, out=torch.empty_like(grad, memory_format=torch.contiguous_format)), None
 
 
 class _ReduceFromTP(torch.autograd.Function):

@@ -1,109 +1,124 @@
-"""ParallelDims: the one answer to "how large is each axis" of the parallel layout, which axes average a
-parameter's gradient over its replicas and which shard it (ZeRO-3), and the validation of a world's
-factorisation (`check_mesh_shape`). Pure: no process group; `ParallelMesh` (mesh.py) builds the groups
-from one, and the planner reads the same record.
+"""ParallelDims: the parallel layout's one record and its whole algebra. Owns how large each axis is,
+which DeviceMesh dimensions stand behind each logical axis (`mesh_dims`), the rank grid both the runtime
+mesh and the planner read their groups from (`rank_grid`, `groups`, `coordinates`), which axes average
+or shard a parameter's gradient, and the one validation of a world's factorisation (`check_mesh_shape`).
+Pure: no process group; `ParallelMesh` (mesh.py) builds the groups of one, and the planner reads the same
+record. Nothing else maps logical axes to mesh dimensions (tests/test_architecture.py checks it).
 
-Axis order is (dp, pp, tp) with tp innermost, so the ranks of one tensor-parallel group are
-adjacent (on one node when tp <= GPUs per node) and its all-reduces stay on the fastest links. With
-expert parallelism (ep > 1) the data-parallel axis is factored as (edp, ep), ep inner: dp rank
-d = edp_rank * ep + ep_rank. The ep ranks of one (pp, tp) coordinate split the experts and exchange
-tokens; the edp ranks hold the same experts (the experts' own data-parallel replicas); "dp" is the
-two flattened, over which dense weights are averaged as before. With hybrid sharding (HSDP,
-dp_replicate > 1) the data-parallel axis is factored as (dp_replicate, dp_shard), dp_shard inner: dp rank
-d = replica * dp_shard + shard rank, so one replica group's shard ranks are adjacent (on one node when it
-fits there) and only the replicas' gradient all-reduce crosses nodes. FSDP2 gets the 2-D (replicate,
-shard) mesh (`fsdp_mesh`); everyone else still sees "dp", the two flattened. Both (HSDP with ep, as
-torchtitan lays it out): ep borrows from dp_shard, so dp is (dp_replicate, edp_shard, ep), dp_shard =
-edp_shard x ep shards the dense weights inside a replica group, edp = dp_replicate x edp_shard holds
-the same experts and edp_shard shards them.
+The mesh's dimensions, outermost first, are (dp, pp, cp, tp): tp innermost, so the ranks of one
+tensor-parallel group are adjacent (on one node when tp <= GPUs per node) and its all-reduces stay on
+the fastest links; cp beside it (a dimension only at cp > 1). The data-parallel axis is unfolded into the
+dimensions its factors need (torchtitan's `unfold_dp_axis` is the model):
 
-Adding an axis (torchtitan's `ParallelDims` is the model): a field of `ParallelDims`, its place in
-`ORDER`, and, when parameters' gradients are averaged over it, its entry in `GRAD_AXES`: a context
-axis makes dense gradients reduce over ("dp", "cp"); an expert axis adds the kind "expert", reduced
-over the experts' own data-parallel axis. Parameters carry their kind in their record
+    ep == 1, dp_replicate == 1:   dp
+    ep  > 1:                      edp, ep                        dp rank = edp rank x ep + ep rank
+    dp_replicate > 1:             dp_replicate, dp_shard         dp rank = replica x dp_shard + shard rank
+    both:                         dp_replicate, edp_shard, ep    (ep borrows from dp_shard, as torchtitan)
+
+The logical axes are then the dp dimensions with some factors left out: "dp" is all of them (dense
+gradients are averaged over it), "dp_shard" leaves out the replicas (ZeRO-3 shards over it), "edp" leaves
+out ep (an expert's replicas), "edp_shard" both; "ep", "dp_replicate" and "cp" are their own dimension,
+or span nothing at size 1. A logical axis's coordinate is the row-major index over its dimensions.
+
+Adding an axis: a field here, its dimension in `mesh_axes`, and, when parameters' gradients are averaged
+over it, its entry in `GRAD_AXES` (a context axis made dense gradients reduce over ("dp", "cp"); the
+expert axis added the kind "expert", reduced over "edp"). Parameters carry their kind in their record
 (`param_info.GradReduction`), and the reducers ask the mesh for that group (`reduction_of`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from enum import Enum
+
+import torch
 
 from meshboost.distributed.param_info import DENSE, EXPERT
 
-AXES = ("dp", "pp", "tp")
-EXPERT_AXES = ("edp", "ep", "pp", "tp")     # the DeviceMesh's dimensions when ep > 1 ("dp" = edp x ep)
-HSDP_AXES = ("dp_replicate", "dp_shard")    # the DeviceMesh's dp dimensions when dp_replicate > 1
-HSDP_EXPERT_AXES = ("dp_replicate", "edp_shard", "ep")  # ... and with ep > 1 too (dp_shard = edp_shard x ep)
+
+class Axis(str, Enum):
+    """A logical axis of the layout, by the name users and the runtime write ("dp", "tp", ...)."""
+
+    DP = "dp"
+    PP = "pp"
+    TP = "tp"
+    CP = "cp"
+    EP = "ep"
+    EDP = "edp"                     # an expert's replicas: dp without ep
+    DP_REPLICATE = "dp_replicate"   # HSDP's replica groups
+    DP_SHARD = "dp_shard"           # the ranks of one replica group: dp without the replicas
+    EDP_SHARD = "edp_shard"         # an expert's replicas inside one replica group
+
+    __str__ = str.__str__
+    __format__ = str.__format__
 
 
-def check_mesh_shape(world_size: int, tp_size: int, pp_size: int, dp_size: int | None = None,
-                     ep_size: int = 1, cp_size: int = 1, dp_replicate: int = 1) -> int:
-    """Validate the factors and return dp_size. Pure: raises the same error on every rank."""
-    dp_size = _check_dp(world_size, tp_size, pp_size, dp_size, ep_size, cp_size, dp_replicate)
-    if dp_size % dp_replicate:
-        raise ValueError(f"dp_replicate_size={dp_replicate} does not divide the data-parallel size {dp_size} (world_size="
-                         f"{world_size} / (tp_size={tp_size} x pp_size={pp_size} x cp_size={cp_size})): HSDP splits the "
-                         f"dp ranks into dp_replicate_size groups that each shard the model; choose a divisor of "
-                         f"{dp_size}, or launch a multiple of {tp_size * pp_size * cp_size * dp_replicate} processes")
-    if dp_replicate > 1 and ep_size > 1 and (dp_size // ep_size) % dp_replicate:
-        # torchtitan's layout: ep borrows its ranks from inside one replica group (dp_shard), so each replica
-        # group holds every expert once and the replicas of one expert (edp) split into the same groups
-        raise ValueError(f"dp_replicate_size={dp_replicate} does not divide the experts' data-parallel size "
-                         f"{dp_size // ep_size} (edp = dp {dp_size} / ep_size={ep_size}): HSDP with expert "
-                         f"parallelism puts the ep ranks inside one replica group of dp / dp_replicate_size ranks; "
-                         f"choose a dp_replicate_size dividing {dp_size // ep_size}, or an ep_size dividing "
-                         f"{dp_size // dp_replicate}")
-    return dp_size
-
-
-def _check_dp(world_size: int, tp_size: int, pp_size: int, dp_size: int | None, ep_size: int, cp_size: int,
-              dp_replicate: int) -> int:
-    check_degrees(tp=tp_size, pp=pp_size, ep=ep_size, cp=cp_size, dp_replicate=dp_replicate)
-    if cp_size > 1:                 # the context ranks sit beside tp: check them first, naming cp_size
-        model = tp_size * pp_size * cp_size
-        if world_size % model or (dp_size is not None and dp_size * model != world_size):
-            raise ValueError(f"world_size={world_size} is not divisible into dp x (pp_size={pp_size} x cp_size="
-                             f"{cp_size} x tp_size={tp_size} = {model}); launch a multiple of {model} processes or "
-                             "change the sizes")
-        dp_size = world_size // model
-        if dp_size % ep_size:
-            raise ValueError(f"ep_size={ep_size} does not divide the data-parallel size {dp_size}")
-        return dp_size
-    if dp_size is None:
-        if world_size % (tp_size * pp_size) != 0:
-            raise ValueError(
-                f"world_size={world_size} is not divisible by tp_size * pp_size = {tp_size} * {pp_size} "
-                f"= {tp_size * pp_size}; launch a multiple of {tp_size * pp_size} processes or change "
-                "tp_size/pp_size")
-        dp_size = world_size // (tp_size * pp_size)
-    if dp_size * pp_size * tp_size != world_size:
-        raise ValueError(
-            f"dp_size * pp_size * tp_size = {dp_size} * {pp_size} * {tp_size} = "
-            f"{dp_size * pp_size * tp_size} must equal world_size={world_size}")
-    if dp_size % ep_size:
-        raise ValueError(
-            f"ep_size={ep_size} does not divide the data-parallel size {dp_size} (world_size={world_size} / "
-            f"(tp_size={tp_size} * pp_size={pp_size})): expert parallelism splits the experts over data-parallel "
-            f"ranks; choose an ep_size dividing {dp_size}, or launch a multiple of {tp_size * pp_size * ep_size} "
-            "processes")
-    return dp_size
+# the factors each data-parallel logical axis leaves out of the dp dimensions
+_DP_AXES_WITHOUT = {Axis.DP: (), Axis.DP_SHARD: (Axis.DP_REPLICATE,), Axis.EDP: (Axis.EP,),
+                    Axis.EDP_SHARD: (Axis.EP, Axis.DP_REPLICATE)}
+# the mesh dimensions the data-parallel axis is unfolded into (`ParallelDims.mesh_axes`)
+_DP_DIMS = ("dp", "edp", "ep", "dp_replicate", "dp_shard", "edp_shard")
 
 
 def check_degrees(**degrees) -> None:
-    """Each axis degree (tp=, pp=, ep=, cp=, dp_replicate=) a positive integer, named as the keyword users
-    write (tp_size=...; cp_size is ColossalAI's sp_size). Pure: the same error on every rank."""
+    """Each axis degree (tp=, pp=, ep=, cp=, dp_replicate=, dp=) a positive integer, named as the keyword
+    users write (tp_size=...; cp_size is ColossalAI's sp_size). Pure: the same error on every rank."""
     for axis, value in degrees.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{axis}_size={value!r} must be a positive integer"
                              + (" (cp_size: ColossalAI's sp_size)" if axis == "cp" else ""))
 
 
+def check_mesh_shape(world_size: int, tp_size: int, pp_size: int, dp_size: int | None = None,
+                     ep_size: int = 1, cp_size: int = 1, dp_replicate: int = 1) -> int:
+    """The factorisation's one validation: return dp_size (the rest of the world when None). Pure: the same
+    error on every rank, naming the factor that fails, its fix, and every factor asked for once."""
+    check_degrees(tp=tp_size, pp=pp_size, ep=ep_size, cp=cp_size, dp_replicate=dp_replicate)
+    if dp_size is not None:
+        check_degrees(dp=dp_size)
+    model = tp_size * pp_size * cp_size
+    asked = (f"world_size={world_size} = dp_size={'?' if dp_size is None else dp_size} x pp_size={pp_size} x "
+             f"cp_size={cp_size} x tp_size={tp_size}, with ep_size={ep_size} and dp_replicate_size={dp_replicate} "
+             "inside dp")
+
+    def refuse(problem: str, fix: str):
+        raise ValueError(f"{problem}; {fix} (the layout asked for: {asked})")
+
+    if world_size % model:
+        refuse(f"world_size={world_size} is not divisible by tp_size x pp_size x cp_size = {tp_size} x {pp_size} x "
+               f"{cp_size} = {model}", f"launch a multiple of {model} processes or change the sizes")
+    if dp_size is not None and dp_size * model != world_size:
+        refuse(f"dp_size x pp_size x cp_size x tp_size = {dp_size} x {pp_size} x {cp_size} x {tp_size} = "
+               f"{dp_size * model} must equal world_size={world_size}",
+               "leave dp_size out (it is the rest of the world) or change the sizes")
+    dp = world_size // model
+    if dp % ep_size:
+        refuse(f"ep_size={ep_size} does not divide the data-parallel size {dp}",
+               f"expert parallelism splits the experts over data-parallel ranks; choose an ep_size dividing {dp}, "
+               f"or launch a multiple of {model * ep_size} processes")
+    if dp % dp_replicate:
+        refuse(f"dp_replicate_size={dp_replicate} does not divide the data-parallel size {dp}",
+               f"HSDP splits the dp ranks into dp_replicate_size groups that each shard the model; choose a divisor "
+               f"of {dp}, or launch a multiple of {model * dp_replicate} processes")
+    if dp_replicate > 1 and ep_size > 1 and (dp // ep_size) % dp_replicate:
+        # torchtitan's layout: ep borrows its ranks from inside one replica group (dp_shard), so each replica
+        # group holds every expert once and the replicas of one expert (edp) split into the same groups
+        refuse(f"dp_replicate_size={dp_replicate} does not divide the experts' data-parallel size {dp // ep_size} "
+               f"(edp = dp {dp} / ep_size={ep_size})",
+               f"HSDP with expert parallelism puts the ep ranks inside one replica group of dp / dp_replicate_size "
+               f"ranks; choose a dp_replicate_size dividing {dp // ep_size}, or an ep_size dividing "
+               f"{dp // dp_replicate}")
+    return dp
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """The parallel layout's one record: the size of every named axis and the context-parallel mode. The
-    one answer to "how large is tp" (the plugin's config holds one, the mesh is built from one, the
-    sharder and the records read it through the mesh). Pure: each instance checks its degrees when
-    built; `dp=None` means "the rest of the world" until `resolved(world_size)` (the mesh) fixes it."""
+    one answer to "how large is tp" and "which ranks form a dp group" (the plugin's config holds one, the
+    mesh is built from one, the planner lays out its candidates as one). Pure: each instance checks its
+    degrees when built; `dp=None` means "the rest of the world" until `resolved(world_size)` (the mesh)
+    fixes it."""
 
     dp: int | None = None
     pp: int = 1
@@ -114,7 +129,6 @@ class ParallelDims:
     # how the cp ranks attend (shardformer/context_checks.py names and checks the modes; None at cp == 1)
     cp_mode: str | None = None
 
-    ORDER = AXES                                  # outermost first; the DeviceMesh's names at ep == 1
     # kind of parameter -> the axes its gradient is averaged over (its data-parallel replicas)
     GRAD_AXES = {DENSE: ("dp",), EXPERT: ("edp",)}
 
@@ -167,27 +181,72 @@ class ParallelDims:
         return self.edp // self.dp_replicate
 
     @property
+    def world(self) -> int:
+        return self._dp() * self.pp * self.cp * self.tp
+
+    # -- the mesh's dimensions and what stands behind each logical axis ----------------------------
+    @property
     def mesh_axes(self) -> tuple[str, ...]:
-        """The DeviceMesh's dimension names, outermost first: (dp, pp, tp); dp as (edp, ep) at ep > 1;
-        a context axis cp between pp and tp at cp > 1 (its all-to-alls stay near tp's links); dp as
-        (dp_replicate, dp_shard) at dp_replicate > 1; both: (dp_replicate, edp_shard, ep)."""
-        hsdp = HSDP_EXPERT_AXES if self.ep > 1 else HSDP_AXES
-        dp = hsdp if self.dp_replicate > 1 else ("edp", "ep") if self.ep > 1 else ("dp",)
+        """The DeviceMesh's dimension names, outermost first: the dp dimensions (the module docstring's
+        table), pp, cp at cp > 1, tp."""
+        dp = (("dp_replicate",) if self.dp_replicate > 1 else ()) + (
+            ("edp_shard", "ep") if self.ep > 1 and self.dp_replicate > 1 else ("edp", "ep") if self.ep > 1 else
+            ("dp_shard",) if self.dp_replicate > 1 else ("dp",))
         return (*dp, "pp", *(("cp",) if self.cp > 1 else ()), "tp")
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.size(axis) for axis in self.mesh_axes)
+        sizes = {"dp": self._dp(), "edp": self.edp, "ep": self.ep, "dp_replicate": self.dp_replicate,
+                 "dp_shard": self.dp_shard, "edp_shard": self.edp_shard, "pp": self.pp, "cp": self.cp, "tp": self.tp}
+        return tuple(sizes[name] for name in self.mesh_axes)
+
+    def mesh_dims(self, *axes: str) -> tuple[str, ...]:
+        """The DeviceMesh dimensions behind the logical `axes` together, in the mesh's order: the one map
+        from logical axes to mesh dimensions. A data-parallel axis is the dp dimensions less the factors it
+        leaves out; an axis of one rank that is no mesh dimension (ep, cp, dp_replicate at size 1) spans none."""
+        names = self.mesh_axes
+        dp_dims = [d for d in names if d in _DP_DIMS]
+        wanted: set[str] = set()
+        for axis in axes:
+            axis = _axis(axis)
+            if axis in _DP_AXES_WITHOUT:
+                left_out = {str(a) for a in _DP_AXES_WITHOUT[axis]}
+                wanted |= {d for d in dp_dims if d not in left_out}
+            elif axis in names:
+                wanted.add(axis.value)
+        return tuple(d for d in names if d in wanted)
 
     def size(self, *axes: str) -> int:
         """The number of ranks along `axes` together (one axis, or several flattened)."""
-        out = 1
-        for axis in axes:
-            if axis not in (*AXES, *EXPERT_AXES, *HSDP_EXPERT_AXES, "dp_shard", "cp"):
-                raise ValueError(f"axis={axis!r}; expected one of {(*AXES, 'edp', 'ep', 'cp', *HSDP_AXES, 'edp_shard')}")
-            out *= self._dp() if axis == "dp" else getattr(self, axis)
+        dims = self.mesh_dims(*axes)
+        return math.prod(s for name, s in zip(self.mesh_axes, self.shape) if name in dims)
+
+    def rank_grid(self) -> torch.Tensor:
+        """Every global rank at its place in the mesh: `arange(world)` row-major over `shape`, the grid the
+        runtime's DeviceMesh is built on and the planner reads its groups from."""
+        return torch.arange(self.world).reshape(self.shape)
+
+    def groups(self, *axes: str) -> list[tuple[int, ...]]:
+        """Every group of global ranks along the logical `axes` together (one per coordinate of the other
+        dimensions), each in the order of its ranks' coordinate along `axes`."""
+        names, dims = self.mesh_axes, self.mesh_dims(*axes)
+        along = [names.index(d) for d in dims]
+        others = [i for i in range(len(names)) if i not in along]
+        grid = self.rank_grid().permute(*others, *along).reshape(-1, math.prod(self.shape[i] for i in along))
+        return [tuple(int(r) for r in row) for row in grid]
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """`rank`'s index along every logical axis: the row-major index over that axis's dimensions."""
+        where = dict(zip(self.mesh_axes, (int(i) for i in torch.nonzero(self.rank_grid() == rank)[0])))
+        out = {}
+        for axis in Axis:
+            index = 0
+            for name in self.mesh_dims(axis):
+                index = index * self.shape[self.mesh_axes.index(name)] + where[name]
+            out[axis.value] = index
         return out
 
+    # -- who averages and who shards a gradient ------------------------------------------------------
     def grad_axes(self, kind: str = DENSE) -> tuple[str, ...]:
         """The axes a `kind` parameter's gradient is averaged over (with context parallelism every weight
         is replicated over the cp ranks too, each of which saw another part of the sequences)."""
@@ -207,3 +266,10 @@ class ParallelDims:
             return (), axes
         inside = {"dp": "dp_shard", "edp": "edp_shard" if self.ep > 1 else "dp_shard"}
         return ("dp_replicate",), tuple(inside.get(axis, axis) for axis in axes)
+
+
+def _axis(name: str) -> Axis:
+    try:
+        return Axis(name)
+    except ValueError:
+        raise ValueError(f"axis={name!r}; expected one of {tuple(a.value for a in Axis)}") from None

@@ -21,11 +21,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from meshboost.distributed import shm
-
 _REQUIRED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 TIMEOUT_ENV = "MESHBOOST_DIST_TIMEOUT"      # seconds; torch itself reads no such variable
-SHM_ENV = "MESHBOOST_CPU_SHM"               # 0: CPU collectives between same-host ranks stay on gloo's sockets
 
 
 def get_current_device() -> torch.device:
@@ -71,19 +68,6 @@ def resolve_timeout(timeout: datetime.timedelta | float | None) -> datetime.time
     return timeout
 
 
-def resolve_cpu_shared_memory(enabled: bool | None) -> bool:
-    """Whether CPU all-reduces, all-gathers and reduce-scatters between ranks of one host go through shared
-    memory (distributed/shm.py):
-    `enabled`, else the environment's MESHBOOST_CPU_SHM (0 or 1), else yes. Pure, as resolve_timeout."""
-    if enabled is not None:
-        return bool(enabled)
-    value = os.environ.get(SHM_ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{SHM_ENV}={value!r}: expected 0 (CPU collectives on gloo) or 1 (shared memory "
-                         "between ranks of one host, the default)")
-    return value != "0"
-
-
 def launch(rank: int, world_size: int, host: str, port: int | str, backend: str | None = None,
            local_rank: int | None = None, seed: int = 1024, verbose: bool = False,
            timeout: datetime.timedelta | float | None = None, cpu_shared_memory: bool | None = None) -> None:
@@ -92,7 +76,7 @@ def launch(rank: int, world_size: int, host: str, port: int | str, backend: str 
     CUDA and gloo without. local_rank: the CUDA device index on this node (default: LOCAL_RANK from
     the environment, else rank modulo the node's device count). `timeout`: see `resolve_timeout`;
     every group the mesh builds inherits it. verbose: rank 0 logs the backend, world and device.
-    `cpu_shared_memory`: see `resolve_cpu_shared_memory` (False keeps every CPU collective on gloo)."""
+    `cpu_shared_memory`: accepted and ignored, with a one-time warning (see `_warn_shared_memory_ignored`)."""
     for name, value in (("rank", rank), ("world_size", world_size)):
         if not isinstance(value, int) or isinstance(value, bool):
             raise TypeError(f"launch: {name}={value!r} must be an int (ColossalAI's order is rank, world_size, "
@@ -103,7 +87,8 @@ def launch(rank: int, world_size: int, host: str, port: int | str, backend: str 
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
     backend = backend or default_backend()
     timeout = resolve_timeout(timeout)
-    shm.configure(resolve_cpu_shared_memory(cpu_shared_memory))
+    if cpu_shared_memory is not None:
+        _warn_shared_memory_ignored()
     if backend == "nccl" and not torch.cuda.is_available():
         raise RuntimeError("backend='nccl' needs CUDA, but torch.cuda.is_available() is False; "
                            "pass backend='gloo' (or None to choose automatically)")
@@ -161,7 +146,7 @@ def launch_from_torch(seed: int = 1024, backend: str | None = None,
     size and device once (ColossalAI's keyword). `config` (older ColossalAI tutorials pass
     `config={}` or a config file, first positionally) is ignored with a one-time warning, as
     ColossalAI did when it dropped the argument; a dict or path given as `seed` is taken for it.
-    `cpu_shared_memory`: as in `launch`.
+    `cpu_shared_memory`: accepted and ignored, as in `launch`.
     """
     if isinstance(seed, (dict, str, os.PathLike)):       # launch_from_torch({}) / ("config.py")
         seed, config = 1024, seed
@@ -184,6 +169,17 @@ def _warn_config_ignored() -> None:
     warnings.warn("launch_from_torch(config=...) is ignored: meshboost (like ColossalAI >= 0.3.5) takes the "
                   "layout from the plugin, e.g. HybridParallelPlugin(tp_size=2); drop the argument", FutureWarning,
                   stacklevel=3)
+
+
+@functools.cache
+def _warn_shared_memory_ignored() -> None:
+    """Once per process: the CPU shared-memory transport that `cpu_shared_memory=` switched was removed
+    (issue 57). Every CPU collective runs on the backend (gloo): what `False` asked for, and the results
+    `True` was built to match, so refusing the keyword would stop a script for nothing; it goes in the
+    next release."""
+    warnings.warn("launch(cpu_shared_memory=...) is ignored: meshboost no longer has its own CPU transport and "
+                  "every collective runs on the backend (gloo on CPU, NCCL on CUDA); drop the argument",
+                  FutureWarning, stacklevel=3)
 
 
 def group_timeout(group=None) -> datetime.timedelta | None:

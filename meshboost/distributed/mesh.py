@@ -1,11 +1,11 @@
 """ParallelMesh: the process-group mesh over named axes, built once and passed down.
 
-Owns: building the groups of one `ParallelDims` (dims.py: the axes, their order and sizes, which axes
-average or shard a parameter's gradient; the layout's one record), agreeing that every rank asks for the same mesh (and, for
-plugins, the same settings: `agree_settings`), validating the factorisation of the world, building the
-groups through torch's DeviceMesh with the default group's timeout (one axis, or several flattened
-into one group), answering "which group / size / coordinate" for each axis, the device this rank
-computes on, and the group joining the first and last pipeline stage (weights tied across them).
+Owns: building the process groups of one `ParallelDims` through torch's DeviceMesh on the dims' own rank
+grid, with the default group's timeout (one axis, or several flattened into one group); agreeing that
+every rank asks for the same mesh (and, for plugins, the same settings: `agree_settings`); answering
+"which group / size / coordinate" for each logical axis, the device this rank computes on, and the
+groups joining pipeline stages (weights tied across them). Must not restate the layout algebra: which
+mesh dimensions stand behind an axis, the factorisation's check and the coordinates are dims.py's.
 Must not hold module-level state: two meshes can coexist in one process.
 """
 
@@ -14,63 +14,49 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_nccl_timeout, default_pg_timeout
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from meshboost.distributed.agreement import agree_settings
-from meshboost.distributed.dims import HSDP_AXES, HSDP_EXPERT_AXES, ParallelDims
+from meshboost.distributed.dims import ParallelDims
 from meshboost.distributed.launch import get_current_device, group_timeout
 from meshboost.distributed.param_info import DENSE, grad_reduction
 
 class ParallelMesh:
-    """A named (dp, pp, tp) mesh over all ranks of the default process group; `dims` holds the sizes.
+    """The process-group mesh of one `ParallelDims` over all ranks of the default process group.
 
-    >>> mesh = ParallelMesh(tp_size=2, pp_size=1)   # dp inferred from the world size
-    >>> mesh = ParallelMesh(dims=config.dims)        # a plugin's layout (HybridParallelConfig.dims)
+    >>> mesh = ParallelMesh(ParallelDims(tp=2))     # dp inferred from the world size
+    >>> mesh = ParallelMesh(config.dims)             # a plugin's layout (HybridParallelConfig.dims)
     >>> mesh.tp_group, mesh.tp_size, mesh.tp_rank, mesh.device
     """
 
-    def __init__(self, tp_size: int = 1, pp_size: int = 1, dp_size: int | None = None,
-                 device_type: str | None = None, ep_size: int = 1, cp_size: int = 1, dp_replicate_size: int = 1,
-                 *, dims: ParallelDims | None = None):
+    def __init__(self, dims: ParallelDims | None = None, device_type: str | None = None):
         if not dist.is_initialized():
             raise RuntimeError("ParallelMesh needs an initialised process group: call "
                                "meshboost.launch_from_torch() first")
-        sizes = dict(tp=tp_size, pp=pp_size, dp=dp_size, ep=ep_size, cp=cp_size, dp_replicate=dp_replicate_size)
-        if dims is not None and sizes != dict(tp=1, pp=1, dp=None, ep=1, cp=1, dp_replicate=1):
-            raise ValueError("ParallelMesh(dims=...) takes its sizes from the dims; pass no size keywords beside it")
+        if dims is not None and not isinstance(dims, ParallelDims):
+            raise TypeError(f"ParallelMesh(dims={dims!r}): pass the layout as one record, e.g. "
+                            "ParallelMesh(ParallelDims(tp=2, pp=2)); no dims means plain data parallelism")
+        dims = ParallelDims() if dims is None else dims
         current = get_current_device()
         device_type = device_type or current.type
         # Before anything that could differ by rank: ranks with different shapes would build different
         # groups and hang in torch's group creation.
-        agree_settings({"dims": dims, **{f"{axis}_size": n for axis, n in sizes.items()}, "device_type": device_type},
-                       "mesh shape (ParallelMesh arguments)")
+        agree_settings({"dims": dims, "device_type": device_type}, "mesh shape (ParallelMesh arguments)")
         self.world_size = dist.get_world_size()
         # the factorisation's one check (dims.py), the same error on every rank
-        self.dims = ParallelDims.of_world(self.world_size, **sizes) if dims is None else dims.resolved(self.world_size)
+        self.dims = dims.resolved(self.world_size)
         # The device every tensor this mesh's collectives touch lives on (launch bound cuda:LOCAL_RANK).
         self.device: torch.device = current if current.type == device_type else torch.device(device_type)
         # Every group inherits the default group's timeout (launch_from_torch(timeout=...)); torch would
         # give new groups its own default instead.
         self.timeout = group_timeout()
-        self.device_mesh: DeviceMesh = init_device_mesh(
-            device_type, self.dims.shape, mesh_dim_names=self.dims.mesh_axes, **self._timeout_override(device_type))
+        override = self._timeout_override(device_type)
+        # the dims' own rank grid: the planner reads its groups from the same one
+        self.device_mesh: DeviceMesh = DeviceMesh(
+            device_type, self.dims.rank_grid(), mesh_dim_names=self.dims.mesh_axes,
+            backend_override=tuple(override[axis] for axis in self.dims.mesh_axes) if override else None)
         self.global_rank = dist.get_rank()
-        self._coordinate = dict(zip(self.dims.mesh_axes, self.device_mesh.get_coordinate()))
-        if self.dims.ep > 1 and self.dims.dp_replicate > 1:     # edp = replica * edp_shard + its rank there
-            c = self._coordinate
-            c["edp"] = c["dp_replicate"] * self.dims.edp_shard + c["edp_shard"]
-            c.update(dp=c["edp"] * self.dims.ep + c["ep"], dp_shard=c["edp_shard"] * self.dims.ep + c["ep"])
-        elif self.dims.ep > 1:          # dp rank = edp rank * ep + ep rank
-            self._coordinate["dp"] = self._coordinate["edp"] * self.dims.ep + self._coordinate["ep"]
-        elif self.dims.dp_replicate > 1:            # dp rank = replica * dp_shard + shard rank
-            self._coordinate["dp"] = self._coordinate["dp_replicate"] * self.dims.dp_shard + self._coordinate["dp_shard"]
-            self._coordinate.update(edp=self._coordinate["dp"], ep=0)
-        else:
-            self._coordinate.update(edp=self._coordinate["dp"], ep=0)
-        self._coordinate.setdefault("cp", 0)
-        self._coordinate.setdefault("dp_replicate", 0)
-        self._coordinate.setdefault("dp_shard", self._coordinate["dp"])
-        self._coordinate.setdefault("edp_shard", self._coordinate["edp" if self.dims.ep > 1 else "dp_shard"])
+        self._coordinate = self.dims.coordinates(self.global_rank)
         self._stage_groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         self._flattened: dict[tuple[str, ...], DeviceMesh] = {}
         self._reductions: dict[tuple[str, ...], tuple[dist.ProcessGroup, int, int]] = {}
@@ -122,15 +108,16 @@ class ParallelMesh:
         return self._coordinate["tp"]
 
     def _timeout_override(self, device_type: str) -> dict:
-        """DeviceMesh creates its groups with torch's default timeout unless given backend options
-        carrying another one; only pass them when the timeout is not torch's default."""
+        """{mesh dimension: (backend, options)}: DeviceMesh creates its groups with torch's default timeout
+        unless given backend options carrying another one; only pass them when the timeout is not torch's
+        default (empty then)."""
         backend = dist.get_backend()
         default = default_pg_timeout if backend == "gloo" else default_pg_nccl_timeout
         if self.timeout is None or backend not in ("gloo", "nccl") or self.timeout == default:
             return {}
         options = dist.ProcessGroupGloo._Options() if backend == "gloo" else dist.ProcessGroupNCCL.Options()
         options._timeout = self.timeout
-        return {"backend_override": {axis: (backend, options) for axis in self.dims.mesh_axes}}
+        return {axis: (backend, options) for axis in self.dims.mesh_axes}
 
     # -- groups -------------------------------------------------------------------------------
     def group(self, *axes: str) -> dist.ProcessGroup:
@@ -140,45 +127,20 @@ class ParallelMesh:
         return self.submesh(*axes).get_group()
 
     def submesh(self, *axes: str) -> DeviceMesh:
-        """The one-dimensional DeviceMesh along `axes` through this rank (several axes: flattened into
-        one dimension, as FSDP2 and DTensor want a data-parallel mesh)."""
-        for axis in axes:
-            self.dims.size(axis)                      # raises on an unknown axis
-        names = self.dims.mesh_axes
-        if self.dims.ep > 1 and self.dims.dp_replicate > 1:    # dp is (dp_replicate, edp_shard, ep) flattened
-            parts = {"dp": HSDP_EXPERT_AXES, "edp": HSDP_EXPERT_AXES[:2], "dp_shard": HSDP_EXPERT_AXES[1:]}
-            axes = tuple(dict.fromkeys(a for axis in axes for a in parts.get(axis, (axis,))))
-        elif self.dims.ep > 1:                          # dp is (edp, ep) flattened
-            parts = {"dp": ("edp", "ep"), "dp_shard": ("edp", "ep"), "edp_shard": ("edp",)}
-            axes = tuple(dict.fromkeys(a for axis in axes for a in parts.get(axis, (axis,))))
-        elif self.dims.dp_replicate > 1:              # dp (and edp, the same ranks) is (dp_replicate, dp_shard)
-            axes = tuple(dict.fromkeys(a for axis in axes for a in (HSDP_AXES if axis in ("dp", "edp") else
-                                                                    ("dp_shard",) if axis == "edp_shard" else (axis,))))
-            if "ep" in axes:
-                raise ValueError("the ep axis has one rank at ep_size=1 (no expert parallelism): ask for the "
-                                 "axes without it")
-        else:
-            if "dp_replicate" in axes:
-                raise ValueError("the dp_replicate axis has one rank at dp_replicate_size=1 (no HSDP): ask for the "
-                                 "axes without it")
-            axes = tuple("dp" if axis in ("dp_shard", "edp_shard") else axis for axis in axes)
-            if "ep" in axes:
-                raise ValueError("the ep axis has one rank at ep_size=1 (no expert parallelism): ask for the "
-                                 "axes without it")
-            axes = tuple(dict.fromkeys("dp" if axis == "edp" else axis for axis in axes))
-        if self.dims.cp == 1:
-            if axes == ("cp",):
-                raise ValueError("the cp axis has one rank at cp_size=1 (no context parallelism): ask for the "
-                                 "axes without it")
-            axes = tuple(axis for axis in axes if axis != "cp")
-        if len(axes) == 1:
-            return self.device_mesh[axes[0]]
-        axes = tuple(a for a in names if a in axes)   # the mesh's order
-        if axes not in self._flattened:
-            override = self._timeout_override(self.device_mesh.device_type).get("backend_override", {})
-            self._flattened[axes] = self.device_mesh[axes]._flatten("_".join(axes),
-                                                                    backend_override=override.get(axes[0]))
-        return self._flattened[axes]
+        """The one-dimensional DeviceMesh along the logical `axes` through this rank (several axes, or one
+        standing for several mesh dimensions: flattened into one dimension, as FSDP2 and DTensor want a
+        data-parallel mesh). The dims map the axes to mesh dimensions (`ParallelDims.mesh_dims`)."""
+        dims = self.dims.mesh_dims(*axes)
+        if not dims:
+            raise ValueError(f"the {'/'.join(axes)} axis has one rank in this layout ({self.dims}) and no mesh "
+                             "dimension: ask for the axes without it")
+        if len(dims) == 1:
+            return self.device_mesh[dims[0]]
+        if dims not in self._flattened:
+            override = self._timeout_override(self.device_mesh.device_type)
+            self._flattened[dims] = self.device_mesh[dims]._flatten("_".join(dims),
+                                                                    backend_override=override.get(dims[0]))
+        return self._flattened[dims]
 
     def fsdp_mesh(self, kind: str = DENSE, axes: tuple[str, ...] | None = None) -> DeviceMesh:
         """The DeviceMesh FSDP2 shards a `kind` parameter (or one averaged over gradient `axes`) over: its
@@ -188,8 +150,9 @@ class ParallelMesh:
         replicate, shard = self.dims.split_axes(self.dims.grad_axes(kind) if axes is None else axes)
         if not replicate:
             return self.submesh(*shard)
-        if len(shard) == 1 and shard[0] in self.dims.mesh_axes:
-            return self.device_mesh[(*replicate, *shard)]
+        replicate_dims, shard_dims = self.dims.mesh_dims(*replicate), self.dims.mesh_dims(*shard)
+        if len(shard_dims) == 1:
+            return self.device_mesh[(*replicate_dims, *shard_dims)]
         # torch deprecates slicing a flattened dimension from the root mesh: join the two 1-D meshes instead
         return DeviceMesh._concatenate([self.submesh(*replicate), self.submesh(*shard)])
 
@@ -249,14 +212,11 @@ class ParallelMesh:
         pp_ranks = tuple(sorted(pp_ranks))
         if pp_ranks not in self._stage_groups:
             mine = None
-            # (edp, ep) -> dp, (cp, tp) -> one index: a group per (dp, cp, tp) coordinate
-            grid = self.device_mesh.mesh.reshape(self.dp_size, self.pp_size, self.dims.cp * self.tp_size)
-            for d in range(self.dp_size):
-                for t in range(self.dims.cp * self.tp_size):
-                    ranks = [int(grid[d, p, t]) for p in pp_ranks]
-                    group = dist.new_group(ranks, timeout=self.timeout)
-                    if self.global_rank in ranks:
-                        mine = group
+            for column in self.dims.groups("pp"):        # one pipeline per (dp, cp, tp) coordinate
+                ranks = [column[p] for p in pp_ranks]
+                group = dist.new_group(ranks, timeout=self.timeout)
+                if self.global_rank in ranks:
+                    mine = group
             self._stage_groups[pp_ranks] = mine
         return self._stage_groups[pp_ranks]
 
@@ -269,7 +229,8 @@ class ParallelMesh:
         return self.dims.size(*axes)
 
     def coordinate(self, axis: str) -> int:
-        self.dims.size(axis)
+        """This rank's index along the logical `axis` (`ParallelDims.coordinates`)."""
+        self.dims.mesh_dims(axis)                   # raises on an unknown axis
         return self._coordinate[axis]
 
     @property

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from meshboost.distributed.comm import run_collective
+from meshboost.distributed.comm import broadcast, run_collective
 from meshboost.distributed.profiling import record_collective
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -99,6 +99,4 @@ class StageComm:
 
     # -- the loss, from the last stage to every stage ----------------------------------------------
     def broadcast_from_last(self, tensor: torch.Tensor) -> torch.Tensor:
-        record_collective("broadcast", self.group, tensor)
-        run_collective("broadcast", self.group, lambda: dist.broadcast(tensor, src=self.ranks[-1], group=self.group))
-        return tensor
+        return broadcast(tensor, self.ranks[-1], self.group)

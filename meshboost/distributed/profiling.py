@@ -223,33 +223,18 @@ def _dispatch_mode_class():
     return _CollectiveWitness
 
 
-_witnesses: list["CommCounter"] = []
-
-
-def witness_transport(op: str, group, nbytes: int) -> None:
-    """A collective that reaches a transport other than torch's dispatcher (the same-host shared
-    memory of `shm.py`): the witnesses hear it where it runs, as they hear the dispatcher."""
-    if dist.get_world_size(group) > 1:
-        for counter in _witnesses:
-            counter.add(op, group, nbytes)
-
-
 @contextlib.contextmanager
 def dispatched_comm_counter(mesh=None, names: dict | None = None):
-    """Count every collective that reaches a transport inside the block: torch's dispatcher
-    (torch.distributed calls, DDP's gradient buckets and buffer broadcasts, DTensor redistributions,
-    functional collectives) and meshboost's shared-memory all-reduce, in the same units as
-    `comm_counter`. A witness, not the contract: meshboost code still calls `record_collective`; the
-    two must agree, and a difference names a collective that bypasses the accounting. Slower than
-    `comm_counter` (a Python hook on every op): count in a step you do not time.
+    """Count every collective that reaches torch's dispatcher inside the block (torch.distributed
+    calls, DDP's gradient buckets and buffer broadcasts, DTensor redistributions, functional
+    collectives), in the same units as `comm_counter`. A witness, not the contract: meshboost code
+    still calls `record_collective`; the two must agree, and a difference names a collective that
+    bypasses the accounting. Slower than `comm_counter` (a Python hook on every op): count in a
+    step you do not time.
     """
     counter = CommCounter(_mesh_labels(mesh, names))
-    _witnesses.append(counter)
-    try:
-        with _dispatch_mode_class()(counter):
-            yield counter
-    finally:
-        _witnesses.remove(counter)
+    with _dispatch_mode_class()(counter):
+        yield counter
 
 
 def wire_bytes() -> int | None:

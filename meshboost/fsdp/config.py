@@ -29,7 +29,11 @@ class FSDPConfig:
     reduce_dtype: torch.dtype | None = torch.float32  # gradient reduce-scatter dtype (None: the compute dtype)
     output_dtype: torch.dtype | None = None           # the root's floating outputs are cast to this
     cast_forward_inputs: bool = True      # each unit casts its floating inputs to the compute dtype
-    buffer_dtype: torch.dtype | None = None           # floating buffers are cast to this at boost
+    # floating buffers (rotary inv_freq, ...) are cast at boost to buffer_dtype, None: the compute dtype, as the
+    # other plugins' model.to(dtype) and ColossalAI's GeminiDDP cast them; cast_buffers=False keeps their dtype
+    # (FSDP1's MixedPrecision(buffer_dtype=None), which TorchFSDPPlugin follows)
+    buffer_dtype: torch.dtype | None = None
+    cast_buffers: bool = True
     auto_wrap_policy: Callable | None = None          # FSDP1-style policy; None: one unit per layer
     forward_prefetch: int = 0             # all-gather the next k layer units during a layer's forward
     sync_module_states: bool = False      # broadcast rank 0's weights and buffers before sharding

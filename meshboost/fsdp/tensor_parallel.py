@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from meshboost.distributed.param_info import attach_records, carry_grad_hooks, grad_hooks, records_of
 from meshboost.fsdp.config import FSDPConfig
-from meshboost.fsdp.wrap import Layers, apply_fsdp, boost_optimizer
+from meshboost.fsdp.wrap import Layers, apply_fsdp, boost_optimizer, prepare
 from meshboost.optim import PrecisionConfig
 
 
@@ -64,6 +64,7 @@ def shard_tensor_parallel(model: nn.Module, optimizer, mesh, precision: Precisio
     records = {n: records_of(p) for n, p in model.named_parameters()}
     # compute in the plugin's precision, gradients reduce-scattered in fp32 (the masters' dtype)
     config = FSDPConfig(precision=precision, reshard_after_forward=reshard_after_forward)
+    prepare(model, config, mesh)      # floating buffers in the compute dtype, as zero_stage 0-2's model.to(dtype)
     units = apply_fsdp(model, config, mesh, layers)
     for n, p in model.named_parameters():
         attach_records(p, records[n])

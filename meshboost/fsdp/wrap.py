@@ -71,7 +71,8 @@ def shard_units(model: nn.Module, config: FSDPConfig, ignored: set[int], layers:
 def prepare(model: nn.Module, config: FSDPConfig, mesh) -> None:
     """What must happen before sharding: rank 0's weights and buffers everywhere (sync_module_states:
     an all-reduce of rank 0's values and everyone else's zeros, exact), floating buffers in
-    `buffer_dtype`."""
+    `buffer_dtype` (None: the compute dtype) unless `cast_buffers` is False. No collective without
+    sync_module_states."""
     if config.sync_module_states and mesh.dp_size > 1:
         for t in [*model.parameters(), *model.buffers()]:
             on_device = t.detach().to(mesh.device, copy=True)
@@ -79,11 +80,12 @@ def prepare(model: nn.Module, config: FSDPConfig, mesh) -> None:
                 on_device.zero_()
             comm.all_reduce(on_device, mesh.dp_group)
             t.copy_(on_device)
-    if config.buffer_dtype is not None:
+    if config.cast_buffers:
+        dtype = config.buffer_dtype or config.dtype
         for module in model.modules():
             for name, buf in module.named_buffers(recurse=False):
                 if buf is not None and buf.is_floating_point():
-                    setattr(module, name, buf.to(config.buffer_dtype))
+                    setattr(module, name, buf.to(dtype))
 
 
 def replica_units(model: nn.Module, mesh, ignored: set[int]) -> list[tuple[nn.Module, tuple[str, ...]]]:
@@ -161,11 +163,11 @@ def carry_state(optimizer: torch.optim.Optimizer, names: dict[int, str], model: 
 
 
 def boost_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], model: nn.Module, mesh,
-                    precision: PrecisionConfig) -> FSDPOptimizer:
+                    precision: PrecisionConfig, wrapper: type[FSDPOptimizer] = FSDPOptimizer) -> FSDPOptimizer:
     """The user's `optimizer` moved onto the sharded `model` (`carry_state`) and wrapped in
-    `FSDPOptimizer` with `precision`'s step (compute dtype, clipping, fp16 loss scaler)."""
+    `FSDPOptimizer` (or the subclass `wrapper`) with `precision`'s step (compute dtype, clipping, fp16 loss scaler)."""
     carry_state(optimizer, names, model)
-    return FSDPOptimizer(optimizer, mesh, precision)
+    return wrapper(optimizer, mesh, precision)
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -149,6 +149,14 @@ def _units(root: nn.Module) -> list[tuple[str, nn.Module, bool]]:
     return out
 
 
+def _aliases(root: nn.Module) -> dict[str, list[str]]:
+    """Tensor name -> every name of the same tensor in `root` (tied weights), in module order."""
+    names: dict[int, list[str]] = {}
+    for name, t in [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(t), []).append(name)
+    return {name: group for group in names.values() for name in group}
+
+
 def _shadow(module: nn.Module, whole: bool) -> nn.Module:
     """A full-size CPU copy of `module` (or of its own tensors only) with HF's done-flags cleared."""
     if whole:
@@ -203,14 +211,17 @@ def materialize(model: nn.Module, original: nn.Module, device: torch.device, see
     the model as built) its values: `original`'s init, unit by unit, this rank's shard kept."""
     real = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
     owners = _owners(original)
+    aliases = _aliases(original)
     # largest units first: their full-size shadows then come while the rank holds little else
     units = sorted(_units(original), key=lambda u: -sum(t.numel() for t in [*u[1].parameters(recurse=u[2]),
                                                                             *u[1].buffers(recurse=u[2])]))
     for path, unit, whole in units:
         prefix = f"{path}." if path else ""
         tensors = [*unit.named_parameters(recurse=whole), *unit.named_buffers(recurse=whole)]
-        wanted = [(prefix + n, real[prefix + n]) for n, _ in tensors
-                  if prefix + n in real and real[prefix + n] is not None and real[prefix + n].is_meta]
+        # a tied tensor takes its value from the first unit holding it, under any of its names: a pipeline's
+        # last stage, which holds the LM head but not the embedding, still gets the embedding's values
+        wanted = [(name, local, real[name]) for local, _ in tensors for name in aliases[prefix + local]
+                  if name in real and real[name] is not None and real[name].is_meta]
         if not wanted:
             continue
         shadow = _shadow(unit, whole)
@@ -219,10 +230,10 @@ def materialize(model: nn.Module, original: nn.Module, device: torch.device, see
             _init(shadow, path, owners)
         values = {**dict(shadow.named_parameters(remove_duplicate=False)),
                   **dict(shadow.named_buffers(remove_duplicate=False))}
-        for name, tensor in wanted:
+        for name, local, tensor in wanted:
             if not tensor.is_meta:             # tied: materialised through another name already
                 continue
-            full = values[name[len(prefix):]].detach()
+            full = values[local].detach()
             info = get_tp_info(tensor)
             value = shard_tensor(full, info) if info is not None else full.clone()
             replace_keeping_object(tensor, value.to(device=device, dtype=tensor.dtype))

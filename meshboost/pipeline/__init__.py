@@ -6,10 +6,10 @@ loss, gradient reductions) over `meshboost.distributed.p2p.StageComm`.
 """
 
 from meshboost.pipeline.config import PipelineConfig
-from meshboost.pipeline.layout import StageLayout, get_layout, split_layers
+from meshboost.pipeline.layout import StageLayout, get_layout, split_layers, stage_split
 from meshboost.pipeline.schedule import PipelineSchedule, schedule_order, split_microbatches
 from meshboost.pipeline.cut import build_stages, prune_optimizer
 from meshboost.pipeline.stage import PipelineStages
 
-__all__ = ["PipelineConfig", "StageLayout", "get_layout", "split_layers", "build_stages", "PipelineStages",
+__all__ = ["PipelineConfig", "StageLayout", "get_layout", "split_layers", "stage_split", "build_stages", "PipelineStages",
            "prune_optimizer", "PipelineSchedule", "schedule_order", "split_microbatches"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from meshboost.distributed.param_info import PipelineTie, set_pipeline_tie
-from meshboost.pipeline.layout import Segment, StageLayout, get_layout, split_layers
+from meshboost.pipeline.layout import Segment, StageLayout, get_layout, stage_split
 from meshboost.pipeline.stage import PipelineStages, SegmentSpan, StageLayerList
 from meshboost.pipeline.stand_ins import AbsentLayer, AbsentModule, put_at, stand_in_for
 
@@ -62,8 +62,11 @@ def _place_segments(model: nn.Module, base: nn.Module, layout: StageLayout, orig
     # group of each iteration, for a segment whose stack loops over shared layer groups (ALBERT)
     groups = [_iteration_groups(base, s, layers) for s, layers in zip(layout.segments, originals)]
     sizes = [len(g) if g is not None else len(layers) for g, layers in zip(groups, originals)]
-    layer_ranges = split_layers(sum(sizes), num_virtual, num_layers_per_stage)
+    layer_ranges = stage_split(layout, base, sum(sizes), num_virtual, num_layers_per_stage)
     stage_of = {i: v for v, r in enumerate(layer_ranges) for i in r}
+    # the stages running a segment's ends: those of its first and last layers, or with stages holding no layer
+    # (one segment only, layout.empty_stage_refusal) the first and the last stage, as ColossalAI places them
+    empty = any(len(r) == 0 for r in layer_ranges)
     spans, offset = [], 0
     for segment, group, size in zip(layout.segments, groups, sizes):
         stack = base.get_submodule(segment.stack)
@@ -72,8 +75,9 @@ def _place_segments(model: nn.Module, base: nn.Module, layout: StageLayout, orig
         # vision-language model's text_config, not the top-level config its stack holds)
         owner = base.get_submodule(segment.layers.rpartition(".")[0])
         config = getattr(owner, "config", None) or getattr(stack, "config", getattr(model, "config", None))
-        spans.append(SegmentSpan(segment, offset, size, group, first_stage=stage_of[offset],
-                                 last_stage=stage_of[offset + size - 1], config=config, counted_config=counted))
+        spans.append(SegmentSpan(segment, offset, size, group, first_stage=0 if empty else stage_of[offset],
+                                 last_stage=num_virtual - 1 if empty else stage_of[offset + size - 1], config=config,
+                                 counted_config=counted))
         first = layer_ranges[stage_of[offset]]
         if segment.leading_layers and offset + segment.leading_layers not in first:
             raise ValueError(

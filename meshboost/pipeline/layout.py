@@ -7,7 +7,8 @@ encoder-decoder; one per tower for a model chaining several), each naming, relat
 boundary must carry (T5's position bias); choosing a model's layout (the one its family's policy
 declares, passed in by the plugin, else transformers' own `config.base_model_pp_plan`); and
 `split_layers` (contiguous over the layers of every segment in order, even, remainder to the
-middle stages). Must not touch a model (cutting one lives in cut.py) nor know a family.
+middle stages; stages without layers where `empty_stage_refusal` finds none). Must not touch a
+model (cutting one lives in cut.py) nor know a family.
 
 Every module outside the base model (LM head, classifier, ...) belongs to the last stage. The
 layout is checked against the model's parameters, so a family whose layout misses a parameter
@@ -16,8 +17,10 @@ fails loudly instead of silently dropping it.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 
 SEGMENT_KEYS = ("stack", "embeddings", "layers", "tail", "carry", "counted_by", "shared_groups", "embedding_inputs",
@@ -190,13 +193,36 @@ def get_layout(model: nn.Module, declared: dict | None = None) -> StageLayout:
     return layout
 
 
-def split_layers(num_layers: int, num_stages: int, num_layers_per_stage: list[int] | None = None) -> list[range]:
+def empty_stage_refusal(layout: StageLayout, base: nn.Module) -> str | None:
+    """Why a (virtual) stage of `layout` cannot hold zero layers, or None when it can: one segment whose stack
+    iterates its layer list and whose layers return the hidden states alone. A stage without layers then runs a
+    pass-through in their place (run.py): the first stage its embeddings, the last its tail and heads, one in
+    between nothing, each handing on exactly the hidden states it got, so the numbers are the model's."""
+    if len(layout.segments) != 1:
+        return "its layers sit in several stacks, and an empty stage between them has no stack to pass through"
+    segment = layout.segments[0]
+    if segment.carry or segment.counted_by or segment.shared_groups or segment.leading_layers:
+        return (f"its layers in {segment.layers} hand on more than the hidden states (carried outputs, counted or "
+                "shared iterations, steps after the first layers)")
+    layers = _get(base, segment.layers)
+    returns = inspect.signature(type(layers[0]).forward).return_annotation
+    if returns is not torch.Tensor and returns not in ("torch.Tensor", "Tensor"):
+        return (f"its layers ({type(layers[0]).__name__}) do not declare that they return the hidden states alone, "
+                "which a last stage without layers must hand back to the model's loop")
+    return None
+
+
+def split_layers(num_layers: int, num_stages: int, num_layers_per_stage: list[int] | None = None, *,
+                 allow_empty: bool = False, why_not_empty: str | None = None) -> list[range]:
     """Contiguous layer ranges, one per (virtual) stage. Even by default, with the remainder given to
-    the middle stages (the first holds the embeddings, the last the head). Pure: same error on every rank."""
-    if num_stages > num_layers:
+    the middle stages (the first holds the embeddings, the last the head); with more stages than layers
+    the stages at both ends hold none (ColossalAI's split) when `allow_empty`, else a refusal giving
+    `why_not_empty`. Pure: same error on every rank."""
+    if num_stages > num_layers and not allow_empty:
+        why = f"; a stage would hold no layer, which this model cannot run: {why_not_empty}" if why_not_empty else ""
         raise ValueError(
             f"{num_stages} pipeline stages (pp_size x num_model_chunks) but the model has only {num_layers} "
-            f"layers; use at most {num_layers} stages")
+            f"layers{why}; use at most {num_layers} stages")
     if num_layers_per_stage is None:
         counts = [num_layers // num_stages] * num_stages
         extra = num_layers % num_stages
@@ -215,6 +241,14 @@ def split_layers(num_layers: int, num_stages: int, num_layers_per_stage: list[in
         ranges.append(range(start, start + count))
         start += count
     return ranges
+
+
+def stage_split(layout: StageLayout, base: nn.Module, num_layers: int, num_stages: int,
+                num_layers_per_stage: list[int] | None = None) -> list[range]:
+    """`split_layers` for `layout`'s model (`base`, its base model): stages without layers where it can run them."""
+    refusal = empty_stage_refusal(layout, base) if num_stages > num_layers else None
+    return split_layers(num_layers, num_stages, num_layers_per_stage, allow_empty=num_stages > num_layers
+                        and refusal is None, why_not_empty=refusal)
 
 
 def _get(root: nn.Module, path: str):

@@ -10,7 +10,9 @@ stand-ins returning the outputs received for them. A chunk that ends inside a se
 last layer (a hook raising a private BaseException) and hands its hidden states on; one that ends a
 segment stops after the segment's stack returns and hands on that segment's output, with the
 outputs of every earlier segment (the decoder's cross-attention reads the encoder output on every
-decoder stage). Everything a chunk puts in place is taken away when it ends, whatever happens.
+decoder stage). A chunk without layers (more stages than layers, layout.empty_stage_refusal) runs one
+pass-through layer, which receives, stops and hands on as a layer would. Everything a chunk puts in place
+is taken away when it ends, whatever happens.
 
 The HF config is never written. A forward reads two things from it by the numbering of the layers
 it iterates, and a chunk must read its own: per-layer lists (`config.layer_types[i]` for the i-th
@@ -33,6 +35,7 @@ import copy
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
 
 from meshboost.pipeline.layout import Segment
 from meshboost.pipeline.stand_ins import AbsentEmbedding, ReceivedOutput, put_at
@@ -48,16 +51,26 @@ class _StageOutput(BaseException):
         self.tensors = tensors
 
 
+class _PassThrough(nn.Module):
+    """The one layer a chunk without layers runs (layout.empty_stage_refusal): it returns the hidden states it
+    is given, so the chunk's hooks receive and hand on exactly what a layer boundary would."""
+
+    def forward(self, *args, **kwargs):
+        return args[0] if args else kwargs["hidden_states"]
+
+
 @dataclass(frozen=True)
 class _ChunkBounds:
     """Where a chunk sits among the segments: its global layers, the first and last segment they
-    fall in, whether it starts the first one at its first layer and ends the last one at its last."""
+    fall in, whether it runs the first one's embeddings and the last one's tail, and the modules it
+    runs as its layers (a pass-through for a chunk without layers)."""
 
     layers: range
     first: int
     last: int
     starts: bool
     ends: bool
+    running: tuple
 
     @property
     def segments(self) -> range:
@@ -76,11 +89,11 @@ def run_chunk(stages, chunk: int, inputs: dict, received: list[torch.Tensor] | N
         with contextlib.ExitStack() as scope:
             scope.callback(_clear_chunk_state, stages)
             if not bounds.starts:
-                swaps.update(_embedding_stand_ins(stages, stages.spans[bounds.first].segment, received[bounds.first]))
+                swaps.update(_embedding_stand_ins(stages, bounds, received[bounds.first]))
                 _receive_at_first_layer(stages, bounds, received, scope)
             if not stages.is_last(chunk):
                 _stop_at_chunk_end(stages, bounds, captured, scope)
-            _iterate_only(stages, bounds.layers)              # before _config_entries, which counts them
+            _iterate_only(stages, bounds)                     # before _config_entries, which counts them
             scope.enter_context(_swapped(stages.model.base_model, swaps))
             scope.enter_context(_config_views(stages.config_holders, _config_entries(stages, bounds)))
             return stages.model(**_withheld(stages, bounds, inputs))
@@ -97,24 +110,33 @@ def _withheld(stages, bounds: _ChunkBounds, inputs: dict) -> dict:
 
 
 def _bounds(stages, chunk: int) -> _ChunkBounds:
-    layers = stages.layer_ranges[stages.virtual(chunk)]
-    first, last = stages.segment_of(layers.start), stages.segment_of(layers[-1])
-    return _ChunkBounds(layers, first, last, starts=layers.start == stages.spans[first].offset,
-                        ends=layers[-1] == stages.spans[last].stop - 1)
+    virtual = stages.virtual(chunk)
+    layers = stages.layer_ranges[virtual]
+    if len(layers):
+        first, last = stages.segment_of(layers.start), stages.segment_of(layers[-1])
+        running = tuple(stages.kept[i] for i in layers)
+    else:                                   # no layer here: one segment only (layout.empty_stage_refusal)
+        first = last = 0
+        running = (_PassThrough(),)
+    return _ChunkBounds(layers, first, last, starts=stages.spans[first].first_stage == virtual,
+                        ends=stages.spans[last].last_stage == virtual, running=running)
 
 
-def _embedding_stand_ins(stages, segment: Segment, hidden: torch.Tensor) -> dict:
-    """The stand-ins of `segment`'s embeddings, for a chunk starting inside it. An `AbsentEmbedding`
+def _embedding_stand_ins(stages, bounds: _ChunkBounds, hidden: torch.Tensor) -> dict:
+    """The stand-ins of the first segment's embeddings, for a chunk starting inside it. An `AbsentEmbedding`
     answers zeros shaped like the whole sequence (under sequence parallelism the received hidden
-    states hold 1/seq_split of it)."""
+    states hold 1/seq_split of it between the segment's first layer and its last, which split and gather it)."""
+    span = stages.spans[bounds.first]
+    segment = span.segment
+    split = stages.seq_split if span.offset < bounds.layers.start < span.stop else 1
     swaps = {}
     for path in segment.embeddings:
         stand_in = stages.stand_ins.get(path)
         if stand_in is None:
             continue
         if isinstance(stand_in, AbsentEmbedding):
-            stand_in.hidden_like = hidden if stages.seq_split == 1 else hidden.new_zeros(
-                (hidden.shape[0], hidden.shape[1] * stages.seq_split, *hidden.shape[2:]))
+            stand_in.hidden_like = hidden if split == 1 else hidden.new_zeros(
+                (hidden.shape[0], hidden.shape[1] * split, *hidden.shape[2:]))
         swaps[path] = stand_in
     return swaps
 
@@ -124,7 +146,7 @@ def _receive_at_first_layer(stages, bounds: _ChunkBounds, received: list, scope:
     segment = stages.spans[bounds.first].segment
     hook = _replace_inputs(received[bounds.first], segment.carry, received[bounds.first + 1:])
     # prepended: the layer's own hooks (sequence parallelism's) see the received hidden states
-    handle = stages.kept[bounds.layers.start].register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
+    handle = bounds.running[0].register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
     scope.callback(handle.remove)
 
 
@@ -138,17 +160,20 @@ def _stop_at_chunk_end(stages, bounds: _ChunkBounds, captured: dict, scope: cont
             stack = base.get_submodule(stages.spans[j].segment.stack)
             handles.append(stack.register_forward_hook(_segment_done(j, captured, stop=j == bounds.last)))
     if not bounds.ends:
-        last_layer = stages.kept[bounds.layers[-1]]
+        last_layer = bounds.running[-1]
         handles.append(last_layer.register_forward_hook(_stop_with_output(stages.spans[bounds.last].segment)))
     for handle in handles:
         scope.callback(handle.remove)
 
 
-def _iterate_only(stages, layers: range) -> None:
-    """Each layer list iterates only the chunk's layers (until `_clear_chunk_state`)."""
-    for span in stages.spans:
+def _iterate_only(stages, bounds: _ChunkBounds) -> None:
+    """Each layer list iterates only the chunk's layers (until `_clear_chunk_state`); a chunk without
+    layers runs its pass-through in its one segment."""
+    layers = bounds.layers
+    for j, span in enumerate(stages.spans):
         if span.layer_list is not None:
-            span.layer_list.running = [stages.kept[i] for i in layers if span.offset <= i < span.stop]
+            span.layer_list.running = [stages.kept[i] for i in layers if span.offset <= i < span.stop] \
+                if len(layers) else (list(bounds.running) if j == bounds.first else [])
 
 
 def _clear_chunk_state(stages) -> None:

@@ -246,7 +246,7 @@ def install_context(model: nn.Module, size: int, mode: str):
     attention = (UlyssesAttention if mode == ALL_TO_ALL else GatheredKeysAttention)(None, size, inner)
     attention.comm = _ShapeOnlyComm(size)
     install(model, None, size, inner, mode, attention=attention)
-    return ContextInputs(attention, 0, model.config)
+    return ContextInputs(attention, 0, model)
 
 
 class _LastTpRank:

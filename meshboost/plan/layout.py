@@ -14,12 +14,11 @@ Must not estimate memory or time (memory.py, cost.py).
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, replace
 from functools import cached_property, lru_cache
 from itertools import product
 
-from meshboost.distributed.dims import HSDP_AXES, ParallelDims
+from meshboost.distributed.dims import ParallelDims
 from meshboost.distributed.param_info import DENSE, EXPERT
 from meshboost.optim.precision import PRECISION_BYTES
 
@@ -114,34 +113,11 @@ def axis_size(dims: ParallelDims, axis: str) -> int:
     return dims.size(*planner_axes(dims, axis))
 
 
-def _mesh_dims(dims: ParallelDims, axes: tuple[str, ...]) -> tuple[str, ...]:
-    """The DeviceMesh dimensions behind `axes` (ParallelMesh.submesh's rule: dp is (edp, ep) under expert
-    parallelism, (dp_replicate, dp_shard) under HSDP; edp is dp and dp_shard is dp without them); an axis
-    of one rank that is no mesh dimension spans nothing."""
-    mesh = dims.mesh_axes
-    whole_dp = ("edp", "ep") if dims.ep > 1 else HSDP_AXES if dims.dp_replicate > 1 else ("dp",)
-    expand = {"dp": whole_dp, "edp": whole_dp if dims.ep == 1 else ("edp",), "dp_shard": whole_dp, "dp_replicate": ()}
-    out: list[str] = []
-    for axis in axes:
-        out += [axis] if axis in mesh else [a for a in expand.get(axis, ()) if a in mesh]
-    return tuple(dict.fromkeys(out))
-
-
 def axis_groups(dims: ParallelDims, axis: str) -> list[tuple[int, ...]]:
-    """Every group of global ranks along the planner's `axis`, as the runtime's mesh builds them: ranks
-    numbered row-major over `dims.shape` in `dims.mesh_axes` order (torch's DeviceMesh), one group per
-    coordinate of the other dimensions. Reads the order from the dims, so a new mesh order moves the
-    planner's groups (and its inside-a-node test) with it."""
-    names, shape = dims.mesh_axes, dims.shape
-    along = [names.index(a) for a in _mesh_dims(dims, planner_axes(dims, axis))]
-    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
-    others = [i for i in range(len(shape)) if i not in along]
-    groups = []
-    for fixed in product(*(range(shape[i]) for i in others)):
-        base = sum(c * strides[i] for c, i in zip(fixed, others))
-        groups.append(tuple(sorted(base + sum(c * strides[i] for c, i in zip(coord, along))
-                                   for coord in product(*(range(shape[i]) for i in along)))))
-    return groups
+    """Every group of global ranks along the planner's `axis`, as the runtime's mesh builds them: the
+    dims' own rank grid (`ParallelDims.groups`, the grid ParallelMesh's DeviceMesh is built on), so a new
+    mesh order or axis moves the planner's groups (and its inside-a-node test) with it."""
+    return [tuple(sorted(g)) for g in dims.groups(*planner_axes(dims, axis))]
 
 
 @lru_cache(maxsize=4096)

@@ -17,7 +17,8 @@ import torch.nn as nn
 from meshboost.booster import ModelWrapper, OptimizerWrapper, Plugin
 from meshboost.distributed import ParallelMesh
 from meshboost.distributed.agreement import agree_settings
-from meshboost.fsdp import FSDPConfig, apply_fsdp, boost_optimizer, is_sharded, no_gradient_sync, prepare, reshard_all
+from meshboost.fsdp import (FSDPConfig, FSDPOptimizer, apply_fsdp, boost_optimizer, is_sharded, no_gradient_sync,
+                            prepare, reshard_all)
 from meshboost.optim import PrecisionConfig
 from meshboost.plugins.fsdp_wrap import transformer_layers
 from meshboost.plugins.shortcuts import config_from
@@ -56,6 +57,9 @@ class FSDPPlugin(Plugin):
     """
 
     config: FSDPConfig
+    # what `configure` returns: a subclass may give its own views of the same objects (compat's GeminiPlugin)
+    model_class: type[FSDPModel] = FSDPModel
+    optimizer_class: type[FSDPOptimizer] = FSDPOptimizer
 
     def __init__(self, config: FSDPConfig | None = None, *, precision: str | None = None, **unknown):
         # Every rank must pass the same arguments; one all-gather of a digest says so (or names the
@@ -68,7 +72,7 @@ class FSDPPlugin(Plugin):
 
     def _build(self, config: FSDPConfig) -> None:
         self.config = config
-        self.mesh = ParallelMesh(tp_size=1, pp_size=1)                  # collective: after the checks
+        self.mesh = ParallelMesh()                  # collective: after the checks
 
     @property
     def precision(self) -> str:
@@ -94,8 +98,9 @@ class FSDPPlugin(Plugin):
         # in place; parameters become DTensor shards
         units = apply_fsdp(model, self.config, self.mesh, transformer_layers(model))
         if optimizer is not None:      # moved onto the new parameters (a stepped one with its state), then wrapped
-            optimizer = boost_optimizer(optimizer, names, model, self.mesh, self.config.precision)
-        return FSDPModel(model, self.mesh, units), optimizer, criterion, dataloader, lr_scheduler
+            optimizer = boost_optimizer(optimizer, names, model, self.mesh, self.config.precision,
+                                        self.optimizer_class)
+        return self.model_class(model, self.mesh, units), optimizer, criterion, dataloader, lr_scheduler
 
     def no_sync(self, model, optimizer=None):
         """Accumulate gradients locally (unreduced, full size) inside the block; see FSDPModel.no_sync."""

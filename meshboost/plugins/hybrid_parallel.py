@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import inspect
 
 import torch
 import torch.nn as nn
@@ -41,9 +42,20 @@ from meshboost.plugins.shortcuts import config_from
 from meshboost.plugins.speed import apply_compile, apply_float8, to_device
 from meshboost.shardformer import (PipelineGradientCheckpointConfig, ShardConfig, ShardFormer, pipeline_layout,
                                    uses_causal_lm_loss)
+from meshboost.shardformer import packed_rows
 from meshboost.shardformer.context import ContextInputs, install
 from meshboost.shardformer.layers.expert_parallel import shard_expert_parallel_
 from meshboost.shardformer.lora_experts import shard_ep_adapters_
+
+
+def positional_by_name(model: nn.Module, args: tuple) -> dict:
+    """Positional inputs of `model`'s forward under their parameter names (ColossalChat's trainers call
+    `model(input_ids, attention_mask=...)`)."""
+    params = list(inspect.signature(model.forward).parameters.values())[:len(args)]
+    if len(params) < len(args) or any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params):
+        raise TypeError(f"{type(model).__name__}.forward takes no {len(args)} named positional inputs; pass them "
+                        "by keyword (input_ids=..., attention_mask=...)")
+    return dict(zip((p.name for p in params), args))
 
 
 class HybridParallelModule(ModelWrapper):
@@ -92,10 +104,12 @@ class HybridParallelModule(ModelWrapper):
             elif self.mesh.dp_size > 1:        # the gradient reduction averages over the replicas
                 kwargs["num_items_in_batch"] = items / self.mesh.dp_size
         if self.context is not None:
+            if args:                           # model(input_ids, ...): the sequence split reads inputs by name
+                args, kwargs = (), {**positional_by_name(super().unwrap(), args), **kwargs}
             labels = kwargs.get("labels")
             if torch.is_tensor(labels) and kwargs.get("num_items_in_batch") is None:     # eval: the replica's own
                 kwargs["num_items_in_batch"] = count_items(labels, shifted=True) / self.mesh.cp_size
-            kwargs = self.context.shard(kwargs, self.training)
+            kwargs = self.context.shard(kwargs)
         output = self.module(*args, **kwargs)
         if self.context is not None:
             output = self.context.combine(output, kwargs, self.training)
@@ -175,7 +189,7 @@ class HybridParallelPlugin(Plugin):
                 raise NotImplementedError(refusal)
         pc = config.pipeline
         # collective: after the checks
-        self.mesh = ParallelMesh(dims=config.dims)     # the layout's one record, dp resolved over the world
+        self.mesh = ParallelMesh(config.dims)     # the layout's one record, dp resolved over the world
         self.shard_config = dataclasses.replace(config.sharding, mesh=self.mesh)     # tp group and size: the mesh's
         # the replicas of a dense weight: dp, times the cp ranks (each saw other pieces of the sequences)
         self.dp_reducer = dp_reducer(self.mesh.size(*self.mesh.dims.grad_axes()), pc.pp_size, config.zero.stage)
@@ -239,7 +253,7 @@ class HybridParallelPlugin(Plugin):
         plan = check_model(model, optimizer, self.config, self.mesh.dims, self.dp_reducer)
         hf = plan.hf        # plans and stages read the transformers model; the wrappers hold `model` itself
         original = copy.deepcopy(model) if plan.lazy is not None else None        # on meta: no memory
-        ShardFormer(self.shard_config).optimize(hf, self.config.custom_policy)
+        ShardFormer(self.shard_config).shard(hf, self.config.custom_policy)       # materialised below, once cut
         apply_float8(hf, self.config.float8, self.mesh, self.dp_reducer == FSDP, optimizer)   # speed.py
         if self.ep_size > 1:        # after tp, which cut inside the experts: now split the experts over ep
             shard_expert_parallel_(hf, self.mesh.group("ep"), self.ep_size, self.mesh.ep_rank)
@@ -279,8 +293,12 @@ class HybridParallelPlugin(Plugin):
         context = None
         if attention is not None:
             dims = self.mesh.dims
-            context = ContextInputs(install(hf, self.mesh.group("cp"), dims.cp, attention, dims.cp_mode),
-                                    self.mesh.cp_rank, hf.config)
+            # wraps what the model runs now: check_model vetted its own implementation (`attention`), the
+            # sharder's kernel switch may since have chosen SDPA (never one context parallelism cannot wrap)
+            context = ContextInputs(install(hf, self.mesh.group("cp"), dims.cp, mode=dims.cp_mode),
+                                    self.mesh.cp_rank, hf)
+        # packed rows with the cache on attend across documents as transformers decides: say so once, at every layout
+        hf.register_forward_pre_hook(packed_rows.tell_hook, with_kwargs=True)
         router_group = self.mesh.dp_group if self.config.router_statistics == GLOBAL and self.mesh.dp_size > 1 else None
         if router_group is not None:
             loss_function(hf)                         # pure: a model without a router loss is refused here

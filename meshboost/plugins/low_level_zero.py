@@ -86,7 +86,7 @@ class LowLevelZeroPlugin(Plugin):
                                   unknown, "ColossalAI's keywords are taken by `from meshboost.booster.plugin import "
                                   "LowLevelZeroPlugin`, ColossalAI's path, which maps them onto the config "
                                   "(docs/colossalai.md)")
-        self.mesh = ParallelMesh(tp_size=1, pp_size=1)                  # collective: after the checks
+        self.mesh = ParallelMesh()                  # collective: after the checks
 
     @property
     def precision_config(self) -> PrecisionConfig:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from meshboost.lazy import lazy_seed
-from meshboost.pipeline import get_layout, split_layers
+from meshboost.pipeline import get_layout, stage_split
 from meshboost.pipeline.checkpointing import checkpoint_plan
 from meshboost.plugins.config import DDP, FSDP, HybridParallelConfig
 from meshboost.plugins.hybrid_zero3 import check_zero3_model
@@ -81,7 +81,7 @@ def checkpointed_layers(model: nn.Module, config: HybridParallelConfig):
     lists = [base.get_submodule(segment.layers) for segment in layout.segments]
     pc = config.pipeline
     num_stages = pc.pp_size * pc.num_model_chunks
-    ranges = split_layers(sum(len(layers) for layers in lists), num_stages, pc.num_layers_per_stage)
+    ranges = stage_split(layout, base, sum(len(layers) for layers in lists), num_stages, pc.num_layers_per_stage)
     for v, r in enumerate(ranges):
         checkpointing.layers_to_checkpoint(v, len(r), num_stages)
 

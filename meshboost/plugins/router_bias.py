@@ -11,6 +11,8 @@ layer held by `RouterBiasBalancer`, never on the modules. Must not know a family
 
 from __future__ import annotations
 
+import math
+import numbers
 import weakref
 from dataclasses import dataclass
 
@@ -23,9 +25,11 @@ BIAS = "e_score_correction_bias"
 
 
 def check_rate(rate) -> float:
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate < 0:
-        raise ValueError(f"moe_router_bias_update_rate={rate!r} must be a number >= 0 (0 turns the update off; "
-                         "DeepSeek-V3 uses 1e-3)")
+    """The rate as a float, or ValueError naming it: a finite number >= 0. NaN or inf would pass a `< 0`
+    test and turn every bias NaN after one step while the loss looks normal (the bias only picks experts)."""
+    if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not math.isfinite(rate) or rate < 0:
+        raise ValueError(f"moe_router_bias_update_rate={rate!r} must be a finite number >= 0 (0 turns the update "
+                         "off; DeepSeek-V3 uses 1e-3)")
     return float(rate)
 
 
@@ -36,7 +40,9 @@ def bias_routers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def check_model(model: nn.Module, rate: float) -> None:
-    """Pure: a rate on a model without correction biases is refused (the same error on every rank)."""
+    """Pure: a rate that is not a finite number >= 0 (a config changed after it was built), or one on a model
+    without correction biases, is refused (the same error on every rank)."""
+    rate = check_rate(rate)
     if rate > 0 and not bias_routers(model):
         raise ValueError(f"moe_router_bias_update_rate={rate}: {type(model).__name__} has no router with a frozen "
                          f"`{BIAS}` (DeepSeek-V3, GLM-4-MoE and similar carry one); drop the keyword or pass 0.0")

@@ -37,7 +37,7 @@ class TorchDDPPlugin(Plugin):
         self.fp8_communication = bool(fp8_communication)
         self.ddp_config = DDPConfig(broadcast_buffers, bucket_cap_mb, find_unused_parameters, check_reduction,
                                     gradient_as_bucket_view, static_graph)
-        self.mesh = ParallelMesh(tp_size=1, pp_size=1)                  # collective: after the checks
+        self.mesh = ParallelMesh()                  # collective: after the checks
 
     def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None, lr_scheduler=None):
         device = self.mesh.device

@@ -9,8 +9,9 @@ classification of replicated modules, whose hook then removes itself) and is com
 Identical blocks then share one graph: dynamo inlines nn.Modules (`inline_inbuilt_nn_modules`, on by
 default in torch >= 2.5), so parameters are graph inputs, not guards, and nothing meshboost leaves on a
 block is read by identity. Two things that would be read per layer are taken away here:
-transformers' key/value cache in training (`use_cache=False` unless the caller asks for one: the cache
-indexes its layers by `layer_idx`, one guard per layer, and training never reads it), and the per-tp-
+transformers' key/value cache in training (`use_cache=False` unless the caller asks for one or the rows
+are packed, whose documents the cache decides on: the cache indexes its layers by `layer_idx`, one guard
+per layer, and training never reads it), and the per-tp-
 rank dropout streams (shardformer/rng.py) when the model draws no dropout at all (their generator
 switches are host operations dynamo cannot trace; with dropout they stay, each a graph break,
 docs/compile.md). Must not compile anything but the blocks it is handed, nor fork a forward.
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from meshboost.shardformer import packed_rows
 from meshboost.shardformer.optimizations import say
 from meshboost.shardformer.shard_config import switch_config
 from meshboost.shardformer.rng import get_tp_rank_rng, remove_tp_rank_rng
@@ -95,9 +97,16 @@ def draws_dropout(model: nn.Module) -> bool:
 
 
 def _no_cache_in_training(names: frozenset, module, args, kwargs):
-    if module.training and "use_cache" in names and kwargs.get("use_cache") is None:
+    if module.training and "use_cache" in names and kwargs.get("use_cache") is None and not _packed(args, kwargs):
         kwargs["use_cache"] = False
     return args, kwargs
+
+
+def _packed(args: tuple, kwargs: dict) -> bool:
+    """Packed rows keep the caller's cache setting: it decides whether their documents attend across
+    each other (packed_rows.py), so turning the cache off would change the number."""
+    rows = kwargs.get("input_ids", kwargs.get("inputs_embeds", args[0] if args else None))
+    return torch.is_tensor(rows) and rows.dim() >= 2 and packed_rows.packed_documents(kwargs, rows.shape[0]) is not None
 
 
 def _checkpoint_compiled(checkpoint, config: CompileConfig, function, *args):

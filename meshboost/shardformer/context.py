@@ -38,9 +38,14 @@ attention function reads it. Under pipeline stages each micro-batch is cut the s
 backward (activation checkpointing keeps the layer's keyword arguments) mask as their own forward did,
 with nothing for the schedule to save or put back.
 
+Packed rows (position_ids restarting, no attention_mask): their documents are isolated exactly when the
+unsharded model isolates them for the same call (packed_rows.py: no cache, i.e. use_cache off or turned off
+by gradient checkpointing in training), and attend across each other otherwise; the split rows are never
+given a cache (a cache of a sequence piece would serve nothing), so the decision is taken before the split.
+
 Refused with the reason (every rank, before any collective): the tp group's modes with cp_size
-("split_gather", ColossalAI's "ring": sequence.py runs them over tp), packed rows with the cache on (in
-eval, or use_cache=True passed; a training call builds none), chunked attention, recurrent mixers, attention
+("split_gather", ColossalAI's "ring": sequence.py runs them over tp), a cache object passed in (it would hold
+pieces), chunked attention, recurrent mixers, attention
 implementations other than sdpa and eager, heads not divisible by cp (all_to_all), a sequence length
 not divisible by cp (2 cp for ring_attn), models that are not causal LMs, a pipeline criterion other
 than the model's loss (`check_criterion`); the model checks are context_checks.py's. Must not know a model
@@ -57,7 +62,8 @@ import torch.nn as nn
 
 from meshboost.distributed import comm
 from meshboost.distributed.inputs import count_items
-from meshboost.shardformer.context_checks import ALL_TO_ALL, RING_ATTN, check_length
+from meshboost.shardformer import packed_rows
+from meshboost.shardformer.context_checks import ALL_TO_ALL, RING_ATTN, WRAPPED, check_length
 
 ATTENTION_NAME = "meshboost_ulysses"
 # the keyword under which the sharded inputs carry their `ContextCall` down to the attention function
@@ -200,21 +206,32 @@ class _GroupsView:
         return getattr(self._module, name)
 
 
-def install(model: nn.Module, group, size: int, inner: str, mode: str = ALL_TO_ALL,
+def install(model: nn.Module, group, size: int, inner: str | None = None, mode: str = ALL_TO_ALL,
             attention: UlyssesAttention | None = None) -> UlyssesAttention:
     """Register this model's context-parallel attention (the mode's, or `attention`: the planner's
     shape-only one) in transformers' attention interface and switch the model to it (every attention
-    module then calls it; no forward is replaced)."""
+    module then calls it; no forward is replaced). `inner`: the implementation it wraps; None: the one
+    the model runs now, after ShardConfig's kernel switch (enable_flash_attention turns eager into
+    sdpa). Refused when no module runs `inner`: the attention would silently see each rank's piece alone."""
     from transformers import AttentionInterface
 
+    inner = getattr(model.config, "_attn_implementation", None) if inner is None else inner
+    if inner not in WRAPPED:
+        raise NotImplementedError(f"context parallelism wraps attention implementations {WRAPPED}; "
+                                  f"{type(model).__name__} runs {inner!r}")
     if attention is None:
         attention = (UlyssesAttention if mode == ALL_TO_ALL else GatheredKeysAttention)(group, size, inner)
     name = f"{ATTENTION_NAME}_{id(model)}"
     AttentionInterface.register(name, attention)
+    switched = 0
     for module in model.modules():
         config = getattr(module, "config", None)
         if config is not None and getattr(config, "_attn_implementation", None) == inner:
             config._attn_implementation = name
+            switched += 1
+    if not switched:
+        raise RuntimeError(f"context parallelism: no module of {type(model).__name__} runs attn_implementation="
+                           f"{inner!r}, so none would call the context-parallel attention")
     return attention
 
 
@@ -237,9 +254,9 @@ class ContextInputs:
     """This cp rank's piece of a replica's batch, and the whole-sequence view of what the model returns.
     Fixed per model; a call's state is the `ContextCall` that `shard` returns inside the inputs."""
 
-    def __init__(self, attention: UlyssesAttention, rank: int, config=None):
+    def __init__(self, attention: UlyssesAttention, rank: int, model: nn.Module):
         self.attention, self.rank, self.size, self.group = attention, rank, attention.size, attention.group
-        self.config = config                        # the model's: whether it builds a cache (packed rows)
+        self.model = model          # the HF model: whether its forward would hold a cache (packed rows)
 
     def _pieces(self, length: int, device) -> list[torch.Tensor]:
         """The positions each rank holds: contiguous pieces (all_to_all), or chunks r and 2cp-1-r of 2cp
@@ -249,13 +266,23 @@ class ContextInputs:
         chunks = torch.arange(length, device=device).chunk(2 * self.size)
         return [torch.cat([chunks[r], chunks[2 * self.size - 1 - r]]) for r in range(self.size)]
 
-    def shard(self, kwargs: dict, training: bool = False) -> dict:
+    def positions(self, length: int, device=None) -> torch.Tensor:
+        """The token indices of a length-`length` sequence that this rank holds, in the order of its piece
+        of the model's outputs (training; post_training reads its log-probs by them)."""
+        return self._pieces(length, device)[self.rank]
+
+    def shard(self, kwargs: dict) -> dict:
         """This rank's piece of `kwargs` (one replica's batch, whole on every cp rank), with the call's
-        `ContextCall` under `CALL_KWARG` (the model passes it down to every attention call). `training`:
-        the call builds no cache (packed rows are then isolated, `_documents`)."""
+        `ContextCall` under `CALL_KWARG` (the model passes it down to every attention call). Packed rows'
+        documents are isolated as the unsharded model would for this call, in the model's present mode
+        (`packed_rows.documents`)."""
         ids = kwargs.get("input_ids")
         if not torch.is_tensor(ids) or ids.dim() != 2:
             raise ValueError("context parallelism needs input_ids [batch, sequence] (inputs_embeds is not split)")
+        passed = [name for name in packed_rows.CACHE_KWARGS if kwargs.get(name) is not None]
+        if passed:
+            raise NotImplementedError(f"context parallelism: {passed[0]} was passed; the split rows hold no key/value "
+                                      "cache (each rank holds a piece of every sequence): call without it")
         batch, length = ids.shape
         check_length(length, self.size, self.attention.mode)
         given = kwargs.get("position_ids")
@@ -268,7 +295,7 @@ class ContextInputs:
         pieces = self._pieces(length, ids.device)
         cut = pieces[self.rank]
         padding = None if mask is None or bool(mask.bool().all()) else mask.bool()
-        call = ContextCall(padding, self._documents(given, mask, kwargs, training), cut, torch.cat(pieces))
+        call = ContextCall(padding, packed_rows.documents(self.model, kwargs, batch), cut, torch.cat(pieces))
         out = {k: v for k, v in kwargs.items() if k not in ("attention_mask", "position_ids", "use_cache")}
         out[CALL_KWARG] = call
         out["use_cache"] = False                  # a cache of a sequence piece would serve nothing
@@ -280,33 +307,11 @@ class ContextInputs:
             out["labels"], out["shift_labels"] = labels[:, cut].contiguous(), shifted[:, cut].contiguous()
         return out
 
-    def _documents(self, position_ids, attention_mask, kwargs, training: bool) -> torch.Tensor | None:
-        """The document of every token of packed rows (position_ids restarting inside a row), isolated as
-        transformers isolates them unsharded: when no attention mask is passed and no cache is built
-        (its own `find_packed_sequence_indices`, on the whole rows); None when rows attend whole. A
-        training call builds no cache unless `use_cache=True` is passed: the config's `use_cache` (on by
-        default) is a generation setting, and a training forward never reads a cache, so the documents are
-        isolated exactly as the unsharded model isolates them with use_cache=False."""
-        if position_ids is None or attention_mask is not None:
-            return None                       # transformers: causal and padding only
-        from transformers.masking_utils import find_packed_sequence_indices
-
-        documents = find_packed_sequence_indices(position_ids.expand(kwargs["input_ids"].shape[0], -1))
-        use_cache = kwargs.get("use_cache")
-        if use_cache is None:
-            use_cache = not training and getattr(self.config, "use_cache", False)
-        if documents is not None and use_cache:
-            where = "use_cache=True was passed" if kwargs.get("use_cache") else "the config's use_cache is on (eval)"
-            raise NotImplementedError(f"packed rows (position_ids restarting, no attention_mask) while {where}: "
-                                      "transformers then decides from its cache whether documents attend across; "
-                                      "pass use_cache=False so they are isolated, or an attention_mask")
-        return documents
-
     def check_criterion(self, criterion, inputs: dict) -> None:
         """A pipeline's criterion must return the model's own loss (see `check_criterion`)."""
         check_criterion(criterion, inputs)
 
-    def shard_microbatch(self, inputs: dict, training: bool) -> dict:
+    def shard_microbatch(self, inputs: dict) -> dict:
         """A pipeline micro-batch (every cp rank holds it whole): this rank's piece with its `ContextCall`,
         its loss normalised by the micro-batch's labelled tokens (the model then returns the micro-batch
         mean, which the schedule weighs as without cp)."""
@@ -314,7 +319,7 @@ class ContextInputs:
         labels = kwargs.get("labels")
         if torch.is_tensor(labels) and kwargs.get("num_items_in_batch") is None:
             kwargs["num_items_in_batch"] = count_items(labels, shifted=True) / self.size
-        return self.shard(kwargs, training)
+        return self.shard(kwargs)
 
     def combine(self, output, sharded: dict, training: bool):
         """The loss of the whole sequences on every rank; whole-sequence logits outside training, put in

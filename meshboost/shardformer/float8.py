@@ -104,7 +104,9 @@ def _sharded_products(model: nn.Module, chosen: Callable, config, groups: ShardG
     """Give each chosen column- or row-parallel linear of `model` its Float8Product and, under context
     parallelism (groups.cp: every linear is fed this rank's part of the tokens), swap each chosen plain
     linear for a ScaledFloat8Linear; without it torchao converts the plain ones itself."""
-    from meshboost.shardformer.float8_parallel import Float8Product, ScaledFloat8Linear, gather_weights_in_float8
+    from meshboost.distributed.param_info import get_tp_info
+    from meshboost.shardformer.float8_parallel import (Float8Product, ScaledFloat8Linear, SharedShard,
+                                                       gather_weights_in_float8)
     from meshboost.shardformer.layers.linear import ColumnParallelLinear, RowParallelLinear
     from torchao.float8.float8_linear import Float8Linear
     from torchao.float8.float8_linear_utils import swap_linear_layers
@@ -118,8 +120,10 @@ def _sharded_products(model: nn.Module, chosen: Callable, config, groups: ShardG
             # sequence parallelism its input is gathered (and a row's output reduce-scattered) around the
             # product, so the product's tokens are whole
             own = dataclasses.replace(groups, tp=module.process_group)
+            # key/value heads fewer than tp ranks: a column's output shard held by several ranks
+            shared = None if row else SharedShard.of(get_tp_info(module.weight))
             module.product = Float8Product.build(config, mm_config, own, row=row, column=not row,
-                                                 tokens_split=tokens_split)
+                                                 tokens_split=tokens_split, shared=shared)
             parallel.append(module)
     if parallel and config.enable_fsdp_float8_all_gather:         # ZeRO-3, tensorwise
         model.register_forward_pre_hook(gather_weights_in_float8(parallel, config, mm_config, groups.weights))

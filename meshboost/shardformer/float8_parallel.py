@@ -9,7 +9,12 @@ float8 cast of torchao's three products (forward; input gradient; weight gradien
 some dims of its operand (tensorwise: all of them; rowwise: along one, a scale per row or per column);
 where one of those dims is split over ranks (features over tp, tokens over cp), the amax is all-reduced
 (MAX) over those ranks by torchao's own `reduce_amax`, so every element is cast with the scale one
-process would use. A dim split over no rank needs nothing: each rank's rows are whole.
+process would use. A dim split over no rank needs nothing: each rank's rows are whole. A column whose
+output shard several tp ranks hold (key/value heads fewer than tp ranks) gets on each of them only its
+own query heads' part of that shard's output gradient; torchao casts the whole one (their sum), so the
+backward first sums it over the holders (`SharedShard`) and one holder alone returns the shard's
+gradients (the others' zeros join the sums that follow: the replicas' weight-gradient hook, the input
+gradient's all-reduce), which are then the gradients one process computes.
 
 Imports torchao: float8.py loads it only when a model is converted. Must not implement float8
 arithmetic: the casts, scales and matmuls are torchao's (`hp_tensor_to_float8_dynamic`, its float8
@@ -29,6 +34,8 @@ from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
 from torchao.float8.float8_training_tensor import GemmInputRole
 from torchao.float8.float8_utils import amax_to_scale
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+from meshboost.distributed import comm
 
 
 # torchao's six casts (its Float8LinearConfig's `cast_config_<name>`): the operand each casts and the dim
@@ -55,6 +62,33 @@ class _Group:
 
 
 @dataclass(frozen=True)
+class SharedShard:
+    """The output shard of a column-parallel linear held by `replicas` consecutive ranks of `group`
+    (param_info's TensorParallelInfo: key/value heads fewer than tp ranks), each of which holds only
+    its own heads' part of the shard's output gradient."""
+
+    group: object
+    num_shards: int
+    shard_index: int
+    leader: bool                 # the holder that returns the shard's gradients (the others return zeros)
+
+    @classmethod
+    def of(cls, info) -> "SharedShard | None":
+        """From a column weight's TensorParallelInfo; None where every shard has one holder."""
+        if info is None or info.replicas == 1:
+            return None
+        return cls(info.group, info.num_shards, info.shard_index, info.tp_rank % info.replicas == 0)
+
+    def whole(self, grad: torch.Tensor) -> torch.Tensor:
+        """The shard's whole output gradient: the sum over its holders (one all-reduce over the group of a
+        [num_shards, ...] buffer, this rank's slot filled, as the replicas' weight-gradient hook does)."""
+        slots = grad.new_zeros((self.num_shards, *grad.shape))
+        slots[self.shard_index] = grad
+        comm.all_reduce(slots, self.group)
+        return slots[self.shard_index]
+
+
+@dataclass(frozen=True)
 class Float8Product:
     """The float8 product of a linear whose operands this rank holds pieces of, equal element for element
     to torchao's `Float8Linear` on the whole tensors: `reductions` holds, per torchao cast (CASTS), the
@@ -63,13 +97,15 @@ class Float8Product:
     config: object               # torchao's Float8LinearConfig
     mm_config: object            # torchao's LinearMMConfig, from a Float8Linear built on meta
     reductions: tuple            # ((cast name, _Group | None), ...) in CASTS' order
+    shared: SharedShard | None = None    # a column's output shard held by several tp ranks
 
     @classmethod
     def build(cls, config, mm_config, groups, row: bool = False, column: bool = False,
-              tokens_split: bool = False) -> "Float8Product":
+              tokens_split: bool = False, shared: SharedShard | None = None) -> "Float8Product":
         """groups: float8.py's ShardGroups (not imported: float8.py loads this file). row: the input
         features (and weight columns) are split over tp; column: the output features (weight rows, output
-        gradient columns); tokens_split: the tokens, over cp."""
+        gradient columns); tokens_split: the tokens, over cp; shared: a column's output shard held by
+        several tp ranks (`SharedShard.of` its weight's record)."""
         tp_in, tp_out, seq = ("tp" if row else None), ("tp" if column else None), ("cp" if tokens_split else None)
         split = {"input": (seq, tp_in), "weight_t": (tp_in, tp_out), "grad_output": (seq, tp_out)}
         reductions = []
@@ -78,7 +114,7 @@ class Float8Product:
             along = split[operand] if granularity is ScalingGranularity.TENSORWISE else (split[operand][dim],)
             group = groups.over(frozenset(a for a in along if a is not None))
             reductions.append((name, None if group is None else _Group(group)))
-        return cls(config, mm_config, tuple(reductions))
+        return cls(config, mm_config, tuple(reductions), shared)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight.T (+ bias), weight [out, in], as torchao's Float8Linear.forward computes it."""
@@ -104,7 +140,8 @@ class Float8Product:
 class _Float8Matmul(torch.autograd.Function):
     """torchao's three float8 products of a linear (its `matmul_with_hp_or_float8_args`, in its order and
     shapes), each cast by `Float8Product.cast`: the high-precision operands are saved and cast again for
-    the backward products, along the dims their rowwise scales need there."""
+    the backward products, along the dims their rowwise scales need there. A shared output shard's
+    gradient is summed over its holders before it is cast (torchao casts the whole)."""
 
     @staticmethod
     def forward(ctx, x, weight_t, product: Float8Product):
@@ -119,10 +156,16 @@ class _Float8Matmul(torch.autograd.Function):
         x, weight_t = ctx.saved_tensors
         p = ctx.product
         g = grad.reshape(-1, grad.shape[-1])
+        if p.shared is not None:
+            g = p.shared.whole(g)
         grad_input = torch.mm(p.cast(g, "grad_output"), p.cast(weight_t, "weight_for_grad_input").t())
         grad_input = grad_input.reshape(*grad.shape[:-1], grad_input.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
         grad_weight = torch.mm(p.cast(g, "grad_output_for_grad_weight").t(), p.cast(x2, "input_for_grad_weight"))
+        if p.shared is not None and not p.shared.leader:
+            # every holder ran the casts (their amaxes are agreed over tp); one returns the shard's
+            # gradients, the others zeros, which join the sums that follow exactly
+            grad_input, grad_weight = torch.zeros_like(grad_input), torch.zeros_like(grad_weight)
         return grad_input, grad_weight.t(), None
 
 

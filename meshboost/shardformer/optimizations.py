@@ -45,11 +45,13 @@ def attention_implementation(device_type: str) -> str:
     return "sdpa"
 
 
-def use_fast_attention(model: nn.Module, device_type: str) -> str:
+def use_fast_attention(model: nn.Module, device_type: str, allowed: tuple[str, ...] | None = None) -> str:
     """Set the model's attention implementation (transformers' `set_attn_implementation`): the
-    first of flash-attn 2 / SDPA the model supports, else it keeps its own. Returns the choice."""
+    first of flash-attn 2 / SDPA the model supports and `allowed` names (context parallelism wraps only
+    implementations taking a dense mask; None: any), else it keeps its own. Returns the choice."""
     wanted = attention_implementation(device_type)
     chain = [wanted, "sdpa"] if wanted != "sdpa" else ["sdpa"]
+    chain = [impl for impl in chain if allowed is None or impl in allowed]
     current = getattr(getattr(model, "config", None), "_attn_implementation", None)
     setter = getattr(model, "set_attn_implementation", None)
     for impl in chain:
@@ -61,7 +63,8 @@ def use_fast_attention(model: nn.Module, device_type: str) -> str:
             logger.info("meshboost: attention %s not available for %s (%s)", impl, type(model).__name__, e)
             continue
         why = "" if impl == "flash_attention_2" else \
-            " (flash-attn 2 needs CUDA, the flash_attn package and model support)"
+            " (flash-attn 2 needs CUDA, the flash_attn package and model support)" if allowed is None else \
+            f" (under context parallelism: its attention wraps {', '.join(allowed)})"
         say("meshboost: enable_flash_attention -> attention %r%s, was %r", impl, why, current)
         return impl
     say("meshboost: enable_flash_attention -> %s supports neither flash-attn 2 nor SDPA; keeps %r",

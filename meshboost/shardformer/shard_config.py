@@ -41,6 +41,9 @@ class ShardConfig:
         column-parallel linear with a collective of its own anyway, so the flag only checks its pairing.
     enable_all_optimization: enable_flash_attention, enable_fused_normalization and enable_jit_fused
         (ColossalAI's meaning: sequence parallelism and overlap stay as set).
+    pipeline_stage_manager: ColossalAI's view of the pipeline, read by its tests: the stage manager of the
+        plugin whose config this is (None without pipeline parallelism). The plugin cuts the stages; a
+        `ShardFormer` never does, so one given a stage manager without a mesh refuses, naming the plugin.
     """
 
     tensor_parallel_process_group: dist.ProcessGroup | None = None
@@ -55,6 +58,7 @@ class ShardConfig:
     enable_sequence_overlap: bool = False
     enable_all_optimization: bool = False
     mesh: ParallelMesh | None = None
+    pipeline_stage_manager: object | None = field(default=None, repr=False, compare=False)
     # (tp group, tp size), resolved once from `mesh` or the group when built (dataclasses.replace rebuilds it;
     # size None: built before the process group, read from the group then)
     _tp: tuple = field(init=False, repr=False, compare=False, default=(None, 1))

@@ -6,14 +6,16 @@ raises the same error), the plan's block regions (a `regions.RegionPlan` built w
 `BlockRegion` per block input and per sequence-parallel block, which decides every parallel
 linear's `LinearRole` once and owns the record of column-parallel outputs the split-input guards
 read), applying each matched style from the registry (`styles.py`) at every path the module is
-reached by, the per-rank attribute values, and the vocab-parallel embedding / LM head with the
-loss-function swap. Must not copy or fork any HuggingFace forward, must not know a model family
-(those are tables in `policies/`), and must not pass state through a module's `__dict__` or
-attributes set on tensors: the regions carry it.
+reached by, the per-rank attribute values, the vocab-parallel embedding / LM head with the
+loss-function swap, and (`optimize`) materialising a LazyInitContext model once it is sharded. Must
+not copy or fork any HuggingFace forward, must not know a model family (those are tables in
+`policies/`), and must not pass state through a module's `__dict__` or attributes set on tensors:
+the regions carry it.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 import torch
@@ -21,12 +23,14 @@ import torch.nn as nn
 
 from meshboost.distributed.launch import get_current_device
 from meshboost.distributed.param_info import get_tp_info
+from meshboost.lazy import lazy_seed, materialize
 from meshboost.shardformer import sequence
 from meshboost.shardformer.layers import (
     VocabParallelEmbedding,
     VocabParallelLMHead,
     make_causal_lm_loss,
 )
+from meshboost.shardformer.context_checks import WRAPPED
 from meshboost.shardformer.layers.vocab import embedding_extras, uses_causal_lm_loss
 from meshboost.shardformer.lora import adapter_base, adapter_linears, is_peft_module, shard_adapter_
 from meshboost.shardformer.optimizations import fuse_norms, jit_fuse, say, use_fast_attention
@@ -135,8 +139,25 @@ class ShardFormer:
         """Shard `model` in place; returns (model, shared_params) as ColossalAI's ShardFormer does.
 
         shared_params lists the weights the model reaches under several names (`tied_parameters`),
-        which keep being one parameter after sharding.
+        which keep being one parameter after sharding. A model built under `LazyInitContext` (every
+        parameter on meta) is materialised after sharding, on this process's device, as ColossalAI's
+        sharder does: each rank initialises only its shards, with the values the unsharded model gets
+        from the same seed (`meshboost.lazy`).
         """
+        seed = lazy_seed(model)
+        original = copy.deepcopy(model) if seed is not None else None      # on meta: no memory
+        shared = self.shard(model, policy)[1]
+        if seed is not None:
+            materialize(model, original, get_current_device(), seed)
+        return model, shared
+
+    def shard(self, model: nn.Module, policy: Policy | None = None) -> tuple[nn.Module, list]:
+        """`optimize` without materialising: a lazy model's parameters stay on meta, for a caller that
+        cuts it further first (the plugin keeps only its pipeline stages, then materialises those)."""
+        if self.shard_config.pipeline_stage_manager is not None and self.shard_config.mesh is None:
+            raise NotImplementedError("ShardConfig(pipeline_stage_manager=...): ShardFormer shards over the "
+                                      "tensor-parallel group only and never cuts pipeline stages; boost the model with "
+                                      "HybridParallelPlugin(pp_size=..., num_microbatches=...), which cuts them")
         tp_size = self.shard_config.tensor_parallel_size
         sharded = [n for n, p in model.named_parameters() if get_tp_info(p) is not None]
         if sharded:
@@ -159,7 +180,7 @@ class ShardFormer:
                     rng.hold_across(layer, layer)
         device_type = get_current_device().type
         if self.shard_config.enable_flash_attention:
-            use_fast_attention(model, device_type)
+            use_fast_attention(model, device_type, self._attention_kernels())
         if self.shard_config.enable_fused_normalization:
             fuse_norms(model, device_type)
         if self.shard_config.enable_jit_fused:
@@ -168,6 +189,13 @@ class ShardFormer:
             say("meshboost: enable_sequence_parallelism has no effect at tp_size=1 (the sequence is split over "
                 "the tensor-parallel ranks)")
         return model, tied_parameters(model)
+
+    def _attention_kernels(self) -> tuple[str, ...] | None:
+        """The attention implementations the kernel switch may choose: under context parallelism only those
+        its attention wraps (context.py installs around what the model runs after the switch; flash-attn 2
+        takes no dense mask); None: any."""
+        mesh = self.shard_config.mesh
+        return WRAPPED if mesh is not None and mesh.cp_size > 1 else None
 
     # -- validation: pure, identical on every rank ---------------------------------------------
     def validate(self, model: nn.Module, policy: Policy, tp_size: int) -> ShardPlan:

@@ -2,17 +2,24 @@
 
 Both are built from the same seed and fed the same batch; the check compares loss, logits or
 hidden states, gradients gathered along their split dim, and weights after one AdamW step.
+`StepGradients` / `gradients_checked` give every layout test the same comparison of one step's
+reduced gradients and global norm with one process's: AdamW largely cancels a uniform gradient
+scale, so losses and weights after AdamW steps alone pass a reducer off by a constant factor.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
-from meshboost.distributed.param_info import gather_tensor, get_tp_info
+from meshboost.distributed.param_info import gather_tensor, get_tp_info, is_dtensor
+from meshboost.optim import ZeroOptimizer
 from meshboost.shardformer import ShardConfig, ShardFormer
-from meshboost.testing.models import build_model, tiny_batch, tiny_config
+from meshboost.testing.models import build_model, tiny_batch, tiny_config, vocab_edge_batch
 from meshboost.testing.tolerance import LOSS_ATOL, assert_close
 
 
@@ -38,19 +45,21 @@ def gathered(param: torch.Tensor, tensor: torch.Tensor | None = None) -> torch.T
 
 def check_tp_equivalence(class_name: str, family: str, group, lr: float = 1e-3, shard_options: dict | None = None,
                          attention: str | None = None, device: torch.device | str | None = None,
-                         **config_overrides) -> dict:
+                         vocab_edges: bool = False, **config_overrides) -> dict:
     """Assert that `class_name` sharded over `group` matches the unsharded model (fp32). Returns
     the measured maxima for reporting. shard_options: more `ShardConfig` fields (kernel switches);
     attention: both models start with this attention implementation (e.g. "eager", so that
     `enable_flash_attention` is what switches the sharded one); device: where both models and the
-    batch live (None: where they are built, the CPU)."""
+    batch live (None: where they are built, the CPU); vocab_edges: the batch's ids and labels are
+    every vocabulary shard's first and last id (`vocab_edge_batch`) instead of `tiny_batch`'s."""
     config = tiny_config(family, **config_overrides)
     ref = build_model(class_name, copy.deepcopy(config), seed=0)
     par = build_model(class_name, copy.deepcopy(config), seed=0)
     if attention is not None:
         ref.set_attn_implementation(attention)
         par.set_attn_implementation(attention)
-    batch = tiny_batch(class_name, config)
+    batch = vocab_edge_batch(class_name, config, dist.get_world_size(group)) if vocab_edges \
+        else tiny_batch(class_name, config)
     if device is not None:             # NCCL needs the tensors on the GPU
         ref.to(device), par.to(device)
         batch = {k: v.to(device) for k, v in batch.items()}
@@ -93,14 +102,20 @@ def check_tp_equivalence(class_name: str, family: str, group, lr: float = 1e-3, 
     return {"loss": par_loss.item(), "ref_loss": ref_loss.item()}
 
 
-def booster_step(booster, model, optimizer, batch: dict) -> torch.Tensor:
-    """One training step of a boosted causal-LM-like model on `batch` (through the pipeline schedule
-    when the plugin has stages), its loss returned; the caller zeroes gradients."""
+def booster_backward(booster, model, optimizer, batch: dict) -> torch.Tensor:
+    """Forward and backward of a boosted causal-LM-like model on `batch` (through the pipeline schedule
+    when the plugin has stages), its loss returned; the caller steps."""
     if getattr(booster.plugin, "pp_size", 1) > 1:
-        loss = booster.execute_pipeline(iter([batch]), model, lambda out, inputs: out.loss, optimizer)["loss"]
-    else:
-        loss = model(**batch).loss
-        booster.backward(loss, optimizer)
+        return booster.execute_pipeline(iter([batch]), model, lambda out, inputs: out.loss, optimizer)["loss"]
+    loss = model(**batch).loss
+    booster.backward(loss, optimizer)
+    return loss
+
+
+def booster_step(booster, model, optimizer, batch: dict) -> torch.Tensor:
+    """One training step (`booster_backward`, then the optimizer's step), its loss returned; the caller
+    zeroes gradients."""
+    loss = booster_backward(booster, model, optimizer, batch)
     optimizer.step()
     return loss
 
@@ -117,3 +132,96 @@ def train_reference(model, optimizer, batches, max_norm: float = 0.0) -> tuple[l
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses, norms
+
+
+@dataclass(frozen=True)
+class StepGradients:
+    """One step's gradients on one process, which every layout's must equal: by HF name (each name of a
+    tied weight) and their global 2-norm (each parameter once)."""
+
+    by_name: dict[str, torch.Tensor]
+    norm: float
+
+    @classmethod
+    def of(cls, model) -> "StepGradients":
+        """The gradients `model` holds now (after the backward, before the step)."""
+        by_name = {n: p.grad.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)
+                   if p.grad is not None}
+        grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
+        return cls(by_name, torch.nn.utils.get_total_norm(grads).item() if grads else 0.0)
+
+
+def held_gradients(model, optimizer) -> dict[str, torch.Tensor] | None:
+    """Each reduced gradient this rank's stage holds, whole (tp shards gathered by their records, FSDP2's
+    dp shards, ZeRO's partitions gathered over their group: collectives every rank joins), fp32, the fp16
+    loss scale divided out, by HF name. None while ZeRO has not reduced them (stage 1 reduces at step
+    under a pipeline or without overlap). Not for weights the optimizer averages at step (experts beside
+    DDP): their `.grad` is not reduced yet."""
+    inner = model.unwrap() if hasattr(model, "unwrap") else model
+    scale = float(getattr(optimizer, "loss_scale", 1.0))
+    placed = {}
+    if isinstance(optimizer, ZeroOptimizer):
+        if all(b.grad_shard is None for b in optimizer.buckets):
+            return None
+        placed = {id(p): (b, i) for b in optimizer.buckets for i, p in enumerate(b.params)}
+    out = {}
+    for name, p in inner.named_parameters(remove_duplicate=False):
+        if id(p) in placed:
+            b, i = placed[id(p)]
+            if b.grad_shard is None:     # a bucket of weights no forward used
+                continue
+            grad = b.gather_param(i, [b.grad_shard], b.group)[0]
+        elif p.grad is None:
+            continue
+        else:
+            grad = p.grad.detach().full_tensor() if is_dtensor(p.grad) else p.grad.detach()
+        out[name] = gather_tensor(grad, get_tp_info(p)).float() / scale
+    return out
+
+
+def _held_mismatch(held: dict | None, want: StepGradients, what: str, dtype: torch.dtype) -> str | None:
+    """Why this rank's held gradients differ from `want`'s (None: they do not)."""
+    for name, grad in sorted((held or {}).items()):
+        if name not in want.by_name:
+            if grad.any():                      # no gradient on one process: at most a zero one here
+                return f"{what}: {name} has a gradient only in this layout"
+            continue
+        try:
+            assert_close(grad, want.by_name[name].float(), dtype=dtype, msg=f"{what}: gradient {name}")
+        except AssertionError as e:
+            return str(e)
+    return None
+
+
+def _check_held(model, optimizer, want: StepGradients, what: str, dtype: torch.dtype) -> None:
+    """`held_gradients` against `want`, judged on every rank together (a stage alone failing would leave
+    the others waiting in the step), and every name with a gradient held (reduced) by some rank."""
+    held = held_gradients(model, optimizer)
+    mine = (sorted(held) if held is not None else None, _held_mismatch(held, want, what, dtype))
+    everyone = [mine]
+    if dist.is_initialized():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    failed = [(rank, why) for rank, (_, why) in enumerate(everyone) if why is not None]
+    assert not failed, f"rank {failed[0][0]}: {failed[0][1]}"
+    if all(names is not None for names, _ in everyone):
+        missing = set(want.by_name) - set().union(*(set(names) for names, _ in everyone))
+        assert not missing, f"{what}: no rank holds a gradient for {sorted(missing)}"
+
+
+@contextlib.contextmanager
+def gradients_checked(model, optimizer, want: StepGradients, what: str, dtype: torch.dtype = torch.float32):
+    """Around one `optimizer.step()` (after its backward): on entry every reduced gradient the ranks hold
+    (`held_gradients`) against one process's `want`, on exit the step's global gradient norm (tracked
+    for this step), within the tolerance of `dtype` (fp32: 1e-5 relative for the norm). A reducer
+    scaling gradients by a constant passes losses and weights after AdamW steps, not these."""
+    _check_held(model, optimizer, want, what, dtype)
+    tracks = hasattr(optimizer, "track_grad_norm")
+    if tracks:
+        tracked, optimizer.track_grad_norm = optimizer.track_grad_norm, True
+    yield
+    if tracks:
+        optimizer.track_grad_norm = tracked
+        norm, rel = optimizer.get_grad_norm(), 1e-5 if dtype == torch.float32 else 2e-2
+        assert norm is not None and abs(norm - want.norm) <= rel * max(want.norm, 1e-6), \
+            f"{what}: global gradient norm {norm} vs one process's {want.norm}"

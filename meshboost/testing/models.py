@@ -181,6 +181,33 @@ def build_model(class_name: str, config, seed: int = 0) -> torch.nn.Module:
     return model.float()
 
 
+def vocab_edge_ids(vocab_size: int, tp_size: int, multiple: int = 64) -> list[int]:
+    """Every id on an edge of a vocabulary split over `tp_size` ranks, padded to a multiple of `multiple`
+    times `tp_size` as the vocab-parallel layers pad it (`make_vocab_size_divisible_by`): 0, each shard's
+    first and last real id, the last real id. A rule off by one at a shard edge (`>` for `>=`) gives
+    exactly these ids a wrong embedding, logit, loss or gradient, and random ids seldom hit them."""
+    step = multiple * tp_size if multiple > 1 else tp_size
+    part = -(-vocab_size // step) * step // tp_size
+    edges = {0, vocab_size - 1}
+    for start in range(0, vocab_size, part):
+        edges |= {start, min(start + part, vocab_size) - 1}
+    return sorted(edges)
+
+
+def vocab_edge_batch(class_name: str, config, tp_size: int, batch: int = 4, seq: int = 8) -> dict:
+    """`tiny_batch` of a text model whose input ids (and language-model labels, ignored ones kept) are
+    `vocab_edge_ids` over and over, each edge at several positions: an explicit batch for the shard
+    edges, which the fixed batches (ids drawn from 1..vocab-1) never guarantee (id 0 never appears)."""
+    out = tiny_batch(class_name, config, batch, seq)
+    edges = torch.tensor(vocab_edge_ids(config.vocab_size, tp_size))
+    row = edges.repeat(-(-seq // len(edges)))[:seq]
+    ids = torch.stack([row.roll(r) for r in range(batch)])      # each edge at several positions
+    out["input_ids"] = ids
+    if "labels" in out and out["labels"].shape == ids.shape:
+        out["labels"] = ids.masked_fill(out["labels"] == -100, -100)
+    return out
+
+
 def tiny_batch(class_name: str, config, batch: int = 4, seq: int = 8, seed: int = 1) -> dict:
     """Inputs (with labels matching the head) for one step; identical on every rank."""
     g = torch.Generator().manual_seed(seed)

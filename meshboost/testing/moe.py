@@ -6,6 +6,7 @@ boosted, checked step by step and weight by weight against it (`train_boosted`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -14,7 +15,7 @@ from torch.distributed.tensor import DTensor
 import transformers as tfm
 
 from meshboost.distributed.param_info import gather_tensor, get_tp_info
-from meshboost.testing.compare import assert_close, booster_step
+from meshboost.testing.compare import StepGradients, assert_close, booster_backward, gradients_checked
 
 # eps=1e-4: Adam turns a near-zero gradient (an embedding row no token used) into a +-lr step whose sign
 # round-off decides; the comparisons are about the layout, not that sign (as the other plugin tests)
@@ -73,13 +74,14 @@ def causal_batches(config, steps: int, batch: int = 4, seq: int = 8, seed: int =
     return out
 
 
-def train_whole(config, batches, replicas: int = 1, model=None, max_norm: float = 0.0, norms: list | None = None):
+def train_whole(config, batches, replicas: int = 1, model=None, max_norm: float = 0.0, norms: list | None = None,
+                first: list | None = None):
     """Single-process AdamW training on the whole batches: (per-step losses, named parameters).
     replicas > 1 (with the router's load-balancing loss): the objective data parallelism trains, DDP's
     semantics for that loss (meshboost's default, docs/moe.md): the cross-entropy of the whole batch plus
     the mean over the replicas' shares of each share's own load-balancing loss (its routing statistics
     are those of the tokens it holds). max_norm > 0: gradients clipped to it, each step's global norm
-    appended to `norms`."""
+    appended to `norms`. first: the first step's gradients (`StepGradients`) appended to it."""
     model = build_causal_lm(config) if model is None else model
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     losses = []
@@ -96,6 +98,8 @@ def train_whole(config, batches, replicas: int = 1, model=None, max_norm: float 
                 loss = loss + ce_mean * int((h["labels"][:, 1:] != -100).sum()) / items \
                     + config.router_aux_loss_coef * out.aux_loss / replicas
         loss.backward()
+        if first is not None and not losses:
+            first.append(StepGradients.of(model))
         if max_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
             if norms is not None:
@@ -136,14 +140,16 @@ def train_whole_with_bias(config, batches, rate: float):
 
 
 def train_boosted(config, batches, plugin_config, ref_losses, ref_params, what, dtype=torch.float32,
-                  model=None, setup=None, ref_norms=None):
+                  model=None, setup=None, ref_norms=None, ref_first=None):
     """Boost `model` (default: `build_causal_lm(config)`) with AdamW under `plugin_config`, train on
     each rank's share of `batches` (its data-parallel slice), and check every step's loss (the mean
     over the replicas; without stages) and, after the last step, every weight gathered from its shards
     (the fp32 masters in half precision) against the single-process run. setup(booster, model,
     optimizer) runs after boost (loading a checkpoint). ref_norms: each step's global gradient norm of
     the clipped single-process run, which the boosted optimizer's must equal (fp32: 1e-5 relative).
-    Returns (booster, model, optimizer)."""
+    ref_first: the single-process first step's gradients (`train_whole(first=...)`), which the first
+    step's reduced gradients and global norm must equal (`gradients_checked`). Returns (booster, model,
+    optimizer)."""
     from meshboost.booster import Booster
     from meshboost.plugins import HybridParallelPlugin
 
@@ -157,7 +163,10 @@ def train_boosted(config, batches, plugin_config, ref_losses, ref_params, what, 
     mesh = plugin.mesh
     for step, batch in enumerate(batches):
         mine = {k: v.chunk(mesh.dp_size)[mesh.dp_rank] for k, v in batch.items()}
-        loss = booster_step(booster, model, opt, mine).detach().float().reshape(1)
+        loss = booster_backward(booster, model, opt, mine).detach().float().reshape(1)
+        with gradients_checked(model, opt, ref_first, f"{what} step 0", dtype) if ref_first is not None and step == 0 \
+                else contextlib.nullcontext():
+            opt.step()
         if ref_norms is not None:
             norm = opt.get_grad_norm()
             assert abs(norm - ref_norms[step]) <= 1e-5 * ref_norms[step], f"{what} step {step}: grad norm {norm} " \

@@ -1,8 +1,11 @@
 """Training a boosted model against one process, for the FSDP2 compositions' tests (ZeRO-3 with pp and ep,
 HSDP): the one-process reference run, one data-parallel step returning the global batch's token-mean loss,
-the whole of a sharded tensor, and the check of losses, first gradients, clipped norms and last weights."""
+the whole of a sharded tensor, and the check of losses, the first step's gradients and global norm, clipped
+norms and last weights."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -11,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from meshboost.booster import Booster
 from meshboost.distributed.param_info import gather_tensor, get_tp_info
 from meshboost.plugins import HybridParallelPlugin
+from meshboost.testing.compare import StepGradients, gradients_checked
 from meshboost.testing.tolerance import assert_close
 from meshboost.testing.moe import EPS, LR
 
@@ -23,17 +27,16 @@ def whole(tensor: torch.Tensor, param) -> torch.Tensor:
 
 
 def reference_run(model, batches, max_norm=0.0):
-    """One process on the whole batches: (losses, first step's gradients, weights after the last step,
-    each step's gradient norm before clipping to `max_norm` when > 0)."""
+    """One process on the whole batches: (losses, first step's gradients (`StepGradients`: by every name,
+    GPT-2's LM head is its embedding and a pipeline's last stage holds it as lm_head), weights after the
+    last step, each step's gradient norm before clipping to `max_norm` when > 0)."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     losses, grads, norms = [], None, []
     for batch in batches:
         loss = model(**batch).loss
         loss.backward()
         if grads is None:
-            # by every name (GPT-2's LM head is its embedding: a pipeline's last stage holds it as lm_head)
-            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)
-                     if p.grad is not None}
+            grads = StepGradients.of(model)
         if max_norm:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
         opt.step(), opt.zero_grad()
@@ -92,11 +95,10 @@ def train_and_check(config, make_model, batches, ref, what, plugin=None, dtype=t
         got = dp_step(booster, plugin, model, opt, batch)
         assert abs(got - ref_losses[step]) <= tol * abs(ref_losses[step]), f"{what} step {step}: {got} vs " \
                                                                             f"{ref_losses[step]}"
-        if step == 0:
-            scale = opt.get_loss_scale() if dtype == torch.float16 else 1.0     # fp16: scaled until the step
-            grads = {n: whole(p.grad, p) / scale for n, p in model.unwrap().named_parameters() if p.grad is not None}
-            check_held(grads, ref_grads, f"{what} gradient", dtype)
-        opt.step(), opt.zero_grad()
+        with gradients_checked(model, opt, ref_grads, f"{what} step 0", dtype) if step == 0 \
+                else contextlib.nullcontext():      # every gradient and the global norm, the fp16 scale divided out
+            opt.step()
+        opt.zero_grad()
         if ref_norms:               # clipped: the global norm over stages, shards and ties, as one process's
             assert ref_norms[step] > plugin.config.precision.max_norm, f"{what}: the case must clip"
             assert abs(opt.get_grad_norm() - ref_norms[step]) <= 1e-5 * ref_norms[step], \

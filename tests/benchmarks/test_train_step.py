@@ -3,8 +3,8 @@ process group per world size: 1, 2 and 4 processes), so a release that breaks a 
 DTensor peer included) fails here: every row runs and trains the unsharded model's function (its first
 loss equals the single-process reference), meshboost's communication counter equals the Megatron
 formula exactly at tp=2 (calls and bytes, forward+backward), the dispatcher witness sees the same
-collectives, tp=2's all-reduces cross shared memory and the gloo row's the sockets, and every row reports
-its time in collectives."""
+collectives, tp=2's all-reduces cross gloo's sockets (the bytes written there are the ring bytes counted),
+and every row reports its time in collectives."""
 
 from __future__ import annotations
 
@@ -84,10 +84,8 @@ def test_every_configuration_runs_and_tp2_matches_megatron_formula():
         assert by_key["tp2"]["wait_blocked_ms_median"] > 0, where
         assert by_key["plain"]["wait_blocked_ms_median"] == 0 == by_key["plain2"]["wait_blocked_ms_median"], where
         assert by_key["tp2"]["vs_plain_paired"] and by_key["tp2"]["vs_dtensor_paired"], where
-        # tp=2's all-reduces crossed shared memory (nothing on the sockets), the gloo row's crossed the sockets
-        assert by_key["tp2"]["wire_over_ring"] < 0.05 < 0.9 < by_key["tp2gloo"]["wire_over_ring"], where
-        assert by_key["tp2gloo"]["comm_fwd_bwd"] == by_key["tp2"]["comm_fwd_bwd"], where
+        # a third witness: tp=2's all-reduces put (at least) the ring bytes counted on gloo's sockets
+        assert by_key["tp2"]["wire_over_ring"] > 0.9, where
         table, summary = format_table(records), format_summary(records)
         assert "DTensor tp=2" in table and "1.0000" in table, table
         assert "meshboost tp=2 / DTensor tp=2" in summary and "plain (same group)" in summary, summary
-        assert "meshboost tp=2 (gloo sockets) / DTensor tp=2" in summary, summary

@@ -38,7 +38,9 @@ COLOSSALAI_DDP_KEYWORDS = """broadcast_buffers bucket_cap_mb find_unused_paramet
 # ColossalAI's plugin -> the core plugin its keyword constructor maps onto (and ColossalAI's views it adds)
 COMPAT_SUBCLASSES = {"HybridParallelPlugin": ("HybridParallelPlugin", {"sp_size"}),   # ColossalAI's name of cp
                      "LowLevelZeroPlugin": ("LowLevelZeroPlugin", set()),
-                     "GeminiPlugin": ("FSDPPlugin", {"tp_size"}), "TorchFSDPPlugin": ("FSDPPlugin", set())}
+                     # Gemini's boosted model and optimizer: ColossalAI's GeminiDDP / GeminiOptimizer state dicts
+                     "GeminiPlugin": ("FSDPPlugin", {"tp_size", "model_class", "optimizer_class"}),
+                     "TorchFSDPPlugin": ("FSDPPlugin", set())}
 
 
 def test_plugin_paths_are_meshboost_plugins():

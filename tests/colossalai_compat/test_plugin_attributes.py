@@ -4,7 +4,8 @@
 and the tp group at tp=2; `booster.execute_pipeline(..., return_outputs=True)` returning the
 unsharded model's `outputs["outputs"]["logits"]` on the last stage; ColossalAI's DDP keywords
 honoured; every ColossalAI keyword meshboost does not implement refused with its message on every
-rank (TorchDDPPlugin's fp8_communication too), and prepare_dataloader's distributed_sampler_cls."""
+rank (TorchDDPPlugin's fp8_communication too), and prepare_dataloader's distributed_sampler_cls
+(built over the dp ranks)."""
 
 import copy
 
@@ -78,8 +79,10 @@ def _tensor_parallel_attributes(rank, world):
     assert plugin.pg_mesh.get_ranks_in_group(plugin.tp_group) == list(range(world))
     assert plugin.pg_mesh.size(plugin.tp_axis) == world and plugin.pg_mesh.coordinate(plugin.tp_axis) == rank
     assert (plugin.dp_size, plugin.pp_size, plugin.tp_size) == (1, 1, world)
-    with pytest.raises(NotImplementedError, match="distributed_sampler_cls"):
-        plugin.prepare_dataloader(list(range(8)), batch_size=2, distributed_sampler_cls=torch.utils.data.Sampler)
+    # ColossalAI's construction: cls(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=...)
+    loader = plugin.prepare_dataloader(list(range(8)), batch_size=2,
+                                       distributed_sampler_cls=torch.utils.data.DistributedSampler)
+    assert (loader.sampler.num_replicas, loader.sampler.rank) == (1, 0) and list(loader.sampler) == list(range(8))
 
 
 def _keywords(rank, world):

@@ -36,6 +36,11 @@ def _example_data_installed():
 
 
 def _run(out: Path, nproc: int, *args: str) -> list[dict]:
+    return _launch(out, nproc, *args)[0]
+
+
+def _launch(out: Path, nproc: int, *args: str) -> tuple[list[dict], str]:
+    """(the run's per-step records, its stdout)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
@@ -45,7 +50,12 @@ def _run(out: Path, nproc: int, *args: str) -> list[dict]:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=out.parent)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     assert "layout: " in proc.stdout, proc.stdout[-2000:]
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], proc.stdout
+
+
+def _closing_line(stdout: str) -> str:
+    """The run's last line: where it stopped, the final loss, where records and checkpoints went (item 10)."""
+    return stdout.strip().splitlines()[-1]
 
 
 def _check_records(records: list[dict], steps: int, falls: bool = True) -> None:
@@ -76,9 +86,19 @@ def test_tp2_matches_one_process_and_resumes_exactly(tmp_path):
         assert list((tmp_path / "whole" / "tensorboard").glob("events.out.tfevents.*")), "no TensorBoard events"
 
     interrupted = tmp_path / "interrupted"
-    first = _run(interrupted, 2, *args, "--tp", "2", "--save-every", "2", "--stop-after", "2")
+    first, stdout = _launch(interrupted, 2, *args, "--tp", "2", "--save-every", "2", "--stop-after", "2")
     assert len(first) == 2 and (interrupted / "checkpoints" / "latest").exists()
-    resumed = _run(interrupted, 2, *args, "--tp", "2", "--resume", "--save-hf")
+    records = f"{interrupted / 'metrics.jsonl'}" + (f" and {interrupted / 'tensorboard'}"
+                                                    if importlib.util.find_spec("tensorboard") else "")
+    assert _closing_line(stdout) == (
+        f"stopped at step 2 of 4 (--stop-after 2), final loss {first[-1]['loss']:.4f} | per-step records: "
+        f"{records} | checkpoints: {interrupted / 'checkpoints'} (latest step 2); continue "
+        "with the same command and --resume"), stdout[-2000:]
+    resumed, stdout = _launch(interrupted, 2, *args, "--tp", "2", "--resume", "--save-hf")
+    assert _closing_line(stdout) == (
+        f"done at step 4 of 4, final loss {resumed[-1]['loss']:.4f} | per-step records: "
+        f"{records} | checkpoints: {interrupted / 'checkpoints'} (latest step 2) | model: "
+        f"{interrupted / 'hf'}"), stdout[-2000:]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in whole], "--resume changed the loss stream"
     assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in whole]
 

@@ -308,7 +308,7 @@ def _check_new_buffers_are_the_planners(mesh):
 
 
 def _body(rank, world):
-    mesh = ParallelMesh(tp_size=1, pp_size=1)
+    mesh = ParallelMesh()
     assert mesh.dp_size == 2
     _check_norm_only_when_asked(mesh)
     _check_masters_are_weights(mesh)

@@ -26,7 +26,7 @@ def mesh():
         pytest.skip("a process group is already initialised in this process")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        yield ParallelMesh(tp_size=1, pp_size=1)
+        yield ParallelMesh()
     finally:
         gc.collect()          # groups kept alive by reference cycles go before the default group
         dist.destroy_process_group()

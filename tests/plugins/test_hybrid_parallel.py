@@ -1,7 +1,9 @@
 """HybridParallelPlugin through the Booster against single-process training: a 10-step run at
-tp=2 (per-step losses within 1e-5), tp=2 x dp=2 on the combined batch, dp-only data sampling, and
+tp=2 (per-step losses within 1e-5), tp=2 x dp=2 on the combined batch, each with the first step's
+reduced gradients (gathered) and global norm against one process's, dp-only data sampling, and
 the configuration errors."""
 
+import contextlib
 import copy
 
 import pytest
@@ -13,6 +15,7 @@ from meshboost import Booster
 from meshboost.distributed.param_info import gather_tensor, get_tp_info
 from meshboost.plugins import HybridParallelPlugin, TorchDDPPlugin
 from meshboost.testing import assert_close, spawn
+from meshboost.testing.compare import StepGradients, gradients_checked
 from meshboost.testing.models import build_model, tiny_config
 
 STEPS = 10
@@ -28,29 +31,36 @@ def _batches(config, n, batch, seq=8, seed=3):
 
 
 def _reference_losses(cls, config, batches, lr):
+    """One process on the whole batches: (per-step losses, the first step's gradients, the model)."""
     model = build_model(cls, copy.deepcopy(config))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-4)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    losses = []
+    losses, first = [], None
     for b in batches:
         loss = model(**b).loss
         loss.backward()
+        if first is None:
+            first = StepGradients.of(model)
         opt.step(), opt.zero_grad(), sched.step()
         losses.append(loss.item())
-    return losses, model
+    return losses, first, model
 
 
-def _train_boosted(cls, config, batches_for_me, lr, plugin):
+def _train_boosted(cls, config, batches_for_me, lr, plugin, first, where):
+    """Boosted training on this rank's batches; the first step's reduced gradients and global norm
+    checked against `first` (one process's)."""
     model = build_model(cls, copy.deepcopy(config))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-4)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     booster = Booster(plugin=plugin)
     model, opt, _, _, sched = booster.boost(model, opt, lr_scheduler=sched)
     losses = []
-    for b in batches_for_me:
+    for step, b in enumerate(batches_for_me):
         loss = model(**b).loss
         booster.backward(loss, opt)
-        opt.step(), opt.zero_grad(), sched.step()
+        with gradients_checked(model, opt, first, where) if step == 0 else contextlib.nullcontext():
+            opt.step()
+        opt.zero_grad(), sched.step()
         # the loss reported to the user: mean over data-parallel replicas
         t = loss.detach().clone()
         dist.all_reduce(t, group=plugin.mesh.dp_group)
@@ -71,14 +81,14 @@ def _tp2_body(rank, world):
     for cls, family in (("GPT2LMHeadModel", "gpt2"), ("LlamaForCausalLM", "llama")):
         config = tiny_config(family)
         batches = _batches(config, STEPS, batch=4)
-        ref_losses, ref = _reference_losses(cls, config, batches, lr=1e-3)
-        losses, boosted = _train_boosted(cls, config, batches, 1e-3, plugin)
+        ref_losses, first, ref = _reference_losses(cls, config, batches, lr=1e-3)
+        losses, boosted = _train_boosted(cls, config, batches, 1e-3, plugin, first, f"{cls} tp=2 step 0")
         for step, (a, b) in enumerate(zip(losses, ref_losses)):
             assert abs(a - b) <= 1e-5, f"{cls} tp=2 step {step}: loss {a} vs single-process {b}"
         _compare_weights(boosted, ref, f"{cls} tp=2 after {STEPS} steps")
 
     # A configuration error is raised identically on every rank, before any collective.
-    with pytest.raises(ValueError, match="world_size=2 is not divisible by tp_size \\* pp_size = 4"):
+    with pytest.raises(ValueError, match="world_size=2 is not divisible by tp_size x pp_size x cp_size = 4 x 1 x 1"):
         HybridParallelPlugin(tp_size=4)
     with pytest.raises(ValueError, match="precision='fp8'"):
         HybridParallelPlugin(tp_size=2, precision="fp8")
@@ -90,9 +100,10 @@ def _tp2_body(rank, world):
     # TorchDDPPlugin: plain data parallelism over all ranks equals single-process on the combined batch.
     config = tiny_config("gpt2")
     batches = _batches(config, 3, batch=4)
-    ref_losses, ref = _reference_losses("GPT2LMHeadModel", config, batches, 1e-3)
+    ref_losses, first, ref = _reference_losses("GPT2LMHeadModel", config, batches, 1e-3)
     mine = [{k: v.chunk(world)[rank] for k, v in b.items()} for b in batches]
-    losses, boosted = _train_boosted("GPT2LMHeadModel", config, mine, 1e-3, TorchDDPPlugin())
+    losses, boosted = _train_boosted("GPT2LMHeadModel", config, mine, 1e-3, TorchDDPPlugin(), first,
+                                     "TorchDDPPlugin dp=2 step 0")
     _compare_weights(boosted, ref, "TorchDDPPlugin dp=2")
 
 
@@ -117,9 +128,9 @@ def _tp2dp2_body(rank, world):
         if cls.startswith("Bert"):
             for b in batches:
                 b["labels"] = b["input_ids"][:, 0] % 2
-        ref_losses, ref = _reference_losses(cls, config, batches, 1e-3)
+        ref_losses, first, ref = _reference_losses(cls, config, batches, 1e-3)
         mine = [{k: v.chunk(plugin.dp_size)[plugin.mesh.dp_rank] for k, v in b.items()} for b in batches]
-        losses, boosted = _train_boosted(cls, config, mine, 1e-3, plugin)
+        losses, boosted = _train_boosted(cls, config, mine, 1e-3, plugin, first, f"{cls} tp=2 x dp=2 step 0")
         for step, (a, b) in enumerate(zip(losses, ref_losses)):
             assert abs(a - b) <= 1e-5, f"{cls} tp=2 x dp=2 step {step}: loss {a} vs combined-batch {b}"
         _compare_weights(boosted, ref, f"{cls} tp=2 x dp=2")

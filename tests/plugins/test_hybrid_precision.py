@@ -2,8 +2,10 @@
 combined batch: 10-step per-step losses (fp32 within 1e-5, fp16/bf16 within 5e-3) and the
 unsharded global gradient norm (fp32 within 1e-5) at dp=2 and tp=2 x dp=2; fp16 overflow on ONE
 rank makes every rank skip with weights bitwise unchanged and the scale backed off per
-hysteresis; no_sync accumulation equals one combined-batch step; optimizer state round trip;
-per-rank memory within 3% of 2Psi/tp + 2Psi/tp + 12Psi/(tp*dp)."""
+hysteresis, also when the inf sits in one rank's gradient shard after the backward (a tp shard,
+a reduced ZeRO-1/2 partition, a stage's own weight at pp=2 x dp=2), where only the verdict agreed
+over every rank of the step reaches the others; no_sync accumulation equals one combined-batch
+step; optimizer state round trip; per-rank memory within 3% of 2Psi/tp + 2Psi/tp + 12Psi/(tp*dp)."""
 
 import contextlib
 import copy
@@ -16,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from meshboost import Booster
-from meshboost.distributed.param_info import gather_tensor, get_tp_info
+from meshboost.distributed.param_info import gather_tensor, get_tp_info, is_pipeline_replica, is_tp_sharded
 from meshboost.booster.plugin import HybridParallelPlugin
 from meshboost.testing import LOSS_ATOL, assert_close, spawn
 from meshboost.testing.models import build_model, tiny_config
@@ -151,6 +153,61 @@ def check_overflow(cls, family, tp_size, zero_stage, bad_rank, **kwargs):
     assert state["scale"] == 2**9 and state["growth_tracker"] == 1, state
 
 
+def _poison_one_shard(opt, model, plugin) -> str:
+    """inf into ONE gradient shard after the backward: a reduced ZeRO partition of tp-sharded weights, else
+    the gradient (reduced by DDP or the pipeline; ZeRO-1 under a pipeline reduces it at step, into one dp
+    rank's partition) of a tp-sharded weight, at tp=1 of a weight only this stage holds. No collective
+    carries it to every rank: only the verdict agreed over every rank of the step can. Returns what it hit."""
+    if hasattr(opt, "buckets"):
+        for b in opt.buckets:
+            if b.grad_shard is not None and (plugin.tp_size == 1 or is_tp_sharded(b.params[0])):
+                b.grad_shard.view(-1)[0] = float("inf")
+                return f"ZeRO partition of {tuple(b.params[0].shape)}"
+    for name, p in model.unwrap().named_parameters():
+        if p.grad is not None and not is_pipeline_replica(p) and (plugin.tp_size == 1 or is_tp_sharded(p)):
+            p.grad.view(-1)[0] = float("inf")
+            return f"gradient of {name}"
+    raise AssertionError("no gradient shard to poison")
+
+
+def check_overflow_in_one_shard(cls, family, tp_size, zero_stage, bad_rank, pp_size=1):
+    """fp16: inf in one rank's gradient shard after the backward (`_poison_one_shard`), where no tp, dp or
+    pipeline collective spreads it (an inf in the loss reaches every rank through the tp all-reduces
+    first) -> every rank skips, weights and masters bitwise unchanged, every rank's scaler at the same
+    state (hysteresis spent, scale kept); the next clean step updates everywhere. Each rank's outcome is
+    gathered and judged on every rank, so a wrong verdict fails every rank at once instead of leaving
+    some waiting in the next step's collectives (no norm is tracked: its all-reduce would hang them)."""
+    config = tiny_config(family, num_hidden_layers=2)
+    pipeline = dict(pp_size=pp_size, num_microbatches=2) if pp_size > 1 else {}
+    plugin = HybridParallelPlugin(tp_size=tp_size, zero_stage=zero_stage, precision="fp16", initial_scale=2**10,
+                                  hysteresis=2, **pipeline)
+    booster, model, opt, _ = _boost(cls, config, plugin)
+    where = f"{cls} tp={tp_size} pp={pp_size} dp={plugin.dp_size} zero={zero_stage}, inf on rank {bad_rank}"
+    for step, b in enumerate(_batches(config, 2, batch=4, seq=6)):
+        before = [p.detach().clone() for p in model.unwrap().parameters()]
+        masters = [m.detach().clone() for g in opt.param_groups for m in g["params"]]
+        (part,) = _mine(b, plugin)
+        if pp_size > 1:
+            booster.execute_pipeline(iter([part]), model, lambda out, _: out.loss, opt)
+        else:
+            booster.backward(model(**part).loss, opt)
+        hit = _poison_one_shard(opt, model, plugin) if step == 0 and dist.get_rank() == bad_rank else None
+        opt.step(), opt.zero_grad()
+        weights_kept = all(torch.equal(x, y.detach()) for x, y in zip(before, model.unwrap().parameters()))
+        masters_kept = all(torch.equal(m, n) for m, n in zip(masters, (m for g in opt.param_groups
+                                                                         for m in g["params"])))
+        seen = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, (weights_kept, masters_kept, opt.scaler.state_dict(), hit))
+        if step == 0:
+            assert all(s[0] and s[1] for s in seen), f"{where} ({[s[3] for s in seen]}): (weights, masters) " \
+                f"unchanged per rank {[s[:2] for s in seen]}: every rank must skip"
+            assert all(s[2] == seen[0][2] for s in seen) and seen[0][2]["scale"] == 2**10 \
+                and seen[0][2]["hysteresis_tracker"] == 1, f"{where}: scalers {[s[2] for s in seen]}"
+        else:
+            assert not any(s[0] for s in seen) and all(s[2] == seen[0][2] for s in seen), \
+                f"{where}: the clean step after the skip {seen}"
+
+
 def check_no_sync(cls, family, tp_size, zero_stage):
     """2 micro-steps (the first under no_sync; ZeRO-2: both reduced, summed in the partition) ==
     one step on the combined batch (fp32)."""
@@ -232,6 +289,12 @@ def _tp2dp2_body(rank, world):
     for zero in (0, 1):
         check_training("LlamaForCausalLM", "llama_mqa", 2, zero, "fp32", 0.5)
     check_overflow("LlamaForCausalLM", "llama", 2, 1, bad_rank=3)
+    # inf in one rank's shard after the backward: rank 1 is dp 0 / tp 1 (pp 1 at pp=2), so a verdict agreed
+    # over dp, tp or the stage alone leaves some rank stepping
+    for zero in (0, 1, 2):
+        check_overflow_in_one_shard("LlamaForCausalLM", "llama", 2, zero, bad_rank=1)
+    for zero in (0, 1):
+        check_overflow_in_one_shard("LlamaForCausalLM", "llama", 1, zero, bad_rank=1, pp_size=2)
     check_no_sync("GPT2LMHeadModel", "gpt2", 2, 1)
 
     # memory accounting: fp16 + AdamW + ZeRO-1 within 3% of theory, per component and in total

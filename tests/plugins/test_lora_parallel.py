@@ -1,6 +1,7 @@
 """LoRA (HuggingFace peft) under tensor and pipeline parallelism, 4 ranks, fp32, each layout against one
-process training the same peft model on the whole batches (per-step loss within 2e-5 relative, every
-adapter and frozen base weight after 3 AdamW steps, gathered from its shards):
+process training the same peft model on the whole batches (per-step loss within 2e-5 relative, the first
+step's adapter gradients gathered from their shards and global gradient norm, every adapter and frozen
+base weight after 3 AdamW steps, gathered from its shards):
 
 - Llama (grouped-query attention) with adapters on every linear (q, k, v, o, gate, up, down), random
   lora_B so lora_A learns from step one: tp=2 x dp=2 with ZeRO-1 through `booster.enable_lora`, tp=2
@@ -107,14 +108,15 @@ def _layouts(rank, world, root):
     config = tfm.LlamaConfig(**COMMON)
     batches = causal_batches(config, 3)
     ref_model = _lora_model(config)
-    ref_losses, ref_params = train_whole(config, batches, model=ref_model)
+    first = []                                 # the first step's gradients: every layout's must equal them
+    ref_losses, ref_params = train_whole(config, batches, model=ref_model, first=first)
     ref_adapters = {n: p.detach() for n, p in ref_params.items() if "lora_" in n}
 
     # tp=2 x dp=2, ZeRO-1, through booster.enable_lora (ColossalAI's path)
     plugin_config = HybridParallelConfig(tp_size=2, zero=ZeroConfig(stage=1))
     enabler = Booster(plugin=HybridParallelPlugin(plugin_config))
     booster, model, opt = train_boosted(config, batches, plugin_config, ref_losses, ref_params, "lora tp2 zero1",
-                                        model=_lora_model(config, booster=enabler))
+                                        model=_lora_model(config, booster=enabler), ref_first=first[0])
     _check_layout(model, opt, "tp2", 2)
     _check_saved(booster, model, os.path.join(root, "tp2"), config, ref_adapters, "tp2", rank)
     # merge_and_unload on the boosted model: the merged model's logits (eval returns whole logits)
@@ -152,14 +154,15 @@ def _layouts(rank, world, root):
 
     # tp=2 with sequence parallelism, ZeRO-2 over the adapters
     train_boosted(config, batches, HybridParallelConfig(tp_size=2, zero=ZeroConfig(stage=2), sharding=ShardConfig(
-        enable_sequence_parallelism=True)), ref_losses, ref_params, "lora tp2 sp zero2", model=_lora_model(config))
+        enable_sequence_parallelism=True)), ref_losses, ref_params, "lora tp2 sp zero2", model=_lora_model(config),
+        ref_first=first[0])
     # pipeline stages, then tp x pp; each saves its peft folder
     for name, cfg in (("pp2", HybridParallelConfig(pipeline=PipelineConfig(pp_size=2, num_microbatches=2),
                                                    zero=ZeroConfig(stage=1))),
                       ("tp2pp2", HybridParallelConfig(tp_size=2, pipeline=PipelineConfig(pp_size=2,
                                                                                          num_microbatches=2)))):
         booster, model, opt = train_boosted(config, batches, cfg, ref_losses, ref_params, f"lora {name}",
-                                            model=_lora_model(config))
+                                            model=_lora_model(config), ref_first=first[0])
         _check_layout(model, opt, name, cfg.dims.tp)
         _check_saved(booster, model, os.path.join(root, name), config, ref_adapters, name, rank)
 
@@ -167,15 +170,19 @@ def _layouts(rank, world, root):
     for name, cfg in (("sp2 all_to_all", HybridParallelConfig(cp_size=2, cp_mode="all_to_all")),
                       ("sp2 ring_attn", HybridParallelConfig(cp_size=2, cp_mode="ring_attn", zero=ZeroConfig(stage=1))),
                       ("tp2 sp2", HybridParallelConfig(tp_size=2, cp_size=2, cp_mode="all_to_all"))):
-        train_boosted(config, batches, cfg, ref_losses, ref_params, f"lora {name}", model=_lora_model(config))
+        train_boosted(config, batches, cfg, ref_losses, ref_params, f"lora {name}", model=_lora_model(config),
+                      ref_first=first[0])
 
     # GPT-2: Conv1D weights, the fused q/k/v column (c_attn), fan_in_fan_out
     gpt2 = tiny_config("gpt2")
     targets = ["c_attn", "c_proj", "c_fc"]
     g_batches = causal_batches(gpt2, 3)
-    g_losses, g_params = train_whole(gpt2, g_batches, model=_lora_model(gpt2, targets, fan_in_fan_out=True))
+    g_first = []
+    g_losses, g_params = train_whole(gpt2, g_batches, model=_lora_model(gpt2, targets, fan_in_fan_out=True),
+                                     first=g_first)
     _, model, opt = train_boosted(gpt2, g_batches, HybridParallelConfig(tp_size=2), g_losses, g_params,
-                                  "lora gpt2 tp2", model=_lora_model(gpt2, targets, fan_in_fan_out=True))
+                                  "lora gpt2 tp2", model=_lora_model(gpt2, targets, fan_in_fan_out=True),
+                                  ref_first=g_first[0])
     _check_layout(model, opt, "gpt2 tp2", 2)
 
 

@@ -207,5 +207,5 @@ def test_the_layout_is_one_parallel_dims():
     assert ParallelDims(tp=2, cp=2).resolved(8) == ParallelDims(dp=2, tp=2, cp=2)
     with pytest.raises(ValueError, match="not resolved against a world"):
         ParallelDims(tp=2).size("dp")
-    with pytest.raises(ValueError, match=r"world_size=6 is not divisible into dp x \(pp_size=1 x cp_size=4"):
+    with pytest.raises(ValueError, match=r"world_size=6 is not divisible by tp_size x pp_size x cp_size = 1 x 1 x 4"):
         ParallelDims(cp=4).resolved(6)

@@ -269,7 +269,7 @@ def _expert_and_context_layouts(rank, world):
         model(input_ids=rows, labels=rows)
     # context parallelism: a world the cp ranks cannot divide, a length the split cannot cut, cp ranks
     # fed different batches
-    with pytest.raises(ValueError, match=r"cp_size=3 x tp_size=1 = 3\); launch a multiple of 3"):
+    with pytest.raises(ValueError, match=r"tp_size x pp_size x cp_size = 1 x 1 x 3 = 3; launch a multiple of 3"):
         CorePlugin(HybridParallelConfig(cp_size=3))
     config = tiny_config("llama")
     config.use_cache = False
@@ -291,7 +291,7 @@ def _hsdp_layouts(rank, world):
 
     rows = [
         (dict(dp_replicate_size=3, zero_stage=3), ValueError,
-         r"dp_replicate_size=3 does not divide the data-parallel size 4 .*choose a divisor of 4"),
+         r"dp_replicate_size=3 does not divide the data-parallel size 4;.*choose a divisor of 4"),
         (dict(dp_replicate_size=2, tp_size=2, sp_size=2, zero_stage=3, enable_sequence_parallelism=True,
               sequence_parallelism_mode="all_to_all"), ValueError, "dp_replicate_size=2 does not divide the "
          "data-parallel size 1"),

@@ -1,7 +1,8 @@
 """Padding must not change the objective (issue 11): with loss_normalization="tokens" (the default) a
 causal LM trained at tp=2 x dp=2 on batches whose replicas hold different numbers of real tokens
 trains exactly what one process trains on the whole batch (the mean over every labelled token):
-per-step losses (the dp mean of what each rank reports) within 1e-5 and the weights after the steps,
+per-step losses (the dp mean of what each rank reports) within 1e-5, the first step's reduced gradients
+(gathered) and global norm, and the weights after the steps,
 with DDP and with ZeRO-1, and with gradient accumulation under no_sync when the script passes each
 rank's `num_items_in_batch` for its accumulation window (as transformers' Trainer does). Pipeline
 micro-batches are covered in tests/pipeline/test_pipeline.py. "microbatch" keeps the mean of the
@@ -19,7 +20,7 @@ from meshboost import Booster
 from meshboost.pipeline.normalization import count_items
 from meshboost.booster.plugin import HybridParallelPlugin
 from meshboost.testing import assert_close, spawn
-from meshboost.testing.compare import gathered
+from meshboost.testing.compare import StepGradients, gathered, gradients_checked
 from meshboost.testing.models import build_model, tiny_batch, tiny_config
 
 CLS, STEPS = "LlamaForCausalLM", 3
@@ -39,16 +40,20 @@ def _batches(config):
 def _reference(config, batches):
     model = build_model(CLS, copy.deepcopy(config))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)
-    losses = []
+    losses, first = [], None
     for b in batches:
         loss = model(**b).loss                 # one process, the whole batch: mean over all real tokens
         loss.backward()
+        if first is None:
+            first = StepGradients.of(model)
         opt.step(), opt.zero_grad()
         losses.append(loss.item())
-    return losses, model
+    return losses, first, model
 
 
-def _train(config, batches, accumulate: int = 1, **plugin_kwargs):
+def _train(config, batches, first=None, accumulate: int = 1, **plugin_kwargs):
+    """Train at tp=2 x dp=2; `first`: one process's first-step gradients, which the first step's reduced
+    gradients and global norm must equal."""
     plugin = HybridParallelPlugin(tp_size=2, **plugin_kwargs)
     model = build_model(CLS, copy.deepcopy(config))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)
@@ -66,7 +71,11 @@ def _train(config, batches, accumulate: int = 1, **plugin_kwargs):
                 loss = model(**part, **extra).loss
                 booster.backward(loss, opt)
             reported += loss.item()
-        opt.step(), opt.zero_grad()
+        check = first is not None and not losses
+        with gradients_checked(model, opt, first, f"{plugin_kwargs} accumulate={accumulate} step 0") if check \
+                else contextlib.nullcontext():
+            opt.step()
+        opt.zero_grad()
         t = torch.tensor([reported])
         dist.all_reduce(t, group=plugin.mesh.dp_group)
         losses.append(t.item() / plugin.dp_size)
@@ -76,11 +85,11 @@ def _train(config, batches, accumulate: int = 1, **plugin_kwargs):
 def _body(rank, world):
     config = tiny_config("llama")
     batches = _batches(config)
-    ref_losses, ref = _reference(config, batches)
+    ref_losses, first, ref = _reference(config, batches)
     ref_params = dict(ref.named_parameters())
     for kwargs in (dict(zero_stage=0), dict(zero_stage=1), dict(zero_stage=1, accumulate=2),
                    dict(zero_stage=0, accumulate=2)):
-        losses, model = _train(config, batches, **kwargs)
+        losses, model = _train(config, batches, first, **kwargs)
         for step, (got, want) in enumerate(zip(losses, ref_losses)):
             assert abs(got - want) <= 1e-5, f"{kwargs} step {step}: {got} vs whole-batch {want}"
         for name, p in model.unwrap().named_parameters():

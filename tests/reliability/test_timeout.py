@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from meshboost.distributed import ParallelMesh, comm
+from meshboost.distributed import ParallelDims, ParallelMesh, comm
 from meshboost.distributed.comm import CollectiveTimeout
 from meshboost.distributed.launch import TIMEOUT_ENV, group_timeout, resolve_timeout
 from meshboost.testing import spawn
@@ -19,7 +19,7 @@ SECONDS = 3
 
 
 def _body(rank, world):
-    mesh = ParallelMesh(tp_size=2, pp_size=2)
+    mesh = ParallelMesh(ParallelDims(tp=2, pp=2))
     limit = datetime.timedelta(seconds=SECONDS)
     assert group_timeout() == limit
     for axis in ("dp", "pp", "tp"):

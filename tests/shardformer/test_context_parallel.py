@@ -12,8 +12,8 @@ same weights (per-step loss within 2e-5 relative in fp32, every weight gathered 
   every layer recomputed, on micro-batches that mask differently; eval through the schedule; a criterion
   other than the model's loss refused;
 - what users send, in both modes with SDPA and eager: a right-padded batch, packed rows (position_ids
-  restarting: documents isolated where transformers isolates them; in training also with the config's
-  use_cache on, as the unsharded model with use_cache=False), a sliding-window model (Mistral):
+  restarting, use_cache off: documents isolated as transformers isolates them; with the cache on, and every
+  other setting transformers' rule reads, tests/reliability/test_packed_rows.py), a sliding-window model (Mistral):
   whole-sequence eval logits and loss, the training loss and every gradient equal to the unsharded
   model's;
 - per-call state: a call's masks travel with its inputs (a ContextCall), none is stored on the attention;
@@ -196,40 +196,10 @@ def _inputs(rank):
         window = transformers.MistralConfig(**{**tiny_config("mistral").to_dict(), "sliding_window": 4,
                                                 "use_cache": False})
         _compare(window, dict(input_ids=ids, labels=ids), mode, f"sliding window {mode}")
-        _packed_with_cache_on(mode)
         # a length the split cannot cut: refused on every rank, before any collective
         multiple = 2 if mode == "all_to_all" else 4
         with pytest.raises(ValueError, match=f"sequence length 7 is not divisible by {multiple}"):
             model(input_ids=ids[:, :7], labels=ids[:, :7])
-
-
-def _packed_with_cache_on(mode):
-    """Issue 37 item 9: packed rows (position_ids restarting, no mask) with the config's use_cache on (every
-    causal LM's default) were refused even in training. A training call builds no cache: the documents are
-    isolated exactly as the unsharded model isolates them with use_cache=False (loss and every gradient);
-    eval with the cache on stays refused, on every rank before any collective."""
-    ids = torch.randint(1, 100, (2, 16), generator=torch.Generator().manual_seed(4))
-    packed = dict(input_ids=ids, labels=ids, position_ids=torch.tensor([list(range(6)) + list(range(10))] * 2))
-    ref = build_causal_lm(_config(num_key_value_heads=2))          # use_cache=False
-    model = copy.deepcopy(ref)
-    model.config.use_cache = True
-    expected = ref(**packed)
-    expected.loss.backward()
-    booster = Booster(plugin=HybridParallelPlugin(HybridParallelConfig(cp_size=2, cp_mode=mode)))
-    model, *_ = booster.boost(model)
-    model.train()
-    got = model(**packed)
-    assert abs(got.loss.item() - expected.loss.item()) < 1e-5, f"packed, cache on, training {mode}"
-    got.loss.backward()
-    reference = dict(ref.named_parameters())
-    for n, p in model.unwrap().named_parameters():
-        assert torch.allclose(p.grad, reference[n].grad, atol=1e-5), f"packed, cache on, {mode} grad {n}"
-    model.eval()
-    with pytest.raises(NotImplementedError, match="the config's use_cache is on \\(eval\\)"):
-        model(**packed)
-    model.train()
-    with pytest.raises(NotImplementedError, match="use_cache=True was passed"):
-        model(**packed, use_cache=True)
 
 
 def _body(rank, world):
@@ -256,8 +226,8 @@ def test_context_parallel_refusals():
     with pytest.raises(ValueError, match="enable_sequence_parallelism=True \\(split_gather"):
         HybridParallelConfig(cp_size=2, sharding=ShardConfig(enable_sequence_parallelism=True))
     from meshboost.booster.plugin.hybrid_parallel_plugin import _context
-    with pytest.raises(NotImplementedError, match="split_gather sequence parallelism runs over the tensor-parallel"):
-        _context(dict(sp_size=2, sequence_parallelism_mode="split_gather", enable_sequence_parallelism=True))
+    with pytest.raises(ValueError, match="splits the sequence over the tensor-parallel ranks"):
+        _context(dict(sp_size=2, sequence_parallelism_mode="split_gather", enable_sequence_parallelism=True, tp_size=1))
     llama = build_causal_lm(_config(num_key_value_heads=2))
     with pytest.raises(ValueError, match="4 attention heads over tp_size=1 leave 4 per rank, not divisible by cp_size=8"):
         check_context(llama, 8, 1)
@@ -292,7 +262,7 @@ def _state_with_inputs():
     ids = torch.arange(8).view(1, 8) % plain.config.vocab_size
     with pytest.raises(RuntimeError, match="without the inputs' ContextCall"):
         plain(input_ids=ids)
-    cut = ContextInputs(attention, 1, plain.config)
+    cut = ContextInputs(attention, 1, plain)
     first = cut.shard({"input_ids": ids, "attention_mask": torch.tensor([[1] * 6 + [0] * 2])})
     second = cut.shard({"input_ids": ids})
     assert first[CALL_KWARG].padding.tolist() == [[True] * 6 + [False] * 2] and second[CALL_KWARG].padding is None

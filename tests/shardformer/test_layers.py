@@ -22,6 +22,7 @@ from meshboost.shardformer.layers import (
     vocab_parallel_cross_entropy,
 )
 from meshboost.testing import assert_close, spawn
+from meshboost.testing.models import vocab_edge_ids
 
 
 def _full(p, t=None):
@@ -81,14 +82,18 @@ def _layers_body(rank, world):
     wrong = ColumnParallelLinear.from_native(copy.deepcopy(fused), group, num_fused=1)
     assert not torch.allclose(_unfuse(wrong(x), group, world), ref_out, atol=1e-3), "contiguous split not detected"
 
-    # Vocab-parallel embedding with a padding row (its grad must stay zero) and vocab padding.
+    # Vocab-parallel embedding with a padding row (its grad must stay zero) and vocab padding; every
+    # shard's first and last id, and the last real id, looked up (random ids seldom hit a shard edge).
     for vocab, pad_idx, multiple in ((101, 0, 8), (64, None, 1), (37, 5, 64)):
         emb = nn.Embedding(vocab, 16, padding_idx=pad_idx)
         ids = torch.randint(0, vocab, (3, 7))
         ids[0, 0] = pad_idx if pad_idx is not None else 1
+        edges = vocab_edge_ids(vocab, world, multiple)
+        ids.view(-1)[1:1 + len(edges)] = torch.tensor(edges)
         ref = copy.deepcopy(emb)
         par = VocabParallelEmbedding.from_native(emb, group, multiple)
         assert par.weight is emb.weight and get_tp_info(par.weight).padded_size % (multiple * world) == 0
+        assert par.vocab_start >= vocab or {par.vocab_start, min(par.vocab_end, vocab) - 1} <= set(edges), edges
         y_ref, y_par = ref(ids), par(ids)
         assert_close(y_par, y_ref, msg=f"embedding vocab={vocab} output")
         g = torch.randn_like(y_ref)
@@ -96,13 +101,18 @@ def _layers_body(rank, world):
         y_par.backward(g)
         assert_close(_full(par.weight, par.weight.grad), ref.weight.grad, msg=f"embedding vocab={vocab} grad")
 
-    # Vocab-parallel LM head + cross-entropy (ignore_index, mean over non-ignored) vs F.cross_entropy.
+    # Vocab-parallel LM head + cross-entropy (ignore_index, mean over non-ignored) vs F.cross_entropy;
+    # the targets hold every shard's first and last id and the last real id (each owned by one rank).
     for vocab in (101, 128):
         head = nn.Linear(16, vocab, bias=True)
         ref = copy.deepcopy(head)
         par = VocabParallelLMHead.from_native(head, group, make_vocab_size_divisible_by=8, parallel_output=True)
         target = torch.randint(0, vocab, (3, 5))
         target[0, :2] = -100
+        edges = vocab_edge_ids(vocab, world, 8)
+        start = get_tp_info(par.weight).local_size * rank
+        assert start >= vocab or start in edges, (start, edges)
+        target.view(-1)[2:2 + len(edges)] = torch.tensor(edges)
         xr, xp = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
         logits_ref = ref(xr)
         loss_ref = F.cross_entropy(logits_ref.reshape(-1, vocab), target.reshape(-1), ignore_index=-100)
@@ -203,18 +213,15 @@ def _overlap_body(rank, world):
     """The block's input-gradient collective runs asynchronously behind the weight gradients of the
     columns reading that input (q/k/v, gate/up; c_attn, c_fc): with and without sequence parallelism,
     the input and weight gradients equal the unsharded layer's, the collectives are the same (calls and
-    bytes), and the asynchronous ones were in flight while the weight gradients were computed. On gloo's
-    sockets (the transport that runs on its own threads, as NCCL runs on its own stream) and on the same-host
-    shared memory (distributed/shm.py: published at issue, read at wait())."""
-    from meshboost.distributed import shm
+    bytes), and the asynchronous ones were in flight while the weight gradients were computed (gloo runs them
+    on its own threads, as NCCL runs them on its own stream)."""
     from meshboost.distributed.profiling import wait_timer
     from meshboost.shardformer import ShardConfig, ShardFormer
     from meshboost.testing.models import build_model, tiny_config
 
-    for (cls, family), sp, on_shm in itertools.product((("BertModel", "bert"), ("LlamaModel", "llama"),
-                                                        ("GPT2Model", "gpt2")), (False, True), (False, True)):
-        where = f"{cls} sp={sp} shm={on_shm}"
-        shm.configure(on_shm)
+    for (cls, family), sp in itertools.product((("BertModel", "bert"), ("LlamaModel", "llama"),
+                                                ("GPT2Model", "gpt2")), (False, True)):
+        where = f"{cls} sp={sp}"
         config = tiny_config(family, num_hidden_layers=2)
         model = build_model(cls, config)
         ref = copy.deepcopy(model)

@@ -2,7 +2,8 @@
 weights after an AdamW step): BERT, GPT-2, the generic base_model_tp_plan policy on Llama (incl. GQA
 with key/value heads fewer than tp: 2 kv heads at tp=4, multi-query), Qwen2, Mistral, Gemma's
 scaled embedding, Cohere's per-head q/k norms ([heads, head_dim], 2 kv heads), ESM-C's whole-hidden ones, and the hand-written tables for OPT, BLOOM (ALiBi), Falcon (grouped, multi-query,
-ALiBi), ViT, ALBERT, T5 (tied embedding, relative position bias, gated FFN), Whisper and BLIP-2 (vision tower, Q-Former, OPT); plus the
+ALiBi), ViT, ALBERT, T5 (tied embedding, relative position bias, gated FFN), Whisper and BLIP-2 (vision tower, Q-Former, OPT); GPT-2,
+Llama and BERT's masked LM again on a batch of every vocabulary shard's first and last id (id 0 included); plus the
 error cases, raised before any collective and before any weight is sliced."""
 
 import pytest
@@ -20,6 +21,10 @@ def _policies_body(rank, world):
     for family, classes in MODEL_CLASSES.items():
         for cls in classes:
             check_tp_equivalence(cls, family, group)
+    # every vocabulary shard's first and last id as input and label (the tiny batches never hold id 0):
+    # the embedding, the LM head (tied to it in GPT-2) and the vocab-parallel loss at the shard edges
+    for cls, family in (("GPT2LMHeadModel", "gpt2"), ("LlamaForCausalLM", "llama"), ("BertForMaskedLM", "bert")):
+        check_tp_equivalence(cls, family, group, vocab_edges=True)
 
 
 def _custom_policy_body(rank, world):

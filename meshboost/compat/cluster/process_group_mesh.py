@@ -11,8 +11,9 @@ from __future__ import annotations
 import numpy as np
 import torch.distributed as dist
 
-from meshboost.distributed import ParallelMesh
-from meshboost.distributed.dims import AXES
+from meshboost.distributed import ParallelDims, ParallelMesh
+
+AXES = ("dp", "pp", "tp")     # ColossalAI's axis numbers 0, 1, 2: meshboost's logical axes of the same names
 
 
 class ProcessGroupMesh:
@@ -28,7 +29,7 @@ class ProcessGroupMesh:
                 raise NotImplementedError(f"ProcessGroupMesh{size}: meshboost's mesh has the axes (dp, pp, tp); pass "
                                           "three sizes (a fourth, the sequence axis, only as 1)")
             dp, pp, tp = size
-            mesh = ParallelMesh(tp_size=tp, pp_size=pp, dp_size=dp)
+            mesh = ParallelMesh(ParallelDims(dp=dp, pp=pp, tp=tp))
         elif size:
             raise TypeError("pass either the sizes or mesh=, not both")
         self.mesh = mesh

@@ -225,7 +225,7 @@ class _Step:
         if self.context is None:
             return self.microbatches[mb]
         if mb not in self.pieces:
-            self.pieces[mb] = self.context.shard_microbatch(self.microbatches[mb], self.optimizer is not None)
+            self.pieces[mb] = self.context.shard_microbatch(self.microbatches[mb])
         return self.pieces[mb]
 
     def forward(self, chunk: int, mb: int) -> None:

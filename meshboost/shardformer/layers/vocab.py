@@ -9,6 +9,8 @@ loss through transformers' `loss_function` (`uses_causal_lm_loss`), which is wha
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
 
 import torch
@@ -111,6 +113,22 @@ class VocabParallelEmbedding(nn.Module):
                 f"dim {self.embedding_dim}")
 
 
+# Set inside `split_logits()`: every vocab-parallel head returns its shard of the logits, in eval too.
+_SPLIT_REQUESTED = contextvars.ContextVar("meshboost_split_logits", default=False)
+
+
+@contextlib.contextmanager
+def split_logits():
+    """Inside the block every `VocabParallelLMHead` returns its vocab shard of the logits whatever its mode
+    (a frozen reference in eval too), for a reader that reduces over tp itself (post_training's log-probs):
+    the vocabulary is never gathered. Scoped to the caller's context, nothing stored on a module."""
+    token = _SPLIT_REQUESTED.set(True)
+    try:
+        yield
+    finally:
+        _SPLIT_REQUESTED.reset(token)
+
+
 class VocabParallelLMHead(nn.Module):
     """Column-parallel projection onto the (padded) vocabulary.
 
@@ -141,7 +159,7 @@ class VocabParallelLMHead(nn.Module):
 
     @property
     def output_is_parallel(self) -> bool:
-        return (self.parallel_output and self.training and dist.is_initialized()
+        return ((self.parallel_output and self.training or _SPLIT_REQUESTED.get()) and dist.is_initialized()
                 and dist.get_world_size(self.process_group) > 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -80,9 +80,27 @@ def pattern_to_regex(pattern: str) -> re.Pattern:
 def plan_root(model: nn.Module) -> nn.Module:
     """The module a plan's paths are relative to: `model.base_model`, or, where a head's
     `base_model_prefix` names no attribute of it (Llama-4's text model under "language_model"), the
-    head's `model` when that is a base model of the same config."""
+    head's `model` when that is a base model of the same config. A module of the user's own around one
+    transformers model (ColossalChat's RewardModel: a base model under `model`, a value head beside it,
+    sharded with `custom_policy=get_autopolicy(model.model)`): that model's root; the modules beside it
+    stay whole."""
+    if not hasattr(model, "base_model"):
+        return plan_root(_wrapped_transformers_model(model))
     base = model.base_model
     inner = getattr(model, "model", None)
     if base is model and isinstance(inner, nn.Module) and getattr(inner, "config", None) is getattr(model, "config", 0):
         return inner
     return base
+
+
+def _wrapped_transformers_model(model: nn.Module) -> nn.Module:
+    """The one outermost transformers model (a module with `base_model`) inside `model`; refused otherwise."""
+    found = []
+    for name, module in model.named_modules():
+        if name and hasattr(module, "base_model") and not any(name.startswith(f + ".") for f, _ in found):
+            found.append((name, module))
+    if len(found) != 1:
+        raise ValueError(f"{type(model).__name__} is not a transformers model and holds "
+                         f"{len(found)} ({', '.join(n for n, _ in found) or 'none'}): tensor parallelism shards a "
+                         "transformers model, or a module of your own holding exactly one")
+    return found[0][1]

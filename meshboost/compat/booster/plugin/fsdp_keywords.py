@@ -136,15 +136,16 @@ def _mixed_precision(mp) -> dict:
     """FSDPConfig fields from TorchFSDPPlugin's `mixed_precision` (FSDP1's MixedPrecision, or FSDP2's
     MixedPrecisionPolicy)."""
     if mp is None:
-        return {"precision": "fp32"}
-    if isinstance(mp, MixedPrecisionPolicy):
+        return {"precision": "fp32", "cast_buffers": False}
+    if isinstance(mp, MixedPrecisionPolicy):      # FSDP2 leaves buffers alone
         out = {"param_dtype": mp.param_dtype, "reduce_dtype": mp.reduce_dtype, "output_dtype": mp.output_dtype,
-               "cast_forward_inputs": mp.cast_forward_inputs}
+               "cast_forward_inputs": mp.cast_forward_inputs, "cast_buffers": False}
     elif isinstance(mp, MixedPrecision):
         if mp.keep_low_precision_grads:
             _refuse("MixedPrecision.keep_low_precision_grads", True, "FSDP2 hands the optimizer fp32 gradient "
                     "shards (the weights' dtype); remove it")
         out = {"param_dtype": mp.param_dtype, "reduce_dtype": mp.reduce_dtype, "buffer_dtype": mp.buffer_dtype,
+               "cast_buffers": mp.buffer_dtype is not None,        # FSDP1: None leaves buffers as they are
                "cast_forward_inputs": mp.cast_forward_inputs or mp.cast_root_forward_inputs}
     else:
         raise TypeError(f"mixed_precision={mp!r}: pass torch.distributed.fsdp.MixedPrecision(param_dtype=..., "

@@ -12,6 +12,8 @@ its constructor (and ColossalAI's views of the mesh, `pg_mesh` and `stage_manage
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from meshboost.cluster import PipelineStageManager, ProcessGroupMesh
@@ -22,6 +24,7 @@ from meshboost.plugins import HybridParallelPlugin as CorePlugin
 from meshboost.plugins.config import DDPConfig, HybridParallelConfig, check_replicate
 from meshboost.plugins.hybrid_parallel import HybridParallelModule
 from meshboost.shardformer import PipelineGradientCheckpointConfig, Policy, ShardConfig
+from meshboost.shardformer.optimizations import say
 
 __all__ = ["HybridParallelPlugin", "HybridParallelModule", "colossalai_config"]
 
@@ -30,23 +33,39 @@ CONTEXT_MODES = ("all_to_all", "ring_attn")     # ColossalAI's modes over a sequ
 
 
 def _context(a: dict) -> tuple[int, str | None, dict]:
-    """ColossalAI's sequence-parallel keywords as (cp_size, cp_mode, the ShardConfig fields): the modes
-    with an sp group of their own (all_to_all, ring_attn) become the context axis (meshboost's cp); split_gather and
-    ColossalAI's "ring" (split_gather's layout with ring exchanges, the same numbers: ShardConfig runs it
-    as split_gather) stay the tp group's sequence parallelism, which takes no sp_size."""
+    """ColossalAI's sequence-parallel keywords as (cp_size, cp_mode, the ShardConfig fields), as ColossalAI
+    reads them. The modes with an sp group of their own (all_to_all, ring_attn) become the context axis
+    (meshboost's cp); with sp_size None or 1 that group holds one rank and splits nothing, so they run as
+    no sequence parallelism at all (ColossalAI's numbers). split_gather and ColossalAI's "ring"
+    (split_gather's layout with ring exchanges, the same numbers: ShardConfig runs it as split_gather) split
+    the sequence over the tp group: an sp_size given with them is ignored (ColossalAI logs that it follows
+    tp_size), and they need tp_size > 1 when an sp_size asks for a split (ColossalAI refuses tp_size 1)."""
     sp_size, mode, enabled = a["sp_size"], a["sequence_parallelism_mode"], a["enable_sequence_parallelism"]
     shard = {"enable_sequence_parallelism": enabled, "sequence_parallelism_mode": mode}
+    off = {"enable_sequence_parallelism": False, "sequence_parallelism_mode": None}
     if enabled and mode in CONTEXT_MODES:
         if sp_size in (None, 1):
-            raise ValueError(f"sequence_parallelism_mode={mode!r} with sp_size={sp_size!r} splits nothing: pass "
-                             "sp_size > 1 (the ranks every sequence is split over)")
-        return sp_size, mode, {"enable_sequence_parallelism": False, "sequence_parallelism_mode": None}
+            say("meshboost: sequence_parallelism_mode=%r with sp_size=%r: a sequence group of one rank, nothing is "
+                "split (as ColossalAI); pass sp_size > 1 to split every sequence over that many ranks", mode, sp_size)
+            return 1, None, off
+        return sp_size, mode, off
     if sp_size not in (None, 1):
-        raise NotImplementedError(f"sp_size={sp_size!r} with sequence_parallelism_mode={mode!r}: meshboost's "
-                                  "split_gather sequence parallelism runs over the tensor-parallel group (as "
-                                  "ColossalAI's 'ring' does: the same numbers), so it takes no sp_size; for a sequence "
-                                  "axis of its own pass enable_sequence_parallelism=True, sequence_parallelism_mode='all_to_all' "
-                                  f"(or 'ring_attn'), sp_size={sp_size}")
+        if not enabled:
+            raise ValueError(f"sp_size={sp_size!r} with enable_sequence_parallelism=False: sp_size is the sequence "
+                             "group of sequence parallelism; pass enable_sequence_parallelism=True with "
+                             "sequence_parallelism_mode='all_to_all' or 'ring_attn', or drop sp_size (ColossalAI "
+                             "refuses it too)")
+        if mode is None:        # ColossalAI's plugin reads None as all_to_all here, its ShardConfig as split_gather
+            raise ValueError(f"sp_size={sp_size!r} with sequence_parallelism_mode=None: name the mode, "
+                             "'all_to_all' or 'ring_attn' (a sequence axis of sp_size ranks) or 'split_gather' (over "
+                             "the tensor-parallel ranks, which ignores sp_size)")
+        if a["tp_size"] == 1:
+            raise ValueError(f"sp_size={sp_size!r} with sequence_parallelism_mode={mode!r} and tp_size=1: that mode "
+                             "splits the sequence over the tensor-parallel ranks (its size follows tp_size, "
+                             "ColossalAI refuses tp_size 1); for a sequence axis of its own pass "
+                             f"sequence_parallelism_mode='all_to_all' (or 'ring_attn') with sp_size={sp_size}")
+        say("meshboost: sp_size=%r is ignored with sequence_parallelism_mode=%r: the sequence is split over the "
+            "tp_size=%d tensor-parallel ranks (as ColossalAI: sp_size follows tp_size)", sp_size, mode, a["tp_size"])
     return 1, None, shard
 
 
@@ -109,8 +128,9 @@ class HybridParallelPlugin(CorePlugin):
         (`meshboost.shardformer.ShardConfig`, docs/optimizations.md); sp_size with
         enable_sequence_parallelism=True and sequence_parallelism_mode='all_to_all' or 'ring_attn': the
         context axis, meshboost's cp (`HybridParallelConfig(cp_size=...)`, `config.dims.cp`, the plugin's
-        `sp_size`; docs/sequence_parallel.md); with 'split_gather' or 'ring' (run as split_gather: the same
-        numbers), None or 1 (that sequence parallelism runs over tp).
+        `sp_size`; docs/sequence_parallel.md), with sp_size None or 1 a group of one rank (nothing split); with
+        'split_gather' or 'ring' (run as split_gather: the same numbers) the sequence is split over tp and an
+        sp_size is ignored, said once on rank 0 (it follows tp_size, as in ColossalAI).
     pp_size, num_microbatches / microbatch_size (one required with pp_size > 1), pp_style ("1f1b" |
         "interleaved"), num_model_chunks, num_layers_per_stage: `meshboost.pipeline.PipelineConfig`.
     precision ("fp32" | "fp16" | "bf16"), max_norm (global-norm clipping when > 0), initial_scale,
@@ -138,7 +158,8 @@ class HybridParallelPlugin(CorePlugin):
         to use (docs/colossalai.md).
 
     ColossalAI's views are attributes: `pg_mesh` (meshboost.cluster.ProcessGroupMesh, axes dp_axis=0,
-    pp_axis=1, tp_axis=2), `stage_manager` (meshboost.cluster.PipelineStageManager; None at pp_size 1).
+    pp_axis=1, tp_axis=2), `stage_manager` (meshboost.cluster.PipelineStageManager; None at pp_size 1), also
+    read as `shard_config.pipeline_stage_manager`.
     """
 
     def __init__(self, tp_size: int, pp_size: int = 1, precision: str = "fp32", zero_stage: int = 0,
@@ -183,3 +204,5 @@ class HybridParallelPlugin(CorePlugin):
             self.pg_mesh, self.pp_axis, enable_interleave=pc.pp_style == "interleaved",
             num_model_chunks=pc.num_model_chunks, num_layers_per_stage=pc.num_layers_per_stage) \
             if pc.pp_size > 1 else None
+        # ColossalAI's tests read the stage manager through the shard config too (None at pp_size 1)
+        self.shard_config = dataclasses.replace(self.shard_config, pipeline_stage_manager=self.stage_manager)
