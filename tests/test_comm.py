@@ -196,6 +196,26 @@ def _sibling_gradient(rank: int, group) -> None:
     assert torch.equal(gradient, torch.ones(3)), "the upstream gradient was changed in place"
 
 
+def _values_of_graph_tensors(rank: int, group) -> None:
+    """The raw collectives move values: a tensor that requires grad (eval-mode logits under grad mode, as
+    cp's combine gathers them) gives the same result as its detached copy (gloo refused it on its own thread)."""
+    for layout in ("contiguous", "transpose"):
+        base = _values(rank, salt=23).requires_grad_(True)
+        x = _view_of(base * 1, layout)                       # a non-leaf view inside a graph
+        plain = x.detach().clone()
+        calls = {"all_gather": lambda t: comm.all_gather(t, group, dim=1),
+                 "reduce_scatter": lambda t: comm.reduce_scatter(t, group, dim=0),
+                 "all_to_all_single": lambda t: comm.all_to_all_single(t, group),
+                 "all_reduce out=": lambda t: comm.all_reduce(t, group, out=torch.empty(tuple(t.shape)))}
+        for name, call in calls.items():
+            got = call(x)
+            assert not got.requires_grad and torch.equal(got, call(plain)), f"{name} {layout}"
+        flat = torch.empty(2 * base.numel())
+        comm.all_gather_into(flat, base.reshape(-1) * 1, group)
+        assert torch.equal(flat, comm.all_gather(plain.reshape(-1) if layout == "contiguous"
+                                                 else _values(rank, salt=23).reshape(-1), group, dim=0)), layout
+
+
 def _refused(rank: int, group) -> None:
     """A target whose elements share memory cannot hold one sum per element: refused before any
     communication, on every rank, and the next collective runs."""
@@ -223,6 +243,7 @@ def _body(rank: int, world: int) -> None:
     _flat(rank, group)
     _differentiable(rank, group)
     _sibling_gradient(rank, group)
+    _values_of_graph_tensors(rank, group)
     _refused(rank, group)
 
 

@@ -18,7 +18,9 @@ collectives. A group of size 1 (or no process group) makes every function the id
 Any strided input or output is fine: the backends read and write a tensor's storage as if it were
 contiguous (gloo's all-reduce of `t[:, ::2]` sums elements outside the view and says nothing; NCCL
 refuses it), so what reaches them is always a contiguous tensor, copied from and back into a view where
-needed.
+needed. The raw collectives move values only: they read their inputs detached (gloo copies into views of
+its output on its own thread, where a tensor that requires grad is refused), and the autograd Functions
+below carry the gradients.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ def run_collective(op: str, group, call):
 # -- raw collectives (not differentiable) -----------------------------------------------------
 def _dense(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` itself when contiguous, else a contiguous copy: the only layout a backend reads right."""
+    tensor = tensor.detach()
     return tensor if tensor.is_contiguous() else tensor.contiguous()
 
 
@@ -80,7 +83,7 @@ def _writable(target: torch.Tensor, values: torch.Tensor | None = None) -> torch
                              f"{target.stride()}: its elements share memory (an expand()ed view); pass a .clone()")
         buffer = torch.empty_like(target, memory_format=torch.contiguous_format)
     if values is not None and values is not buffer:
-        buffer.copy_(values)
+        buffer.copy_(values.detach())
     return buffer
 
 
@@ -114,7 +117,7 @@ def all_gather(tensor: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     if size == 1:
         return tensor
     dim = dim % tensor.dim()
-    moved = tensor.movedim(dim, 0).contiguous()
+    moved = tensor.detach().movedim(dim, 0).contiguous()
     out = torch.empty((size * moved.shape[0], *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
     record_collective("all_gather", group, out)
     run_collective("all_gather", group, lambda: _all_gather_single(out, moved, group=group))
@@ -150,7 +153,7 @@ def _scatter_buffers(tensor: torch.Tensor, size: int, dim: int) -> tuple[torch.T
     if tensor.shape[dim] % size:
         raise ValueError(f"reduce_scatter: dim {dim} of size {tensor.shape[dim]} is not divisible by "
                          f"the group size {size}")
-    moved = tensor.movedim(dim, 0).contiguous()
+    moved = tensor.detach().movedim(dim, 0).contiguous()
     return moved, torch.empty((moved.shape[0] // size, *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
 
 
@@ -219,7 +222,7 @@ def gather_spans(piece: torch.Tensor, spans: list[tuple[int, int]], group, dst: 
         if piece.numel():
             record_collective("send", group, piece)
             run_collective("send", group,
-                           lambda: dist.send(piece.contiguous(), dst=dist.get_global_rank(group, dst), group=group))
+                           lambda: dist.send(piece.detach().contiguous(), dst=dist.get_global_rank(group, dst), group=group))
         return None
     if out is None:
         out = torch.empty(max(b for _, b in spans), dtype=piece.dtype, device=piece.device)
@@ -241,7 +244,7 @@ def all_to_all_single(tensor: torch.Tensor, group, output_sizes: list[int] | Non
     splits are fine (gloo and NCCL)."""
     if dist.get_world_size(group) == 1:
         return tensor
-    tensor = tensor.contiguous()
+    tensor = tensor.detach().contiguous()
     rows = sum(output_sizes) if output_sizes is not None else tensor.shape[0]
     out = tensor.new_empty((rows, *tensor.shape[1:]))
     record_collective("all_to_all", group, tensor)
