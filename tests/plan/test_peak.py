@@ -91,11 +91,11 @@ def test_peak_against_memtracker(fields):
     spec = spec_of("llama")
     ranks = measure_peaks(spec, fields)
     err, measured, predicted, instant = compare_peaks(spec, fields, ranks)
-    # the issue's goal: within 5%, never under by more than 2%. One exception, on the CPU only: CI's machine
-    # measured dp3-zero3-bf16 at -3.0% (12467435 bytes) where the development machine measures +2.4%
-    # (11809667) from the same code, packages and prediction (12094350), repeatably under load and any hash
-    # seed; the bf16 cases' measured step differs by the machine, not the plan. The band the GPU check holds
-    # (benchmarks/gpu_check.sh, within 1% on an H100) is the claim; the categories below say where a machine differs.
+    # the issue's goal: within 5%, never under by more than 2%. One exception: ZeRO-3 at dp=3 in bf16
+    # (plan_accuracy's case 30) sometimes measures 0.5-0.7 MB more on its worst rank (benchmarks/plan_peak.py's
+    # docstring: 12291711 and 12512627 bytes against 11809731; CI measured 12467435, -3.0%, where this machine
+    # measures 11809667 in every run, loaded or not), which the tracker's weak references may or may not really
+    # hold; the bf16 cases allow -3.5% until that is settled. The categories say where a failing rank differs.
     low = -0.035 if fields.get("precision") == "bf16" else -0.02
     assert low <= err <= 0.05, (fields, measured, predicted, instant, [r.get("categories") for r in ranks])
 
