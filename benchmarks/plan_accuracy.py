@@ -138,7 +138,9 @@ def layout_of(fields: dict, spec):
     return Layout(**f)
 
 
-def planner_for(spec, layout, lora=None, device=None):
+def planner_for(spec, layout, lora=None, device="cpu"):
+    """The planner of `spec` for `layout`'s world, predicting `device` (the measured processes': this
+    machine's CPUs unless told)."""
     from benchmarks.models import build_config
     from meshboost.plan import Planner
     return Planner(build_config(spec), architecture=spec.class_name, gpus=layout.world, seq=spec.seq,

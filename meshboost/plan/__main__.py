@@ -54,8 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-gb", type=float, default=80.0, help="device memory in GiB")
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
     p.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step")
-    p.add_argument("--device", default=None, choices=("cpu", "cuda"),
-                   help="whose temporaries and allocator the peak predicts (default: cuda where torch sees one)")
+    p.add_argument("--device", default="cuda", choices=("cpu", "cuda"),
+                   help="whose temporaries and allocator the peak predicts: the --gpus planned (cuda), or cpu")
     p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"), help="training precision")
     p.add_argument("--layout", default=None, help="explain one layout: tp=2,pp=2,zero=1,mb=4,ckpt=1,... or a table "
                    "row (tp=2,pp=1,dp=4,zero=1,bf16,mb=2x8,ckpt); context parallelism cp=2,cp_mode=ring_attn "
@@ -117,22 +117,28 @@ def _constants(args) -> CostConstants:
     return CostConstants(**{**c.__dict__, **changes})
 
 
-COLUMNS = (*MEMORY_KEYS, "total", "peak", "reserved")
+COLUMNS = (*MEMORY_KEYS, "peak", "reserved")
+LABELS = {"optimizer_states": "optimizer"}          # the other columns are headed by their key
 WIDTH = 56         # the layout column: tp=1,pp=2,dp=2,cp=2(ring_attn),zero=2,bf16,mb=128x1,ckpt
+NUMBER = 11        # a figure's column: "activations"
 
 
 def _gib(n: float) -> str:
-    return f"{n / GIB:8.2f}"
+    return f"{n / GIB:{NUMBER}.2f}"
 
 
 def _table(estimates) -> str:
-    head = f"{'layout':{WIDTH}s} " + " ".join(f"{k[:9]:>9s}" for k in COLUMNS) + "   rel.time  fits"
-    lines = [head, f"{'':{WIDTH}s} (GiB per rank, worst rank; peak: allocated at the step's worst instant, "
-                   "reserved: + allocator margin and what lies outside it)"]
+    """The rows of `estimates`: the worst rank's state after backward by kind, then its peak and what the
+    device reserves (fits compares that with --memory-gb; the kinds' sum is no instant of the step)."""
+    head = (f"{'layout':{WIDTH}s} " + " ".join(f"{LABELS.get(k, k):>{NUMBER}s}" for k in COLUMNS)
+            + "   rel.time  fits")
+    lines = [head, f"{'':{WIDTH}s} (GiB per rank, worst rank: its state after backward by kind, activations the bytes "
+                   "saved for backward; peak: allocated at the step's worst instant; reserved: + allocator margin and "
+                   "what lies outside it, which fits compares with --memory-gb)"]
     for e in estimates:
         m = {**e.memory_bytes_per_rank, "reserved": e.memory_bytes_per_rank["reserved"]
              + e.memory_bytes_per_rank["outside"]}
-        lines.append(f"{e.layout.describe():{WIDTH}s} " + " ".join(f"{_gib(m[k]):>9s}" for k in COLUMNS)
+        lines.append(f"{e.layout.describe():{WIDTH}s} " + " ".join(_gib(m[k]) for k in COLUMNS)
                      + f"   {e.relative_step_time:8.2f}  {'yes' if e.fits else 'no'}")
     return "\n".join(lines)
 
@@ -144,9 +150,9 @@ def _explained(e, constants=None, lora=None) -> str:
         lines.insert(0, f"training {lora.describe()}, the base weights frozen")
     for s in e.per_stage:
         m = s["memory_bytes"]
-        lines.append(f"  pp_rank {s['pp_rank']}: {s['layers']} layers, total {m['total'] / GIB:.2f} GiB, "
-                     + ", ".join(f"{k} {m[k] / GIB:.2f}" for k in MEMORY_KEYS)
-                     + f"; peak {m['peak'] / GIB:.2f} at its {m['instant']}, reserved {m['reserved'] / GIB:.2f}")
+        lines.append(f"  pp_rank {s['pp_rank']}: {s['layers']} layers, peak {m['peak'] / GIB:.2f} GiB at its "
+                     f"{m['instant']}, reserved {(m['reserved'] + m['outside']) / GIB:.2f}; after backward "
+                     + ", ".join(f"{k} {m[k] / GIB:.2f}" for k in MEMORY_KEYS))
     lines.append("communication per step (payload bytes, worst stage): "
                  + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in e.comm_bytes_per_step.items()))
     lines += [f"note: {n}" for n in e.notes]
@@ -195,21 +201,20 @@ def main(argv=None) -> int:
 
 
 def _ranking(parser, args, planner) -> int:
-    estimates, refused = planner.rank(include_unfit=True)
+    estimates, refused = planner.rank(include_unfit=args.all)
     fitting = [e for e in estimates if e.fits]
     shown = estimates if args.all else fitting
-    if not fitting and estimates:
-        advice = nothing_fits(planner, estimates)
-        if not args.json:
-            print("\n".join(advice.lines(planner)))
-        else:
-            print(json.dumps([], indent=1))
+    if not fitting:
+        from meshboost.plan.ranking import smallest
+        least = min(estimates, key=lambda e: e.memory_bytes_per_rank["peak"]) if estimates else smallest(planner)
+        if least is None:
+            reasons = sorted({why for _, why in refused})
+            parser.error(f"every one of {len(refused)} layouts is refused, e.g. {reasons[0] if reasons else '?'}")
+        advice = nothing_fits(planner, [least])
+        print("\n".join(advice.lines(planner)) if not args.json else json.dumps([], indent=1))
         parser.error(f"no layout fits --memory-gb {args.memory_gb:g} on --gpus {args.gpus}: the smallest, "
                      f"{advice.smallest.layout.describe()}, needs {advice.need_gib(planner):.2f} GiB per device; "
                      f"fix: {advice.fix(planner)}")
-    if not estimates:
-        reasons = sorted({why for _, why in refused})
-        parser.error(f"every one of {len(refused)} layouts is refused, e.g. {reasons[0] if reasons else '?'}")
     if args.json:
         print(json.dumps([e.as_dict() for e in shown], indent=1))
         return 0

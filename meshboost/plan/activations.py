@@ -36,6 +36,8 @@ from meshboost.plan import fakecache
 SPLIT_GATHER = "split_gather"
 LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
 INTERMEDIATE_FIELDS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
+# config fields whose value above 1 makes layers differ by position (every n-th layer sparse, sliding, ...)
+HETEROGENEOUS_STEPS = ("decoder_sparse_step", "moe_layer_freq", "interleave_moe_layer_step", "sliding_window_pattern")
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,7 @@ def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpoi
                  ep: int = 1) -> tuple[int, ...]:
     """(distinct bytes autograd saves in one training forward of `cls(config)` on fake tensors, the
     parameters (and views of them: a linear saves its weight) left out: they are the weights;
-    split_gather's replicated elements fed the chunk; `live_peak`'s three figures) for one rank of
+    split_gather's replicated elements fed the chunk; `live_peak`'s other four figures) for one rank of
     `split`'s sequence split. `body`: the base model alone (no head, no loss), its backward fed a
     gradient of its output, as a pipeline stage that is not the last runs it. `ep` > 1: the experts dealt
     out over ep ranks, meshboost's dispatch with balanced routing (fake_experts.py)."""
@@ -103,15 +105,7 @@ def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpoi
     from meshboost.shardformer import uses_causal_lm_loss
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    saved: dict = {}
     weights: set = set()
-
-    def pack(t):
-        storage = t.untyped_storage()._cdata
-        if storage not in weights:
-            saved[(storage, t.storage_offset(), tuple(t.shape), t.dtype)] = t.numel() * t.element_size()
-        return t
-
     previous = torch.get_default_dtype()
     with FakeTensorMode(), fake_experts.fake_grouped_mm():
         torch.set_default_dtype(dtype)          # built in the working dtype (a fake tensor cannot be cast in place)
@@ -144,10 +138,10 @@ def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpoi
         if body:
             inputs.pop("labels", None)
         with loss:
-            live = live_peak(model.base_model if body else model, inputs,
-                             lambda: torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-                             last_layer(model) if body else None)
-    return (sum(saved.values()), sum(sequence.summed.values()) if sequence is not None else 0, *live)
+            only = last_layer(model) if count_layers(config) == 1 else None       # marked (live.two_layers)
+            saved, *live = live_peak(model.base_model if body else model, inputs, weights,
+                                     last_layer(model) if body else None, only)
+    return (saved, sum(sequence.summed.values()) if sequence is not None else 0, *live)
 
 
 
@@ -226,16 +220,52 @@ def _extrapolated(cls, config_json: str, model_type: str, layers: int, batch: in
     other way round). A model whose op sequence changes with the batch (a single sequence takes other
     paths: a few ops fewer) is run at `batch` itself."""
     if batch <= 3:
-        saved, summed, after, timeline, grads = _run(cls, config_json, model_type, layers, batch, *rest)
+        saved, summed, after, timeline, grads = _layers_run(cls, config_json, model_type, layers, batch, *rest)
         return saved, summed, after, max(timeline, default=0), max(map(sum, zip(timeline, grads)), default=0)
-    one, two = (_run(cls, config_json, model_type, layers, b, *rest) for b in (2, 3))
+    one, two = (_layers_run(cls, config_json, model_type, layers, b, *rest) for b in (2, 3))
     if len(one[3]) != len(two[3]):
-        saved, summed, after, timeline, grads = _run(cls, config_json, model_type, layers, batch, *rest)
+        saved, summed, after, timeline, grads = _layers_run(cls, config_json, model_type, layers, batch, *rest)
         return saved, summed, after, max(timeline, default=0), max(map(sum, zip(timeline, grads)), default=0)
     k = batch - 2
     timeline = [a + k * (b - a) for a, b in zip(one[3], two[3])]
     return (*(a + k * (b - a) for a, b in zip(one[:3], two[:3])), max(timeline),
             max(map(sum, zip(timeline, one[4]))))
+
+
+@fakecache.derived
+def _layers_run(cls, config_json: str, model_type: str, layers: int, batch: int, seq: int, precision: str,
+                checkpointing: bool, split, vocab_tp: int, body: bool, ep: int) -> tuple:
+    """(saved, summed, live after the forward, timeline, gradients timeline) of a `layers`-layer copy:
+    two layers alike (`_alike_layers`) from the marked one-layer run (live.two_layers: a fake run
+    fewer, the costlier one), any other copy run; a pipeline stage's body reads the whole model's marked
+    one-layer run too (`two_layers`' `whole`: a ranking makes it for the last stage anyway)."""
+    from meshboost.plan.live import two_layers
+
+    args = (seq, precision, checkpointing, split, vocab_tp, body, ep)
+    if layers == 2 and _alike_layers(config_json, split):
+        saved, summed, after, totals, grads, marks = _run(cls, config_json, model_type, 1, batch, *args)
+        whole = _run(cls, config_json, model_type, 1, batch, *args[:5], False, ep)[5] if body else None
+        if marks is not None and (not body or whole is not None and whole[-1] is not None):
+            saved, after, totals, grads = two_layers(saved, after, totals, grads, marks, whole)
+            return saved, summed, after, totals, grads
+    return _run(cls, config_json, model_type, layers, batch, *args)[:5]
+
+
+def _alike_layers(config_json: str, split) -> bool:
+    """Whether a copy's second layer runs the first's ops on tensors of the same shapes: not under
+    split_gather (the stack's first layer cuts the sequence, its last gathers it), LoRA (nothing before
+    the first adapter needs a gradient: the first layer differs) or a config whose layers differ by
+    kind (`layer_types`, dense layers among MoE ones, ...)."""
+    from meshboost.plan.lora import FIELD
+
+    if split is not None and split.mode == SPLIT_GATHER:
+        return False
+    config = json.loads(config_json)
+    if config.get(FIELD) or config.get("mlp_only_layers") or (config.get("first_k_dense_replace") or 0) > 0:
+        return False
+    if len(set(config.get("layer_types") or ())) > 1 or len(set(config.get("no_rope_layers") or ())) > 1:
+        return False
+    return all((config.get(name) or 1) <= 1 for name in HETEROGENEOUS_STEPS)
 
 
 @fakecache.fake_run
@@ -254,16 +284,38 @@ def _key(config) -> tuple[str, str]:
     return json.dumps(d, sort_keys=True, default=str), config.model_type
 
 
+_DERIVED: dict = {}         # (id(config), kind, tp, padded vocabulary) -> (config, derived config, its _key)
+
+
+def _derived_config(config, kind: str, tp_size: int, padded_vocab: int | None) -> tuple:
+    """(the per-rank config (`kind` "rank": `tp_rank_config`, None where none exists) or the config with
+    the padded vocabulary ("padded"), its `_key`), made once per config object: a ranking asks for
+    them once per layout, and each is a deep copy and a JSON dump of the config."""
+    memo = (id(config), kind, tp_size, padded_vocab)
+    if memo not in _DERIVED or _DERIVED[memo][0] is not config:     # the config is kept: its id stays its own
+        if kind == "rank":
+            derived = tp_rank_config(config, tp_size, padded_vocab)
+        else:
+            derived = config
+            if padded_vocab is not None:
+                derived = copy.deepcopy(config)
+                derived.vocab_size = padded_vocab
+        if len(_DERIVED) >= 256:
+            _DERIVED.clear()
+        _DERIVED[memo] = (config, derived, None if derived is None else _key(derived))
+    return _DERIVED[memo][1:]
+
+
 def activation_model(cls, config, batch: int, seq: int, precision: str, tp_size: int = 1,
                      padded_vocab: int | None = None, checkpointing: bool = False,
                      split: SequenceSplit | None = None, body: bool = False, ep: int = 1) -> ActivationModel:
     """Per-layer and end bytes saved for backward by one micro-batch of `batch` x `seq` on one tp rank
     (of one cp rank, under context parallelism: `split`); `body`: with a non-last pipeline stage's live
     and peak bytes too; `ep`: the experts over ep ranks, their tokens dispatched (balanced routing)."""
-    rank_config = tp_rank_config(config, tp_size, padded_vocab)
+    rank_config, rank_key = _derived_config(config, "rank", tp_size, padded_vocab)
     if rank_config is not None:
         vocab_tp = tp_size if padded_vocab is not None else 1     # the head's logits stay split over tp
-        per_layer, ends, summed, *live = _measured(cls, *_key(rank_config), batch, seq, precision, checkpointing,
+        per_layer, ends, summed, *live = _measured(cls, *rank_key, batch, seq, precision, checkpointing,
                                                    split, vocab_tp, body, ep)
         return ActivationModel(per_layer, ends, True, summed, *live)
     # No per-rank config: assume the hidden-sized tensors stay whole on every rank (per layer its 2 norm
@@ -273,11 +325,9 @@ def activation_model(cls, config, batch: int, seq: int, precision: str, tp_size:
     context = split if split is not None and split.mode != SPLIT_GATHER else None
     # a vocab-parallel head: the padded vocabulary and the sharder's loss as the last tp rank runs it (its
     # padding masked in a copy of the logits); the logits' bytes divide by tp below
-    vocab_tp = 1
-    if padded_vocab is not None:
-        config, vocab_tp = copy.deepcopy(config), tp_size
-        config.vocab_size = padded_vocab
-    per_layer, ends, _, *live = _measured(cls, *_key(config), batch, seq, precision, checkpointing, context,
+    vocab_tp = 1 if padded_vocab is None else tp_size
+    config, key = _derived_config(config, "padded", tp_size, padded_vocab)
+    per_layer, ends, _, *live = _measured(cls, *key, batch, seq, precision, checkpointing, context,
                                           vocab_tp, body, ep)
     tokens = seq // context.size if context is not None else seq
     hidden = batch * tokens * config.hidden_size * DTYPES[precision].itemsize
@@ -286,7 +336,7 @@ def activation_model(cls, config, batch: int, seq: int, precision: str, tp_size:
     ends_tp = whole_ends + (ends - whole_ends) // tp_size
     summed = 0
     if split is not None and split.mode == SPLIT_GATHER:
-        split_layer, split_ends, summed, *_ = _measured(cls, *_key(config), batch, seq, precision, checkpointing,
+        split_layer, split_ends, summed, *_ = _measured(cls, *key, batch, seq, precision, checkpointing,
                                                         split, vocab_tp)
         per_layer_tp -= per_layer - split_layer
         ends_tp -= ends - split_ends
@@ -294,7 +344,7 @@ def activation_model(cls, config, batch: int, seq: int, precision: str, tp_size:
     # accumulated by each instant add to a peak (a layout keeping them) are gradient bytes: 1/tp of them
     scale = [per_layer_tp / max(per_layer, 1), ends_tp / max(ends, 1)] * 2
     if checkpointing:       # a peak is a layer's recomputation, whose tensors divide as a plain layer's saved ones
-        plain, _, *_ = _measured(cls, *_key(config), batch, seq, precision, False, context, vocab_tp, ep=ep)
+        plain, _, *_ = _measured(cls, *key, batch, seq, precision, False, context, vocab_tp, ep=ep)
         kept = min(4 * hidden, plain)
         scale[2:] = [(kept + (plain - kept) // tp_size) / max(plain, 1)] * 2
     scaled = []

@@ -3,8 +3,9 @@
 Owns `nothing_fits(planner, estimates)`: the layout needing the least device memory, what it needs
 (the bytes `fits` compares with the device, as GiB of --memory-gb), and each single change of it
 (activation checkpointing, a smaller micro-batch, twice the pipeline stages or context-parallel ranks
-in place of data-parallel ones, ZeRO-3, cpu offload) with the planner's own estimate of the changed
-layout, those that fit first; last resort, the --memory-gb that would fit it. Must not estimate
+in place of data-parallel ones, ZeRO-3, cpu offload of the masters and moments, ZeRO-1's from a
+layout without ZeRO) that lowers what it needs, with the planner's own estimate of the changed layout,
+those that fit first; last resort, the --memory-gb that would fit it. Must not estimate
 anything itself: every figure is `Planner.explain`'s.
 """
 
@@ -38,7 +39,7 @@ class Advice:
                f"{self.smallest.memory_bytes_per_rank['instant']}, {planner.device})"]
         for what, e in self.changes:
             out.append(f"  {what:44s} -> {e.layout.describe()}: needs {needed_bytes(planner, e) / GIB:.2f} GiB"
-                       f"{'  fits' if e.fits else ''}")
+                       f" ({(needed_bytes(planner, e) / GIB - need):+.2f}){'  fits' if e.fits else ''}")
         return out
 
     def fix(self, planner) -> str:
@@ -71,19 +72,23 @@ def _changes(planner, layout) -> list[tuple[str, object]]:
                 cp_mode=None if layout.cp == 1 else layout.cp_mode)))
     if layout.zero != 3:
         out.append(("zero=3 (FSDP2)", replace(layout, zero=3, ep=1, cpu_offload=False)))
-    if layout.zero in (1, 2) and not layout.cpu_offload:
-        out.append(("cpu offload of masters and moments", replace(layout, cpu_offload=True)))
+    if not layout.cpu_offload and layout.zero != 3:       # ZeRO-1/2's offload (from zero=0: ZeRO-1's)
+        out.append(("cpu offload of masters and moments" + ("" if layout.zero else " (zero=1)"),
+                    replace(layout, cpu_offload=True, zero=layout.zero or 1)))
     return out
 
 
 def nothing_fits(planner, estimates) -> Advice:
     """Advice for `planner` when none of `estimates` (every valid layout, fitting or not) fits."""
     smallest = min(estimates, key=lambda e: e.memory_bytes_per_rank["peak"])
+    need = needed_bytes(planner, smallest)
     tried = []
     for what, layout in _changes(planner, smallest.layout):
         try:
-            tried.append((what, planner.explain(layout)))
+            changed = planner.explain(layout)
         except (ValueError, NotImplementedError, TypeError):
             continue                        # a change the model or the plugin refuses is no advice
+        if needed_bytes(planner, changed) < need:       # a change that saves nothing is no advice either
+            tried.append((what, changed))
     tried.sort(key=lambda c: (not c[1].fits, c[1].memory_bytes_per_rank["peak"]))
     return Advice(smallest, tried)

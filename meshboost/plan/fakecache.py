@@ -25,10 +25,18 @@ from array import array
 
 WORKERS_ENV = "MESHBOOST_PLAN_WORKERS"
 MAX_ENTRIES = 4096          # runs kept (~16 KB each: a timeline of ~2000 ops); the oldest go first
-_PLACEHOLDER = (0, 0, 0, array("q", [0]), array("q", [0]))    # what a run answers while recording: a result's shape
+# what a run answers while recording: a result's shape (a one-layer run's marks included: live.two_layers)
+_PLACEHOLDER = (0, 0, 0, array("q", [0]), array("q", [0]), (0, 0, (), (), 0, False, False, 0, 0, (), 0, 0, 0, 0, 0, 0))
 
 _recording: dict | None = None      # the runs noted by the recording pass (ordered), None outside it
 _runs: list = []                    # the fake-run function (fake_run's argument): what workers call
+_caches: list[dict] = []            # every cache below: `clear` empties them
+
+
+def clear() -> None:
+    """Forget every fake run and every figure derived from them (a test's fresh start)."""
+    for cache in _caches:
+        cache.clear()
 
 
 def _bounded_store(cache: dict, key, value) -> None:
@@ -55,24 +63,32 @@ def fake_run(fn):
 
     run.cache, run.uncached = cache, fn
     _runs[:] = [run]
+    _caches.append(cache)
     return run
 
 
 def derived(fn):
-    """Cache `fn` (figures computed from fake runs) by its arguments, bypassed while recording (its
-    figures then come from placeholders)."""
+    """Cache `fn` (figures computed from fake runs) by its arguments; while recording, a figure not yet
+    cached is computed from the placeholders and not stored."""
     cache: dict = {}
 
     @functools.wraps(fn)
     def wrapper(*args):
+        if args in cache:               # made from real runs, whether recording or not
+            return cache[args]
         if _recording is not None:
             return fn(*args)
-        if args not in cache:
-            _bounded_store(cache, args, fn(*args))
+        _bounded_store(cache, args, fn(*args))
         return cache[args]
 
     wrapper.cache = cache
+    _caches.append(cache)
     return wrapper
+
+
+def recording() -> bool:
+    """Whether a recording pass is on (the figures computed now come from placeholders)."""
+    return _recording is not None
 
 
 def workers() -> int:
@@ -92,13 +108,17 @@ def needed_runs(planner, layouts) -> list[tuple]:
     is left to the estimate itself."""
     global _recording
     _recording = {}
+    asked: set = set()              # activation models already asked for in this pass
     try:
         for layout in layouts:
             try:
                 planner.check(layout)
                 for pp_rank in range(layout.pp):    # as peak.stage_activations and the planner ask (LoRA: per stage)
                     for body in {False, layout.pp > 1 and (layout.num_model_chunks > 1 or pp_rank < layout.pp - 1)}:
-                        planner._activation_model(layout, body, pp_rank)
+                        key = planner.activation_key(layout, body, pp_rank)
+                        if key not in asked:
+                            asked.add(key)
+                            planner._activation_model(layout, body, pp_rank)
             except Exception:       # noqa: BLE001 - placeholders can fail where real runs do not
                 continue
         return list(_recording)
@@ -114,9 +134,10 @@ def _compute(args: tuple):
         return False, f"{type(exc).__name__}: {exc}"
 
 
-def prefetch(planner, layouts) -> int:
+def prefetch(planner, layouts, progress=None) -> int:
     """Run the fake runs `layouts` will ask for in worker processes and cache their results; returns
-    how many were stored (0 with one worker, or where fork is not available)."""
+    how many were stored (0 with one worker, or where fork is not available). `progress`: told the
+    runs done (`update(runs=(done, of))`) as each comes back."""
     import multiprocessing
 
     count = workers()
@@ -129,10 +150,11 @@ def prefetch(planner, layouts) -> int:
 
     # fork: the workers start with this process's modules imported and its fake-tensor dispatch cache
     with ProcessPoolExecutor(min(count, len(keys)), mp_context=multiprocessing.get_context("fork")) as pool:
-        results = list(pool.map(_compute, keys, chunksize=1))
-    stored = 0
-    for args, (ok, value) in zip(keys, results):
-        if ok:
-            _bounded_store(_runs[0].cache, args, value)
-            stored += 1
+        stored = 0
+        for done, (args, (ok, value)) in enumerate(zip(keys, pool.map(_compute, keys, chunksize=1)), 1):
+            if ok:
+                _bounded_store(_runs[0].cache, args, value)
+                stored += 1
+            if progress is not None:
+                progress.update(runs=(done, len(keys)))
     return stored

@@ -15,7 +15,7 @@ Must not estimate memory or time (memory.py, cost.py).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from itertools import product
 
 from meshboost.distributed.dims import ParallelDims
@@ -58,7 +58,7 @@ class Layout:
         if self.cp > 1 and self.cp_mode is None and not self.sequence_parallel:
             object.__setattr__(self, "cp_mode", CONTEXT_MODES[0])
 
-    @property
+    @cached_property
     def dims(self) -> ParallelDims:
         """The runtime's record of these degrees. Unvalidated: the planner's `check` runs
         `check_mesh_shape`, which names a bad size."""

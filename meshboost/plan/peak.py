@@ -141,13 +141,6 @@ def finish(instants: dict, device: str) -> dict:
             "device": device, "instants": {k: int(v) for k, v in instants.items()}}
 
 
-def default_device() -> str:
-    """The device a plan predicts when none is named: CUDA where torch sees one, else the CPU."""
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def step_shape(layout, shards, dp_rank: int) -> StepShape:
     """The StepShape of a rank holding `shards` (meshboost's ZeRO buckets, FSDP2's shards, or whole)."""
     from meshboost.plan import memory, sharded
@@ -228,7 +221,7 @@ def boundary_bytes(planner, layout) -> int:
 def rank_peak(planner, layout, pp_rank: int, shards, dp_rank: int, mem: dict) -> dict:
     """`stage_peak` of one rank of `planner`'s layout whose state and buffers are `mem` (ZeRO-3:
     fsdp_peak.py's instants)."""
-    act = stage_activations(planner, layout, pp_rank)
+    act = planner.stage_peak_activations(layout, pp_rank)
     if layout.zero == 3:
         adam = adam_temporaries(planner.device, step_shape(layout, shards, dp_rank))
         instants = (fsdp_peak.rank_instants(planner, layout, shards, dp_rank, mem, act.first, adam) if layout.pp == 1

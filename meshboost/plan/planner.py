@@ -1,19 +1,20 @@
 """The planner: one model and one cluster in, the valid layouts with their predicted memory per rank,
 communication per axis and relative step time out.
 
-Owns: `Planner` (the model read once, on meta; per-tp splits and per-pp stage holdings cached),
-`Planner.explain(layout)` (every check the plugin and the sharder would make, then the estimate of
-every rank, reported as the worst rank and per stage), `Planner.rank()` (every enumerated layout that
-passes the checks and fits the memory, fastest first) and `plan(...)`, the one-call Python entry
-(`meshboost.plan(...)`). Memory rules live in memory.py and activations.py, parameter placement in
-params.py, time in cost.py.
+Owns: `Planner` (the model read once, on meta; per-tp splits, per-pp stage holdings, each rank's state
+and each layout's activation model cached), `Planner.explain(layout)` (every check the plugin and the
+sharder would make, then the estimate of every rank, reported as the worst rank and per stage),
+`Planner.rank()` (ranking.py: every enumerated layout that passes the checks and fits the memory,
+fastest first) and `plan(...)`, the one-call Python entry (`meshboost.plan(...)`). Memory rules live in
+memory.py and activations.py, parameter placement in params.py, traffic in traffic.py, time in cost.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
-from meshboost.plan import activations, cost, emulate, fakecache, memory, params, peak, sharded
+from meshboost.plan import activations, cost, emulate, fakecache, memory, params, peak, sharded, traffic
 from meshboost.plan.checks import check_cluster, check_sequence
 from meshboost.plan.layout import SPLIT_GATHER, Layout, enumerate_layouts, plugin_config
 from meshboost.plan.lora import adapted, check_layout, with_options
@@ -21,9 +22,6 @@ from meshboost.plan.model import build_meta_model, load_config, model_class
 
 GIB = 2 ** 30
 MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
-# encoders whose layers end in a LayerNorm after the MLP (checkpointing's recompute reaches it)
-POST_NORM = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "ernie", "distilbert", "mpnet",
-             "data2vec-text")
 TOP_K_FIELDS = ("num_experts_per_tok", "moe_topk", "top_k")
 MEMORY_KEYS = ("weights", "gradients", "optimizer_states", "masters", "activations", "buffers")
 
@@ -61,13 +59,14 @@ class Estimate:
 class Planner:
     """Plans for `model` (an HF folder, a config.json, a model type, or a transformers config) on
     `gpus` devices of `memory_gb` GiB (`gpus_per_node` each node), sequences of `seq` tokens and
-    `global_batch` sequences per step. `device` ("cpu" or "cuda"; default: CUDA where torch sees it):
-    whose kernels' temporaries and allocator the peak model (peak.py) predicts. `lora`: `LoraOptions` or None."""
+    `global_batch` sequences per step. `device` ("cuda", the default: the GPUs planned for, whatever
+    this machine holds; or "cpu"): whose kernels' temporaries and allocator the peak model (peak.py)
+    predicts. `lora`: `LoraOptions` or None."""
 
     def __init__(self, model, overrides: dict | None = None, *, architecture: str | None = None, gpus: int = 8,
                  nodes: int = 1, memory_gb: float = 80.0, seq: int = 2048, global_batch: int = 8,
                  precision: str = "bf16", constants: cost.CostConstants | None = None,
-                 make_vocab_size_divisible_by: int = 64, device: str | None = None, lora=None):
+                 make_vocab_size_divisible_by: int = 64, device: str = "cuda", lora=None):
         check_cluster(gpus, nodes, memory_gb, global_batch)
         self.config = load_config(model, overrides)
         self.cls = model_class(self.config, architecture)
@@ -75,7 +74,9 @@ class Planner:
         check_sequence(self.meta, seq)
         self.gpus, self.nodes, self.gpus_per_node = gpus, nodes, gpus // nodes
         self.memory_bytes, self.seq, self.global_batch, self.precision = memory_gb * GIB, seq, global_batch, precision
-        self.device = device or peak.default_device()      # whose temporaries and allocator the peak is
+        if device not in peak.DEVICES:
+            raise ValueError(f"device {device!r}: the peak model predicts one of {peak.DEVICES}")
+        self.device = device            # whose temporaries and allocator the peak is
         if constants is None:
             from meshboost.plan.calibrate import default_constants
             constants = default_constants()          # a known GPU's, else H100-class defaults
@@ -91,6 +92,11 @@ class Planner:
         self._experts: dict[int, set] = {}
         self._roles: dict[int, emulate.SequenceRoles] = {}
         self._shards: dict[tuple, list] = {}
+        self._activations: dict[tuple, activations.ActivationModel] = {}
+        self._stage_peaks: dict[tuple, peak.StageActivations] = {}
+        self._context_checked: set[tuple] = set()
+        self._rank_states: dict[tuple, dict] = {}
+        self._lora_configs: dict[bool, object] = {}
         from meshboost.shardformer.layers.expert_parallel import experts_modules
         self.expert_paths = {path for path, _ in experts_modules(self.meta)}
         self.top_k = next((getattr(self.config, f) for f in TOP_K_FIELDS
@@ -150,7 +156,9 @@ class Planner:
             check_length(self.seq, layout.tp)
         if layout.cp > 1:                           # context parallelism's checks, with its messages
             from meshboost.shardformer.context_checks import check_context, check_length
-            check_context(self.meta, layout.cp, layout.tp, layout.cp_mode)
+            if (layout.cp, layout.tp, layout.cp_mode) not in self._context_checked:     # the model's: once each
+                check_context(self.meta, layout.cp, layout.tp, layout.cp_mode)
+                self._context_checked.add((layout.cp, layout.tp, layout.cp_mode))
             check_length(self.seq, layout.cp, layout.cp_mode)
         self.experts(layout.ep)                     # expert parallelism's (ep dividing every layer's experts, ...)
         check_layout(self.lora, layout)             # what the planner does not model of LoRA yet
@@ -172,8 +180,9 @@ class Planner:
 
     def rank_comm(self, layout: Layout, pp_rank: int = 0, tp_rank: int = 0) -> dict:
         """{axis: [(op, payload bytes)]} of one rank's step, as `dispatched_comm_counter` counts it."""
-        return self._comm(layout, self.shards(layout, pp_rank, tp_rank), self.layer_counts(layout)[pp_rank],
-                          pp_rank == 0, pp_rank == layout.pp - 1, self._activation_model(layout).summed_per_layer)
+        return traffic.rank_traffic(self, layout, self.shards(layout, pp_rank, tp_rank),
+                                    self.layer_counts(layout)[pp_rank], pp_rank == 0, pp_rank == layout.pp - 1,
+                                    self._activation_model(layout).summed_per_layer)
 
     def _state(self, layout: Layout, shards, dp_rank: int) -> tuple[dict, dict]:
         """(device bytes {weights, gradients, masters, optimizer_states}, host bytes by kind) of one rank."""
@@ -183,13 +192,28 @@ class Planner:
                                    ep_size=layout.ep)
         return sharded.offload_split(state, layout.precision, layout.zero) if layout.cpu_offload else (state, {})
 
+    def rank_memory(self, layout: Layout, pp_rank: int, tp_rank: int, dp_rank: int, activation_bytes: int) -> dict:
+        """One rank's state after backward by kind (MEMORY_KEYS, their `total`, and `host` under cpu
+        offload), its saved activations being `activation_bytes` (the rest computed once per rank)."""
+        key = (layout, pp_rank, tp_rank, dp_rank)
+        if key not in self._rank_states:
+            shards = self.shards(layout, pp_rank, tp_rank)
+            mem, host = self._state(layout, shards, dp_rank)
+            mem["buffers"] = self._buffers(layout, shards, dp_rank)
+            if host:                    # cpu_offload: host memory, outside the device total
+                mem["host"] = sum(host.values())
+            self._rank_states[key] = {k: int(v) for k, v in mem.items()}
+        state = {**self._rank_states[key], "activations": int(activation_bytes)}
+        mem = {k: state[k] for k in MEMORY_KEYS}
+        return {**mem, "total": sum(mem.values()), **({"host": state["host"]} if "host" in state else {})}
+
     def _buffers(self, layout: Layout, shards, dp_rank: int) -> int:
         if layout.zero == 3:     # FSDP2's gathers and reductions, and its shards' padding rows
             return sharded.fsdp_rank_buffers(layout, shards, dp_rank, self.layer_prefixes)
         return memory.buffer_bytes(shards, layout.precision, layout.zero, layout.grad_replicas, layout.pp,
                                    ep_size=layout.ep)
 
-    @property
+    @cached_property
     def layer_prefixes(self) -> list[str]:
         """FSDP2's units under zero=3: meshboost's `transformer_layers` (the rest is the root's)."""
         from meshboost.plugins.fsdp_wrap import transformer_layers
@@ -212,11 +236,17 @@ class Planner:
         return activations.stage_activation_bytes(model, layers, pp_rank == 0, last, in_flight)
 
     # -- the estimate -------------------------------------------------------------------------------
+    def distinct_ranks(self, layout: Layout) -> tuple[list[int], list[int]]:
+        """The tp and dp ranks whose holdings can differ (a stage's worst rank is one of them): every tp
+        rank where some weight is replicated over part of tp (GQA), and the ends of ZeRO's partition."""
+        splits = self.splits(layout.tp)
+        tp_ranks = list(range(layout.tp)) if any(s.replicas > 1 for s in splits.values()) else [0]
+        return tp_ranks, sorted({0, layout.grad_replicas - 1})
+
     def explain(self, layout: Layout) -> Estimate:
         self.check(layout)
-        splits, holdings = self.splits(layout.tp), self.holdings(layout.pp, layout.num_model_chunks)
-        tp_ranks = range(layout.tp) if any(s.replicas > 1 for s in splits.values()) else [0]
-        dp_ranks = sorted({0, layout.grad_replicas - 1})       # the ends of ZeRO's partition over dp x cp
+        holdings = self.holdings(layout.pp, layout.num_model_chunks)
+        tp_ranks, dp_ranks = self.distinct_ranks(layout)
         act_model = self._activation_model(layout)
         layer_counts = self.layer_counts(layout)
         stages, worst = [], None
@@ -227,23 +257,18 @@ class Planner:
             for tp_rank in tp_ranks:
                 shards = self.shards(layout, pp_rank, tp_rank)
                 for dp_rank in dp_ranks:
-                    mem, host = self._state(layout, shards, dp_rank)
-                    mem["activations"] = act
-                    mem["buffers"] = self._buffers(layout, shards, dp_rank)
-                    mem = {k: int(mem[k]) for k in MEMORY_KEYS}
-                    mem["total"] = sum(mem.values())
-                    if host:                    # cpu_offload: host memory, outside the device total
-                        mem["host"] = int(sum(host.values()))
+                    mem = self.rank_memory(layout, pp_rank, tp_rank, dp_rank, act)
                     predicted = peak.rank_peak(self, layout, pp_rank, shards, dp_rank, mem)
                     mem.update({k: predicted[k] for k in ("peak", "reserved", "outside", "instant", "device")})
                     if stage_worst is None or mem["peak"] > stage_worst[0]["peak"]:
                         stage_worst = (mem, shards, tp_rank, dp_rank)
             mem, shards, tp_rank, dp_rank = stage_worst
-            comm = self._comm(layout, shards, layer_counts[pp_rank], first, last, act_model.summed_per_layer)
+            comm = traffic.rank_traffic(self, layout, shards, layer_counts[pp_rank], first, last,
+                                        act_model.summed_per_layer)
             breakdown: dict = {}
             seconds = cost.step_seconds(layout, sum(s.numel for s in shards), layer_counts[pp_rank], self.hidden,
                                         self.seq, comm, self.gpus_per_node, self.constants, ends=first or last,
-                                        zero_buckets=self._zero_buckets(layout, shards), breakdown=breakdown,
+                                        zero_buckets=traffic.zero_buckets(self, layout, shards), breakdown=breakdown,
                                         frozen_numel=sum(s.numel for s in shards.frozen))
             stages.append({"pp_rank": pp_rank, "layers": layer_counts[pp_rank], "worst_tp_rank": tp_rank,
                            "worst_dp_rank": dp_rank, "memory_bytes": mem, "step_seconds": seconds,
@@ -265,12 +290,37 @@ class Planner:
         return Estimate(layout, worst["memory_bytes"], stages, comm, seconds,
                         peak.needed_bytes(worst["memory_bytes"]) <= self.memory_bytes, notes)
 
+    def activation_key(self, layout: Layout, body: bool = False, pp_rank: int = 0) -> tuple:
+        """What `_activation_model` reads of `layout` (the layouts sharing a key share their fake runs)."""
+        split = self._sequence_split(layout)
+        return (layout.microbatch_size, layout.precision, layout.tp, layout.checkpointing,
+                None if split is None else (split.mode, split.size), body, layout.ep,
+                self.lora is not None and pp_rank > 0)
+
+    def stage_peak_activations(self, layout: Layout, pp_rank: int) -> peak.StageActivations:
+        """`peak.stage_activations` of one pipeline rank (the same for each of its tp and dp ranks)."""
+        if (layout, pp_rank) not in self._stage_peaks:
+            self._stage_peaks[layout, pp_rank] = peak.stage_activations(self, layout, pp_rank)
+        return self._stage_peaks[layout, pp_rank]
+
     def _activation_model(self, layout: Layout, body: bool = False, pp_rank: int = 0) -> activations.ActivationModel:
+        key = self.activation_key(layout, body, pp_rank)
+        model = self._activations.get(key)
+        if model is None:
+            model = self._measured_activations(layout, body, pp_rank)
+            if not fakecache.recording():           # a recording pass's figures are placeholders'
+                self._activations[key] = model
+        return model
+
+    def _measured_activations(self, layout: Layout, body: bool, pp_rank: int) -> activations.ActivationModel:
         vocab, padded = getattr(self.config, "vocab_size", None), None
         if isinstance(vocab, int) and layout.tp > 1:
             multiple = self.vocab_multiple * layout.tp
             padded = -(-vocab // multiple) * multiple
-        config = with_options(self.config, self.lora, later_stage=pp_rank > 0)    # LoRA: a stage's input needs grad
+        later = self.lora is not None and pp_rank > 0
+        if later not in self._lora_configs:        # LoRA: a later stage's input needs grad
+            self._lora_configs[later] = with_options(self.config, self.lora, later_stage=later)
+        config = self._lora_configs[later]
         return activations.activation_model(self.cls, config, layout.microbatch_size, self.seq,
                                             layout.precision, layout.tp, padded, layout.checkpointing,
                                             self._sequence_split(layout), body, layout.ep)
@@ -282,51 +332,9 @@ class Planner:
             return activations.SequenceSplit(SPLIT_GATHER, layout.tp, self.sequence_roles(layout.tp))
         return None
 
-    def attention_shape(self, layout: Layout) -> cost.AttentionShape:
-        """Query and key/value heads one tp rank holds (kv replicated when fewer than tp), and head_dim."""
-        text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
-        heads = getattr(text, "num_attention_heads", 1)
-        kv = getattr(text, "num_key_value_heads", None) or heads
-        head_dim = getattr(text, "head_dim", None) or self.hidden // heads
-        return cost.AttentionShape(heads // layout.tp, max(1, kv // layout.tp), head_dim)
-
     @property
     def num_experts(self) -> int:
         return next((getattr(self.config, f) for f in MOE_FIELDS if isinstance(getattr(self.config, f, None), int)), 0)
-
-    def _zero_buckets(self, layout: Layout, shards) -> int:
-        """ZeRO-1/2's buckets (one reduce-scatter and one all-gather each), FSDP2's units (zero=3), 1
-        otherwise."""
-        if layout.zero == 3 and layout.fsdp_sizes[1] > 1:
-            return len(sharded.fsdp_units(shards, self.layer_prefixes))
-        if layout.zero not in (1, 2) or layout.grad_replicas == 1:
-            return 1
-        return max(1, len(memory.zero_buckets(shards, layout.grad_replicas, 0, layout.ep)))
-
-    def _comm(self, layout: Layout, shards, layers_held: int, first: bool, last: bool,
-              summed_per_layer: int = 0) -> dict:
-        dense = [s for s in shards if not s.expert]
-        local = padded = sum(s.numel for s in dense)
-        expert_local = expert_padded = sum(s.numel for s in shards if s.expert)
-        if layout.zero in (1, 2):           # each bucket padded to a multiple of its group (dp, or edp)
-            buckets = memory.zero_buckets(shards, layout.grad_replicas, 0, layout.ep)
-            padded = sum(-(-n // size) * size for n, size, _, expert in buckets if not expert)
-            expert_padded = sum(-(-n // size) * size for n, size, _, expert in buckets if expert)
-        tied = sum(s.numel for s in dense if s.tie is not None)
-        moe = None
-        if self.expert_paths:
-            moe_layers = len({s.name.rsplit(".", 1)[0] for s in shards} & self.expert_paths)
-            moe = cost.MoeTraffic(moe_layers, self.top_k, self.num_experts, expert_local, expert_padded)
-        sequence = None
-        if layout.cp > 1 or layout.sequence_parallel and layout.tp > 1:
-            sequence = cost.SequenceTraffic(self.attention_shape(layout), summed_per_layer)
-        comm = cost.comm_per_step(layout, self.hidden, layers_held, first, last, local, padded, self.seq, tied,
-                                  self.vocab_parallel_loss, self.lm_head, moe, sum(s.tp_grad_sum for s in shards),
-                                  self.config.model_type in POST_NORM, sequence, shards.frozen_inputs)
-        fsdp = sharded.fsdp_step_comm(layout, shards, self.layer_prefixes) if layout.zero == 3 else {}
-        for axis, ops in fsdp.items():                  # FSDP2's, per op (calls: _zero_buckets)
-            comm.setdefault(axis, []).extend(ops)
-        return comm
 
     # -- search -------------------------------------------------------------------------------------
     def candidates(self, zero_stages=(0, 1, 2), checkpointing=(False, True)) -> list[Layout]:
@@ -334,7 +342,7 @@ class Planner:
                                  zero_stages, checkpointing, self.num_experts, context=self.context_parallel_ok,
                                  split_gather=True)
 
-    @property
+    @cached_property
     def context_parallel_ok(self) -> bool:
         """The model is one context parallelism runs (a causal LM on sdpa or eager attention)."""
         from meshboost.shardformer.context_checks import check_context
@@ -345,22 +353,11 @@ class Planner:
         return True
 
     def rank(self, include_unfit: bool = False, **kwargs) -> tuple[list[Estimate], list[tuple[Layout, str]]]:
-        """(estimates of every valid layout, fitting ones first, fastest first; [(layout, why refused)])."""
-        estimates, refused, layouts = [], [], self.candidates(**kwargs)
-        fakecache.prefetch(self, layouts)          # the fake runs they share, in worker processes
-        for layout in layouts:
-            try:
-                estimates.append(self.explain(layout))
-            except (ValueError, NotImplementedError, TypeError) as exc:
-                refused.append((layout, f"{type(exc).__name__}: {exc}"))
-        fitting = [e for e in estimates if e.fits]
-        best = min((e.step_seconds for e in (fitting or estimates)), default=1.0)
-        for e in estimates:
-            e.relative_step_time = e.step_seconds / best
-        ordered = sorted(fitting, key=lambda e: (e.step_seconds, e.memory_bytes_per_rank["total"]))
-        if include_unfit:
-            ordered += sorted((e for e in estimates if not e.fits), key=lambda e: e.memory_bytes_per_rank["peak"])
-        return ordered, refused
+        """(estimates of every valid layout that fits, fastest first, and with `include_unfit` those that
+        do not after them, smallest peak first; [(layout, why refused)]). Keywords: `candidates`'."""
+        from meshboost.plan.ranking import rank
+
+        return rank(self, include_unfit, **kwargs)
 
 
 def plan(model, overrides: dict | None = None, layout: Layout | dict | str | None = None, **kwargs):

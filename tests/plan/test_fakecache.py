@@ -18,8 +18,7 @@ TINY = ("hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_
 
 def _ranking(capsys, monkeypatch, workers: int) -> tuple[str, int]:
     """(the JSON ranking, the fake runs made in this process), every cache emptied first."""
-    activations._run.cache.clear()
-    activations._measured_batch.cache.clear()
+    fakecache.clear()
     monkeypatch.setenv(fakecache.WORKERS_ENV, str(workers))
     runs = []
     saved_bytes = activations._saved_bytes

@@ -459,7 +459,8 @@ def test_lora_accounting_against_peft():
     full = Planner("llama", config, gpus=2, seq=16, global_batch=2, precision="bf16", device="cpu")
     act = 2 * 16 * 64 * 2                  # one [mb, seq, hidden] bf16 activation: the layers' f and g all-reduce it
     # the stage's traffic without a split sequence (no fake run needed: nothing fed the chunk)
-    (op_full, full_bytes), (op, lora_bytes) = (p._comm(split, p.shards(split, 0, 1), 2, True, True)["tp"][0]
+    from meshboost.plan.traffic import rank_traffic
+    (op_full, full_bytes), (op, lora_bytes) = (rank_traffic(p, split, p.shards(split, 0, 1), 2, True, True)["tp"][0]
                                                for p in (full, planner))
     assert op_full == op == "all_reduce" and full_bytes - lora_bytes == act
     with pytest.raises(NotImplementedError, match="zero=3"):

@@ -14,10 +14,11 @@ def planned_plugin(args, model_path: str, world_size: int):
     """--plugin auto: the fastest layout meshboost's planner predicts fits --memory_gb per process, for
     the global batch --batch_size x world size (what pure data parallelism would train); the per-replica
     batch and micro-batches follow the layout. The planner is pure: every rank chooses the same."""
+    from meshboost import get_current_device
     from meshboost.plan import Planner
     planner = Planner(model_path, architecture="BertForSequenceClassification", gpus=world_size,
                       memory_gb=args.memory_gb, seq=args.max_length, global_batch=args.batch_size * world_size,
-                      precision=args.precision)
+                      precision=args.precision, device=get_current_device().type)   # this run's processes
     # this script neither recomputes activations nor accumulates gradients outside a pipeline
     fitting = [e for e in planner.rank(checkpointing=(False,))[0] if e.layout.pp > 1 or e.layout.microbatches == 1]
     if not fitting:

@@ -133,11 +133,13 @@ def build_plugin(args, config, world_size: int):
 def planned_layout(args, config, world_size: int):
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    from meshboost import get_current_device
     from meshboost.plan import Planner
     architecture = (config.architectures or [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]])[0]
     planner = Planner(config, architecture=architecture,
                       gpus=world_size, memory_gb=args.memory_gb, seq=args.seq,
-                      global_batch=args.batch_size * world_size, precision=args.precision)
+                      global_batch=args.batch_size * world_size, precision=args.precision,
+                      device=get_current_device().type)       # the processes planned are this run's
     # this loop accumulates no gradients outside a pipeline; --checkpointing is the user's choice
     fitting = [e for e in planner.rank(checkpointing=(bool(args.checkpointing),))[0]
                if e.layout.pp > 1 or e.layout.microbatches == 1]
