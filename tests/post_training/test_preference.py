@@ -8,6 +8,8 @@ one process from the same weights and pairs:
   cp=2 x dp=2 with ZeRO-1, tp=2 with sequence parallelism x dp=2, and KTO (its KL over the global batch) at
   tp=2 x dp=2 and cp=2 x dp=2: the global loss per step within 2e-5 relative and every logged reward, margin
   and accuracy equal; the second step's loss moves by more than that (SGD: a wrong gradient scale shows);
+- token log-probs in bf16 and fp16 at tp=2: fp32 results, as close to the fp32 truth as one process in the
+  same precision;
 - the reference boosted for inference only: frozen, eval, no gradient, not inside DDP;
 - refusals raised on every rank before any collective, with one rank's batch bad: a missing rejected field,
   an empty response, a split pair (3 chosen, 2 rejected).
@@ -104,6 +106,31 @@ def _check_token_logprobs(rank):
             sums = sequence_logprobs(model, batch)
             torch.testing.assert_close(sums.sums.detach(), want.sum(1), rtol=1e-5, atol=1e-5)
             assert sums.counts.tolist() == (shifted_labels(batch["labels"]) != -100).sum(1).float().tolist()
+
+
+def _check_half_precision_logprobs(rank):
+    """bf16 and fp16 at tp=2 (train and eval): the log-probs come back in fp32 (the vocab-parallel reductions
+    run in fp32), and their error against the fp32 truth is of the size one process has in the same precision
+    (tp only reorders the half-precision sums); a wrong label shard or an unreduced log-sum-exp is off by units."""
+    config = _config()
+    batch = pair_batch(_pairs(5))
+    whole = build_model("LlamaForCausalLM", copy.deepcopy(config))
+    truth = _gather_logprobs(whole, batch).detach()
+    counted = shifted_labels(batch["labels"]) != -100
+    for precision, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        one = _gather_logprobs(copy.deepcopy(whole).to(dtype), batch).detach()
+        one_error = (one - truth)[counted].abs().max().item()
+        booster = Booster(plugin=HybridParallelPlugin(HybridParallelConfig.of(tp_size=2, precision=precision)))
+        model, *_ = booster.boost(build_model("LlamaForCausalLM", copy.deepcopy(config)))
+        assert next(model.unwrap().parameters()).dtype == dtype, precision
+        for mode in ("train", "eval"):
+            getattr(model, mode)()
+            got = token_logprobs(model, batch, entropy=True)
+            assert got.logprobs.dtype == torch.float32 and got.entropy.dtype == torch.float32, (precision, mode)
+            error = (got.logprobs.detach() - truth)[counted].abs().max().item()
+            assert 0 < one_error < 0.1, (precision, one_error)          # the half precision shows, and is small
+            assert error <= 3 * one_error + 1e-3, f"{precision} {mode}: tp=2 off by {error}, one process {one_error}"
+            assert (got.logprobs.detach()[~counted] == 0).all(), (precision, mode)
 
 
 def _step_metrics(objective, model, ref, optimizer, booster, batch) -> dict:
@@ -221,6 +248,7 @@ def _check_refusals(rank):
 def _body(rank, world_size):
     _check_refusals(rank)
     _check_token_logprobs(rank)
+    _check_half_precision_logprobs(rank)
     _check_paired(rank)
     _check_kto(rank)
 
