@@ -1,7 +1,8 @@
 """The preference example end to end, tiny, with torchrun, on pairs built offline from the BBC News corpus:
 DPO at tp=2 (vocab-split log-probs, the frozen reference boosted like the policy) and SimPO at tp=2 with --lora
 write one metrics.jsonl record per step (loss, rewards chosen/rejected, margin, accuracy, log-probs, grad norm)
-equal to a one-process run of the same script (the weights come from LazyInitContext's layout-independent init,
+equal to a one-process run of the same script (and so does a DPO run stopped at step 2 with --save-every 2 and
+continued with --resume) (the weights come from LazyInitContext's layout-independent init,
 so both start from the same model and the same reference); the run ends with its closing line; a prompt longer
 than --seq is refused before anything runs (the script exits 2, the pair named)."""
 
@@ -41,10 +42,10 @@ def _launch(out: Path, nproc: int, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=out.parent)
 
 
-def _run(out: Path, nproc: int, *args: str) -> list[dict]:
+def _run(out: Path, nproc: int, *args: str, ending: str = "done: 3 steps of ") -> list[dict]:
     proc = _launch(out, nproc, *args)
     assert proc.returncode == 0, f"failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    assert "layout: " in proc.stdout and "done: 3 steps of " in proc.stdout, proc.stdout[-2000:]
+    assert "layout: " in proc.stdout and ending in proc.stdout, proc.stdout[-2000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -62,6 +63,11 @@ def test_dpo_and_lora_simpo_at_tp2_match_one_process(tmp_path):
     for what, args in (("dpo", ["--objective", "dpo"]), ("lora simpo", ["--objective", "simpo", "--lora"])):
         want = _run(tmp_path / f"{what}-1", 1, *args)
         _same(_run(tmp_path / f"{what}-tp2", 2, *args, "--tp", "2"), want, f"{what} tp=2")
+        if what == "dpo":     # stopped at step 2 with a checkpoint, then resumed: the same three records
+            out = tmp_path / "dpo-resumed"
+            first = _run(out, 1, *args, "--save-every", "2", "--stop-after", "2", ending="stopped: 2 steps of ")
+            assert [r["step"] for r in first] == [1, 2] and (out / "checkpoints").is_dir(), first
+            _same(_run(out, 1, *args, "--resume"), want, "dpo stopped at 2 and resumed")
 
 
 def test_prompt_past_seq_refused(tmp_path):

@@ -8,7 +8,9 @@ Model flags are the causal-LM example's (examples/language/causal_lm/model_setup
 chat messages), by default pairs built offline from the BBC News corpus (pairs.py says how). The reference is a
 frozen copy of the starting model boosted like the policy (`--ref-model` loads another), or with --lora the policy's
 own base weights (no second copy). Per-step records (loss, rewards, margins, accuracy, log-probs) go to
-<output-dir>/metrics.jsonl and TensorBoard (`--report-to`); the last line says how the run ended.
+<output-dir>/metrics.jsonl and TensorBoard (`--report-to`); `--save-every N` writes training checkpoints (the
+policy, its optimizer, the schedule, the loader's position, the generators; the frozen reference is rebuilt from
+its source) that `--resume` continues exactly; the last line says how the run ended.
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     arg("--warmup-steps", type=int, default=0)
     arg("--max-grad-norm", type=float, default=1.0)
     arg("--max-steps", type=int, default=0, help="stop after this many steps; 0 = one epoch")
+    arg("--save-every", type=int, default=0, help="booster.save_checkpoint every N steps into <output-dir>/checkpoints")
+    arg("--resume", action="store_true", help="continue from <output-dir>/checkpoints (exactly: the same records)")
+    arg("--stop-after", type=int, default=0, help="stop at this step (the schedule still plans --max-steps)")
     arg("--output-dir", default="outputs/preference")
     arg("--seed", type=int, default=42)
     train_log.add_report_arguments(p)
@@ -82,6 +87,11 @@ def check_args(args) -> None:
     for name in ("tp", "pp", "sp", "ep", "dp_replicate", "seq", "batch_size", "microbatch_size"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    for name in ("max_steps", "save_every", "stop_after"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 0 (0: off)")
+    if args.resume and not (Path(args.output_dir) / "checkpoints").is_dir():
+        raise UsageError(f"--resume: no checkpoints under {args.output_dir}/checkpoints (write them with --save-every)")
     if args.pp > 1 and args.batch_size % args.microbatch_size:
         raise UsageError(f"--batch-size {args.batch_size} pairs must be a multiple of --microbatch-size "
                          f"{args.microbatch_size} (every micro-batch holds whole pairs)")
@@ -187,11 +197,22 @@ def main(argv=None) -> int:
         f"{args.precision} | {args.objective}{' (lora, reference: the base)' if args.lora else ''}, {len(rows)} pairs "
         f"of {args.seq} tokens, batch {args.batch_size} pairs x {mesh.dp_size} replicas, {args.max_steps} steps",
         flush=True)
-    logger = train_log.StepLogger(args.output_dir, args.report_to, reporter, device, args.precision, world_size)
+    ckpt_dir, done, saved = str(Path(args.output_dir) / "checkpoints"), 0, None
+    if args.resume:
+        meta = booster.load_checkpoint(ckpt_dir, model, optimizer, schedule, loader)
+        done = meta["step"] if meta else 0
+        log(f"resumed from {ckpt_dir} at step {done}", flush=True)
+    stop = min(args.max_steps, args.stop_after) if args.stop_after else args.max_steps
+    if args.resume and done >= stop:       # every rank read the same committed step: all return here together
+        say(f"finetune.py: --resume: the checkpoint is at step {done}, and this run stops at step {stop} "
+            "(--max-steps / --stop-after); raise them to train on", file=sys.stderr)
+        return 2
+    logger = train_log.StepLogger(args.output_dir, args.report_to, reporter, device, args.precision, world_size,
+                                  resume_step=done if args.resume else None)
     model.train()
-    metrics, done = {}, 0
+    metrics = {}
     for batch in loader:
-        if done >= args.max_steps:
+        if done >= stop:
             break
         batch = {k: v.to(device) for k, v in batch.items()}
         out = step(args, booster, model, optimizer, batch, reference)
@@ -204,10 +225,16 @@ def main(argv=None) -> int:
         tokens = int(sum(batch[f"{s}_attention_mask"].sum() for s in ("chosen", "rejected"))) * mesh.dp_size
         logger.log(done, metrics["loss"], lr, tokens, grad_norm=optimizer.get_grad_norm(),
                    **{k: v for k, v in metrics.items() if k != "loss"})
+        if args.save_every and done % args.save_every == 0:
+            booster.save_checkpoint(ckpt_dir, model, optimizer, schedule, loader, step=done)
+            saved = done
     logger.close()
     accuracy = metrics.get("rewards/accuracies")
-    log(f"done: {done} steps of {args.objective}, last loss {metrics.get('loss', float('nan')):.6f}"
-        + (f", reward accuracy {accuracy:.3f}" if accuracy is not None else ""), flush=True)
+    stopped = done < args.max_steps
+    log(f"{'stopped' if stopped else 'done'}: {done} steps of {args.objective}, last loss "
+        f"{metrics.get('loss', float('nan')):.6f}" + (f", reward accuracy {accuracy:.3f}" if accuracy is not None else "")
+        + (f" | checkpoints: {ckpt_dir} (latest step {saved})" if saved else "")
+        + ("; continue with the same command and --resume" if stopped and saved else ""), flush=True)
     return 0
 
 
