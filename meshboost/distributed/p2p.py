@@ -9,7 +9,8 @@ Sends are asynchronous (their handles are kept until `wait_sends`), receives blo
 valid schedule this cannot deadlock. A boundary may carry several tensors (a decoder stage
 also needs the encoder output). Activations carry a small header (count, dtypes and shapes;
 `ACTIVATION_HEADER_BYTES`, which the planner reads) so micro-batches may change shape from one
-step to the next (dynamic padding, evaluation batches); gradients have the shape of the activation they answer, which the receiver already knows.
+step to the next (dynamic padding, evaluation batches); gradients have the shape of the activation
+they answer, which the receiver already knows.
 Each (receiving virtual stage, direction) pair has its own tag, so interleaved streams sharing a
 link never mix (gloo matches on tags; NCCL keeps per-pair issue order).
 """

@@ -22,7 +22,7 @@ import math
 from meshboost.fsdp.config import FSDPConfig
 from meshboost.plan.memory import ADAM_STATES, BYTES
 
-REDUCE_BYTES = FSDPConfig.reduce_dtype.itemsize   # its default reduce_dtype: gradients reduce-scattered (and kept) in it
+REDUCE_BYTES = FSDPConfig.reduce_dtype.itemsize   # its default reduce_dtype: gradients reduce-scattered, kept in it
 SHARD_BYTES = 4             # the sharded parameters (the masters) stay fp32
 
 
