@@ -5,9 +5,9 @@
     python benchmarks/plan_accuracy.py --ranking  # predicted against measured step-time order
 
 `--ranking` (benchmarks/plan_ranking.py): calibrates the cost constants first
-(`meshboost.plan.calibrate`, the same processes and threads as the measurement), then for one model and world (RANKING_SPEC, RANKING_LAYOUTS: a small
-Llama on 2 processes, tp / pp and its micro-batches / dp / ZeRO / checkpointing / the sequence splits)
-boosts the model with each layout's plugin (all of them at once), runs RANKING_WARMUP rounds and times
+(`meshboost.plan.calibrate`, the same processes and threads as the measurement), then for one model and
+world (RANKING_SPEC, RANKING_LAYOUTS: a small Llama on 2 processes, tp / pp and its micro-batches / dp /
+ZeRO / checkpointing / the sequence splits) boosts the model with each layout's plugin (all of them at once), runs RANKING_WARMUP rounds and times
 RANKING_STEPS more (a round: one step of every layout, so that background load falls on all alike; per
 layout the median of the slowest rank's step); `--repeat N` times (3 by default), each calibrating anew,
 and prints the medians of measured against predicted seconds and their Spearman rank correlation.
@@ -22,7 +22,7 @@ with one the peak alive at once over the schedule (`PeakSaved`: the same hooks, 
 counted until autograd frees it); and the payload bytes per axis that `comm_counter` records over
 that forward+backward and step. The planner predicts the same rank from the config alone (meta
 model). The table prints both and the relative error, the worst over ranks. `measure` and `compare`
-are what tests/plan/test_plan.py calls.
+are what tests/plan/test_plan.py calls; the cases' models, layouts, plugins and steps are plan_cases.py's.
 """
 
 from __future__ import annotations
@@ -31,9 +31,11 @@ import argparse
 import contextlib
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.plan_cases import (boost_layout, case_indices, forward_backward, layout_of, lora_of,  # noqa: E402
+                                   planner_for, quiet, spawn_json, spec_of, write_json)
 
 STATE_KEYS = {"weights": "working_weights", "gradients": "gradients", "masters": "fp32_masters",
               "optimizer_states": "optimizer_states"}
@@ -114,39 +116,6 @@ QUICK = [0, 2, 5, 8, 12, 23]
 ROUTED = ("activations", "comm ep", "comm tp")
 
 
-def spec_of(family: str, batch: int = 12):
-    from benchmarks.models import ModelSpec
-    # vocabulary 1000: not a multiple of 64 x tp, so the vocab-parallel padding is exercised
-    return ModelSpec(family=family, layers=4, hidden=128, heads=4, seq=32, batch=batch, vocab=1000)
-
-
-LORA_FIELDS = {"lora_rank": "rank", "lora_targets": "targets", "lora_dropout": "dropout"}
-
-
-def lora_of(fields: dict):
-    """The planner's `LoraOptions` a case's fields name (lora_rank, ...), or None."""
-    from meshboost.plan.lora import LoraOptions
-    named = {LORA_FIELDS[k]: v for k, v in fields.items() if k in LORA_FIELDS}
-    return LoraOptions(**named) if named else None
-
-
-def layout_of(fields: dict, spec):
-    from meshboost.plan import Layout
-    f = {k: v for k, v in fields.items() if k not in LORA_FIELDS}
-    dp, m = f.get("dp", 1), f.get("microbatches", 1)
-    f.setdefault("microbatch_size", spec.batch // (dp * m))
-    return Layout(**f)
-
-
-def planner_for(spec, layout, lora=None, device="cpu"):
-    """The planner of `spec` for `layout`'s world, predicting `device` (the measured processes': this
-    machine's CPUs unless told)."""
-    from benchmarks.models import build_config
-    from meshboost.plan import Planner
-    return Planner(build_config(spec), architecture=spec.class_name, gpus=layout.world, seq=spec.seq,
-                   global_batch=spec.batch, precision=layout.precision, lora=lora, device=device)
-
-
 class PeakSaved:
     """Peak bytes autograd holds saved for backward while active, `model`'s parameters left out (a
     linear saves its weight: counted as weights): each saved view (counted once per storage, offset,
@@ -209,41 +178,6 @@ def activation_bytes(module, run) -> int:
     return sum(n for key, n in saved.items() if key[0] not in weights)
 
 
-def _criterion(outputs, inputs):
-    return outputs.loss
-
-
-def _step(booster, model, optimizer, batch, pp: int):
-    if pp > 1:
-        booster.execute_pipeline(iter([batch]), model, _criterion, optimizer)
-    else:
-        booster.backward(model(**batch).loss, optimizer)
-
-
-def boost_layout(fields: dict, spec):
-    """(layout, plugin, booster, model, optimizer): a fresh model of `spec` boosted with AdamW by the plugin
-    the planner builds for the layout of `fields` (with LoRA adapters through `booster.enable_lora` when the
-    fields name them, then activation checkpointing when the layout asks: the planner's fake run's order)."""
-    import torch
-
-    from benchmarks.models import build_model
-    from meshboost import Booster
-    from meshboost.plan.layout import plugin_config
-    from meshboost.plugins import HybridParallelPlugin
-
-    layout = layout_of(fields, spec)
-    plugin = HybridParallelPlugin(plugin_config(layout))
-    model = build_model(spec)
-    booster = Booster(plugin=plugin)
-    lora = lora_of(fields)
-    if lora is not None:
-        model = booster.enable_lora(model, lora_config=lora.peft_config())
-    if layout.checkpointing:
-        model.gradient_checkpointing_enable({"use_reentrant": False})
-    model, optimizer, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
-    return layout, plugin, booster, model, optimizer
-
-
 def measure_rank(family: str, fields: dict) -> dict:
     """This rank's measured bytes for one case (call inside a process group of layout.world ranks)."""
     from benchmarks.models import make_batch
@@ -255,7 +189,7 @@ def measure_rank(family: str, fields: dict) -> dict:
     mesh = plugin.mesh
     batch = make_batch(spec, mesh.dp_size, mesh.dp_rank, device=mesh.device)
     for _ in range(5):                     # until Adam has state (an fp16 step may be skipped)
-        _step(booster, model, optimizer, batch, layout.pp)
+        forward_backward(booster, model, optimizer, batch, layout.pp)
         optimizer.step()
         optimizer.zero_grad()
         if len(optimizer.unwrap().state):
@@ -267,7 +201,7 @@ def measure_rank(family: str, fields: dict) -> dict:
     names = {mesh.group("dp", "cp"): "dp"} if mesh.cp_size > 1 else None
     with comm_counter(mesh, names) as counted, witness as dispatched:
         with peak.hooks():
-            _step(booster, model, optimizer, batch, layout.pp)
+            forward_backward(booster, model, optimizer, batch, layout.pp)
         measured = memory_breakdown(model.unwrap(), optimizer)
         optimizer.step()
     out = {key: measured[name] for key, name in STATE_KEYS.items()}
@@ -289,8 +223,6 @@ def measure_rank(family: str, fields: dict) -> dict:
 
 
 def _worker(rank: int, world: int, cases: list, outdir: str) -> None:
-    import json
-
     import torch.distributed as dist
 
     from benchmarks.release_check import free_case
@@ -299,22 +231,16 @@ def _worker(rank: int, world: int, cases: list, outdir: str) -> None:
         results.append((index, measure_rank(family, fields)))
         free_case()                        # the next case holds nothing of this one
         dist.barrier()
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+    write_json(outdir, rank, results)
 
 
 def measure(cases: list[tuple[str, dict]]) -> list[list[dict]]:
     """[per case: [per rank: measured dict]] for cases that share one world size (spawned processes)."""
-    import json
-
-    from meshboost.testing.spawn import spawn
     spec_world = {layout_of(f, spec_of(fam)).world for fam, f in cases}
     if len(spec_world) != 1:
         raise ValueError("measure() takes cases of one world size")
     world = spec_world.pop()
-    with tempfile.TemporaryDirectory() as outdir:
-        spawn(_worker, world, [(i, fam, f) for i, (fam, f) in enumerate(cases)], outdir)
-        per_rank = [json.load(open(os.path.join(outdir, f"rank{r}.json"))) for r in range(world)]
+    per_rank = spawn_json(_worker, world, [(i, fam, f) for i, (fam, f) in enumerate(cases)])
     return [[dict(per_rank[r][i][1]) for r in range(world)] for i in range(len(cases))]
 
 
@@ -381,14 +307,12 @@ def main() -> None:
     parser.add_argument("--runs-json", default=None,
                         help="with --ranking: also write each run's constants and measured seconds to this file")
     args = parser.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    quiet()
     if args.ranking:
         from benchmarks.plan_ranking import ranking
         ranking(args.constants, repeat=args.repeat, runs_json=args.runs_json)
         return
-    chosen = [int(i) for i in args.cases.split(",")] if args.cases else QUICK if args.quick else range(len(CASES))
-    cases = [CASES[i] for i in chosen]
+    cases = [CASES[i] for i in case_indices(args.cases, QUICK if args.quick else range(len(CASES)))]
     by_world: dict[int, list] = {}
     for fam, f in cases:
         by_world.setdefault(layout_of(f, spec_of(fam)).world, []).append((fam, f))

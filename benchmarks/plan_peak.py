@@ -29,16 +29,17 @@ import gc
 import json
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.plan_cases import (boost_layout, case_indices, forward_backward, layout_of, lora_of,  # noqa: E402
+                                   planner_for, quiet, spawn_json, spec_of, write_json)
 
 
 def _peak_worker(rank: int, world: int, spec_fields: dict, fields: dict, outdir: str) -> None:
     import torch
 
     from benchmarks.models import ModelSpec, make_batch
-    from benchmarks.plan_accuracy import _step, boost_layout
     from meshboost.plan.tracker import NO_MEMORY, device_bytes, live_bytes_tracker
 
     spec = ModelSpec(**spec_fields)
@@ -49,7 +50,7 @@ def _peak_worker(rank: int, world: int, spec_fields: dict, fields: dict, outdir:
     mesh = plugin.mesh
     batch = make_batch(spec, mesh.dp_size, mesh.dp_rank, device=mesh.device)
     def train_step() -> None:
-        _step(booster, model, optimizer, batch, layout.pp)
+        forward_backward(booster, model, optimizer, batch, layout.pp)
         optimizer.step()
         optimizer.zero_grad()
 
@@ -95,8 +96,7 @@ def _peak_worker(rank: int, world: int, spec_fields: dict, fields: dict, outdir:
     timed = int(os.environ.get(TIMED_ENV, "0"))
     if timed:                          # after the measured step: the median of `timed` whole steps
         out["seconds"] = _median_seconds(timed, train_step, cuda)
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump(out, f)
+    write_json(outdir, rank, out)
 
 
 def _median_seconds(steps: int, train_step, cuda: bool) -> float:
@@ -160,19 +160,12 @@ def measure_peaks(spec, fields: dict) -> list[dict]:
     processes of its own."""
     from dataclasses import asdict
 
-    from benchmarks.plan_accuracy import layout_of
-    from meshboost.testing.spawn import spawn
-
-    world = layout_of(fields, spec).world
-    with tempfile.TemporaryDirectory() as outdir:
-        spawn(_peak_worker, world, asdict(spec), fields, outdir)
-        return [json.load(open(os.path.join(outdir, f"rank{r}.json"))) for r in range(world)]
+    return spawn_json(_peak_worker, layout_of(fields, spec).world, asdict(spec), fields)
 
 
 def predicted_peak(spec, fields: dict, ranks, device: str = "cpu", planner=None) -> dict:
     """The planner's peak record (peak, reserved, outside, instant, ...) of `device` for the rank at
     (pp, tp, dp) coordinates of a layout of `spec` (`planner`: that layout's, else built here)."""
-    from benchmarks.plan_accuracy import layout_of, lora_of, planner_for
     from meshboost.plan.peak import rank_peak
     from meshboost.plan.planner import MEMORY_KEYS
 
@@ -239,7 +232,6 @@ def cuda_cases(dry: bool, trace_dir: str | None = None, constants_file: str | No
     path. `trace_dir`: each case's allocator events there (`write_allocator_trace`, case<i>.json.gz;
     CUDA only)."""
     from benchmarks.models import ModelSpec
-    from benchmarks.plan_accuracy import layout_of, lora_of, planner_for
     from meshboost.plan import calibrate
 
     constants = calibrate.load(constants_file) if constants_file else None
@@ -275,7 +267,7 @@ def cuda_cases(dry: bool, trace_dir: str | None = None, constants_file: str | No
 
 
 def main() -> None:
-    from benchmarks.plan_accuracy import CASES, layout_of, spec_of
+    from benchmarks.plan_accuracy import CASES
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default=None, help="comma list of plan_accuracy.CASES indices (default: all)")
@@ -286,12 +278,11 @@ def main() -> None:
     parser.add_argument("--constants", default=None, metavar="FILE",
                         help="with --cuda: cost constants (python -m meshboost.plan --calibrate --calibration FILE)")
     args = parser.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    quiet()
     if args.cuda:
         cuda_cases(args.dry_run, args.trace, args.constants)
         return
-    chosen = [int(i) for i in args.cases.split(",")] if args.cases else range(len(CASES))
+    chosen = case_indices(args.cases, range(len(CASES)))
     print("device: cpu (MemTracker: live tensor bytes over one step, each layout in processes of its own)")
     print(f"{'#':>2s} {'model':9s} {'layout':44s} {'measured':>11s} {'predicted':>11s} {'error':>8s}  instant")
     over = under = 0.0

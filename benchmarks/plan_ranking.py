@@ -1,19 +1,19 @@
 """The planner's step-time ranking against measured steps on this machine (issue 28, point 3): run by
 `python benchmarks/plan_accuracy.py --ranking`, whose docstring says how. Owns the ranking's layouts
 (RANKING_LAYOUTS: a small Llama on 2 processes, tp / pp and its micro-batches / dp / ZeRO /
-checkpointing / split_gather / context parallelism's two modes), their interleaved timing, Spearman's rank correlation and the printed table; the
-models, layouts and steps are plan_accuracy's.
+checkpointing / split_gather / context parallelism's two modes), their interleaved timing, Spearman's rank
+correlation and the printed table; the models, layouts, plugins and steps are plan_cases.py's.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.plan_accuracy import _step, boost_layout, layout_of, planner_for  # noqa: E402
+from benchmarks.plan_cases import (boost_layout, forward_backward, layout_of, planner_for, spawn_json,  # noqa: E402
+                                   write_json)
 
 RANKING_LAYOUTS = [
     dict(tp=2, precision="fp32"),
@@ -40,7 +40,6 @@ def ranking_spec():
 def _ranking_worker(rank: int, world: int, layouts: list, outdir: str) -> None:
     """Every layout boosted at once, then timed in rounds (one step of each layout per round), so that
     a change in the machine's background load during the run falls on every layout alike."""
-    import json
     import time
 
     import torch
@@ -58,27 +57,19 @@ def _ranking_worker(rank: int, world: int, layouts: list, outdir: str) -> None:
         for j, (layout, booster, model, optimizer, batch) in enumerate(runs):
             dist.barrier()
             start = time.perf_counter()
-            _step(booster, model, optimizer, batch, layout.pp)
+            forward_backward(booster, model, optimizer, batch, layout.pp)
             optimizer.step()
             optimizer.zero_grad()
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)      # the step ends when the slowest rank's does
             if i >= RANKING_WARMUP:
                 seconds[j].append(float(elapsed))
-    times = [sorted(s)[len(s) // 2] for s in seconds]
-    if rank == 0:
-        with open(os.path.join(outdir, "times.json"), "w") as f:
-            json.dump(times, f)
+    write_json(outdir, rank, [sorted(s)[len(s) // 2] for s in seconds])     # alike on every rank (the MAX)
 
 
 def measure_step_times(layouts: list[dict], world: int = 2) -> list[float]:
     """Median measured seconds per step of each layout (world processes, spawned)."""
-    import json
-
-    from meshboost.testing.spawn import spawn
-    with tempfile.TemporaryDirectory() as outdir:
-        spawn(_ranking_worker, world, layouts, outdir)
-        return json.load(open(os.path.join(outdir, "times.json")))
+    return spawn_json(_ranking_worker, world, layouts)[0]
 
 
 def spearman(a: list[float], b: list[float]) -> float:

@@ -280,6 +280,16 @@ def test_runs_without_torch():
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
 
+def test_plan_imports_nothing_from_testing():
+    """The planner is a tool users run: test support (`meshboost.testing`, a floor below it) stays out of
+    it; what it needs to start processes is the runtime's (`meshboost.distributed.local`)."""
+    modules = _modules()
+    wrong = [f"{path.relative_to(ROOT.parent)}:{line} imports {target}" for module, path in modules.items()
+             if _package(module) == "plan"
+             for target, _, line in _imports(path, modules) if _package(target) == "testing"]
+    assert not wrong, "meshboost.plan importing meshboost.testing:\n" + "\n".join(wrong)
+
+
 if __name__ == "__main__":
     graph = package_graph()
     for pkg in sorted(FLOORS, key=lambda p: (FLOORS[p], p)):
@@ -289,7 +299,8 @@ if __name__ == "__main__":
     for test in (test_every_package_has_a_floor, test_imports_only_go_down, test_module_graph_has_no_cycle,
                  test_modules_are_one_sitting, test_compat_is_the_top_floor_and_nothing_imports_it,
                  test_no_module_puts_a_getattr_on_another, test_compat_serves_only_names_the_core_lacks,
-                 test_gradient_hooks_go_through_param_info, test_functions_are_one_screen):
+                 test_gradient_hooks_go_through_param_info, test_functions_are_one_screen,
+                 test_plan_imports_nothing_from_testing):
         try:
             test()
         except AssertionError as e:

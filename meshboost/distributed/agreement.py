@@ -21,6 +21,10 @@ import torch.distributed as dist
 from meshboost.distributed import comm
 from meshboost.distributed.launch import get_current_device
 
+_DIGEST_NUMEL = 6
+# bytes each rank contributes to an input check's all-gather (the planner's traffic reads it)
+INPUT_DIGEST_BYTES = _DIGEST_NUMEL * torch.float64.itemsize
+
 
 def _stable(value) -> str:
     """A description of `value` that is equal on every rank exactly when the values are equal
@@ -92,7 +96,7 @@ def _input_digest(tensors: list[torch.Tensor], device: torch.device) -> torch.Te
     even where they hold NaN (NaN != NaN as a value), and keeps every sum an exact integer in
     float64 (below 2**53 up to ~2.7e8 16-bit words a call), independent of summation order. No
     host sync: the scalars are written into a device tensor, the sums stay on the device."""
-    digest = torch.zeros(6, dtype=torch.float64, device=device)
+    digest = torch.zeros(_DIGEST_NUMEL, dtype=torch.float64, device=device)
     digest[0] = len(tensors)
     digest[1] = sum(t.numel() for t in tensors)
     digest[2] = sum((zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode()) % 1000003) * (i + 1)

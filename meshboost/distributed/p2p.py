@@ -7,9 +7,10 @@ Must not know about schedules or models.
 
 Sends are asynchronous (their handles are kept until `wait_sends`), receives block: with any
 valid schedule this cannot deadlock. A boundary may carry several tensors (a decoder stage
-also needs the encoder output). Activations carry a small header (count, dtypes and shapes) so
-micro-batches may change shape from one step to the next (dynamic padding, evaluation batches);
-gradients have the shape of the activation they answer, which the receiver already knows.
+also needs the encoder output). Activations carry a small header (count, dtypes and shapes;
+`ACTIVATION_HEADER_BYTES`, which the planner reads) so micro-batches may change shape from one
+step to the next (dynamic padding, evaluation batches); gradients have the shape of the activation
+they answer, which the receiver already knows.
 Each (receiving virtual stage, direction) pair has its own tag, so interleaved streams sharing a
 link never mix (gloo matches on tags; NCCL keeps per-pair issue order).
 """
@@ -25,6 +26,9 @@ from meshboost.distributed.profiling import record_collective
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _MAX_DIMS = 8
 _MAX_TENSORS = 8
+_HEADER_NUMEL = 1 + _MAX_TENSORS * (2 + _MAX_DIMS)      # the count, then (dtype, ndim, shape) per tensor
+# bytes of the int64 header sent before each activation (the planner's p2p traffic reads it)
+ACTIVATION_HEADER_BYTES = _HEADER_NUMEL * torch.int64.itemsize
 
 
 class StageComm:
@@ -57,7 +61,7 @@ class StageComm:
         also the encoder output, and what the layout carries): one header, then each tensor."""
         if not 1 <= len(tensors) <= _MAX_TENSORS:
             raise TypeError(f"pipeline stages pass 1 to {_MAX_TENSORS} tensors between them, got {len(tensors)}")
-        header = torch.zeros(1 + _MAX_TENSORS * (2 + _MAX_DIMS), dtype=torch.int64, device=self.device)
+        header = torch.zeros(_HEADER_NUMEL, dtype=torch.int64, device=self.device)
         header[0] = len(tensors)
         for i, tensor in enumerate(tensors):
             if not torch.is_tensor(tensor) or tensor.dtype not in _DTYPES or tensor.dim() > _MAX_DIMS:
@@ -72,7 +76,7 @@ class StageComm:
             self._send(tensor, to_virtual, tag=2 * to_virtual)
 
     def recv_activation(self, at_virtual: int) -> list[torch.Tensor]:
-        header = self._recv(torch.empty(1 + _MAX_TENSORS * (2 + _MAX_DIMS), dtype=torch.int64, device=self.device),
+        header = self._recv(torch.empty(_HEADER_NUMEL, dtype=torch.int64, device=self.device),
                             at_virtual - 1, tag=2 * at_virtual)
         tensors = []
         for i in range(int(header[0])):

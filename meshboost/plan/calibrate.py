@@ -1,10 +1,10 @@
 """Calibrating the cost model's constants on this machine: `python -m meshboost.plan --calibrate`.
 
-Owns: `calibrate(world, precision)` (a short run, about 20 s on a 2-core CPU: spawns `world` processes with
-`meshboost.testing.spawn` unless a process group is already up, each on the device the environment
-gives, gloo on CPU and NCCL on CUDA as `meshboost.distributed.launch` picks) measuring (with
-timings.py's measurements), on every rank at once (so that ranks sharing a machine share it as they do
-in training):
+Owns: `calibrate(world, precision, launcher)` (a short run, about 20 s on a 2-core CPU: starts `world`
+processes with `launcher`, by default `meshboost.distributed.local.spawn`, unless a process group is
+already up, each on the device the environment gives, gloo on CPU and NCCL on CUDA as
+`meshboost.distributed.launch` picks) measuring (with timings.py's measurements), on every rank at
+once (so that ranks sharing a machine share it as they do in training):
     flops_half / flops_fp32 and layer_overhead_s: transformers' Llama decoder layer (hidden 256 on
         CPU, 2048 on CUDA) forward+backward timed at two token counts, in the precision asked for; a
         line through them gives the achieved flop/s (its flops counted as cost.py counts them) and the
@@ -173,18 +173,20 @@ def _calibrate_worker(rank: int, world: int, precision: str, outdir: str) -> Non
             json.dump(result, f)
 
 
-def calibrate(world: int = 2, precision: str = "bf16") -> CostConstants:
+def calibrate(world: int = 2, precision: str = "bf16", launcher=None) -> CostConstants:
     """Measure this machine's constants: in the running process group when there is one, else in
-    `world` processes spawned with `meshboost.testing.spawn` (on CUDA at most one per device; world 1:
-    no collectives measured, their constants stay the defaults')."""
+    `world` processes started by `launcher(fn, world, *args)` (runs `fn(rank, world, *args)` in each
+    over one process group; default `meshboost.distributed.local.spawn`) (on CUDA at most one per
+    device; world 1: no collectives measured, their constants stay the defaults')."""
     import torch
     import torch.distributed as dist
     if torch.cuda.is_available():
         world = min(world, torch.cuda.device_count())     # NCCL: one process per device
     if dist.is_initialized() or world <= 1:
         return constants_from(measure(precision))
-    from meshboost.testing.spawn import spawn
+    if launcher is None:
+        from meshboost.distributed.local import spawn as launcher
     with tempfile.TemporaryDirectory() as outdir:
-        spawn(_calibrate_worker, world, precision, outdir)
+        launcher(_calibrate_worker, world, precision, outdir)
         with open(os.path.join(outdir, "measured.json")) as f:
             return constants_from(json.load(f))

@@ -5,7 +5,7 @@ Owns: the collectives meshboost issues per optimizer step for a layout, per rank
     tp: per micro-batch, 4 all-reduces of [b, s, hidden] per layer held (Megatron's f and g of the
         attention and MLP blocks), 1 for the vocab-parallel embedding (first stage), 1 for the LM
         head's input gradient and, for a causal LM, the vocab-parallel loss's 3 x 4 x b x s bytes
-        (last stage), the input check's all-gather of 6 int64 per rank per forward call, the
+        (last stage), the input check's all-gather of 6 float64 per rank per forward call, the
         gradients summed over tp (whole q/k norms, replicated key/value head shards) and, for an MoE,
         f on the routing weights (ep = 1) or f and g on the rows received (ep > 1); with
         checkpointing +1 per layer: torch's non-reentrant checkpoint stops recomputing once it has
@@ -45,8 +45,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshboost.distributed.agreement import INPUT_DIGEST_BYTES
+from meshboost.distributed.p2p import ACTIVATION_HEADER_BYTES
 from meshboost.optim.precision import PRECISION_BYTES as BYTES
 from meshboost.plan.layout import axis_inside_node, axis_size
+from meshboost.plugins.config import DDP_BUCKET_CAP_MB
+from meshboost.plugins.input_checks import EMPTY_FLAG_BYTES, PIPELINE_AGREEMENT_BYTES
 
 
 @dataclass(frozen=True)
@@ -105,8 +109,9 @@ def ring_factor(op: str, size: int) -> float:
             "broadcast": 1.0}[op]
 
 
-INPUT_CHECK_BYTES = 48     # check_inputs="always": 6 int64 per rank all-gathered per forward call (tp, pp, cp)
-P2P_HEADER_BYTES = 8 * (1 + 8 * (2 + 8))    # p2p.py's header before each activation send (int64)
+# the runtime's own figures (tests/plan/test_runtime_facts.py measures them on the real sends):
+INPUT_CHECK_BYTES = INPUT_DIGEST_BYTES      # check_inputs="always": per rank all-gathered per forward call (tp, pp, cp)
+P2P_HEADER_BYTES = ACTIVATION_HEADER_BYTES  # p2p.py's header before each activation send
 
 
 @dataclass(frozen=True)
@@ -265,7 +270,7 @@ def comm_per_step(layout, hidden: int, layers_held: int, first: bool, last: bool
     if layout.ep > 1 and layout.pp == 1 and layout.dp > 1:
         # refuse_empty_batch: one int32 per dp rank, all-gathered over dp per forward call (the counter
         # files dp's group under ep when the two hold the same ranks)
-        out["ep" if layout.dp == layout.ep else "dp"].append(("all_gather", m * 4 * layout.dp))
+        out["ep" if layout.dp == layout.ep else "dp"].append(("all_gather", m * EMPTY_FLAG_BYTES * layout.dp))
     if layout.pp > 1:
         # interleaved: every chunk sends on, but the last rank's last chunk (forward) and the first
         # rank's first chunk (backward)
@@ -274,8 +279,8 @@ def comm_per_step(layout, hidden: int, layers_held: int, first: bool, last: bool
         forward = (v - (1 if last else 0)) * m * (boundary + P2P_HEADER_BYTES)
         backward = (v - (1 if first else 0)) * m * boundary
         out["pp"].append(("send", forward + backward))
-        # next_pipeline_batch's agreement over the world: 5 int64 per step (the world group's label)
-        out["pp"].append(("all_reduce", 40))
+        # next_pipeline_batch's agreement over the world: once per step (the world group's label)
+        out["pp"].append(("all_reduce", PIPELINE_AGREEMENT_BYTES))
         out["pp"].append(("broadcast", 4))       # the step's loss (fp32) from the last stage to every stage
         if tied_numel:
             out["pp"].append(("all_reduce", tied_numel * w))
@@ -301,7 +306,7 @@ def _inside(layout, axis: str, gpus_per_node: int) -> bool:
     return axis_inside_node(layout.dims, axis, gpus_per_node)
 
 
-DDP_BUCKET_BYTES = 25 * 2 ** 20     # torch DDP's default bucket_cap_mb
+DDP_BUCKET_BYTES = DDP_BUCKET_CAP_MB * 2 ** 20     # the bucket_cap_mb meshboost passes DDP (torch: MiB)
 
 
 def calls_per_step(layout, axis: str, op: str, nbytes: int, hidden: int, seq: int, zero_buckets: int = 1,

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import math
 
+from meshboost.fsdp.config import FSDPConfig
 from meshboost.plan.memory import ADAM_STATES, BYTES
 
-REDUCE_BYTES = 4            # FSDPConfig.reduce_dtype: gradients reduce-scattered (and kept) in fp32
+REDUCE_BYTES = FSDPConfig.reduce_dtype.itemsize   # its default reduce_dtype: gradients reduce-scattered, kept in it
 SHARD_BYTES = 4             # the sharded parameters (the masters) stay fp32
 
 

@@ -73,12 +73,15 @@ def check_replicate(dp_replicate_size, zero_stage: int, cpu_offload: bool) -> No
                                   "dp_replicate_size=1 (ZeRO-1/2 shard the states over every dp rank)")
 
 
+DDP_BUCKET_CAP_MB = 25      # torch DDP's own default bucket_cap_mb, passed explicitly (the planner reads it)
+
+
 @dataclass
 class DDPConfig:
     """Arguments passed to `torch.nn.parallel.DistributedDataParallel` (see its documentation)."""
 
     broadcast_buffers: bool = False
-    bucket_cap_mb: int = 25
+    bucket_cap_mb: int = DDP_BUCKET_CAP_MB
     find_unused_parameters: bool = False
     check_reduction: bool = False
     gradient_as_bucket_view: bool = False

@@ -25,6 +25,12 @@ from meshboost.distributed.agreement import DeferredRead, gather_input_digests, 
 from meshboost.plugins.config import CHECK_INPUTS
 
 ALWAYS, FIRST, NEVER = CHECK_INPUTS
+_AGREEMENT_NUMEL = 5        # next_pipeline_batch's int64s: has a batch, labelled items, has labels, empty, too long
+# bytes each rank all-reduces over the world at the start of a pipeline step, and each dp rank
+# all-gathers before an expert-parallel forward (the planner's traffic reads them)
+PIPELINE_AGREEMENT_BYTES = _AGREEMENT_NUMEL * torch.int64.itemsize
+_EMPTY_FLAG = torch.int32         # refuse_empty_batch's one flag per dp rank
+EMPTY_FLAG_BYTES = _EMPTY_FLAG.itemsize
 
 FEED_FIX = ("Build the DataLoader with plugin.prepare_dataloader(...) (it samples over data-parallel ranks only), "
             "not a DistributedSampler over the whole world, and draw any per-step randomness (augmentation, "
@@ -203,7 +209,7 @@ def refuse_empty_batch(mesh: ParallelMesh, args: tuple, kwargs: dict) -> None:
     the group, naming the replicas. (Training it exactly would need the model to run 0 rows, which the
     unsharded model cannot do either.)"""
     main = _main_input(args, kwargs)
-    empty = torch.tensor([int(main is not None and main.numel() == 0)], dtype=torch.int32, device=mesh.device)
+    empty = torch.tensor([int(main is not None and main.numel() == 0)], dtype=_EMPTY_FLAG, device=mesh.device)
     flags = comm.all_gather(empty, mesh.dp_group, dim=0).tolist()
     if any(flags):
         replicas = [r for r, f in enumerate(flags) if f]
@@ -234,7 +240,7 @@ def next_pipeline_batch(data_iter, mesh: ParallelMesh, count_items, training: bo
     except StopIteration:
         batch = None
     items = count_items(batch) if batch is not None else None
-    mine = torch.zeros(5, dtype=torch.int64, device=mesh.device)
+    mine = torch.zeros(_AGREEMENT_NUMEL, dtype=torch.int64, device=mesh.device)
     mine[0] = int(batch is not None)
     if items is not None:
         mine[1] = items.to(mine.device)

@@ -8,7 +8,7 @@ from torch.nn.parallel import DistributedDataParallel
 from meshboost.booster import ModelWrapper, OptimizerWrapper, Plugin
 from meshboost.distributed import ParallelMesh, get_current_device
 from meshboost.distributed.agreement import agree_settings
-from meshboost.plugins.config import DDPConfig
+from meshboost.plugins.config import DDP_BUCKET_CAP_MB, DDPConfig
 from meshboost.plugins.ddp_hooks import fp8_refusal, register_counting_allreduce, register_fp8_allreduce
 
 
@@ -25,9 +25,9 @@ class TorchDDPPlugin(Plugin):
     (`meshboost.distributed.fp8`, lossy by design) on CUDA; refused on the CPU (docs/colossalai.md).
     """
 
-    def __init__(self, broadcast_buffers: bool = True, bucket_cap_mb: int = 25, find_unused_parameters: bool = False,
-                 check_reduction: bool = False, gradient_as_bucket_view: bool = False, static_graph: bool = False,
-                 fp8_communication: bool = False):
+    def __init__(self, broadcast_buffers: bool = True, bucket_cap_mb: int = DDP_BUCKET_CAP_MB,
+                 find_unused_parameters: bool = False, check_reduction: bool = False,
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False, fp8_communication: bool = False):
         # Every rank must pass the same arguments; one all-gather of a digest says so (or names the
         # difference) before anything that could differ by rank, so no rank is left hanging.
         agree_settings({k: v for k, v in locals().items() if k != "self"}, "TorchDDPPlugin arguments")

@@ -85,7 +85,7 @@ def test_table_shows_peak_and_reserved(capsys):
                          ids=["world1-fp32", "dp2-zero2-fp32", "pp2-1f1b-bf16", "pp2-interleaved-fp32",
                               "dp3-zero3-bf16", "pp2-dp2-zero3-bf16", "cp2-all_to_all-fp32", "world1-lora-fp32"])
 def test_peak_against_memtracker(fields):
-    from benchmarks.plan_accuracy import spec_of
+    from benchmarks.plan_cases import spec_of
     from benchmarks.plan_peak import compare_peaks, measure_peaks
 
     spec = spec_of("llama")

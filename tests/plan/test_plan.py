@@ -201,9 +201,48 @@ def _planned_plugin_body(rank, world):
     predicted = estimate.memory_bytes_per_rank
     assert held["working_weights"] == predicted["weights"], (held, predicted)
     assert held["optimizer_states"] == predicted["optimizer_states"], (held, predicted)
+    _runtime_facts_body(rank, overrides)
+
+
+def _runtime_facts_body(rank, overrides):
+    """The planner's copies of the runtime's figures are the runtime's, measured on what it sends
+    (torch's dispatcher: `dispatched_comm_counter`): the p2p header before an activation, the input
+    check's all-gather per rank, and the bucket cap of the DDP the planned zero-0 plugin builds."""
+    import torch
+    import torch.distributed as dist
+    import transformers as tfm
+
+    from meshboost import Booster
+    from meshboost.distributed import ParallelDims, ParallelMesh
+    from meshboost.distributed.p2p import StageComm
+    from meshboost.distributed.profiling import dispatched_comm_counter
+    from meshboost.plan import plan
+    from meshboost.plan.cost import DDP_BUCKET_BYTES, INPUT_CHECK_BYTES, P2P_HEADER_BYTES
+    from meshboost.plugins.input_checks import InputCheck
+
+    activation = torch.zeros(3, 5)
+    with dispatched_comm_counter() as sent:
+        stages = StageComm(dist.group.WORLD, torch.device("cpu"))
+        if rank == 0:
+            stages.send_activation([activation], 1)
+            stages.wait_sends()
+        else:
+            assert torch.equal(stages.recv_activation(1)[0], activation)
+    if rank == 0:
+        assert sent.summary()["world"]["bytes_by_op"]["send"] == P2P_HEADER_BYTES + activation.nbytes, sent.summary()
+    check = InputCheck(ParallelMesh(ParallelDims(tp=2)))        # (the mesh agrees its settings: not counted)
+    with dispatched_comm_counter() as gathered:
+        check(torch.ones(2, 4, dtype=torch.long))
+    assert gathered.summary()["world"]["bytes_by_op"] == {"all_gather": 2 * INPUT_CHECK_BYTES}, gathered.summary()
+    estimate = plan("llama", overrides, layout="zero=0,precision=fp32", gpus=2, memory_gb=1, seq=16, global_batch=2)
+    model, *_ = Booster(plugin=estimate.plugin()).boost(tfm.LlamaForCausalLM(tfm.LlamaConfig(**overrides)))
+    ddp = model.module
+    assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel), type(ddp)
+    assert ddp.bucket_bytes_cap == DDP_BUCKET_BYTES, (ddp.bucket_bytes_cap, DDP_BUCKET_BYTES)
 
 
 def test_estimate_builds_the_plugin_it_explains():
+    """...and the planner's p2p header, input-check bytes and DDP bucket are the runtime's (one group)."""
     from meshboost.testing import spawn
 
     spawn(_planned_plugin_body, 2)
