@@ -155,9 +155,17 @@ def kto_loss(policy: SequenceLogprobs, reference: SequenceLogprobs, desirable: t
     kl = total[0] / total[1]
     losses, rewards = L.kto(policy.sums, reference.sums, desirable, kl, **hyper)
     loss = batch.mean(losses, examples_in_batch)
+    return PreferenceOutput(loss, kto_metrics(losses, rewards, desirable, kl, batch))
+
+
+KTO_METRICS = ("loss", "kl", "rewards/desirable", "rewards/undesirable")
+
+
+def kto_metrics(losses: torch.Tensor, rewards: torch.Tensor, desirable: torch.Tensor, kl: torch.Tensor,
+                batch: GlobalBatch) -> dict[str, float]:
+    """KTO's logged global means (KTO_METRICS) from this replica's per-row losses and rewards (one all-reduce)."""
     good = desirable.bool().float()
     sums = batch.totals(losses, rewards * good, good, rewards * (1 - good), 1 - good)
-    metrics = {"loss": (sums[0] / (sums[2] + sums[4])).item(), "kl": max(kl.item(), 0.0),
-               "rewards/desirable": (sums[1] / sums[2].clamp(min=1)).item(),
-               "rewards/undesirable": (sums[3] / sums[4].clamp(min=1)).item()}
-    return PreferenceOutput(loss, metrics)
+    return {"loss": (sums[0] / (sums[2] + sums[4])).item(), "kl": max(kl.item(), 0.0),
+            "rewards/desirable": (sums[1] / sums[2].clamp(min=1)).item(),
+            "rewards/undesirable": (sums[3] / sums[4].clamp(min=1)).item()}

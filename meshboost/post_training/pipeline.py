@@ -3,8 +3,10 @@
 Owns: `PairScorer` (the criterion the last stage calls on each micro-batch's output: it scores the
 micro-batch's label log-probs from its logits, vocab-parallel under tp, and, training, returns that
 micro-batch's part of the global loss), `pipeline_sequence_logprobs` (a forward-only step: the per-sequence
-sums of a whole batch, on the last stage) and `pipeline_preference_step` (the reference's forward-only
-step, then the policy's training step; the metrics on every rank). Must not reach into the schedule: it
+sums of a whole batch, on the last stage), `pipeline_preference_step` (the reference's forward-only
+step, then the policy's training step; the metrics on every rank) and `pipeline_kto_step` (KTO: the
+forward-only passes of its KL rows and the reference, the KL estimate over the last stage's dp group, then
+the policy's training step). Must not reach into the schedule: it
 uses `execute_pipeline` and the schedule's public `num_microbatches` / `microbatch_size` / `comm`.
 
 The numbers, as one process computes them:
@@ -17,6 +19,9 @@ The numbers, as one process computes them:
 - micro-batch m returns M x (its pairs' losses summed) x dp / the global pair count (ORPO: minus its chosen
   log-probs x M x dp / the global chosen tokens), so the schedule's 1/M and the gradient average over dp
   give the gradient of the one-process mean over the whole global batch.
+- KTO's rows are unpaired: any equal split into micro-batches keeps each row whole, and micro-batch m returns
+  M x (its rows' losses summed) x dp / the global row count; its KL estimate (a detached constant of the step)
+  is known on the last stage before the training pass starts.
 Under cp the last stage holds a piece of every sequence (`context.check_criterion`): refused.
 """
 
@@ -26,9 +31,11 @@ import contextlib
 
 import torch
 
+from meshboost.post_training import losses as L
+from meshboost.post_training.batch import agree
 from meshboost.post_training.logprobs import SequenceLogprobs, hf_model, label_logprobs, shifted_labels
-from meshboost.post_training.objectives import (GlobalBatch, PreferenceOutput, metric_names, pair_metrics,
-                                                pair_terms, replica_share)
+from meshboost.post_training.objectives import (KTO_METRICS, GlobalBatch, PreferenceOutput, kto_metrics,
+                                                metric_names, pair_metrics, pair_terms, replica_share)
 from meshboost.shardformer.layers.vocab import VocabParallelLMHead, split_logits
 
 
@@ -128,6 +135,66 @@ def pipeline_preference_step(booster, model, optimizer, batch: dict, objective: 
         values = torch.tensor([metrics[n] for n in names], dtype=torch.float64, device=values.device)
     values = model.pipeline.comm.broadcast_from_last(values).tolist()
     metrics = dict(zip(names, values))
+    return PreferenceOutput(torch.tensor(metrics["loss"]), metrics)
+
+
+def _even_microbatches(model, rows: int, what: str, group) -> int:
+    """The micro-batches of a KTO pass of `rows` rows, refused on every rank of `group` when they do not split
+    evenly (the scorer's micro-batch m must be the schedule's)."""
+    m = pipeline_microbatches(model, rows)
+    schedule = model.pipeline
+    size = schedule.microbatch_size if schedule.num_microbatches is None else rows // m
+    agree(None if rows % m == 0 and rows >= m and m * size == rows else
+          f"KTO under pipeline stages: the {rows} {what} rows of this replica do not split into {m} equal "
+          "micro-batches; give each replica a multiple of the micro-batches' rows", group, model.mesh.device)
+    return m
+
+
+def pipeline_kto_step(booster, model, optimizer, batch: dict, kl_batch: dict, desirable: torch.Tensor,
+                      reference=None, reference_base: bool = False, group=None, examples=None,
+                      **hyper) -> PreferenceOutput:
+    """One KTO training step (forward and backward; the caller steps the optimizer) at pp_size > 1 on this
+    replica's unpaired `batch` (input_ids, attention_mask, labels), its `desirable` flags and `kl_batch` (the
+    mismatched rows of the KL estimate). reference: the frozen reference boosted like the policy, or
+    reference_base (LoRA). examples: the global row count (default: agreed here). Returns the global loss
+    (detached) and the metrics, on every rank."""
+    from meshboost.post_training.reference import adapters_disabled
+
+    refuse_unsupported(model)
+    world = None                                 # the refusals reach every rank: all stages run every pass
+    m, m_kl = (_even_microbatches(model, b["input_ids"].shape[0], what, world)
+               for b, what in ((batch, "training"), (kl_batch, "KL")))
+    last = model.mesh.pp_rank == model.mesh.pp_size - 1
+    with adapters_disabled(model) if reference_base else contextlib.nullcontext():
+        ref_model = model if reference_base else reference
+        ref = pipeline_sequence_logprobs(booster, ref_model, batch, m)
+        kl_ref = pipeline_sequence_logprobs(booster, ref_model, kl_batch, m_kl)
+    kl_policy = pipeline_sequence_logprobs(booster, model, kl_batch, m_kl)
+    dp = GlobalBatch(group)
+    if examples is None:
+        examples = dp.totals(torch.tensor(float(batch["input_ids"].shape[0]), device=model.mesh.device))[0]
+    kl = torch.zeros((), device=model.mesh.device)
+    if last:                                     # the global batch's estimate, over the last stage's dp group
+        ratio = (_cat(kl_policy).sums - _cat(kl_ref).sums).detach()
+        total = dp.totals(ratio, torch.tensor(float(ratio.numel()), device=ratio.device))
+        kl = total[0] / total[1]
+    flags = desirable.bool().chunk(m)
+    kept = []
+
+    def loss_of(i: int, scored: SequenceLogprobs) -> torch.Tensor:
+        losses, rewards = L.kto(scored.sums, ref[i].sums, flags[i].to(scored.sums.device), kl, **hyper)
+        kept.append((losses, rewards))
+        return losses.sum() * dp.size / examples * m
+
+    with split_logits():
+        booster.execute_pipeline(iter([_model_inputs(batch)]), model, PairScorer(model, batch, m, loss_of),
+                                 optimizer, return_loss=True)
+    values = torch.zeros(len(KTO_METRICS), dtype=torch.float64, device=model.mesh.device)
+    if kept:
+        losses, rewards = (torch.cat([k[j] for k in kept]) for j in range(2))
+        metrics = kto_metrics(losses, rewards, desirable.to(losses.device), kl, dp)
+        values = torch.tensor([metrics[n] for n in KTO_METRICS], dtype=torch.float64, device=values.device)
+    metrics = dict(zip(KTO_METRICS, model.pipeline.comm.broadcast_from_last(values).tolist()))
     return PreferenceOutput(torch.tensor(metrics["loss"]), metrics)
 
 

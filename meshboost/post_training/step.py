@@ -14,7 +14,8 @@ from meshboost.plugins.hybrid_parallel import HybridParallelModule
 from meshboost.post_training.batch import pair_batch
 from meshboost.post_training.logprobs import IGNORE_INDEX, sequence_logprobs
 from meshboost.post_training.objectives import NEEDS_REFERENCE, GlobalBatch, PreferenceOutput, dp_group_of, preference_loss
-from meshboost.post_training.pipeline import pipeline_microbatches, pipeline_preference_step, refuse_unsupported
+from meshboost.post_training.pipeline import (pipeline_kto_step, pipeline_microbatches, pipeline_preference_step,
+                                              refuse_unsupported)
 from meshboost.post_training.reference import adapters_disabled, check_reference
 
 BASE = "base"        # reference=BASE: the policy's base weights through peft's disable_adapter() (LoRA)
@@ -72,15 +73,16 @@ def kto_step(booster, model, optimizer, batch: dict, kl_batch: dict, desirable: 
              examples_in_batch=None, **hyper) -> PreferenceOutput:
     """Forward and backward of KTO on this replica's unpaired `batch` (input_ids, attention_mask, labels), its
     `desirable` flags and `kl_batch` (the mismatched prompt/completion rows of its KL estimate). reference: a
-    frozen reference boosted like the policy, or BASE (LoRA). Not under pipeline stages (refused)."""
+    frozen reference boosted like the policy, or BASE (LoRA); through execute_pipeline at pp_size > 1."""
     from meshboost.post_training.objectives import kto_loss
 
-    if isinstance(model, HybridParallelModule) and model.pipeline is not None:
-        raise NotImplementedError("KTO with pp_size > 1 is not supported yet (its KL pass and loss would need the "
-                                  "pipeline's criterion): use pp_size=1, or a paired objective (dpo, ipo, simpo, orpo)")
     if reference is None:
         raise ValueError("KTO needs a reference: boost_reference(booster, model) or BASE (LoRA)")
     check_reference(model, reference)
+    if isinstance(model, HybridParallelModule) and model.pipeline is not None:
+        return pipeline_kto_step(booster, model, optimizer, batch, kl_batch, desirable,
+                                 reference=None if reference == BASE else reference, reference_base=reference == BASE,
+                                 group=dp_group_of(model), examples=examples_in_batch, **hyper)
     with adapters_disabled(model) if reference == BASE else torch.no_grad():
         ref_model = model if reference == BASE else reference
         ref, kl_ref = sequence_logprobs(ref_model, batch), sequence_logprobs(ref_model, kl_batch)

@@ -3,6 +3,8 @@ sizes deliberately do not, so vocab padding is always exercised."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import transformers as tfm
 
@@ -179,6 +181,16 @@ def build_model(class_name: str, config, seed: int = 0) -> torch.nn.Module:
         with torch.no_grad():
             model.query_tokens.normal_(0.0, 1.0)
     return model.float()
+
+
+def sharper_copy(model: torch.nn.Module, factor: float = 4.0) -> torch.nn.Module:
+    """A copy of a causal LM whose output head is `factor` x sharper: a reference whose log-probs differ from the
+    policy's row by row (KTO's KL estimate is then positive and differs between replicas; equal weights give 0,
+    which the estimate's clamp at 0 hides)."""
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        ref.get_output_embeddings().weight.mul_(factor)
+    return ref
 
 
 def vocab_edge_ids(vocab_size: int, tp_size: int, multiple: int = 64) -> list[int]:

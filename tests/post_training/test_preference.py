@@ -28,7 +28,7 @@ from meshboost.post_training import (PreferenceBatchError, boost_reference, dp_g
 from meshboost.shardformer import ShardConfig
 from meshboost.shardformer.layers.vocab import split_logits
 from meshboost.testing import spawn
-from meshboost.testing.models import VOCAB, build_model, tiny_config
+from meshboost.testing.models import VOCAB, build_model, sharper_copy, tiny_config
 
 PAIRS, SEQ, LR, STEPS, RTOL = 4, 8, 2.0, 2, 2e-5
 HYPER = {"dpo": dict(beta=0.5, label_smoothing=0.1), "ipo": dict(beta=0.5), "simpo": dict(beta=2.0, gamma=0.3),
@@ -213,13 +213,14 @@ def _check_kto(rank):
     config = _config()
     steps = [_kto_batches(40 + s) for s in range(STEPS)]
     model = build_model("LlamaForCausalLM", copy.deepcopy(config))
-    ref = copy.deepcopy(model).eval().requires_grad_(False)
+    ref = sharper_copy(model).eval().requires_grad_(False)       # the KL estimate positive, replica by replica
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     want = [_kto_step(model, ref, optimizer, None, *s) for s in steps]
+    assert min(w["kl"] for w in want) > 1e-3, want
     for what in ("tp2 dp2", "cp2 dp2 zero1"):
         booster = Booster(plugin=HybridParallelPlugin(LAYOUTS[what]))
         policy = build_model("LlamaForCausalLM", copy.deepcopy(config))
-        ref = boost_reference(booster, copy.deepcopy(policy))
+        ref = boost_reference(booster, sharper_copy(policy))
         model, optimizer, *_ = booster.boost(policy, torch.optim.SGD(policy.parameters(), lr=LR))
         mesh = model.mesh
         got = [_kto_step(model, ref, optimizer, booster, _replica(b, mesh.dp_rank, mesh.dp_size),

@@ -7,6 +7,8 @@ logits), each against one process from the same weights and pairs over two SGD s
   microbatch_size=2 (4 micro-batches of 1 pair): the global loss per step within 2e-5 relative and every logged
   reward, margin, accuracy and log-prob equal, on every rank (the metrics travel from the last stage); the second
   step's loss moves by more than that (SGD: a wrong gradient scale, e.g. a micro-batch counted twice, shows);
+- KTO (its KL estimate over the global batch from forward-only passes) at pp=2 x dp=2 and pp=2 x tp=2 with
+  microbatch_size=2, the same way; rows that do not split into the schedule's micro-batches refused on every rank;
 - the forward-only log-probs of a micro-batch-laid batch equal the unsharded log_softmax gather, per sequence;
 - pair_batch(microbatches=M) keeps every pair in one micro-batch ([chosen; rejected] per block);
 - refused on every rank before any collective (the ranks still in step after): a prompt longer than the sequence
@@ -23,10 +25,10 @@ import torch
 from meshboost import Booster
 from meshboost.pipeline.config import PipelineConfig
 from meshboost.plugins import HybridParallelConfig, HybridParallelPlugin
-from meshboost.post_training import (PreferenceBatchError, boost_reference, pair_batch, pipeline_sequence_logprobs, preference_loss,
-                                     preference_step, sequence_logprobs)
+from meshboost.post_training import (PreferenceBatchError, boost_reference, kto_loss, kto_step, pair_batch,
+                                     pipeline_sequence_logprobs, preference_loss, preference_step, sequence_logprobs)
 from meshboost.testing import spawn
-from meshboost.testing.models import VOCAB, build_model, tiny_config
+from meshboost.testing.models import VOCAB, build_model, sharper_copy, tiny_config
 
 PAIRS, SEQ, LR, STEPS, RTOL = 4, 8, 2.0, 2, 2e-5
 HYPER = {"dpo": dict(beta=0.5, label_smoothing=0.1), "ipo": dict(beta=0.5), "simpo": dict(beta=2.0, gamma=0.3),
@@ -137,6 +139,61 @@ def _check_paired(rank):
             _compare(_pipelined(objective, config, pairs, plugin_config), want, f"{objective} {what}")
 
 
+def _kto_rows(seed: int) -> tuple[dict, dict, torch.Tensor]:
+    """2 x PAIRS unpaired rows (a pair set's chosen and rejected rows), as many mismatched KL rows, the flags."""
+    def rows(pairs):
+        return {k: torch.cat([pairs[f"chosen_{k}"], pairs[f"rejected_{k}"]]) for k in ("input_ids", "labels",
+                                                                                     "attention_mask")}
+    return rows(_pairs(seed)), rows(_pairs(seed + 50)), torch.arange(2 * PAIRS) % 3 != 0
+
+
+KTO_HYPER = dict(beta=0.5, undesirable_weight=1.5)
+
+
+def _check_kto(rank):
+    """KTO at pp=2 x dp=2 and pp=2 x tp=2 with microbatch_size=2: its KL estimate from forward-only passes over
+    the global batch, then the policy's training pass; two SGD steps against one process."""
+    config = _config()
+    steps = [_kto_rows(60 + s) for s in range(STEPS)]
+    model = build_model("LlamaForCausalLM", copy.deepcopy(config))
+    ref = sharper_copy(model).eval().requires_grad_(False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    want = []
+    for batch, kl_batch, desirable in steps:
+        with torch.no_grad():
+            reference, kl_reference = sequence_logprobs(ref, batch), sequence_logprobs(ref, kl_batch)
+            kl_policy = sequence_logprobs(model, kl_batch)
+        out = kto_loss(sequence_logprobs(model, batch), reference, desirable, kl_policy, kl_reference, **KTO_HYPER)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        want.append(out.metrics)
+    assert min(w["kl"] for w in want) > 1e-3, want        # the estimate is not the clamp's 0
+    for what in ("pp2 dp2", "pp2 tp2 mbs2"):
+        booster = Booster(plugin=HybridParallelPlugin(LAYOUTS[what]))
+        policy = build_model("LlamaForCausalLM", copy.deepcopy(config))
+        reference = boost_reference(booster, sharper_copy(policy))
+        model, optimizer, *_ = booster.boost(policy, torch.optim.SGD(policy.parameters(), lr=LR))
+        model.train()
+        mesh, got = model.mesh, []
+        for batch, kl_batch, desirable in steps:
+            here = [_replica(b, mesh.dp_rank, mesh.dp_size) for b in (batch, kl_batch, {"d": desirable})]
+            got.append(kto_step(booster, model, optimizer, here[0], here[1], here[2]["d"], reference,
+                                **KTO_HYPER).metrics)
+            optimizer.step()
+            optimizer.zero_grad()
+        _compare(got, want, f"kto {what}")
+    # rows that do not split into the schedule's micro-batches: refused on every rank, the ranks in step after
+    booster = Booster(plugin=HybridParallelPlugin(LAYOUTS["pp2 tp2 mbs2"]))
+    policy = build_model("LlamaForCausalLM", copy.deepcopy(config))
+    reference = boost_reference(booster, copy.deepcopy(policy))
+    model, optimizer, *_ = booster.boost(policy, torch.optim.SGD(policy.parameters(), lr=LR))
+    batch, kl_batch, desirable = steps[0]
+    odd = {k: v[:7] for k, v in kl_batch.items()} if rank == 0 else kl_batch
+    with pytest.raises(PreferenceBatchError, match="every rank before any collective"):
+        kto_step(booster, model, optimizer, batch, odd, desirable, reference, **KTO_HYPER)
+
+
 def _check_refusals(rank):
     good = _pairs(5)
     long_prompt = {**good, "chosen_labels": good["chosen_labels"].clone()}
@@ -175,6 +232,7 @@ def _body(rank, world_size):
     _check_layout_of_pairs(rank)
     _check_forward_logprobs(rank)
     _check_paired(rank)
+    _check_kto(rank)
 
 
 def test_post_training_pipeline():

@@ -95,8 +95,6 @@ def check_args(args) -> None:
     if args.pp > 1 and args.batch_size % args.microbatch_size:
         raise UsageError(f"--batch-size {args.batch_size} pairs must be a multiple of --microbatch-size "
                          f"{args.microbatch_size} (every micro-batch holds whole pairs)")
-    if args.pp > 1 and args.objective == "kto":
-        raise UsageError("--objective kto with --pp > 1 is not supported yet: use --pp 1 or a paired objective")
     if args.pp > 1 and args.sp > 1:
         raise UsageError("--pp > 1 with --sp > 1: the preference losses under pipeline x context parallelism are not "
                          "supported (the last stage would hold a piece of every sequence)")
