@@ -8,7 +8,8 @@ device holds at one of the step's instants (peak.py's instants with no activatio
 only grows with them) cannot fit, whatever its activations: its fake runs are not made unless its
 estimate is asked for (`include_unfit`), so a ranking makes the fake runs of the layouts that can fit
 only (docs/planner.md's 7B on 8 GPUs: 180 of 1080 layouts set aside; its 30B MoE on 8 GPUs at sequence
-8192: all 1740, and `smallest` then explains 60 of them for the advice). `Progress` writes one line on
+8192: all 1740, and `smallest` then explains 60 of them for the advice, reading the ranking's checks
+and bounds rather than making them again). `Progress` writes one line on
 stderr once a ranking has taken a few seconds, then one every few more, and a last one.
 Must not estimate anything itself: every figure is `Planner.explain`'s or peak.py's.
 """
