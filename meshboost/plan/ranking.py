@@ -8,7 +8,8 @@ device holds at one of the step's instants (peak.py's instants with no activatio
 only grows with them) cannot fit, whatever its activations: its fake runs are not made unless its
 estimate is asked for (`include_unfit`), so a ranking makes the fake runs of the layouts that can fit
 only (docs/planner.md's 7B on 8 GPUs: 180 of 1080 layouts set aside; its 30B MoE on 8 GPUs at sequence
-8192: all 1740, and `smallest` then explains 60 of them for the advice). `Progress` writes one line on
+8192: all 1740, and `smallest` then explains 60 of them for the advice, reading the ranking's checks
+and bounds rather than making them again). `Progress` writes one line on
 stderr once a ranking has taken a few seconds, then one every few more, and a last one.
 Must not estimate anything itself: every figure is `Planner.explain`'s or peak.py's.
 """
@@ -78,22 +79,28 @@ def state_bound(planner, layout) -> int:
     return bound
 
 
-def _checked(planner, layouts) -> tuple[list, list]:
-    """([(layout, state_bound)] of the layouts `planner` accepts, [(layout, why refused)])."""
-    kept, refused = [], []
-    for layout in layouts:
-        try:
-            planner.check(layout)
-            kept.append((layout, state_bound(planner, layout)))
-        except REFUSALS as exc:
-            refused.append((layout, f"{type(exc).__name__}: {exc}"))
-    return kept, refused
+def _checked(planner, **kwargs) -> tuple[list, list]:
+    """([(layout, state_bound)] of the candidates (`kwargs`: `Planner.candidates`') `planner` accepts,
+    [(layout, why refused)]), made once per planner and keywords: `smallest` after a ranking that
+    found none fitting reads the ranking's (copies: the caller may extend them)."""
+    key = tuple(sorted(kwargs.items()))
+    if key not in planner.checked_candidates:
+        kept, refused = [], []
+        for layout in planner.candidates(**kwargs):
+            try:
+                planner.check(layout)
+                kept.append((layout, state_bound(planner, layout)))
+            except REFUSALS as exc:
+                refused.append((layout, f"{type(exc).__name__}: {exc}"))
+        planner.checked_candidates[key] = (kept, refused)
+    kept, refused = planner.checked_candidates[key]
+    return list(kept), list(refused)
 
 
 def smallest(planner, **kwargs):
     """The estimate of the valid layout needing the least device memory (None: every one is refused),
     found without estimating the layouts whose state alone needs more than one already estimated."""
-    kept, _ = _checked(planner, planner.candidates(**kwargs))
+    kept, _ = _checked(planner, **kwargs)
     ordered = [layout for layout, _ in sorted(kept, key=lambda c: c[1])]
     bounds = dict(kept)
     best = None
@@ -117,7 +124,7 @@ def rank(planner, include_unfit: bool = False, **kwargs) -> tuple[list, list]:
     """`Planner.rank`: (the estimates of the layouts that fit, fastest first, then with `include_unfit`
     every other valid one, smallest peak first; [(layout, why refused)])."""
     progress = Progress()
-    checked, refused = _checked(planner, planner.candidates(**kwargs))
+    checked, refused = _checked(planner, **kwargs)
     todo = [layout for layout, bound in checked if include_unfit or bound <= planner.memory_bytes]
     fakecache.prefetch(planner, todo, progress)          # the fake runs they share, in worker processes
     estimates = []

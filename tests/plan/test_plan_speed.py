@@ -58,7 +58,7 @@ def test_a_ranking_runs_each_shape_once_and_derives_two_layers(monkeypatch):
 def test_layouts_whose_state_cannot_fit_make_no_fake_run(monkeypatch):
     runs = _counted(monkeypatch)
     probe = Planner("qwen3_moe", parse_overrides(MOE), gpus=4, seq=16, global_batch=4, device="cpu")
-    checked, _ = ranking._checked(probe, probe.candidates())
+    checked, _ = ranking._checked(probe)
     bounds = sorted({bound for _, bound in checked})
     memory_gb = (bounds[len(bounds) // 8] + 1) / 2 ** 30          # only the layouts of the smallest states fit
     planner = Planner("qwen3_moe", parse_overrides(MOE), gpus=4, seq=16, global_batch=4, device="cpu",
@@ -70,6 +70,29 @@ def test_layouts_whose_state_cannot_fit_make_no_fake_run(monkeypatch):
     assert len(wanted) < len(every)
     planner.rank()
     assert len(runs) == len(set(runs)) == len(wanted)      # the kept layouts' runs, once each, and no other
+
+
+def test_nothing_fits_checks_each_layout_once(monkeypatch):
+    """The advice's search for the smallest layout reads the ranking's checks (the 30B MoE on 8 GPUs:
+    1740 layouts checked twice before), and finds what a fresh search finds."""
+    fakecache.clear()
+    monkeypatch.setenv(fakecache.WORKERS_ENV, "1")
+    kwargs = dict(gpus=2, seq=16, global_batch=4, device="cpu", memory_gb=1e-6)
+    fresh = ranking.smallest(Planner("llama", parse_overrides(TINY), **kwargs))
+    planner = Planner("llama", parse_overrides(TINY), **kwargs)
+    checks = []
+    check = planner.check
+    monkeypatch.setattr(planner, "check", lambda layout: (checks.append(layout), check(layout))[1])
+    fitting, refused = planner.rank()
+    assert fitting == [] and len(checks) == len(set(checks)) > 20
+    before, explained = len(checks), []
+    explain = planner.explain
+    monkeypatch.setattr(planner, "explain", lambda layout: (explained.append(layout), explain(layout))[1])
+    least = ranking.smallest(planner)
+    assert least.as_dict() == fresh.as_dict()
+    # only the explained layouts are checked again (by explain itself), not every candidate
+    assert explained and checks[before:] == explained
+    assert planner.rank()[1] == refused                     # the cached lists are not extended in place
 
 
 GPT2 = "n_embd=64,n_layer=2,n_head=4,vocab_size=1000,n_positions=64"
