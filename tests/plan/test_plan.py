@@ -260,16 +260,23 @@ def _finite_positive(constants):
             assert math.isfinite(value) and (value > 0 if rate else value >= 0), (f.name, value)
 
 
-def test_calibration_round_trips_and_the_planner_reads_it(tmp_path, capsys):
+def test_calibration_over_two_processes_round_trips_and_the_planner_reads_it(tmp_path, capsys):
+    """One calibration (the CLI's, over 2 gloo processes; the one-process path, no collectives, runs in
+    tests/benchmarks/test_gpu_check.py's dry run) serves the round trip and the planner's reading of it."""
     from meshboost.plan import calibrate
 
-    constants = calibrate.calibrate(world=1, precision="fp32")       # in this process: no collectives
-    _finite_positive(constants)
-    assert constants.source.startswith("calibrated on cpu") and "no collectives" in constants.source
-    assert constants.flops_fp32 < 1e14 and constants.layer_overhead_s < 1.0   # a CPU, not the H100 defaults
     path = tmp_path / "cost.json"
-    calibrate.save(constants, str(path))
-    assert calibrate.load(str(path)) == constants
+    assert main(["--calibrate", "--calibration", str(path), "--precision", "fp32"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    constants = calibrate.load(str(path))
+    assert printed == json.loads(path.read_text())
+    _finite_positive(constants)
+    assert constants.source.startswith("calibrated on cpu") and "2 processes, gloo" in constants.source
+    assert constants.all_reduce_bytes_s != 0 and constants.send_latency_s < 0.1      # the collectives measured
+    assert constants.flops_fp32 < 1e14 and constants.layer_overhead_s < 1.0   # a CPU, not the H100 defaults
+    again = tmp_path / "again.json"
+    calibrate.save(constants, str(again))
+    assert calibrate.load(str(again)) == constants
     code, out, _ = _run(capsys, "--constants", str(path), "--layout", "tp=2,pp=2,zero=1")
     assert code == 0 and "cost constants: calibrated on cpu" in out
     code, out, _ = _run(capsys, "--constants", str(path), "--layout", "tp=2,pp=2,zero=1", "--json")
@@ -282,18 +289,6 @@ def test_calibration_round_trips_and_the_planner_reads_it(tmp_path, capsys):
     (tmp_path / "unknown.json").write_text(json.dumps({"flops": 1.0}))
     with pytest.raises(ValueError, match="unknown cost constants"):
         calibrate.load(str(tmp_path / "unknown.json"))
-
-
-def test_calibrate_cli_over_two_processes(tmp_path, capsys):
-    path = tmp_path / "cost.json"
-    assert main(["--calibrate", "--calibration", str(path), "--precision", "fp32"]) == 0
-    printed = json.loads(capsys.readouterr().out)
-    from meshboost.plan import calibrate
-    constants = calibrate.load(str(path))
-    assert printed == json.loads(path.read_text())
-    _finite_positive(constants)
-    assert "2 processes, gloo" in constants.source            # the collectives were measured
-    assert constants.all_reduce_bytes_s != 0 and constants.send_latency_s < 0.1
 
 
 def test_known_gpu_defaults_say_their_source():
