@@ -225,3 +225,18 @@ def gradients_checked(model, optimizer, want: StepGradients, what: str, dtype: t
         norm, rel = optimizer.get_grad_norm(), 1e-5 if dtype == torch.float32 else 2e-2
         assert norm is not None and abs(norm - want.norm) <= rel * max(want.norm, 1e-6), \
             f"{what}: global gradient norm {norm} vs one process's {want.norm}"
+
+
+def assert_metric_steps_close(got: list[dict], want: list[dict], what: str, rtol: float) -> None:
+    """Per-step metric records (a preference objective's loss, rewards, margins, ...) of a layout against one
+    process's: the same keys, each value within `rtol` relative (of at least 0.05), and the run's loss moved
+    between its first two steps by more than that (a wrong gradient scale shows). A step's accuracy is skipped
+    where its margin is rounding (the policy is still its reference)."""
+    assert abs(want[1]["loss"] - want[0]["loss"]) > 1e-3 * abs(want[0]["loss"]), f"{what}: the step moved nothing"
+    assert len(got) == len(want), (what, len(got), len(want))
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert g.keys() == w.keys(), what
+        for key in w:
+            if key == "rewards/accuracies" and abs(w.get("rewards/margins", 1.0)) < 1e-4:
+                continue
+            assert abs(g[key] - w[key]) <= rtol * max(abs(w[key]), 0.05), f"{what} step {step} {key}: {g[key]} vs {w[key]}"
