@@ -105,17 +105,19 @@ class DDPConfig:
 class HybridParallelConfig:
     """Everything HybridParallelPlugin composes, and its one constructor argument: each field validates
     itself (its own config's `__post_init__`), `__post_init__` here the combinations. Build it with the
-    configs of its parts, e.g. `HybridParallelConfig(tp_size=2, zero=ZeroConfig(stage=1),
-    precision=PrecisionConfig("bf16"), pipeline=PipelineConfig(pp_size=2, num_microbatches=4))`.
+    configs of its parts, e.g. `HybridParallelConfig(tp_size=2, pp_size=2, zero=ZeroConfig(stage=1),
+    precision=PrecisionConfig("bf16"), pipeline=PipelineConfig(num_microbatches=4))`.
 
     The layout is one record, `dims` (`distributed.dims.ParallelDims`: every axis degree and the
     context-parallel mode; dp is the rest of the world), which the mesh is built from and every reader
-    asks. The keywords tp_size, ep_size, cp_size, cp_mode and dp_replicate_size only build it (each
-    overrides `dims`' value when given); pp's degree is `PipelineConfig.pp_size`, which travels with its
-    micro-batch settings and is copied into `dims.pp`."""
+    asks. The keywords tp_size, pp_size, ep_size, cp_size, cp_mode and dp_replicate_size only build it
+    (each overrides `dims`' value when given; `dataclasses.replace` keeps the record); `pipeline` holds
+    the micro-batch and schedule knobs only, checked against `dims.pp` here (`PipelineConfig.check`)."""
 
     # tensor parallelism: every linear of the plan split over tp_size ranks
     tp_size: InitVar[int | None] = None
+    # pipeline parallelism: the model cut into pp_size stages (its micro-batches and schedule: `pipeline`)
+    pp_size: InitVar[int | None] = None
     # expert parallelism: the experts of every MoE layer split over ep_size of the data-parallel ranks
     # (ep divides dp; tensor parallelism, when tp_size > 1, cuts inside each expert: docs/moe.md)
     ep_size: InitVar[int | None] = None
@@ -163,7 +165,7 @@ class HybridParallelConfig:
     # per micro-batch (meshboost/fsdp/pipeline.py)
     reshard_after_forward: bool | None = None
 
-    def __post_init__(self, tp_size, ep_size, cp_size, cp_mode, dp_replicate_size):
+    def __post_init__(self, tp_size, pp_size, ep_size, cp_size, cp_mode, dp_replicate_size):
         self.compile = CompileConfig.of(self.compile)
         self.float8 = Float8Config.of(self.float8)
         if self.check_inputs not in CHECK_INPUTS:
@@ -175,8 +177,9 @@ class HybridParallelConfig:
                            ("zero", ZeroConfig), ("ddp", DDPConfig)):
             if not isinstance(getattr(self, name), kind):
                 raise TypeError(f"HybridParallelConfig({name}={getattr(self, name)!r}): pass a {kind.__name__}")
-        self.dims = self._layout(dict(tp=tp_size, ep=ep_size, cp=cp_size, cp_mode=cp_mode,
+        self.dims = self._layout(dict(tp=tp_size, pp=pp_size, ep=ep_size, cp=cp_size, cp_mode=cp_mode,
                                       dp_replicate=dp_replicate_size))
+        self.pipeline.check(self.dims.pp)       # where the record and the pipeline's knobs meet
         tp = self.dims.tp
         if tp > 1 and not self.sharding.enable_tensor_parallelism:
             raise ValueError(f"tp_size={tp} with enable_tensor_parallelism=False would leave the model whole "
@@ -194,19 +197,15 @@ class HybridParallelConfig:
         self._check_combinations()
 
     def _layout(self, given: dict) -> ParallelDims:
-        """`dims` with the keywords `given` (those not None) over it and pp from the pipeline's config; cp's
-        mode defaulted ("all_to_all") and checked. Pure."""
+        """`dims` with the keywords `given` (those not None) over it; cp's mode defaulted ("all_to_all")
+        and checked. Pure."""
         dims = ParallelDims() if self.dims is None else self.dims
         if not isinstance(dims, ParallelDims):
             raise TypeError(f"HybridParallelConfig(dims={dims!r}): pass a meshboost.distributed.ParallelDims")
-        pp = self.pipeline.pp_size
-        if dims.pp not in (1, pp):
-            raise ValueError(f"dims.pp={dims.pp} but pipeline.pp_size={pp}: the pipeline degree is set once, in "
-                             f"PipelineConfig(pp_size=..., num_microbatches=...); pass dims with pp=1 or pp={pp}")
         given = {axis: n for axis, n in given.items() if n is not None}
         if given.get("cp") == 1 and "cp_mode" not in given:     # cp switched off (dataclasses.replace): no mode
             given["cp_mode"] = None
-        dims = replace(dims, pp=pp, **given)
+        dims = replace(dims, **given)
         if dims.cp > 1:
             dims = replace(dims, cp_mode=check_context_mode(dims.cp_mode or ALL_TO_ALL))
         return dims
@@ -257,10 +256,6 @@ class HybridParallelConfig:
                                       "the loss of a split sequence is normalised by its labelled tokens; use 'tokens'")
 
     @property
-    def pp_size(self) -> int:
-        return self.dims.pp
-
-    @property
     def zero_stage(self) -> int:
         return self.zero.stage
 
@@ -269,6 +264,6 @@ class HybridParallelConfig:
            compile=None, moe_router_bias_update_rate: float = 0.0, dp_replicate_size: int = 1):
         """The config of the plugin's shortcuts (`HybridParallelPlugin(tp_size=2, ep_size=2, zero_stage=1,
         precision="fp16", compile=True)`): every other setting at its default."""
-        return cls(tp_size=tp_size, ep_size=ep_size, pipeline=PipelineConfig(pp_size),
+        return cls(tp_size=tp_size, pp_size=pp_size, ep_size=ep_size,
                    precision=PrecisionConfig(precision), zero=ZeroConfig(stage=zero_stage), compile=compile,
                    moe_router_bias_update_rate=moe_router_bias_update_rate, dp_replicate_size=dp_replicate_size)

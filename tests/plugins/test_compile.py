@@ -109,10 +109,10 @@ def _layouts(rank, world):
     layouts = [
         ("tp=2", _llama(), HybridParallelConfig(tp_size=2, compile=EAGER), 1),
         ("tp=2 sequence parallel", _llama(), HybridParallelConfig(tp_size=2, sharding=sp, compile=EAGER), 1),
-        ("pp=2 1f1b", _llama(), HybridParallelConfig(pipeline=PipelineConfig(2, num_microbatches=2),
+        ("pp=2 1f1b", _llama(), HybridParallelConfig(pp_size=2, pipeline=PipelineConfig(num_microbatches=2),
                                                      compile=EAGER), 1),
         ("pp=2 interleaved", _llama(layers=4), HybridParallelConfig(
-            pipeline=PipelineConfig(2, "interleaved", num_model_chunks=2, num_microbatches=2), compile=EAGER), 1),
+            pp_size=2, pipeline=PipelineConfig("interleaved", num_model_chunks=2, num_microbatches=2), compile=EAGER), 1),
         ("dp=2 ZeRO-1", _llama(), HybridParallelConfig(zero=ZeroConfig(stage=1), compile=EAGER), 1),
         ("dp=2 ZeRO-2", _llama(), HybridParallelConfig(zero=ZeroConfig(stage=2), compile=EAGER), 1),
         ("dp=2 ZeRO-3", _llama(), HybridParallelConfig(zero=ZeroConfig(stage=3), compile=EAGER), 1),

@@ -219,7 +219,7 @@ def _layouts(rank, world, folder):
     _run_layout("tp=2 ZeRO-3 + compile", HybridParallelConfig(tp_size=2, zero=ZeroConfig(stage=3), float8=tensorwise,
                                                               compile=CompileConfig(backend="aot_eager")),
                 pieces=1, save_to=folder + "_tp_zero3_compile")
-    _run_layout("pp=2 1f1b", HybridParallelConfig(pipeline=PipelineConfig(2, num_microbatches=2), float8=tensorwise),
+    _run_layout("pp=2 1f1b", HybridParallelConfig(pp_size=2, pipeline=PipelineConfig(num_microbatches=2), float8=tensorwise),
                 pieces=2)
     sp = ShardConfig(enable_sequence_parallelism=True, sequence_parallelism_mode="split_gather")
     _run_layout("tp=2, rowwise, row scales over the tp group", HybridParallelConfig(tp_size=2, float8=rowwise),

@@ -157,10 +157,9 @@ def _layouts(rank, world, root):
         enable_sequence_parallelism=True)), ref_losses, ref_params, "lora tp2 sp zero2", model=_lora_model(config),
         ref_first=first[0])
     # pipeline stages, then tp x pp; each saves its peft folder
-    for name, cfg in (("pp2", HybridParallelConfig(pipeline=PipelineConfig(pp_size=2, num_microbatches=2),
+    for name, cfg in (("pp2", HybridParallelConfig(pp_size=2, pipeline=PipelineConfig(num_microbatches=2),
                                                    zero=ZeroConfig(stage=1))),
-                      ("tp2pp2", HybridParallelConfig(tp_size=2, pipeline=PipelineConfig(pp_size=2,
-                                                                                         num_microbatches=2)))):
+                      ("tp2pp2", HybridParallelConfig(tp_size=2, pp_size=2, pipeline=PipelineConfig(num_microbatches=2)))):
         booster, model, opt = train_boosted(config, batches, cfg, ref_losses, ref_params, f"lora {name}",
                                             model=_lora_model(config), ref_first=first[0])
         _check_layout(model, opt, name, cfg.dims.tp)

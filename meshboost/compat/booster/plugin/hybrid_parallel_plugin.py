@@ -106,9 +106,10 @@ def colossalai_config(a: dict) -> HybridParallelConfig:
                       bucket_elements(a["zero_bucket_size_in_m"], "zero_bucket_size_in_m"),
                       cpu_offload=a["cpu_offload"], communication_dtype=a["communication_dtype"])
     return HybridParallelConfig(
-        tp_size=a["tp_size"], cp_size=cp_size, cp_mode=cp_mode, sharding=sharding, custom_policy=a["custom_policy"],
-        pipeline=PipelineConfig(a["pp_size"], a["pp_style"], a["num_model_chunks"], a["num_microbatches"],
-                                a["microbatch_size"], a["num_layers_per_stage"]),
+        tp_size=a["tp_size"], pp_size=a["pp_size"], cp_size=cp_size, cp_mode=cp_mode, sharding=sharding,
+        custom_policy=a["custom_policy"],
+        pipeline=PipelineConfig(a["pp_style"], a["num_model_chunks"], a["num_microbatches"], a["microbatch_size"],
+                                a["num_layers_per_stage"]),
         precision=PrecisionConfig(a["precision"], a["max_norm"], 2.0, scaler), zero=zero,
         ddp=DDPConfig(a["broadcast_buffers"], a["ddp_bucket_cap_mb"], a["find_unused_parameters"],
                       a["check_reduction"], a["gradient_as_bucket_view"], a["static_graph"]),
@@ -131,8 +132,9 @@ class HybridParallelPlugin(CorePlugin):
         `sp_size`; docs/sequence_parallel.md), with sp_size None or 1 a group of one rank (nothing split); with
         'split_gather' or 'ring' (run as split_gather: the same numbers) the sequence is split over tp and an
         sp_size is ignored, said once on rank 0 (it follows tp_size, as in ColossalAI).
-    pp_size, num_microbatches / microbatch_size (one required with pp_size > 1), pp_style ("1f1b" |
-        "interleaved"), num_model_chunks, num_layers_per_stage: `meshboost.pipeline.PipelineConfig`.
+    pp_size: the layout record's pipeline degree (`config.dims.pp`); num_microbatches / microbatch_size (one
+        required with pp_size > 1), pp_style ("1f1b" | "interleaved"), num_model_chunks, num_layers_per_stage:
+        `meshboost.pipeline.PipelineConfig`.
     precision ("fp32" | "fp16" | "bf16"), max_norm (global-norm clipping when > 0), initial_scale,
         min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale,
         max_skips_at_min_scale (fp16's dynamic loss scale): `meshboost.optim.PrecisionConfig`.
@@ -203,6 +205,6 @@ class HybridParallelPlugin(CorePlugin):
         self.stage_manager = PipelineStageManager(
             self.pg_mesh, self.pp_axis, enable_interleave=pc.pp_style == "interleaved",
             num_model_chunks=pc.num_model_chunks, num_layers_per_stage=pc.num_layers_per_stage) \
-            if pc.pp_size > 1 else None
+            if self.pp_size > 1 else None
         # ColossalAI's tests read the stage manager through the shard config too (None at pp_size 1)
         self.shard_config = dataclasses.replace(self.shard_config, pipeline_stage_manager=self.stage_manager)
