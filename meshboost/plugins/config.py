@@ -28,6 +28,7 @@ from meshboost.shardformer import PipelineGradientCheckpointConfig, Policy, Shar
 from meshboost.shardformer.compile import CompileConfig
 from meshboost.shardformer.context_checks import ALL_TO_ALL, check_mode as check_context_mode
 from meshboost.shardformer.float8 import Float8Config
+from meshboost.shardformer.sequence import check_mode as check_sequence_mode
 
 # Who averages gradients over the data-parallel group; exactly one of them does, decided by `dp_reducer`.
 NO_REDUCTION = "none"        # dp_size == 1
@@ -110,7 +111,8 @@ class HybridParallelConfig:
 
     The layout is one record, `dims` (`distributed.dims.ParallelDims`: every axis degree and the
     context-parallel mode; dp is the rest of the world), which the mesh is built from and every reader
-    asks. The keywords tp_size, pp_size, ep_size, cp_size, cp_mode and dp_replicate_size only build it
+    asks. The keywords tp_size, pp_size, ep_size, cp_size, cp_mode, dp_replicate_size and sequence_parallel
+    only build it
     (each overrides `dims`' value when given; `dataclasses.replace` keeps the record); `pipeline` holds
     the micro-batch and schedule knobs only, checked against `dims.pp` here (`PipelineConfig.check`)."""
 
@@ -125,6 +127,9 @@ class HybridParallelConfig:
     # "all_to_all" (Ulysses, shardformer/context.py; the default with cp_size > 1) or "ring_attn"
     cp_size: InitVar[int | None] = None
     cp_mode: InitVar[str | None] = None
+    # Megatron sequence parallelism, a mode of the tp axis (ColossalAI's enable_sequence_parallelism with
+    # split_gather): norms, dropouts and residuals hold 1/tp of the sequence (docs/sequence_parallel.md)
+    sequence_parallel: InitVar[bool | None] = None
     # HSDP (zero_stage=3): the data-parallel ranks split into dp_replicate_size replica groups; FSDP2 shards
     # weights, gradients and states inside a group and all-reduces gradients across groups (docs/fsdp.md)
     dp_replicate_size: InitVar[int | None] = None
@@ -165,7 +170,7 @@ class HybridParallelConfig:
     # per micro-batch (meshboost/fsdp/pipeline.py)
     reshard_after_forward: bool | None = None
 
-    def __post_init__(self, tp_size, pp_size, ep_size, cp_size, cp_mode, dp_replicate_size):
+    def __post_init__(self, tp_size, pp_size, ep_size, cp_size, cp_mode, sequence_parallel, dp_replicate_size):
         self.compile = CompileConfig.of(self.compile)
         self.float8 = Float8Config.of(self.float8)
         if self.check_inputs not in CHECK_INPUTS:
@@ -178,8 +183,9 @@ class HybridParallelConfig:
             if not isinstance(getattr(self, name), kind):
                 raise TypeError(f"HybridParallelConfig({name}={getattr(self, name)!r}): pass a {kind.__name__}")
         self.dims = self._layout(dict(tp=tp_size, pp=pp_size, ep=ep_size, cp=cp_size, cp_mode=cp_mode,
-                                      dp_replicate=dp_replicate_size))
+                                      sequence_parallel=sequence_parallel, dp_replicate=dp_replicate_size))
         self.pipeline.check(self.dims.pp)       # where the record and the pipeline's knobs meet
+        self._check_sharding()
         tp = self.dims.tp
         if tp > 1 and not self.sharding.enable_tensor_parallelism:
             raise ValueError(f"tp_size={tp} with enable_tensor_parallelism=False would leave the model whole "
@@ -241,13 +247,30 @@ class HybridParallelConfig:
                                       "zero_stage=0); tensor-parallel, pipeline and ZeRO traffic runs in the working "
                                       "precision. Drop the argument, or use that layout")
 
+    def _check_sharding(self) -> None:
+        """The sharding config carries knobs only: its sequence-parallel switch is the record's
+        (`dims.sequence_parallel`, which the plugin's ShardConfig reads through the mesh), so one set there
+        is refused with the fix; the knobs that pair with the mode are checked against the record."""
+        sharding, sequence = self.sharding, self.dims.sequence_parallel
+        given = sharding.enable_sequence_parallelism
+        if given is not None:
+            if given or sequence:
+                raise ValueError(f"HybridParallelConfig(sharding=ShardConfig(enable_sequence_parallelism={given})): "
+                                 "Megatron sequence parallelism is a mode of the layout record's tp axis, set once: "
+                                 "pass HybridParallelConfig(sequence_parallel=True, ...) (or dims=ParallelDims(..., "
+                                 "sequence_parallel=True)) and leave ShardConfig's switch unset")
+            self.sharding = sharding = replace(sharding, enable_sequence_parallelism=None)
+        if sharding.enable_sequence_overlap and not sequence:
+            raise ValueError("enable_sequence_overlap=True needs enable_sequence_parallelism=True (meshboost's "
+                             "HybridParallelConfig(sequence_parallel=True)): it overlaps sequence parallelism's "
+                             "collectives; without it, column-parallel input gradients are all-reduced overlapped anyway")
+        if sequence:
+            check_sequence_mode(sharding.sequence_parallelism_mode)
+
     def _check_context(self, stage: int) -> None:
         cp = self.dims.cp
         if cp == 1:
             return
-        if self.sharding.enable_sequence_parallelism:
-            raise ValueError(f"cp_size={cp} with enable_sequence_parallelism=True (split_gather over the tp "
-                             "group): the all_to_all mode splits the sequence over its own ranks; turn one off")
         if self.router_statistics == GLOBAL or self.fp8_communication:
             raise NotImplementedError(f"cp_size={cp} with router_statistics='global' or fp8_communication "
                                       "is not supported; drop them")

@@ -282,7 +282,7 @@ class HybridParallelPlugin(Plugin):
         if stages is not None:
             boosted.pipeline = self._build_schedule(stages, boosted.context, sharding)
         install_router_bias(hf, optimizer, self.config.moe_router_bias_update_rate, self.mesh,    # router_bias.py
-                            seq_parallel=self.shard_config.enable_sequence_parallelism and self.mesh.tp_size > 1)
+                            seq_parallel=self.mesh.dims.sequence_parallel and self.mesh.tp_size > 1)
         return boosted, optimizer, criterion, dataloader, lr_scheduler
 
     def _wrap_model(self, module: nn.Module, hf: nn.Module, attention, stages) -> HybridParallelModule:

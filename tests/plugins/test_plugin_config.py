@@ -39,9 +39,8 @@ CHANGES = {
     "make_vocab_size_divisible_by": (128, {}, "sharding.make_vocab_size_divisible_by"),
     "custom_policy": (Policy(name="custom", plan={"*.q": "colwise"}), {}, "custom_policy"),
     "enable_tensor_parallelism": (False, {}, "sharding.enable_tensor_parallelism"),
-    # (ShardConfig then fills in the default mode, "split_gather")
-    "enable_sequence_parallelism": (True, {}, ("sharding.enable_sequence_parallelism",
-                                               "sharding.sequence_parallelism_mode")),
+    # the layout record's tp mode (the plugin's ShardConfig reads it through the mesh, its mode "split_gather")
+    "enable_sequence_parallelism": (True, {}, "dims.sequence_parallel"),
     "max_norm": (1.0, {}, "precision.max_norm"),
     "num_microbatches": (4, {"pp_size": 2, "num_microbatches": 2}, "pipeline.num_microbatches"),
     "microbatch_size": (1, {"pp_size": 2, "microbatch_size": 2}, "pipeline.microbatch_size"),

@@ -222,9 +222,8 @@ def test_context_parallel_refusals():
         HybridParallelConfig(cp_size=2, cp_mode="ulysses")
     with pytest.raises(ValueError, match="cp_mode='all_to_all' with cp_size=1 splits nothing"):
         HybridParallelConfig(cp_mode="all_to_all")
-    from meshboost.shardformer import ShardConfig
     with pytest.raises(ValueError, match="enable_sequence_parallelism=True \\(split_gather"):
-        HybridParallelConfig(cp_size=2, sharding=ShardConfig(enable_sequence_parallelism=True))
+        HybridParallelConfig(cp_size=2, sequence_parallel=True)
     from meshboost.booster.plugin.hybrid_parallel_plugin import _context
     with pytest.raises(ValueError, match="splits the sequence over the tensor-parallel ranks"):
         _context(dict(sp_size=2, sequence_parallelism_mode="split_gather", enable_sequence_parallelism=True, tp_size=1))
