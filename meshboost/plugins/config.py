@@ -109,12 +109,12 @@ class HybridParallelConfig:
     configs of its parts, e.g. `HybridParallelConfig(tp_size=2, pp_size=2, zero=ZeroConfig(stage=1),
     precision=PrecisionConfig("bf16"), pipeline=PipelineConfig(num_microbatches=4))`.
 
-    The layout is one record, `dims` (`distributed.dims.ParallelDims`: every axis degree and the
-    context-parallel mode; dp is the rest of the world), which the mesh is built from and every reader
-    asks. The keywords tp_size, pp_size, ep_size, cp_size, cp_mode, dp_replicate_size and sequence_parallel
-    only build it
-    (each overrides `dims`' value when given; `dataclasses.replace` keeps the record); `pipeline` holds
-    the micro-batch and schedule knobs only, checked against `dims.pp` here (`PipelineConfig.check`)."""
+    The layout is one record, `dims` (`distributed.dims.ParallelDims`: every axis degree, the
+    context-parallel mode and the tp mode, Megatron sequence parallelism; dp is the rest of the world),
+    which the mesh is built from and every reader asks. The keywords tp_size, pp_size, ep_size, cp_size,
+    cp_mode, sequence_parallel and dp_replicate_size only build it (each overrides `dims`' value when
+    given; `dataclasses.replace` keeps the record); `pipeline` holds the micro-batch and schedule knobs
+    only, checked against `dims.pp` here (`PipelineConfig.check`), and `sharding` the sharder's knobs."""
 
     # tensor parallelism: every linear of the plan split over tp_size ranks
     tp_size: InitVar[int | None] = None

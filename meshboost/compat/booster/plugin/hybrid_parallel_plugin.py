@@ -34,12 +34,13 @@ CONTEXT_MODES = ("all_to_all", "ring_attn")     # ColossalAI's modes over a sequ
 
 def _context(a: dict) -> tuple[int, str | None, bool, str | None]:
     """ColossalAI's sequence-parallel keywords as (cp_size, cp_mode, sequence_parallel: the record's tp mode,
-    the ShardConfig's sequence_parallelism_mode), as ColossalAI reads them. The modes with an sp group of their own (all_to_all, ring_attn) become the context axis
-    (meshboost's cp); with sp_size None or 1 that group holds one rank and splits nothing, so they run as
-    no sequence parallelism at all (ColossalAI's numbers). split_gather and ColossalAI's "ring"
-    (split_gather's layout with ring exchanges, the same numbers: ShardConfig runs it as split_gather) split
-    the sequence over the tp group: an sp_size given with them is ignored (ColossalAI logs that it follows
-    tp_size), and they need tp_size > 1 when an sp_size asks for a split (ColossalAI refuses tp_size 1)."""
+    the ShardConfig's sequence_parallelism_mode), as ColossalAI reads them. The modes with an sp group of
+    their own (all_to_all, ring_attn) become the context axis (meshboost's cp); with sp_size None or 1 that
+    group holds one rank and splits nothing, so they run as no sequence parallelism at all (ColossalAI's
+    numbers). split_gather and ColossalAI's "ring" (split_gather's layout with ring exchanges, the same
+    numbers: ShardConfig runs it as split_gather) split the sequence over the tp group, the record's tp mode:
+    an sp_size given with them is ignored (ColossalAI logs that it follows tp_size), and they need
+    tp_size > 1 when an sp_size asks for a split (ColossalAI refuses tp_size 1)."""
     sp_size, mode, enabled = a["sp_size"], a["sequence_parallelism_mode"], a["enable_sequence_parallelism"]
     if enabled and mode in CONTEXT_MODES:
         if sp_size in (None, 1):
