@@ -1,6 +1,6 @@
 """Context parallelism (`HybridParallelConfig(cp_size=cp, cp_mode=...)`, meshboost/shardformer/context.py)
 against one process and against Megatron-style sequence parallelism over tp ("split_gather",
-`HybridParallelConfig(tp_size=tp, sharding=ShardConfig(enable_sequence_parallelism=True))`): activation
+`HybridParallelConfig(tp_size=tp, sequence_parallel=True)`): activation
 bytes saved for backward per rank, the longest sequence that fits a memory budget, and the cp group's
 bytes per layer against each mode's formula. A small Llama causal LM built from a `LlamaConfig` (hidden
 128, 4 layers, 8 heads, 4 kv heads, head_dim 16, vocab 512, SDPA), fp32, trained through the Booster
@@ -96,13 +96,11 @@ def layouts(args) -> list[dict]:
 
 def plugin_config(layout: dict):
     from meshboost.plugins import HybridParallelConfig
-    from meshboost.shardformer import ShardConfig
     # check_inputs="never": the cp group's traffic is the model's only
     if layout["mode"] is None:
         return HybridParallelConfig(check_inputs="never")
     if layout["mode"] == SPLIT_GATHER:
-        return HybridParallelConfig(tp_size=layout["size"], sharding=ShardConfig(enable_sequence_parallelism=True),
-                                    check_inputs="never")
+        return HybridParallelConfig(tp_size=layout["size"], sequence_parallel=True, check_inputs="never")
     return HybridParallelConfig(cp_size=layout["size"], cp_mode=layout["mode"], check_inputs="never")
 
 

@@ -114,7 +114,8 @@ def check_mesh_shape(world_size: int, tp_size: int, pp_size: int, dp_size: int |
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The parallel layout's one record: the size of every named axis and the context-parallel mode. The
+    """The parallel layout's one record: the size of every named axis, the context-parallel mode and the
+    tensor-parallel axis' mode (Megatron sequence parallelism, `sequence_parallel`). The
     one answer to "how large is tp" and "which ranks form a dp group" (the plugin's config holds one, the
     mesh is built from one, the planner lays out its candidates as one). Pure: each instance checks its
     degrees when built; `dp=None` means "the rest of the world" until `resolved(world_size)` (the mesh)
@@ -128,6 +129,10 @@ class ParallelDims:
     dp_replicate: int = 1   # HSDP: dp = dp_replicate x dp_shard; ZeRO-3 shards inside a replica group
     # how the cp ranks attend (shardformer/context_checks.py names and checks the modes; None at cp == 1)
     cp_mode: str | None = None
+    # Megatron sequence parallelism, a mode of the tp axis (ColossalAI's enable_sequence_parallelism with
+    # "split_gather"): norms, dropouts and residuals hold 1/tp of the sequence (shardformer/sequence.py); the
+    # sharder, the plugin and the planner read it here. At tp == 1 it splits nothing (the sharder says so)
+    sequence_parallel: bool = False
 
     # kind of parameter -> the axes its gradient is averaged over (its data-parallel replicas)
     GRAD_AXES = {DENSE: ("dp",), EXPERT: ("edp",)}
@@ -145,18 +150,27 @@ class ParallelDims:
         if self.cp == 1 and self.cp_mode is not None:
             raise ValueError(f"cp_mode={self.cp_mode!r} with cp_size=1 splits nothing; pass cp_size > 1 (the ranks "
                              "the sequence is split over), or no mode")
+        if not isinstance(self.sequence_parallel, bool):
+            raise TypeError(f"sequence_parallel={self.sequence_parallel!r}: pass True (Megatron sequence parallelism "
+                            "over the tp ranks) or False")
+        if self.sequence_parallel and self.cp > 1:
+            raise ValueError(f"cp_size={self.cp} with sequence_parallel=True (ColossalAI's "
+                             "enable_sequence_parallelism=True (split_gather over the tp group)): the context modes "
+                             "split the sequence over ranks of their own; turn one off")
 
     @classmethod
     def of_world(cls, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None,
-                 ep: int = 1, cp: int = 1, dp_replicate: int = 1, cp_mode: str | None = None) -> "ParallelDims":
+                 ep: int = 1, cp: int = 1, dp_replicate: int = 1, cp_mode: str | None = None,
+                 sequence_parallel: bool = False) -> "ParallelDims":
         return cls(dp=check_mesh_shape(world_size, tp, pp, dp, ep, cp, dp_replicate), pp=pp, tp=tp, ep=ep, cp=cp,
-                   dp_replicate=dp_replicate, cp_mode=cp_mode)
+                   dp_replicate=dp_replicate, cp_mode=cp_mode, sequence_parallel=sequence_parallel)
 
     def resolved(self, world_size: int) -> "ParallelDims":
         """These dims over a world of `world_size` ranks, dp computed (or checked when given): the
         factorisation's one validation (`check_mesh_shape`)."""
         return self.of_world(world_size, tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep, cp=self.cp,
-                             dp_replicate=self.dp_replicate, cp_mode=self.cp_mode)
+                             dp_replicate=self.dp_replicate, cp_mode=self.cp_mode,
+                             sequence_parallel=self.sequence_parallel)
 
     def _dp(self) -> int:
         if self.dp is None:

@@ -201,21 +201,21 @@ def plugin_config(layout: Layout):
     from meshboost.optim import PrecisionConfig, ZeroConfig
     from meshboost.pipeline import PipelineConfig
     from meshboost.plugins.config import HybridParallelConfig
-    from meshboost.shardformer import ShardConfig
 
     if layout.pp > 1:
-        pipeline = PipelineConfig(pp_size=layout.pp, num_microbatches=layout.microbatches,
+        pipeline = PipelineConfig(num_microbatches=layout.microbatches,
                                   pp_style="interleaved" if layout.num_model_chunks > 1 else "1f1b",
                                   num_model_chunks=layout.num_model_chunks)
     else:
         pipeline = PipelineConfig()
     # checkpointing: HF's gradient_checkpointing_enable() on every layer (the plugin's default without a
     # PipelineGradientCheckpointConfig); nothing in the config
-    # split_gather: ShardConfig's switch (the plugin's check of the mode with cp_size > 1 names the clash)
-    sharding = ShardConfig(enable_sequence_parallelism=layout.sequence_parallel)
-    return HybridParallelConfig(tp_size=layout.tp, ep_size=layout.ep, cp_size=layout.cp,
-                                dp_replicate_size=layout.dp_replicate, cp_mode=layout.cp_mode, sharding=sharding,
-                                pipeline=pipeline, precision=PrecisionConfig(layout.precision),
+    # split_gather: the record's tp mode, the field the planner's layout names (the record's check of the mode
+    # with cp_size > 1 names the clash)
+    return HybridParallelConfig(tp_size=layout.tp, pp_size=layout.pp, ep_size=layout.ep, cp_size=layout.cp,
+                                dp_replicate_size=layout.dp_replicate, cp_mode=layout.cp_mode,
+                                sequence_parallel=layout.sequence_parallel, pipeline=pipeline,
+                                precision=PrecisionConfig(layout.precision),
                                 zero=ZeroConfig(stage=layout.zero, cpu_offload=layout.cpu_offload))
 
 

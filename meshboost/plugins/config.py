@@ -28,6 +28,7 @@ from meshboost.shardformer import PipelineGradientCheckpointConfig, Policy, Shar
 from meshboost.shardformer.compile import CompileConfig
 from meshboost.shardformer.context_checks import ALL_TO_ALL, check_mode as check_context_mode
 from meshboost.shardformer.float8 import Float8Config
+from meshboost.shardformer.sequence import check_mode as check_sequence_mode
 
 # Who averages gradients over the data-parallel group; exactly one of them does, decided by `dp_reducer`.
 NO_REDUCTION = "none"        # dp_size == 1
@@ -105,17 +106,20 @@ class DDPConfig:
 class HybridParallelConfig:
     """Everything HybridParallelPlugin composes, and its one constructor argument: each field validates
     itself (its own config's `__post_init__`), `__post_init__` here the combinations. Build it with the
-    configs of its parts, e.g. `HybridParallelConfig(tp_size=2, zero=ZeroConfig(stage=1),
-    precision=PrecisionConfig("bf16"), pipeline=PipelineConfig(pp_size=2, num_microbatches=4))`.
+    configs of its parts, e.g. `HybridParallelConfig(tp_size=2, pp_size=2, zero=ZeroConfig(stage=1),
+    precision=PrecisionConfig("bf16"), pipeline=PipelineConfig(num_microbatches=4))`.
 
-    The layout is one record, `dims` (`distributed.dims.ParallelDims`: every axis degree and the
-    context-parallel mode; dp is the rest of the world), which the mesh is built from and every reader
-    asks. The keywords tp_size, ep_size, cp_size, cp_mode and dp_replicate_size only build it (each
-    overrides `dims`' value when given); pp's degree is `PipelineConfig.pp_size`, which travels with its
-    micro-batch settings and is copied into `dims.pp`."""
+    The layout is one record, `dims` (`distributed.dims.ParallelDims`: every axis degree, the
+    context-parallel mode and the tp mode, Megatron sequence parallelism; dp is the rest of the world),
+    which the mesh is built from and every reader asks. The keywords tp_size, pp_size, ep_size, cp_size,
+    cp_mode, sequence_parallel and dp_replicate_size only build it (each overrides `dims`' value when
+    given; `dataclasses.replace` keeps the record); `pipeline` holds the micro-batch and schedule knobs
+    only, checked against `dims.pp` here (`PipelineConfig.check`), and `sharding` the sharder's knobs."""
 
     # tensor parallelism: every linear of the plan split over tp_size ranks
     tp_size: InitVar[int | None] = None
+    # pipeline parallelism: the model cut into pp_size stages (its micro-batches and schedule: `pipeline`)
+    pp_size: InitVar[int | None] = None
     # expert parallelism: the experts of every MoE layer split over ep_size of the data-parallel ranks
     # (ep divides dp; tensor parallelism, when tp_size > 1, cuts inside each expert: docs/moe.md)
     ep_size: InitVar[int | None] = None
@@ -123,6 +127,9 @@ class HybridParallelConfig:
     # "all_to_all" (Ulysses, shardformer/context.py; the default with cp_size > 1) or "ring_attn"
     cp_size: InitVar[int | None] = None
     cp_mode: InitVar[str | None] = None
+    # Megatron sequence parallelism, a mode of the tp axis (ColossalAI's enable_sequence_parallelism with
+    # split_gather): norms, dropouts and residuals hold 1/tp of the sequence (docs/sequence_parallel.md)
+    sequence_parallel: InitVar[bool | None] = None
     # HSDP (zero_stage=3): the data-parallel ranks split into dp_replicate_size replica groups; FSDP2 shards
     # weights, gradients and states inside a group and all-reduces gradients across groups (docs/fsdp.md)
     dp_replicate_size: InitVar[int | None] = None
@@ -163,7 +170,7 @@ class HybridParallelConfig:
     # per micro-batch (meshboost/fsdp/pipeline.py)
     reshard_after_forward: bool | None = None
 
-    def __post_init__(self, tp_size, ep_size, cp_size, cp_mode, dp_replicate_size):
+    def __post_init__(self, tp_size, pp_size, ep_size, cp_size, cp_mode, sequence_parallel, dp_replicate_size):
         self.compile = CompileConfig.of(self.compile)
         self.float8 = Float8Config.of(self.float8)
         if self.check_inputs not in CHECK_INPUTS:
@@ -175,8 +182,10 @@ class HybridParallelConfig:
                            ("zero", ZeroConfig), ("ddp", DDPConfig)):
             if not isinstance(getattr(self, name), kind):
                 raise TypeError(f"HybridParallelConfig({name}={getattr(self, name)!r}): pass a {kind.__name__}")
-        self.dims = self._layout(dict(tp=tp_size, ep=ep_size, cp=cp_size, cp_mode=cp_mode,
-                                      dp_replicate=dp_replicate_size))
+        self.dims = self._layout(dict(tp=tp_size, pp=pp_size, ep=ep_size, cp=cp_size, cp_mode=cp_mode,
+                                      sequence_parallel=sequence_parallel, dp_replicate=dp_replicate_size))
+        self.pipeline.check(self.dims.pp)       # where the record and the pipeline's knobs meet
+        self._check_sharding()
         tp = self.dims.tp
         if tp > 1 and not self.sharding.enable_tensor_parallelism:
             raise ValueError(f"tp_size={tp} with enable_tensor_parallelism=False would leave the model whole "
@@ -194,19 +203,15 @@ class HybridParallelConfig:
         self._check_combinations()
 
     def _layout(self, given: dict) -> ParallelDims:
-        """`dims` with the keywords `given` (those not None) over it and pp from the pipeline's config; cp's
-        mode defaulted ("all_to_all") and checked. Pure."""
+        """`dims` with the keywords `given` (those not None) over it; cp's mode defaulted ("all_to_all")
+        and checked. Pure."""
         dims = ParallelDims() if self.dims is None else self.dims
         if not isinstance(dims, ParallelDims):
             raise TypeError(f"HybridParallelConfig(dims={dims!r}): pass a meshboost.distributed.ParallelDims")
-        pp = self.pipeline.pp_size
-        if dims.pp not in (1, pp):
-            raise ValueError(f"dims.pp={dims.pp} but pipeline.pp_size={pp}: the pipeline degree is set once, in "
-                             f"PipelineConfig(pp_size=..., num_microbatches=...); pass dims with pp=1 or pp={pp}")
         given = {axis: n for axis, n in given.items() if n is not None}
         if given.get("cp") == 1 and "cp_mode" not in given:     # cp switched off (dataclasses.replace): no mode
             given["cp_mode"] = None
-        dims = replace(dims, pp=pp, **given)
+        dims = replace(dims, **given)
         if dims.cp > 1:
             dims = replace(dims, cp_mode=check_context_mode(dims.cp_mode or ALL_TO_ALL))
         return dims
@@ -242,23 +247,36 @@ class HybridParallelConfig:
                                       "zero_stage=0); tensor-parallel, pipeline and ZeRO traffic runs in the working "
                                       "precision. Drop the argument, or use that layout")
 
+    def _check_sharding(self) -> None:
+        """The sharding config carries knobs only: its sequence-parallel switch is the record's
+        (`dims.sequence_parallel`, which the plugin's ShardConfig reads through the mesh), so one set there
+        is refused with the fix; the knobs that pair with the mode are checked against the record."""
+        sharding, sequence = self.sharding, self.dims.sequence_parallel
+        given = sharding.enable_sequence_parallelism
+        if given is not None:
+            if given or sequence:
+                raise ValueError(f"HybridParallelConfig(sharding=ShardConfig(enable_sequence_parallelism={given})): "
+                                 "Megatron sequence parallelism is a mode of the layout record's tp axis, set once: "
+                                 "pass HybridParallelConfig(sequence_parallel=True, ...) (or dims=ParallelDims(..., "
+                                 "sequence_parallel=True)) and leave ShardConfig's switch unset")
+            self.sharding = sharding = replace(sharding, enable_sequence_parallelism=None)
+        if sharding.enable_sequence_overlap and not sequence:
+            raise ValueError("enable_sequence_overlap=True needs enable_sequence_parallelism=True (meshboost's "
+                             "HybridParallelConfig(sequence_parallel=True)): it overlaps sequence parallelism's "
+                             "collectives; without it, column-parallel input gradients are all-reduced overlapped anyway")
+        if sequence:
+            check_sequence_mode(sharding.sequence_parallelism_mode)
+
     def _check_context(self, stage: int) -> None:
         cp = self.dims.cp
         if cp == 1:
             return
-        if self.sharding.enable_sequence_parallelism:
-            raise ValueError(f"cp_size={cp} with enable_sequence_parallelism=True (split_gather over the tp "
-                             "group): the all_to_all mode splits the sequence over its own ranks; turn one off")
         if self.router_statistics == GLOBAL or self.fp8_communication:
             raise NotImplementedError(f"cp_size={cp} with router_statistics='global' or fp8_communication "
                                       "is not supported; drop them")
         if self.loss_normalization != TOKENS:
             raise NotImplementedError(f"cp_size={cp} with loss_normalization={self.loss_normalization!r}: "
                                       "the loss of a split sequence is normalised by its labelled tokens; use 'tokens'")
-
-    @property
-    def pp_size(self) -> int:
-        return self.dims.pp
 
     @property
     def zero_stage(self) -> int:
@@ -269,6 +287,6 @@ class HybridParallelConfig:
            compile=None, moe_router_bias_update_rate: float = 0.0, dp_replicate_size: int = 1):
         """The config of the plugin's shortcuts (`HybridParallelPlugin(tp_size=2, ep_size=2, zero_stage=1,
         precision="fp16", compile=True)`): every other setting at its default."""
-        return cls(tp_size=tp_size, ep_size=ep_size, pipeline=PipelineConfig(pp_size),
+        return cls(tp_size=tp_size, pp_size=pp_size, ep_size=ep_size,
                    precision=PrecisionConfig(precision), zero=ZeroConfig(stage=zero_stage), compile=compile,
                    moe_router_bias_update_rate=moe_router_bias_update_rate, dp_replicate_size=dp_replicate_size)

@@ -147,7 +147,7 @@ def plugin_config(config, shortcuts: dict, unknown: dict) -> HybridParallelConfi
     pp = shortcuts.get("pp_size")
     if config is None and not unknown and isinstance(pp, int) and not isinstance(pp, bool) and pp > 1:
         raise ValueError(f"HybridParallelPlugin(pp_size={pp}) needs a micro-batch setting, which the shortcuts do "
-                         f"not take: pass HybridParallelConfig(pipeline=PipelineConfig(pp_size={pp}, "
+                         f"not take: pass HybridParallelConfig(pp_size={pp}, pipeline=PipelineConfig("
                          "num_microbatches=...)), or ColossalAI's keywords through meshboost.booster.plugin's "
                          f"HybridParallelPlugin(pp_size={pp}, num_microbatches=...)")
     return config_from("HybridParallelPlugin", HybridParallelConfig, HybridParallelConfig.of, config, shortcuts, unknown,
@@ -187,12 +187,11 @@ class HybridParallelPlugin(Plugin):
             refusal = fp8_refusal(get_current_device().type, "HybridParallelPlugin")
             if refusal:
                 raise NotImplementedError(refusal)
-        pc = config.pipeline
         # collective: after the checks
         self.mesh = ParallelMesh(config.dims)     # the layout's one record, dp resolved over the world
         self.shard_config = dataclasses.replace(config.sharding, mesh=self.mesh)     # tp group and size: the mesh's
         # the replicas of a dense weight: dp, times the cp ranks (each saw other pieces of the sequences)
-        self.dp_reducer = dp_reducer(self.mesh.size(*self.mesh.dims.grad_axes()), pc.pp_size, config.zero.stage)
+        self.dp_reducer = dp_reducer(self.mesh.size(*self.mesh.dims.grad_axes()), config.dims.pp, config.zero.stage)
 
     @property
     def fp8_communication(self) -> bool:
@@ -283,7 +282,7 @@ class HybridParallelPlugin(Plugin):
         if stages is not None:
             boosted.pipeline = self._build_schedule(stages, boosted.context, sharding)
         install_router_bias(hf, optimizer, self.config.moe_router_bias_update_rate, self.mesh,    # router_bias.py
-                            seq_parallel=self.shard_config.enable_sequence_parallelism and self.mesh.tp_size > 1)
+                            seq_parallel=self.mesh.dims.sequence_parallel and self.mesh.tp_size > 1)
         return boosted, optimizer, criterion, dataloader, lr_scheduler
 
     def _wrap_model(self, module: nn.Module, hf: nn.Module, attention, stages) -> HybridParallelModule:
@@ -327,7 +326,7 @@ class HybridParallelPlugin(Plugin):
         """Cut the (tp-sharded) model down to this rank's stages; drop the other stages' parameters
         from the user's optimizer before any wrapper builds masters from it."""
         cfg = self.config.pipeline
-        stages = build_stages(model, self.mesh.pp_rank, cfg.pp_size, cfg.num_model_chunks, cfg.num_layers_per_stage,
+        stages = build_stages(model, self.mesh.pp_rank, self.pp_size, cfg.num_model_chunks, cfg.num_layers_per_stage,
                               layout=pipeline_layout(model, self.config.custom_policy))
         # sequence parallelism: boundaries carry 1/sp of the sequence (the shard config's one answer)
         stages.seq_split = self.shard_config.sequence_parallel_size

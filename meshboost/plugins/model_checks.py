@@ -80,7 +80,7 @@ def checkpointed_layers(model: nn.Module, config: HybridParallelConfig):
     base = model.base_model
     lists = [base.get_submodule(segment.layers) for segment in layout.segments]
     pc = config.pipeline
-    num_stages = pc.pp_size * pc.num_model_chunks
+    num_stages = pc.num_stages(config.dims.pp)
     ranges = stage_split(layout, base, sum(len(layers) for layers in lists), num_stages, pc.num_layers_per_stage)
     for v, r in enumerate(ranges):
         checkpointing.layers_to_checkpoint(v, len(r), num_stages)

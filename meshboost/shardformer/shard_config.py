@@ -1,7 +1,8 @@
 """ShardConfig: the knobs of tensor-parallel sharding, checked when built, and which ranks shard: the
-mesh's tp axis (meshboost's form: `ShardConfig(mesh=mesh)`, the group and size read from the mesh) or
-ColossalAI's `tensor_parallel_process_group=` (its size asked of torch once, when the config is built; a
-config built before the process group exists asks on reading).
+mesh's tp axis (meshboost's form: `ShardConfig(mesh=mesh)`, the group, size and tp mode (Megatron sequence
+parallelism) read from the mesh's layout record) or ColossalAI's `tensor_parallel_process_group=` (its size
+asked of torch once, when the config is built; a config built before the process group exists asks on
+reading; its own `enable_sequence_parallelism` switch).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ class ShardConfig:
     make_vocab_size_divisible_by: vocab is padded to a multiple of this times tp_size.
     enable_sequence_parallelism: Megatron sequence parallelism over the tp group: norms, dropouts and
         residuals of the layer stack hold 1/tp of the sequence (sequence.py, docs/sequence_parallel.md).
+        With `mesh`, the layout record's tp mode (`mesh.dims.sequence_parallel`), read here, once (a value
+        given that contradicts it is refused); without one, ColossalAI's switch (None: off).
     sequence_parallelism_mode: None or "split_gather" (the one implemented; ColossalAI's "all_to_all",
         "ring" and "ring_attn" raise NotImplementedError).
     enable_flash_attention: flash-attn 2 when importable on CUDA, else torch's SDPA (optimizations.py).
@@ -50,7 +53,7 @@ class ShardConfig:
     enable_tensor_parallelism: bool = True
     parallel_output: bool = True
     make_vocab_size_divisible_by: int = 64
-    enable_sequence_parallelism: bool = False
+    enable_sequence_parallelism: bool | None = None
     sequence_parallelism_mode: str | None = None
     enable_flash_attention: bool = False
     enable_fused_normalization: bool = False
@@ -65,17 +68,37 @@ class ShardConfig:
 
     def __post_init__(self):
         self._tp = self._resolve_tp()
+        self.enable_sequence_parallelism = self._resolve_sequence()
         if self.enable_all_optimization:
             self.enable_flash_attention = self.enable_fused_normalization = self.enable_jit_fused = True
-        if self.enable_sequence_overlap and not self.enable_sequence_parallelism:
-            raise ValueError("enable_sequence_overlap=True needs enable_sequence_parallelism=True (it overlaps "
-                             "sequence parallelism's collectives); without it, column-parallel input gradients are "
-                             "all-reduced overlapped anyway")
+        if self.enable_sequence_parallelism is not None:      # known: given, or the mesh's record
+            self.check_overlap()
         if not isinstance(self.make_vocab_size_divisible_by, int) or self.make_vocab_size_divisible_by < 1:
             raise ValueError(f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by!r} must be a "
                              "positive integer (64 is a good default; 1 disables padding beyond tp_size)")
         if self.enable_sequence_parallelism:
             self.sequence_parallelism_mode = check_mode(self.sequence_parallelism_mode)
+
+    def _resolve_sequence(self) -> bool | None:
+        """Megatron sequence parallelism: the mesh's record says (None without a mesh: not set, off; the
+        overlap pairing is then checked by whoever decides, HybridParallelConfig or ShardFormer)."""
+        given = self.enable_sequence_parallelism
+        if self.mesh is None:
+            return given
+        record = self.mesh.dims.sequence_parallel
+        if given is not None and bool(given) != record:
+            raise ValueError(f"ShardConfig(enable_sequence_parallelism={given}) with a mesh whose layout record has "
+                             f"sequence_parallel={record}: the tp axis' mode is set once, in the record; pass "
+                             f"ParallelDims(..., sequence_parallel={bool(given)}) (HybridParallelConfig("
+                             f"sequence_parallel={bool(given)})), or leave the switch unset")
+        return record
+
+    def check_overlap(self) -> None:
+        """enable_sequence_overlap pairs with sequence parallelism (pure: the same error on every rank)."""
+        if self.enable_sequence_overlap and not self.enable_sequence_parallelism:
+            raise ValueError("enable_sequence_overlap=True needs enable_sequence_parallelism=True (it overlaps "
+                             "sequence parallelism's collectives); without it, column-parallel input gradients are "
+                             "all-reduced overlapped anyway")
 
     def _resolve_tp(self) -> tuple:
         group = self.tensor_parallel_process_group

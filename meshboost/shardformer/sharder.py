@@ -133,6 +133,7 @@ class ShardFormer:
     """
 
     def __init__(self, shard_config: ShardConfig):
+        shard_config.check_overlap()        # the switch unset (ColossalAI's form) means off here
         self.shard_config = shard_config
 
     def optimize(self, model: nn.Module, policy: Policy | None = None) -> tuple[nn.Module, list]:

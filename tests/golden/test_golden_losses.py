@@ -22,7 +22,6 @@ from meshboost.plugins import (
     HybridParallelPlugin,
     PipelineConfig,
     PrecisionConfig,
-    ShardConfig,
     ZeroConfig,
 )
 from meshboost.testing import spawn
@@ -38,11 +37,11 @@ LAYOUTS = {
     "gpt2 tp2 dp2 zero1": ("GPT2LMHeadModel", "gpt2", {}, lambda: HybridParallelConfig(tp_size=2, zero=ZeroConfig(1))),
     "gpt2 tp2 dp2 zero3": ("GPT2LMHeadModel", "gpt2", {}, lambda: HybridParallelConfig(tp_size=2, zero=ZeroConfig(3))),
     "llama tp4 sp": ("LlamaForCausalLM", "llama", {}, lambda: HybridParallelConfig(
-        tp_size=4, sharding=ShardConfig(enable_sequence_parallelism=True))),
+        tp_size=4, sequence_parallel=True)),
     "llama tp2 pp2 1f1b": ("LlamaForCausalLM", "llama", {}, lambda: HybridParallelConfig(
-        tp_size=2, pipeline=PipelineConfig(pp_size=2, num_microbatches=2))),
+        tp_size=2, pp_size=2, pipeline=PipelineConfig(num_microbatches=2))),
     "opt pp2 dp2 interleaved zero2": ("OPTForCausalLM", "opt", {"num_hidden_layers": 4}, lambda: HybridParallelConfig(
-        pipeline=PipelineConfig(pp_size=2, pp_style="interleaved", num_model_chunks=2, num_microbatches=4),
+        pp_size=2, pipeline=PipelineConfig(pp_style="interleaved", num_model_chunks=2, num_microbatches=4),
         zero=ZeroConfig(2))),
     "bert-cls dp4 ddp clip": ("BertForSequenceClassification", "bert", {}, lambda: HybridParallelConfig(
         precision=PrecisionConfig(max_norm=1.0))),

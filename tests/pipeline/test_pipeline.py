@@ -485,26 +485,26 @@ def test_layouts_cover_families():
 
 def test_config_errors_before_any_collective():
     with pytest.raises(ValueError, match="needs num_microbatches or microbatch_size \\(got neither\\)"):
-        PipelineConfig(pp_size=2)
+        PipelineConfig().check(2)
     with pytest.raises(ValueError, match="microbatch_size=0 must be a positive integer"):
-        PipelineConfig(pp_size=2, num_microbatches=4, microbatch_size=0)
-    PipelineConfig(pp_size=2, num_microbatches=4, microbatch_size=2)       # both, as ColossalAI's scripts pass
+        PipelineConfig(num_microbatches=4, microbatch_size=0).check(2)
+    PipelineConfig(num_microbatches=4, microbatch_size=2).check(2)       # both, as ColossalAI's scripts pass
     batch = {"input_ids": torch.arange(16).view(8, 2)}
     assert [mb["input_ids"].shape[0] for mb in split_microbatches(batch, 4, 2)] == [2, 2, 2, 2]
     with pytest.raises(ValueError, match="a batch of 6 samples is not num_microbatches=4 x microbatch_size=2 = 8"):
         split_microbatches({"input_ids": torch.zeros(6, 2)}, 4, 2)
     with pytest.raises(ValueError, match="needs num_model_chunks >= 2"):
-        PipelineConfig(pp_size=2, num_microbatches=4, pp_style="interleaved")
+        PipelineConfig(num_microbatches=4, pp_style="interleaved").check(2)
     with pytest.raises(ValueError, match="needs pp_style='interleaved'"):
-        PipelineConfig(pp_size=2, num_microbatches=4, num_model_chunks=2)
+        PipelineConfig(num_microbatches=4, num_model_chunks=2).check(2)
     with pytest.raises(ValueError, match="pp_style="):
-        PipelineConfig(pp_size=2, num_microbatches=4, pp_style="gpipe")
+        PipelineConfig(num_microbatches=4, pp_style="gpipe").check(2)
     with pytest.raises(ValueError, match="needs 4 entries"):
-        PipelineConfig(pp_size=2, num_microbatches=4, pp_style="interleaved", num_model_chunks=2,
-                       num_layers_per_stage=[2, 2])
-    PipelineConfig(pp_size=1, microbatch_size=1)        # ignored without a pipeline (ColossalAI's guide passes it)
+        PipelineConfig(num_microbatches=4, pp_style="interleaved", num_model_chunks=2,
+                       num_layers_per_stage=[2, 2]).check(2)
+    PipelineConfig(microbatch_size=1).check(1)        # ignored without a pipeline (ColossalAI's guide passes it)
     with pytest.raises(ValueError, match="only apply with pp_size > 1"):
-        PipelineConfig(pp_size=1, num_model_chunks=2)
+        PipelineConfig(num_model_chunks=2).check(1)
     # the plugin raises them before building its mesh (no process group here)
     with pytest.raises(ValueError, match="needs num_microbatches or microbatch_size"):
         HybridParallelPlugin(tp_size=1, pp_size=2)

@@ -70,7 +70,7 @@ def test_invalid_layout_gives_the_plugins_message(capsys):
     from meshboost.plugins.config import HybridParallelConfig
 
     with pytest.raises(ValueError) as plugin:      # (zero=3 with a pipeline runs since issue 40)
-        HybridParallelConfig(pipeline=PipelineConfig(pp_size=2, num_microbatches=4),
+        HybridParallelConfig(pp_size=2, pipeline=PipelineConfig(num_microbatches=4),
                              zero=ZeroConfig(stage=3, cpu_offload=True))
     code, _, err = _run(capsys, "--layout", "pp=2,zero=3,mb=4,dp=4,offload")
     assert code == 2

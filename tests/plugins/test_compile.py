@@ -105,14 +105,14 @@ def _run_layout(what, build, config: HybridParallelConfig, graphs_per_stack: int
 
 
 def _layouts(rank, world):
-    sp = ShardConfig(enable_sequence_parallelism=True, sequence_parallelism_mode="split_gather")
+    sp = ShardConfig(sequence_parallelism_mode="split_gather")
     layouts = [
         ("tp=2", _llama(), HybridParallelConfig(tp_size=2, compile=EAGER), 1),
-        ("tp=2 sequence parallel", _llama(), HybridParallelConfig(tp_size=2, sharding=sp, compile=EAGER), 1),
-        ("pp=2 1f1b", _llama(), HybridParallelConfig(pipeline=PipelineConfig(2, num_microbatches=2),
+        ("tp=2 sequence parallel", _llama(), HybridParallelConfig(tp_size=2, sequence_parallel=True, sharding=sp, compile=EAGER), 1),
+        ("pp=2 1f1b", _llama(), HybridParallelConfig(pp_size=2, pipeline=PipelineConfig(num_microbatches=2),
                                                      compile=EAGER), 1),
         ("pp=2 interleaved", _llama(layers=4), HybridParallelConfig(
-            pipeline=PipelineConfig(2, "interleaved", num_model_chunks=2, num_microbatches=2), compile=EAGER), 1),
+            pp_size=2, pipeline=PipelineConfig("interleaved", num_model_chunks=2, num_microbatches=2), compile=EAGER), 1),
         ("dp=2 ZeRO-1", _llama(), HybridParallelConfig(zero=ZeroConfig(stage=1), compile=EAGER), 1),
         ("dp=2 ZeRO-2", _llama(), HybridParallelConfig(zero=ZeroConfig(stage=2), compile=EAGER), 1),
         ("dp=2 ZeRO-3", _llama(), HybridParallelConfig(zero=ZeroConfig(stage=3), compile=EAGER), 1),
@@ -124,7 +124,7 @@ def _layouts(rank, world):
                                                                                           compile=EAGER), 1),
         ("ep=2 ZeRO-1", _moe, HybridParallelConfig(ep_size=2, zero=ZeroConfig(stage=1), compile=EAGER), None),
         # inductor once: the C++ kernels it generates on this CPU give the eager numbers
-        ("tp=2 sequence parallel, inductor", _llama(), HybridParallelConfig(tp_size=2, sharding=sp, compile=True), 1),
+        ("tp=2 sequence parallel, inductor", _llama(), HybridParallelConfig(tp_size=2, sequence_parallel=True, sharding=sp, compile=True), 1),
     ]
     for what, build, config, graphs in layouts:
         _run_layout(what, build, config, graphs)

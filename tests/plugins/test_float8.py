@@ -219,15 +219,15 @@ def _layouts(rank, world, folder):
     _run_layout("tp=2 ZeRO-3 + compile", HybridParallelConfig(tp_size=2, zero=ZeroConfig(stage=3), float8=tensorwise,
                                                               compile=CompileConfig(backend="aot_eager")),
                 pieces=1, save_to=folder + "_tp_zero3_compile")
-    _run_layout("pp=2 1f1b", HybridParallelConfig(pipeline=PipelineConfig(2, num_microbatches=2), float8=tensorwise),
+    _run_layout("pp=2 1f1b", HybridParallelConfig(pp_size=2, pipeline=PipelineConfig(num_microbatches=2), float8=tensorwise),
                 pieces=2)
-    sp = ShardConfig(enable_sequence_parallelism=True, sequence_parallelism_mode="split_gather")
+    sp = ShardConfig(sequence_parallelism_mode="split_gather")
     _run_layout("tp=2, rowwise, row scales over the tp group", HybridParallelConfig(tp_size=2, float8=rowwise),
                 pieces=1, save_to=folder + "_tp_rowwise")
     _run_layout("tp=2 sequence parallel, rowwise + compile",
-                HybridParallelConfig(tp_size=2, sharding=sp, float8=rowwise, compile=CompileConfig(backend="aot_eager")),
+                HybridParallelConfig(tp_size=2, sequence_parallel=True, sharding=sp, float8=rowwise, compile=CompileConfig(backend="aot_eager")),
                 pieces=1, save_to=folder + "_sp_rowwise")
-    _run_layout("tp=2 sequence parallel, tensorwise", HybridParallelConfig(tp_size=2, sharding=sp, float8=tensorwise),
+    _run_layout("tp=2 sequence parallel, tensorwise", HybridParallelConfig(tp_size=2, sequence_parallel=True, sharding=sp, float8=tensorwise),
                 pieces=1, save_to=folder + "_sp")
     _run_layout("tp=2 ZeRO-3, tensorwise, float8 all-gather of tp shards (whole weight's scale)",
                 HybridParallelConfig(tp_size=2, zero=ZeroConfig(stage=3), float8=tensorwise), pieces=1,

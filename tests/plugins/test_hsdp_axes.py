@@ -45,8 +45,8 @@ LLAMA = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_h
 
 
 def _hsdp(pp=1, ep=1, max_norm=0.0) -> HybridParallelConfig:
-    pipeline = PipelineConfig(pp_size=pp, num_microbatches=2) if pp > 1 else PipelineConfig()
-    return HybridParallelConfig(ep_size=ep, pipeline=pipeline, zero=ZeroConfig(stage=3), dp_replicate_size=2,
+    pipeline = PipelineConfig(num_microbatches=2) if pp > 1 else PipelineConfig()
+    return HybridParallelConfig(ep_size=ep, pp_size=pp, pipeline=pipeline, zero=ZeroConfig(stage=3), dp_replicate_size=2,
                                 precision=PrecisionConfig("fp32", max_norm=max_norm))
 
 

@@ -32,7 +32,7 @@ from meshboost import Booster
 from meshboost.distributed.profiling import comm_counter
 from meshboost.distributed.param_info import gather_tensor, get_tp_info
 from meshboost.optim.memory import memory_breakdown
-from meshboost.plugins import HybridParallelConfig, HybridParallelPlugin, PipelineConfig, ShardConfig, ZeroConfig
+from meshboost.plugins import HybridParallelConfig, HybridParallelPlugin, PipelineConfig, ZeroConfig
 from meshboost.testing import assert_close, spawn
 from meshboost.testing.models import tiny_config
 from meshboost.testing.moe import COMMON, LR, EPS, causal_batches, train_boosted, train_whole
@@ -153,14 +153,13 @@ def _layouts(rank, world, root):
     assert lora[1] - adapter_bytes <= plain[1] and lora[2] - len(lora[3]) <= plain[2], counted
 
     # tp=2 with sequence parallelism, ZeRO-2 over the adapters
-    train_boosted(config, batches, HybridParallelConfig(tp_size=2, zero=ZeroConfig(stage=2), sharding=ShardConfig(
-        enable_sequence_parallelism=True)), ref_losses, ref_params, "lora tp2 sp zero2", model=_lora_model(config),
+    train_boosted(config, batches, HybridParallelConfig(tp_size=2, zero=ZeroConfig(stage=2),
+        sequence_parallel=True), ref_losses, ref_params, "lora tp2 sp zero2", model=_lora_model(config),
         ref_first=first[0])
     # pipeline stages, then tp x pp; each saves its peft folder
-    for name, cfg in (("pp2", HybridParallelConfig(pipeline=PipelineConfig(pp_size=2, num_microbatches=2),
+    for name, cfg in (("pp2", HybridParallelConfig(pp_size=2, pipeline=PipelineConfig(num_microbatches=2),
                                                    zero=ZeroConfig(stage=1))),
-                      ("tp2pp2", HybridParallelConfig(tp_size=2, pipeline=PipelineConfig(pp_size=2,
-                                                                                         num_microbatches=2)))):
+                      ("tp2pp2", HybridParallelConfig(tp_size=2, pp_size=2, pipeline=PipelineConfig(num_microbatches=2)))):
         booster, model, opt = train_boosted(config, batches, cfg, ref_losses, ref_params, f"lora {name}",
                                             model=_lora_model(config), ref_first=first[0])
         _check_layout(model, opt, name, cfg.dims.tp)

@@ -40,7 +40,7 @@ HYBRID_DEFAULTS = {k: p.default for k, p in inspect.signature(ColossalAIPlugin._
 MOE_CHANGES = {k: v for k, v in CHANGES.items() if k in PARAMETERS} | {
     "overlap_communication": (True, {}, "zero.overlap_communication"),
     "enable_sequence_parallelism": (True, {"sequence_parallelism_mode": "split_gather"},
-                                    "sharding.enable_sequence_parallelism"),
+                                    "dims.sequence_parallel"),
     "ep_size": (2, {}, "dims.ep"),
 }
 # accepted with the value that means meshboost's layout: no field of their own

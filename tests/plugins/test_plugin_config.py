@@ -32,16 +32,15 @@ DEFAULTS["tp_size"] = 1
 # its own first and the fields its config derives from it)
 CHANGES = {
     "tp_size": (2, {}, "dims.tp"),
-    "pp_size": (2, {"num_microbatches": 2}, ("pipeline.pp_size", "dims.pp")),    # the pipeline's, mirrored in dims
+    "pp_size": (2, {"num_microbatches": 2}, "dims.pp"),      # the record's only (the pipeline keeps its knobs)
     "precision": ("bf16", {}, "precision.precision"),
     "zero_stage": (1, {}, "zero.stage"),
     "parallel_output": (False, {}, "sharding.parallel_output"),
     "make_vocab_size_divisible_by": (128, {}, "sharding.make_vocab_size_divisible_by"),
     "custom_policy": (Policy(name="custom", plan={"*.q": "colwise"}), {}, "custom_policy"),
     "enable_tensor_parallelism": (False, {}, "sharding.enable_tensor_parallelism"),
-    # (ShardConfig then fills in the default mode, "split_gather")
-    "enable_sequence_parallelism": (True, {}, ("sharding.enable_sequence_parallelism",
-                                               "sharding.sequence_parallelism_mode")),
+    # the layout record's tp mode (the plugin's ShardConfig reads it through the mesh, its mode "split_gather")
+    "enable_sequence_parallelism": (True, {}, "dims.sequence_parallel"),
     "max_norm": (1.0, {}, "precision.max_norm"),
     "num_microbatches": (4, {"pp_size": 2, "num_microbatches": 2}, "pipeline.num_microbatches"),
     "microbatch_size": (1, {"pp_size": 2, "microbatch_size": 2}, "pipeline.microbatch_size"),
@@ -139,8 +138,8 @@ def test_core_plugin_arguments_are_refused_with_the_fix():
         plugin_config(None, {"tp_size": 2}, {"num_microbatches": 4})
     with pytest.raises(TypeError, match="tp_size=2"):
         plugin_config(2, {}, {})
-    with pytest.raises(ValueError, match=r"pp_size=2\) needs a micro-batch setting.*PipelineConfig\(pp_size=2, "
-                                         r"num_microbatches=\.\.\.\)"):
+    with pytest.raises(ValueError, match=r"pp_size=2\) needs a micro-batch setting.*HybridParallelConfig\(pp_size=2, "
+                                         r"pipeline=PipelineConfig\(num_microbatches=\.\.\.\)\)"):
         plugin_config(None, {"tp_size": 1, "pp_size": 2}, {})
     with pytest.raises(ValueError, match="inside the config"):
         plugin_config(HybridParallelConfig(), {"tp_size": 2}, {})
@@ -154,7 +153,7 @@ def test_each_setting_is_validated_once_in_its_config():
     for stage in (0, 3):
         with pytest.raises(ValueError, match="cpu_offload=True.*set zero_stage=1 or 2"):
             ZeroConfig(stage=stage, cpu_offload=True)
-    HybridParallelConfig(pipeline=PipelineConfig(2, num_microbatches=2), zero=ZeroConfig(3))   # test_zero3_axes.py
+    HybridParallelConfig(pp_size=2, pipeline=PipelineConfig(num_microbatches=2), zero=ZeroConfig(3))   # test_zero3_axes.py
     with pytest.raises(ValueError, match="reshard_after_forward=False is FSDP2's setting, but zero_stage=1"):
         HybridParallelConfig(zero=ZeroConfig(1), reshard_after_forward=False)
     with pytest.raises(ValueError, match="communication_dtype=torch.bfloat16.*zero_stage=0"):
@@ -180,22 +179,22 @@ def test_optimizer_wrappers_take_config_objects():
 
 def test_the_layout_is_one_parallel_dims():
     """HybridParallelConfig's degrees and cp's mode live in one ParallelDims (`config.dims`): the keywords build
-    it, dataclasses.replace keeps it, pp comes from the pipeline's config, and dims.py refuses bad values."""
+    it (pp included), dataclasses.replace keeps it, and dims.py refuses bad values."""
     import dataclasses
 
     from meshboost.distributed.dims import ParallelDims
     from meshboost.pipeline import PipelineConfig
 
-    config = HybridParallelConfig(tp_size=2, cp_size=2, pipeline=PipelineConfig(pp_size=2, num_microbatches=2))
+    config = HybridParallelConfig(tp_size=2, cp_size=2, pp_size=2, pipeline=PipelineConfig(num_microbatches=2))
     assert config.dims == ParallelDims(dp=None, pp=2, tp=2, cp=2, cp_mode="all_to_all")      # the default mode
-    assert config.pp_size == 2
+    assert config.dims.pp == 2
     moved = dataclasses.replace(config, ep_size=2, zero=ZeroConfig(stage=1))       # the other degrees stay
     assert moved.dims == dataclasses.replace(config.dims, ep=2) and moved.zero.stage == 1
     assert dataclasses.replace(moved, cp_size=1).dims.cp_mode is None               # cp off: no mode left
     whole = HybridParallelConfig(dims=ParallelDims(tp=2, cp=2, cp_mode="ring_attn"))
     assert (whole.dims.tp, whole.dims.cp, whole.dims.cp_mode, whole.dims.pp) == (2, 2, "ring_attn", 1)
     assert HybridParallelConfig(dims=ParallelDims(tp=2), tp_size=4).dims.tp == 4    # a keyword overrides dims
-    with pytest.raises(ValueError, match=r"dims.pp=2 but pipeline.pp_size=1: .*PipelineConfig\(pp_size="):
+    with pytest.raises(ValueError, match=r"pp_size=2 needs num_microbatches .*PipelineConfig\(num_microbatches="):
         HybridParallelConfig(dims=ParallelDims(pp=2))
     with pytest.raises(ValueError, match="cp_size=0 must be a positive integer"):
         HybridParallelConfig(cp_size=0)

@@ -51,9 +51,9 @@ LLAMA = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_h
 
 
 def _zero3(pp=1, chunks=1, ep=1, precision="fp32", max_norm=0.0, **kwargs) -> HybridParallelConfig:
-    pipeline = PipelineConfig(pp_size=pp, num_microbatches=2, num_model_chunks=chunks,
+    pipeline = PipelineConfig(num_microbatches=2, num_model_chunks=chunks,
                               pp_style="interleaved" if chunks > 1 else "1f1b") if pp > 1 else PipelineConfig()
-    return HybridParallelConfig(ep_size=ep, pipeline=pipeline, zero=ZeroConfig(stage=3),
+    return HybridParallelConfig(ep_size=ep, pp_size=pp, pipeline=pipeline, zero=ZeroConfig(stage=3),
                                 precision=PrecisionConfig(precision, max_norm=max_norm), **kwargs)
 
 

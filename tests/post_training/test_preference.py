@@ -25,7 +25,6 @@ from meshboost import Booster
 from meshboost.plugins import HybridParallelConfig, HybridParallelPlugin, ZeroConfig
 from meshboost.post_training import (PreferenceBatchError, boost_reference, dp_group_of, kto_loss, pair_batch,
                                      preference_loss, sequence_logprobs, shifted_labels, token_logprobs)
-from meshboost.shardformer import ShardConfig
 from meshboost.shardformer.layers.vocab import split_logits
 from meshboost.testing import spawn
 from meshboost.testing.compare import assert_metric_steps_close
@@ -34,11 +33,11 @@ from meshboost.testing.models import VOCAB, build_model, sharper_copy, tiny_conf
 PAIRS, SEQ, LR, STEPS, RTOL = 4, 8, 2.0, 2, 2e-5
 HYPER = {"dpo": dict(beta=0.5, label_smoothing=0.1), "ipo": dict(beta=0.5), "simpo": dict(beta=2.0, gamma=0.3),
          "orpo": dict(beta=0.5)}
-SP = ShardConfig(enable_sequence_parallelism=True)
+SP = dict(sequence_parallel=True)
 LAYOUTS = {"tp2 dp2": HybridParallelConfig(tp_size=2),
            "tp2 dp2 zero1": HybridParallelConfig(tp_size=2, zero=ZeroConfig(stage=1)),
            "cp2 dp2 zero1": HybridParallelConfig(cp_size=2, zero=ZeroConfig(stage=1)),
-           "tp2 sp dp2": HybridParallelConfig(tp_size=2, sharding=SP)}
+           "tp2 sp dp2": HybridParallelConfig(tp_size=2, **SP)}
 
 
 def _config():
@@ -88,7 +87,7 @@ def _check_token_logprobs(rank):
     logp = F.log_softmax(whole(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits, -1)
     want_entropy = -(logp.exp() * logp).sum(-1).masked_fill(shifted_labels(batch["labels"]) == -100, 0).detach()
     for what, plugin_config in (("tp2", HybridParallelConfig(tp_size=2)), ("cp2", HybridParallelConfig(cp_size=2)),
-                                ("tp2 sp", HybridParallelConfig(tp_size=2, sharding=SP)),
+                                ("tp2 sp", HybridParallelConfig(tp_size=2, **SP)),
                                 ("cp2 ring", HybridParallelConfig(cp_size=2, cp_mode="ring_attn"))):
         booster = Booster(plugin=HybridParallelPlugin(plugin_config))
         model, *_ = booster.boost(build_model("LlamaForCausalLM", copy.deepcopy(config)))

@@ -34,9 +34,9 @@ from meshboost.testing.models import VOCAB, build_model, sharper_copy, tiny_conf
 PAIRS, SEQ, LR, STEPS, RTOL = 4, 8, 2.0, 2, 2e-5
 HYPER = {"dpo": dict(beta=0.5, label_smoothing=0.1), "ipo": dict(beta=0.5), "simpo": dict(beta=2.0, gamma=0.3),
          "orpo": dict(beta=0.5)}
-LAYOUTS = {"pp2 dp2": HybridParallelConfig(pipeline=PipelineConfig(pp_size=2, num_microbatches=2)),
-           "pp2 tp2": HybridParallelConfig(tp_size=2, pipeline=PipelineConfig(pp_size=2, num_microbatches=2)),
-           "pp2 tp2 mbs2": HybridParallelConfig(tp_size=2, pipeline=PipelineConfig(pp_size=2, microbatch_size=2))}
+LAYOUTS = {"pp2 dp2": HybridParallelConfig(pp_size=2, pipeline=PipelineConfig(num_microbatches=2)),
+           "pp2 tp2": HybridParallelConfig(tp_size=2, pp_size=2, pipeline=PipelineConfig(num_microbatches=2)),
+           "pp2 tp2 mbs2": HybridParallelConfig(tp_size=2, pp_size=2, pipeline=PipelineConfig(microbatch_size=2))}
 
 
 def _config():
@@ -214,7 +214,7 @@ def _check_refusals(rank):
         preference_step(policy_booster, model, optimizer, rows, "dpo",
                         reference=build_model("LlamaForCausalLM", copy.deepcopy(config)))
     cp_booster = Booster(plugin=HybridParallelPlugin(HybridParallelConfig(
-        cp_size=2, pipeline=PipelineConfig(pp_size=2, num_microbatches=2))))
+        cp_size=2, pp_size=2, pipeline=PipelineConfig(num_microbatches=2))))
     policy = build_model("LlamaForCausalLM", copy.deepcopy(config))
     cp_model, cp_optimizer, *_ = cp_booster.boost(policy, torch.optim.SGD(policy.parameters(), lr=LR))
     with pytest.raises(NotImplementedError, match="cp_size=2"):

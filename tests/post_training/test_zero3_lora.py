@@ -92,7 +92,7 @@ def _boosted(objective, config, pairs, plugin_config, lora: bool) -> list[dict]:
 CASES = [("dp2 zero3", HybridParallelConfig(zero=ZeroConfig(stage=3)), False, ("dpo", "ipo", "simpo", "orpo")),
          ("lora dp2 zero1", HybridParallelConfig(zero=ZeroConfig(stage=1)), True, ("dpo", "ipo")),
          ("lora tp2", HybridParallelConfig(tp_size=2), True, ("dpo",)),
-         ("lora pp2", HybridParallelConfig(pipeline=PipelineConfig(pp_size=2, num_microbatches=2)), True, ("dpo",))]
+         ("lora pp2", HybridParallelConfig(pp_size=2, pipeline=PipelineConfig(num_microbatches=2)), True, ("dpo",))]
 
 
 def _body(rank, world_size):

@@ -117,8 +117,8 @@ def _check(what, kv_heads: int, sequence_parallel: bool, optimizer: str, recipe:
     convert_float8(reference, Float8Config(recipe=recipe), "cpu")
     model = _model(kv_heads)
     opt = OPTIMIZERS[optimizer](model.parameters())
-    sharding = ShardConfig(enable_sequence_parallelism=sequence_parallel, sequence_parallelism_mode="split_gather")
-    booster = Booster(plugin=HybridParallelPlugin(HybridParallelConfig(tp_size=2, sharding=sharding,
+    sharding = ShardConfig(sequence_parallelism_mode="split_gather")
+    booster = Booster(plugin=HybridParallelPlugin(HybridParallelConfig(tp_size=2, sequence_parallel=sequence_parallel, sharding=sharding,
                                                                        float8=Float8Config(recipe=recipe))))
     model, opt, *_ = booster.boost(model, opt)
     inner = model.unwrap()

@@ -43,9 +43,9 @@ LAYOUTS = {
     "cp2 ring_attn": HybridParallelConfig(cp_size=2, cp_mode="ring_attn"),
     "tp2 cp2 all_to_all": HybridParallelConfig(tp_size=2, cp_size=2),
     "pp2 cp2 ring_attn": HybridParallelConfig(cp_size=2, cp_mode="ring_attn",
-                                              pipeline=PipelineConfig(pp_size=2, num_microbatches=2)),
+                                              pp_size=2, pipeline=PipelineConfig(num_microbatches=2)),
     "tp2": HybridParallelConfig(tp_size=2),
-    "pp2": HybridParallelConfig(pipeline=PipelineConfig(pp_size=2, num_microbatches=2)),
+    "pp2": HybridParallelConfig(pp_size=2, pipeline=PipelineConfig(num_microbatches=2)),
     # regional compile turns the cache off in training for its graphs' sake, except for packed rows
     "tp2 compiled": HybridParallelConfig(tp_size=2, compile=CompileConfig(backend="aot_eager")),
 }

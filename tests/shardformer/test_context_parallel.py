@@ -123,12 +123,12 @@ def _pipeline(rank):
     ref_losses, ref_params = train_whole(config, batches)
     recompute = PipelineGradientCheckpointConfig(gradient_checkpointing_ratio=1.0)
     for what, plugin_config in (
-            ("sp2 pp2", HybridParallelConfig(cp_size=2, pipeline=PipelineConfig(pp_size=2, num_microbatches=2))),
+            ("sp2 pp2", HybridParallelConfig(cp_size=2, pp_size=2, pipeline=PipelineConfig(num_microbatches=2))),
             ("ring_attn sp2 pp2 zero1", HybridParallelConfig(cp_size=2, cp_mode="ring_attn", zero=ZeroConfig(stage=1),
-                                                             pipeline=PipelineConfig(pp_size=2, num_microbatches=4))),
+                                                             pp_size=2, pipeline=PipelineConfig(num_microbatches=4))),
             ("sp2 pp2 interleaved, recomputed", HybridParallelConfig(
                 cp_size=2, gradient_checkpoint=recompute,
-                pipeline=PipelineConfig(pp_size=2, num_microbatches=4, num_model_chunks=2, pp_style="interleaved")))):
+                pp_size=2, pipeline=PipelineConfig(num_microbatches=4, num_model_chunks=2, pp_style="interleaved")))):
         model = build_causal_lm(config)
         if plugin_config.gradient_checkpoint is not None:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -222,9 +222,8 @@ def test_context_parallel_refusals():
         HybridParallelConfig(cp_size=2, cp_mode="ulysses")
     with pytest.raises(ValueError, match="cp_mode='all_to_all' with cp_size=1 splits nothing"):
         HybridParallelConfig(cp_mode="all_to_all")
-    from meshboost.shardformer import ShardConfig
     with pytest.raises(ValueError, match="enable_sequence_parallelism=True \\(split_gather"):
-        HybridParallelConfig(cp_size=2, sharding=ShardConfig(enable_sequence_parallelism=True))
+        HybridParallelConfig(cp_size=2, sequence_parallel=True)
     from meshboost.booster.plugin.hybrid_parallel_plugin import _context
     with pytest.raises(ValueError, match="splits the sequence over the tensor-parallel ranks"):
         _context(dict(sp_size=2, sequence_parallelism_mode="split_gather", enable_sequence_parallelism=True, tp_size=1))

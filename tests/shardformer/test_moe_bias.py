@@ -27,7 +27,7 @@ def _body(rank, world_size):
         batches = causal_batches(config, steps=3)
         losses, params, biases = train_whole_with_bias(config, batches, RATE)
         assert any(b.abs().sum() > 0 for b in biases.values())      # the update happened
-        for layout in (dict(ep_size=2), dict(tp_size=2), dict(pipeline=PipelineConfig(2, num_microbatches=2)),
+        for layout in (dict(ep_size=2), dict(tp_size=2), dict(pp_size=2, pipeline=PipelineConfig(num_microbatches=2)),
                        dict(ep_size=2, zero=ZeroConfig(stage=3))):      # FSDP2 over edp / dp: the bias is a buffer
             cfg = HybridParallelConfig(**layout, moe_router_bias_update_rate=RATE)
             booster, model, _ = train_boosted(config, batches, cfg, losses, params, f"{family} {layout}")

@@ -86,7 +86,7 @@ def _qwen_layouts(rank):
     batches = causal_batches(config, STEPS, batch=8, seed=7)
     ref_losses, ref_params = train_whole(config, batches)
     booster, model, _ = train_boosted(config, batches, HybridParallelConfig(
-        ep_size=2, pipeline=PipelineConfig(pp_size=2, num_microbatches=2)), ref_losses, ref_params, "ep2 pp2")
+        ep_size=2, pp_size=2, pipeline=PipelineConfig(num_microbatches=2)), ref_losses, ref_params, "ep2 pp2")
     _reload(booster, model, ref_params, torch.float32, "ep2_pp2")       # each stage writes its experts
     booster, model, _ = train_boosted(config, batches, HybridParallelConfig(ep_size=2, zero=ZeroConfig(stage=1),
                                                                             precision=PrecisionConfig("bf16")),

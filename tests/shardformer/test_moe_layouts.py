@@ -35,7 +35,7 @@ def _body(rank, world):
     ref_losses, ref_params = train_whole(config, batches)
     train_boosted(config, batches, HybridParallelConfig(tp_size=2, zero=ZeroConfig(stage=1)), ref_losses, ref_params,
          "tp2 dp2 zero1")
-    train_boosted(config, batches, HybridParallelConfig(tp_size=2, pipeline=PipelineConfig(pp_size=2, num_microbatches=2)),
+    train_boosted(config, batches, HybridParallelConfig(tp_size=2, pp_size=2, pipeline=PipelineConfig(num_microbatches=2)),
          ref_losses, ref_params, "tp2 pp2")
     booster, model, _ = train_boosted(config, batches, HybridParallelConfig(tp_size=2, zero=ZeroConfig(stage=1),
                                                                 precision=PrecisionConfig("bf16")),

@@ -21,7 +21,7 @@ import transformers
 
 from meshboost import Booster
 from meshboost.distributed.param_info import gather_tensor, get_tp_info
-from meshboost.plugins import HybridParallelConfig, HybridParallelPlugin, PrecisionConfig, ShardConfig, ZeroConfig
+from meshboost.plugins import HybridParallelConfig, HybridParallelPlugin, PrecisionConfig, ZeroConfig
 from meshboost.testing import assert_close, spawn
 from meshboost.testing.moe import COMMON, LR, EPS, build_causal_lm, causal_batches, moe_config, train_boosted, \
     train_whole, train_whole_with_bias
@@ -32,7 +32,7 @@ AUX = dict(output_router_logits=True, router_aux_loss_coef=0.5)
 
 
 def _sp(**kwargs) -> HybridParallelConfig:
-    return HybridParallelConfig(tp_size=2, sharding=ShardConfig(enable_sequence_parallelism=True), **kwargs)
+    return HybridParallelConfig(tp_size=2, sequence_parallel=True, **kwargs)
 
 
 def _configs():

@@ -86,7 +86,9 @@ def _colossalai_snippets(rank: int, world: int) -> None:
 def test_colossalai_snippets_run_verbatim():
     spawn(_colossalai_snippets, 2)
     with pytest.raises(ValueError, match="needs enable_sequence_parallelism=True"):
-        ShardConfig(enable_sequence_overlap=True)
+        ShardFormer(ShardConfig(enable_sequence_overlap=True))      # the switch unset: off, at the sharder
+    with pytest.raises(ValueError, match="needs enable_sequence_parallelism=True"):
+        ShardConfig(enable_sequence_overlap=True, enable_sequence_parallelism=False)
 
 
 def test_fused_norms_keep_hooked_norms():

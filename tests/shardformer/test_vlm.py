@@ -38,7 +38,7 @@ def _config(family: str):
 
 def _pipeline(family: str, **kwargs) -> PipelineConfig:
     split = {"num_layers_per_stage": [2, 1]} if family == "qwen3_vl" else {}
-    return PipelineConfig(pp_size=2, num_microbatches=2, **split, **kwargs)
+    return PipelineConfig(num_microbatches=2, **split, **kwargs)
 
 
 def _tower_params(model) -> dict:
@@ -64,13 +64,13 @@ def _layouts(rank, world):
         towers = _tower_params(model)
         assert towers and all(get_tp_info(p) is None for p in towers.values()), f"{family}: the tower is split"
 
-        _, model, _ = train_boosted(config, batches, HybridParallelConfig(pipeline=_pipeline(family)), ref_losses,
+        _, model, _ = train_boosted(config, batches, HybridParallelConfig(pp_size=2, pipeline=_pipeline(family)), ref_losses,
                                     ref_params, f"{family} pp2", model=build_vlm(config))
         towers = _tower_params(model)
         stage = model.mesh.pp_rank
         assert (len(towers) > 0) == (stage == 0), f"{family}: stage {stage} holds {len(towers)} tower weights"
         if family in ("qwen2_5_vl", "llava"):
-            train_boosted(config, batches, HybridParallelConfig(tp_size=2, pipeline=_pipeline(family)), ref_losses,
+            train_boosted(config, batches, HybridParallelConfig(tp_size=2, pp_size=2, pipeline=_pipeline(family)), ref_losses,
                           ref_params, f"{family} tp2 pp2", model=build_vlm(config))
 
 
@@ -90,7 +90,7 @@ def _lora(rank, world):
     ref_losses, _ = train_whole(config, batches, model=reference)
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
     for name, cfg in (("tp2 zero1", HybridParallelConfig(tp_size=2, zero=ZeroConfig(stage=1))),
-                      ("pp2", HybridParallelConfig(pipeline=_pipeline("qwen2_5_vl")))):
+                      ("pp2", HybridParallelConfig(pp_size=2, pipeline=_pipeline("qwen2_5_vl")))):
         _, boosted, _ = train_boosted(config, batches, cfg, ref_losses, ref_params, f"qwen2_5_vl lora {name}",
                                       model=model())
         if cfg.dims.tp > 1:
@@ -101,8 +101,8 @@ def _lora(rank, world):
 def _refusals(rank, world):
     config = vlm_config("qwen3_vl", text_config={"num_hidden_layers": 3})
     with pytest.raises(ValueError, match="the first pipeline stage must hold at least 2 of its layers"):
-        Booster(plugin=HybridParallelPlugin(HybridParallelConfig(pipeline=PipelineConfig(
-            pp_size=2, num_microbatches=2)))).boost(build_vlm(config))
+        Booster(plugin=HybridParallelPlugin(HybridParallelConfig(pp_size=2, pipeline=PipelineConfig(
+            num_microbatches=2)))).boost(build_vlm(config))
     import transformers as tfm
     mllama = tfm.MllamaConfig(
         text_config=dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,

@@ -32,23 +32,22 @@ __all__ = ["HybridParallelPlugin", "HybridParallelModule", "colossalai_config"]
 CONTEXT_MODES = ("all_to_all", "ring_attn")     # ColossalAI's modes over a sequence axis of their own
 
 
-def _context(a: dict) -> tuple[int, str | None, dict]:
-    """ColossalAI's sequence-parallel keywords as (cp_size, cp_mode, the ShardConfig fields), as ColossalAI
-    reads them. The modes with an sp group of their own (all_to_all, ring_attn) become the context axis
-    (meshboost's cp); with sp_size None or 1 that group holds one rank and splits nothing, so they run as
-    no sequence parallelism at all (ColossalAI's numbers). split_gather and ColossalAI's "ring"
-    (split_gather's layout with ring exchanges, the same numbers: ShardConfig runs it as split_gather) split
-    the sequence over the tp group: an sp_size given with them is ignored (ColossalAI logs that it follows
-    tp_size), and they need tp_size > 1 when an sp_size asks for a split (ColossalAI refuses tp_size 1)."""
+def _context(a: dict) -> tuple[int, str | None, bool, str | None]:
+    """ColossalAI's sequence-parallel keywords as (cp_size, cp_mode, sequence_parallel: the record's tp mode,
+    the ShardConfig's sequence_parallelism_mode), as ColossalAI reads them. The modes with an sp group of
+    their own (all_to_all, ring_attn) become the context axis (meshboost's cp); with sp_size None or 1 that
+    group holds one rank and splits nothing, so they run as no sequence parallelism at all (ColossalAI's
+    numbers). split_gather and ColossalAI's "ring" (split_gather's layout with ring exchanges, the same
+    numbers: ShardConfig runs it as split_gather) split the sequence over the tp group, the record's tp mode:
+    an sp_size given with them is ignored (ColossalAI logs that it follows tp_size), and they need
+    tp_size > 1 when an sp_size asks for a split (ColossalAI refuses tp_size 1)."""
     sp_size, mode, enabled = a["sp_size"], a["sequence_parallelism_mode"], a["enable_sequence_parallelism"]
-    shard = {"enable_sequence_parallelism": enabled, "sequence_parallelism_mode": mode}
-    off = {"enable_sequence_parallelism": False, "sequence_parallelism_mode": None}
     if enabled and mode in CONTEXT_MODES:
         if sp_size in (None, 1):
             say("meshboost: sequence_parallelism_mode=%r with sp_size=%r: a sequence group of one rank, nothing is "
                 "split (as ColossalAI); pass sp_size > 1 to split every sequence over that many ranks", mode, sp_size)
-            return 1, None, off
-        return sp_size, mode, off
+            return 1, None, False, None
+        return sp_size, mode, False, None
     if sp_size not in (None, 1):
         if not enabled:
             raise ValueError(f"sp_size={sp_size!r} with enable_sequence_parallelism=False: sp_size is the sequence "
@@ -66,7 +65,7 @@ def _context(a: dict) -> tuple[int, str | None, dict]:
                              f"sequence_parallelism_mode='all_to_all' (or 'ring_attn') with sp_size={sp_size}")
         say("meshboost: sp_size=%r is ignored with sequence_parallelism_mode=%r: the sequence is split over the "
             "tp_size=%d tensor-parallel ranks (as ColossalAI: sp_size follows tp_size)", sp_size, mode, a["tp_size"])
-    return 1, None, shard
+    return 1, None, bool(enabled), mode
 
 
 def _refuse_unsupported(scheduler_nodes, dp_outside, overlap_allgather, inner_ring_size) -> None:
@@ -95,8 +94,8 @@ def colossalai_config(a: dict) -> HybridParallelConfig:
     _refuse_unsupported(a["scheduler_nodes"], a["dp_outside"], a["overlap_allgather"], a["inner_ring_size"])
     # before ZeroConfig, whose cpu_offload refusal at zero_stage=3 would point away from HSDP
     check_replicate(a["dp_replicate_size"], a["zero_stage"], a["cpu_offload"])
-    cp_size, cp_mode, sequence = _context(a)
-    sharding = ShardConfig(**sequence, **{k: a[k] for k in (
+    cp_size, cp_mode, sequence_parallel, sequence_mode = _context(a)
+    sharding = ShardConfig(sequence_parallelism_mode=sequence_mode, **{k: a[k] for k in (
         "enable_tensor_parallelism", "parallel_output", "make_vocab_size_divisible_by", "enable_flash_attention",
         "enable_fused_normalization", "enable_jit_fused", "enable_sequence_overlap", "enable_all_optimization")})
     scaler = GradScalerConfig(**{k: a[k] for k in (
@@ -106,9 +105,10 @@ def colossalai_config(a: dict) -> HybridParallelConfig:
                       bucket_elements(a["zero_bucket_size_in_m"], "zero_bucket_size_in_m"),
                       cpu_offload=a["cpu_offload"], communication_dtype=a["communication_dtype"])
     return HybridParallelConfig(
-        tp_size=a["tp_size"], cp_size=cp_size, cp_mode=cp_mode, sharding=sharding, custom_policy=a["custom_policy"],
-        pipeline=PipelineConfig(a["pp_size"], a["pp_style"], a["num_model_chunks"], a["num_microbatches"],
-                                a["microbatch_size"], a["num_layers_per_stage"]),
+        tp_size=a["tp_size"], pp_size=a["pp_size"], cp_size=cp_size, cp_mode=cp_mode,
+        sequence_parallel=sequence_parallel, sharding=sharding, custom_policy=a["custom_policy"],
+        pipeline=PipelineConfig(a["pp_style"], a["num_model_chunks"], a["num_microbatches"], a["microbatch_size"],
+                                a["num_layers_per_stage"]),
         precision=PrecisionConfig(a["precision"], a["max_norm"], 2.0, scaler), zero=zero,
         ddp=DDPConfig(a["broadcast_buffers"], a["ddp_bucket_cap_mb"], a["find_unused_parameters"],
                       a["check_reduction"], a["gradient_as_bucket_view"], a["static_graph"]),
@@ -125,14 +125,16 @@ class HybridParallelPlugin(CorePlugin):
     tp_size, custom_policy, enable_tensor_parallelism, parallel_output, make_vocab_size_divisible_by,
         enable_sequence_parallelism, enable_flash_attention, enable_fused_normalization, enable_jit_fused,
         enable_sequence_overlap, enable_all_optimization, sequence_parallelism_mode: sharding and kernels
-        (`meshboost.shardformer.ShardConfig`, docs/optimizations.md); sp_size with
+        (`meshboost.shardformer.ShardConfig`, docs/optimizations.md), enable_sequence_parallelism with
+        'split_gather' (or 'ring') the layout record's tp mode (`config.dims.sequence_parallel`); sp_size with
         enable_sequence_parallelism=True and sequence_parallelism_mode='all_to_all' or 'ring_attn': the
         context axis, meshboost's cp (`HybridParallelConfig(cp_size=...)`, `config.dims.cp`, the plugin's
         `sp_size`; docs/sequence_parallel.md), with sp_size None or 1 a group of one rank (nothing split); with
         'split_gather' or 'ring' (run as split_gather: the same numbers) the sequence is split over tp and an
         sp_size is ignored, said once on rank 0 (it follows tp_size, as in ColossalAI).
-    pp_size, num_microbatches / microbatch_size (one required with pp_size > 1), pp_style ("1f1b" |
-        "interleaved"), num_model_chunks, num_layers_per_stage: `meshboost.pipeline.PipelineConfig`.
+    pp_size: the layout record's pipeline degree (`config.dims.pp`); num_microbatches / microbatch_size (one
+        required with pp_size > 1), pp_style ("1f1b" | "interleaved"), num_model_chunks, num_layers_per_stage:
+        `meshboost.pipeline.PipelineConfig`.
     precision ("fp32" | "fp16" | "bf16"), max_norm (global-norm clipping when > 0), initial_scale,
         min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale,
         max_skips_at_min_scale (fp16's dynamic loss scale): `meshboost.optim.PrecisionConfig`.
@@ -203,6 +205,6 @@ class HybridParallelPlugin(CorePlugin):
         self.stage_manager = PipelineStageManager(
             self.pg_mesh, self.pp_axis, enable_interleave=pc.pp_style == "interleaved",
             num_model_chunks=pc.num_model_chunks, num_layers_per_stage=pc.num_layers_per_stage) \
-            if pc.pp_size > 1 else None
+            if self.pp_size > 1 else None
         # ColossalAI's tests read the stage manager through the shard config too (None at pp_size 1)
         self.shard_config = dataclasses.replace(self.shard_config, pipeline_stage_manager=self.stage_manager)
