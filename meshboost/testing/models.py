@@ -220,6 +220,28 @@ def vocab_edge_batch(class_name: str, config, tp_size: int, batch: int = 4, seq:
     return out
 
 
+def token_batches(config, steps: int, batch: int = 4, seq: int = 8, seed: int = 5, *, num_labels: int | None = None,
+                  attention_mask: bool = False, ignored: bool = False) -> list[dict]:
+    """`steps` batches of random token ids in 1..vocab-1, drawn in order from one generator seeded with `seed`
+    (the same on every rank). Labels are the ids (a causal LM's; `ignored`: row 1's first 3 are -100), or with
+    `num_labels` one class per row (a sequence classifier's, drawn after its batch's ids); `attention_mask`
+    adds an all-ones mask. Without `ignored` every row holds as many labelled tokens: the mean of the replicas'
+    mean losses is then the whole batch's."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(1, config.vocab_size, (batch, seq), generator=g)
+        if num_labels is not None:
+            labels = torch.randint(0, num_labels, (batch,), generator=g)
+        else:
+            labels = ids.clone()
+            if ignored:
+                labels[1, :3] = -100
+        out.append({"input_ids": ids} | ({"attention_mask": torch.ones_like(ids)} if attention_mask else {})
+                   | {"labels": labels})
+    return out
+
+
 def tiny_batch(class_name: str, config, batch: int = 4, seq: int = 8, seed: int = 1) -> dict:
     """Inputs (with labels matching the head) for one step; identical on every rank."""
     g = torch.Generator().manual_seed(seed)

@@ -16,6 +16,7 @@ import transformers as tfm
 
 from meshboost.distributed.param_info import gather_tensor, get_tp_info
 from meshboost.testing.compare import StepGradients, assert_close, booster_backward, gradients_checked
+from meshboost.testing.models import token_batches
 
 # eps=1e-4: Adam turns a near-zero gradient (an embedding row no token used) into a +-lr step whose sign
 # round-off decides; the comparisons are about the layout, not that sign (as the other plugin tests)
@@ -64,14 +65,7 @@ def build_causal_lm(config, seed: int = 0) -> torch.nn.Module:
 
 def causal_batches(config, steps: int, batch: int = 4, seq: int = 8, seed: int = 5) -> list[dict]:
     """`steps` batches of input_ids and labels (a few labels ignored), the same on every rank."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        ids = torch.randint(1, config.vocab_size, (batch, seq), generator=g)
-        labels = ids.clone()
-        labels[1, :3] = -100
-        out.append({"input_ids": ids, "labels": labels})
-    return out
+    return token_batches(config, steps, batch, seq, seed, ignored=True)
 
 
 def train_whole(config, batches, replicas: int = 1, model=None, max_norm: float = 0.0, norms: list | None = None,
