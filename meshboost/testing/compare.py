@@ -5,6 +5,7 @@ hidden states, gradients gathered along their split dim, and weights after one A
 `StepGradients` / `gradients_checked` give every layout test the same comparison of one step's
 reduced gradients and global norm with one process's: AdamW largely cancels a uniform gradient
 scale, so losses and weights after AdamW steps alone pass a reducer off by a constant factor.
+`train_reference` is the one-process training run the layout tests compare with (a `Reference`).
 """
 
 from __future__ import annotations

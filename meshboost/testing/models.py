@@ -1,5 +1,6 @@
-"""Tiny model zoo: configs for fast tests (no downloads). Sizes divide by tp 1, 2 and 4; vocab
-sizes deliberately do not, so vocab padding is always exercised."""
+"""Tiny model zoo: configs for fast tests (no downloads) and their inputs (`tiny_batch` per head, `token_batches`
+of random tokens). Sizes divide by tp 1, 2 and 4; vocab sizes deliberately do not, so vocab padding is always
+exercised."""
 
 from __future__ import annotations
 
