@@ -51,6 +51,19 @@ def check_numbers(args: argparse.Namespace, rules: dict, spell) -> None:
             raise UsageError(f"{spell(dest)}={value} must be {what}")
 
 
+def check_lora_targets(args: argparse.Namespace, spell, example: str) -> None:
+    """With --lora, --lora-targets must name at least one module (`example`: what to pass instead)."""
+    if args.lora and not [t for t in args.lora_targets.split(",") if t]:
+        raise UsageError(f"{spell('lora_targets')} {args.lora_targets!r} names no module; pass e.g. {example}")
+
+
+def check_microbatches(args: argparse.Namespace, spell) -> None:
+    """With --pp > 1 the batch must split into equal pipeline micro-batches."""
+    if args.pp > 1 and args.batch_size % (args.microbatch_size or 1):
+        raise UsageError(f"{spell('batch_size')} {args.batch_size} must be a multiple of {spell('microbatch_size')} "
+                         f"{args.microbatch_size} (pipeline micro-batches are equal)")
+
+
 def check_file(flag: str, value: str | None) -> None:
     if value is not None and not Path(value).expanduser().is_file():
         kind = "a folder, not a file" if Path(value).expanduser().is_dir() else "no such file"

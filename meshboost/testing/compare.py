@@ -5,6 +5,7 @@ hidden states, gradients gathered along their split dim, and weights after one A
 `StepGradients` / `gradients_checked` give every layout test the same comparison of one step's
 reduced gradients and global norm with one process's: AdamW largely cancels a uniform gradient
 scale, so losses and weights after AdamW steps alone pass a reducer off by a constant factor.
+`train_reference` is the one-process training run the layout tests compare with (a `Reference`).
 """
 
 from __future__ import annotations
@@ -120,18 +121,50 @@ def booster_step(booster, model, optimizer, batch: dict) -> torch.Tensor:
     return loss
 
 
-def train_reference(model, optimizer, batches, max_norm: float = 0.0) -> tuple[list[float], list[float]]:
-    """Single-process training on whole batches (the unsharded reference of the plugin tests): per step
-    the model's loss and the global grad norm (clipped to `max_norm` when > 0). Returns (losses, norms)."""
-    losses, norms = [], []
+def hf_loss(model, batch: dict) -> torch.Tensor:
+    """The model's own loss on `batch` (a HuggingFace model with labels in the batch)."""
+    return model(**batch).loss
+
+
+@dataclass
+class Reference:
+    """One process's training run, the unsharded truth a layout's run is compared with."""
+
+    losses: list[float]                 # each step's loss (accumulating: the sum of its pieces' loss / pieces)
+    norms: list[float]                  # each step's global gradient norm, before clipping
+    first: "StepGradients"              # the first step's gradients, before clipping and the step
+    model: torch.nn.Module              # after the last step
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The model's parameters after the last step, by every name (each name of a tied weight)."""
+        return dict(self.model.named_parameters(remove_duplicate=False))
+
+
+def train_reference(model, optimizer, batches, max_norm: float = 0.0, *, scheduler=None, loss=hf_loss,
+                    pieces: int = 1) -> Reference:
+    """Single-process training on whole batches, the unsharded reference of the layout tests: per step
+    `loss(model, batch)` backward (`pieces` > 1: the batch's rows cut in `pieces` run one after another, each
+    loss divided by `pieces`: gradient accumulation), the global grad norm (clipped to `max_norm` when > 0;
+    clipping to infinity leaves every gradient bitwise as it was), `optimizer.step()`, zero_grad, then
+    `scheduler.step()` when given."""
+    losses, norms, first = [], [], None
     for batch in batches:
-        loss = model(**batch).loss
-        loss.backward()
+        parts = [batch] if pieces == 1 else [{k: v.chunk(pieces)[i] for k, v in batch.items()} for i in range(pieces)]
+        total = 0.0
+        for part in parts:
+            part_loss = loss(model, part) / pieces
+            part_loss.backward()
+            total += part_loss.item()
+        if first is None:
+            first = StepGradients.of(model)
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf")).item())
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, norms
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(total)
+    return Reference(losses, norms, first, model)
 
 
 @dataclass(frozen=True)

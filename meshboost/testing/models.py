@@ -1,5 +1,6 @@
-"""Tiny model zoo: configs for fast tests (no downloads). Sizes divide by tp 1, 2 and 4; vocab
-sizes deliberately do not, so vocab padding is always exercised."""
+"""Tiny model zoo: configs for fast tests (no downloads) and their inputs (`tiny_batch` per head, `token_batches`
+of random tokens). Sizes divide by tp 1, 2 and 4; vocab sizes deliberately do not, so vocab padding is always
+exercised."""
 
 from __future__ import annotations
 
@@ -217,6 +218,28 @@ def vocab_edge_batch(class_name: str, config, tp_size: int, batch: int = 4, seq:
     out["input_ids"] = ids
     if "labels" in out and out["labels"].shape == ids.shape:
         out["labels"] = ids.masked_fill(out["labels"] == -100, -100)
+    return out
+
+
+def token_batches(config, steps: int, batch: int = 4, seq: int = 8, seed: int = 5, *, num_labels: int | None = None,
+                  attention_mask: bool = False, ignored: bool = False) -> list[dict]:
+    """`steps` batches of random token ids in 1..vocab-1, drawn in order from one generator seeded with `seed`
+    (the same on every rank). Labels are the ids (a causal LM's; `ignored`: row 1's first 3 are -100), or with
+    `num_labels` one class per row (a sequence classifier's, drawn after its batch's ids); `attention_mask`
+    adds an all-ones mask. Without `ignored` every row holds as many labelled tokens: the mean of the replicas'
+    mean losses is then the whole batch's."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(1, config.vocab_size, (batch, seq), generator=g)
+        if num_labels is not None:
+            labels = torch.randint(0, num_labels, (batch,), generator=g)
+        else:
+            labels = ids.clone()
+            if ignored:
+                labels[1, :3] = -100
+        out.append({"input_ids": ids} | ({"attention_mask": torch.ones_like(ids)} if attention_mask else {})
+                   | {"labels": labels})
     return out
 
 

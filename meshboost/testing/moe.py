@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 
 import torch
 import torch.distributed as dist
@@ -15,7 +16,8 @@ from torch.distributed.tensor import DTensor
 import transformers as tfm
 
 from meshboost.distributed.param_info import gather_tensor, get_tp_info
-from meshboost.testing.compare import StepGradients, assert_close, booster_backward, gradients_checked
+from meshboost.testing.compare import assert_close, booster_backward, gradients_checked, hf_loss, train_reference
+from meshboost.testing.models import token_batches
 
 # eps=1e-4: Adam turns a near-zero gradient (an embedding row no token used) into a +-lr step whose sign
 # round-off decides; the comparisons are about the layout, not that sign (as the other plugin tests)
@@ -64,14 +66,7 @@ def build_causal_lm(config, seed: int = 0) -> torch.nn.Module:
 
 def causal_batches(config, steps: int, batch: int = 4, seq: int = 8, seed: int = 5) -> list[dict]:
     """`steps` batches of input_ids and labels (a few labels ignored), the same on every rank."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        ids = torch.randint(1, config.vocab_size, (batch, seq), generator=g)
-        labels = ids.clone()
-        labels[1, :3] = -100
-        out.append({"input_ids": ids, "labels": labels})
-    return out
+    return token_batches(config, steps, batch, seq, seed, ignored=True)
 
 
 def train_whole(config, batches, replicas: int = 1, model=None, max_norm: float = 0.0, norms: list | None = None,
@@ -83,31 +78,27 @@ def train_whole(config, batches, replicas: int = 1, model=None, max_norm: float 
     are those of the tokens it holds). max_norm > 0: gradients clipped to it, each step's global norm
     appended to `norms`. first: the first step's gradients (`StepGradients`) appended to it."""
     model = build_causal_lm(config) if model is None else model
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    losses = []
-    for b in batches:
-        if replicas == 1:
-            loss = model(**b).loss
-        else:
-            shares = [{k: v.chunk(replicas)[r] for k, v in b.items()} for r in range(replicas)]
-            items = sum(int((h["labels"][:, 1:] != -100).sum()) for h in shares)
-            loss = 0
-            for h in shares:
-                out = model(**h)
-                ce_mean = out.loss - config.router_aux_loss_coef * out.aux_loss
-                loss = loss + ce_mean * int((h["labels"][:, 1:] != -100).sum()) / items \
-                    + config.router_aux_loss_coef * out.aux_loss / replicas
-        loss.backward()
-        if first is not None and not losses:
-            first.append(StepGradients.of(model))
-        if max_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            if norms is not None:
-                norms.append(norm.item())
-        opt.step(), opt.zero_grad()
-        losses.append(loss.item())
-    return losses, dict(model.named_parameters())
+    loss = hf_loss if replicas == 1 else functools.partial(_replicas_loss, config=config, replicas=replicas)
+    ref = train_reference(model, torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS), batches, max_norm, loss=loss)
+    if max_norm > 0 and norms is not None:
+        norms.extend(ref.norms)
+    if first is not None and ref.first is not None:
+        first.append(ref.first)
+    return ref.losses, dict(model.named_parameters())
 
+
+def _replicas_loss(model, batch: dict, config, replicas: int) -> torch.Tensor:
+    """The objective `replicas` data-parallel replicas train (DDP's semantics for the load-balancing loss): the
+    whole batch's cross-entropy plus the mean over the replicas' shares of each share's own load-balancing loss."""
+    shares = [{k: v.chunk(replicas)[r] for k, v in batch.items()} for r in range(replicas)]
+    items = sum(int((h["labels"][:, 1:] != -100).sum()) for h in shares)
+    loss = 0
+    for h in shares:
+        out = model(**h)
+        ce_mean = out.loss - config.router_aux_loss_coef * out.aux_loss
+        loss = loss + ce_mean * int((h["labels"][:, 1:] != -100).sum()) / items \
+            + config.router_aux_loss_coef * out.aux_loss / replicas
+    return loss
 
 
 def train_whole_with_bias(config, batches, rate: float):

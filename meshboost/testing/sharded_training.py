@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from meshboost.booster import Booster
 from meshboost.distributed.param_info import gather_tensor, get_tp_info
 from meshboost.plugins import HybridParallelPlugin
-from meshboost.testing.compare import StepGradients, gradients_checked
+from meshboost.testing.compare import gradients_checked, train_reference
 from meshboost.testing.tolerance import assert_close
 from meshboost.testing.moe import EPS, LR
 
@@ -30,18 +30,9 @@ def reference_run(model, batches, max_norm=0.0):
     """One process on the whole batches: (losses, first step's gradients (`StepGradients`: by every name,
     GPT-2's LM head is its embedding and a pipeline's last stage holds it as lm_head), weights after the
     last step, each step's gradient norm before clipping to `max_norm` when > 0)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    losses, grads, norms = [], None, []
-    for batch in batches:
-        loss = model(**batch).loss
-        loss.backward()
-        if grads is None:
-            grads = StepGradients.of(model)
-        if max_norm:
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
-        opt.step(), opt.zero_grad()
-        losses.append(loss.item())
-    return losses, grads, {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}, norms
+    ref = train_reference(model, torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS), batches, max_norm)
+    weights = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
+    return ref.losses, ref.first, weights, ref.norms if max_norm else []
 
 
 def dp_step(booster, plugin, model, opt, batch) -> float:

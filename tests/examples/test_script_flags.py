@@ -21,13 +21,12 @@ import importlib.util
 import math
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.examples.torchrun import ROOT, run_example
+
 CAUSAL = ROOT / "examples" / "language" / "causal_lm" / "finetune.py"
 BERT = ROOT / "examples" / "language" / "bert" / "finetune.py"
 ANY_VALUE = {"seed"}          # int flags every value of which is fine (launch takes seed % 2**32)
@@ -165,12 +164,7 @@ def test_main_command_installs_what_the_records_need():
 
 
 def test_typo_prints_usage_once_under_torchrun(tmp_path):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(key, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(CAUSAL),
-           "--max-stepz", "3", "--output-dir", str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    proc = run_example(CAUSAL, "--max-stepz", "3", "--output-dir", str(tmp_path), nproc=2, cwd=tmp_path, timeout=240)
     assert proc.returncode != 0
     assert proc.stderr.count("usage: finetune.py") == 1, proc.stderr[-3000:]
     assert proc.stderr.count("unrecognized arguments: --max-stepz 3") == 1, proc.stderr[-3000:]

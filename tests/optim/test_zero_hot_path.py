@@ -33,6 +33,7 @@ from meshboost.distributed.profiling import comm_counter
 from meshboost.optim import MixedPrecisionOptimizer, PrecisionConfig, ZeroConfig, ZeroOptimizer
 from meshboost.optim.memory import memory_breakdown
 from meshboost.testing import spawn
+from meshboost.testing.compare import train_reference
 
 BUCKET = 100            # elements: the MLP's buckets are [Linear(24, 4)], [bias of Linear(16, 24)], [its weight]
 STEPS = 3
@@ -73,15 +74,12 @@ def _loss(model, x, y, dtype=torch.float32):
     return nn.functional.mse_loss(model(x.to(dtype)).float(), y)
 
 
-def _reference(make, data, max_norm=0.0):
+def _reference(make, data):
+    """One process on the whole batches: (the model after the steps, each step's global gradient norm)."""
     model = make()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
-    norms = []
-    for x, y in data:
-        _loss(model, x, y).backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf")).item())
-        opt.step(), opt.zero_grad()
-    return model, norms
+    ref = train_reference(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4), data,
+                          loss=lambda model, batch: _loss(model, *batch))
+    return model, ref.norms
 
 
 def _mine(t, mesh):

@@ -20,18 +20,12 @@ from meshboost.plugins import HybridParallelConfig, HybridParallelPlugin
 from meshboost.shardformer import ShardConfig
 from meshboost.shardformer.compile import CompileConfig, draws_dropout
 from meshboost.testing import spawn
-from meshboost.testing.compare import booster_step, gathered
-from meshboost.testing.models import build_model, tiny_config
+from meshboost.testing.compare import booster_step, gathered, train_reference
+from meshboost.testing.models import build_model, tiny_config, token_batches
 from meshboost.testing.moe import build_causal_lm, moe_config
 
 STEPS, BATCH, SEQ = 3, 4, 8
 EAGER = CompileConfig(backend="aot_eager")
-
-
-def _batches(config, seed=3):
-    g = torch.Generator().manual_seed(seed)
-    ids = [torch.randint(1, config.vocab_size, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
-    return [{"input_ids": i, "labels": i.clone()} for i in ids]
 
 
 def _llama(layers=2, checkpointing=False, lora=False):
@@ -52,18 +46,6 @@ def _moe():
     return build_causal_lm(moe_config("qwen3_moe"))
 
 
-def _reference(build, batches):
-    model = build()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, eps=1e-4)
-    losses = []
-    for b in batches:
-        loss = model(**b).loss
-        loss.backward()
-        opt.step(), opt.zero_grad()
-        losses.append(loss.item())
-    return losses, dict(model.named_parameters())
-
-
 def _check_weights(what, model, expected: dict) -> None:
     """Every weight this rank holds (its stages'), gathered from its shards, equals the eager run's."""
     for name, p in model.unwrap().named_parameters():
@@ -79,8 +61,10 @@ def _graphs() -> int:
 def _run_layout(what, build, config: HybridParallelConfig, graphs_per_stack: int = 1):
     torch._dynamo.reset()
     model = build()
-    batches = _batches(model.config)
-    ref, ref_weights = _reference(build, batches)
+    batches = token_batches(model.config, STEPS, BATCH, SEQ, seed=3)
+    eager = build()
+    ref = train_reference(eager, torch.optim.AdamW([p for p in eager.parameters() if p.requires_grad], lr=1e-3,
+                                                   eps=1e-4), batches)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, eps=1e-4)
     plugin = HybridParallelPlugin(config)
     booster = Booster(plugin=plugin)
@@ -94,9 +78,10 @@ def _run_layout(what, build, config: HybridParallelConfig, graphs_per_stack: int
             dist.all_reduce(loss, group=mesh.dp_group)
             loss /= mesh.dp_size
         got = loss.item()
-        assert abs(got - ref[step]) <= 1e-4 * abs(ref[step]), f"{what} step {step}: {got} vs eager {ref[step]}"
+        assert abs(got - ref.losses[step]) <= 1e-4 * abs(ref.losses[step]), \
+            f"{what} step {step}: {got} vs eager {ref.losses[step]}"
         seen.append(_graphs() - base)
-    _check_weights(what, model, ref_weights)
+    _check_weights(what, model, ref.weights)
     # each block's first call eager (a pipeline's later micro-batches of step 1 are compiled), then the
     # stack compiled once (identical blocks share the graph), and step 3 compiles nothing
     if graphs_per_stack is not None:

@@ -28,8 +28,8 @@ from meshboost.shardformer import ShardConfig
 from meshboost.shardformer.compile import CompileConfig
 from meshboost.shardformer.float8 import Float8Config, convert_float8
 from meshboost.testing import spawn
-from meshboost.testing.compare import booster_step
-from meshboost.testing.models import build_model, tiny_config
+from meshboost.testing.compare import booster_step, train_reference
+from meshboost.testing.models import build_model, tiny_config, token_batches
 
 pytest.importorskip("torchao")
 STEPS, BATCH, SEQ = 3, 4, 8
@@ -39,37 +39,18 @@ def _model():
     return build_model("LlamaForCausalLM", tiny_config("llama"))
 
 
-def _batches(config, seed=3):
-    g = torch.Generator().manual_seed(seed)
-    ids = [torch.randint(1, config.vocab_size, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
-    return [{"input_ids": i, "labels": i.clone()} for i in ids]
-
-
-def _reference(float8: Float8Config, batches, pieces: int):
-    """torchao's float8 on one process: each step the batch's `pieces` run one after another, mean loss."""
-    model = _model()
-    convert_float8(model, float8, "cpu")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)
-    losses = []
-    for b in batches:
-        total = 0.0
-        for piece in range(pieces):
-            loss = model(**{k: v.chunk(pieces)[piece] for k, v in b.items()}).loss / pieces
-            loss.backward()
-            total += loss.item()
-        opt.step(), opt.zero_grad()
-        losses.append(total)
-    return losses, model
-
-
 def _run_layout(what, config: HybridParallelConfig, pieces: int, save_to=None):
     from torchao.float8.float8_linear import Float8Linear
 
     from meshboost.shardformer.float8_parallel import Float8Product, ScaledFloat8Linear
 
     model = _model()
-    batches = _batches(model.config)
-    ref, ref_model = _reference(config.float8, batches, pieces)
+    batches = token_batches(model.config, STEPS, BATCH, SEQ, seed=3)
+    # torchao's float8 on one process: each step the batch's `pieces` run one after another, mean loss
+    ref_model = _model()
+    convert_float8(ref_model, config.float8, "cpu")
+    ref = train_reference(ref_model, torch.optim.AdamW(ref_model.parameters(), lr=1e-3, eps=1e-4), batches,
+                          pieces=pieces).losses
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)
     plugin = HybridParallelPlugin(config)
     booster = Booster(plugin=plugin)

@@ -34,22 +34,10 @@ from meshboost.plugins.fsdp_optimizer import FSDPOptimizer
 from meshboost.plugins.fsdp_wrap import shard_units
 from meshboost.testing import LOSS_ATOL, spawn
 from meshboost.testing.compare import train_reference
-from meshboost.testing.models import build_model, tiny_config
+from meshboost.testing.models import build_model, tiny_config, token_batches
 
 STEPS, LR = 3, 1e-3
 LLAMA, BERT = "LlamaForCausalLM", "BertForSequenceClassification"
-
-
-def _batches(cls, config, n=STEPS, seed=5):
-    """Full batches of 8 the reference trains on; every rank's half holds the same number of
-    labelled items, so the mean of the ranks' mean losses is the full batch's."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(1, config.vocab_size, (8, 8), generator=g)
-        labels = ids.clone() if cls == LLAMA else torch.randint(0, config.num_labels, (8,), generator=g)
-        out.append({"input_ids": ids, "labels": labels})
-    return out
 
 
 def _mine(batch, rank, world, parts=1):
@@ -59,12 +47,6 @@ def _mine(batch, rank, world, parts=1):
 def _fresh(cls, config, seed=0):
     model = build_model(cls, copy.deepcopy(config), seed=seed)
     return model, torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-4)
-
-
-def _reference(cls, config, batches, max_norm=0.0):
-    model, opt = _fresh(cls, config)
-    losses, norms = train_reference(model, opt, batches, max_norm)
-    return losses, norms, dict(model.named_parameters())
 
 
 def _mean_over_ranks(value, world):
@@ -133,8 +115,8 @@ def _equivalence(rank, world):
     ]
     for what, cls, make_plugin, max_norm, seed in cases:
         config = tiny_config("llama" if cls == LLAMA else "bert")
-        batches = _batches(cls, config)
-        ref_losses, ref_norms, ref = _reference(cls, config, batches, max_norm)
+        batches = token_batches(config, STEPS, batch=8, num_labels=config.num_labels if cls == BERT else None)
+        ref = train_reference(*_fresh(cls, config), batches, max_norm)
         plugin = make_plugin()
         booster = Booster(plugin=plugin)
         model, opt, *_ = booster.boost(*_fresh(cls, config, seed))
@@ -142,24 +124,24 @@ def _equivalence(rank, world):
         layers = [m for m in model.unwrap().modules() if isinstance(m, (LlamaDecoderLayer, BertLayer))]
         assert len(layers) == config.num_hidden_layers and all(m in model.units for m in layers), what
         losses = _train(booster, model, opt, batches, rank, world)
-        for step, (got, want) in enumerate(zip(losses, ref_losses)):
+        for step, (got, want) in enumerate(zip(losses, ref.losses)):
             assert abs(got - want) <= LOSS_ATOL[torch.float32], f"{what} step {step}: loss {got} vs {want}"
         if max_norm:
-            assert abs(opt.get_grad_norm() - ref_norms[-1]) <= 1e-5 * max(1.0, ref_norms[-1]), what
+            assert abs(opt.get_grad_norm() - ref.norms[-1]) <= 1e-5 * max(1.0, ref.norms[-1]), what
         if plugin.config.cpu_offload:
             local = [p.to_local() for p in model.unwrap().parameters()]
             states = [v for s in opt.state.values() for v in s.values() if isinstance(v, DTensor)]
             assert states and all(t.device.type == "cpu" for t in local + [s.to_local() for s in states]), what
         _check_memory(model, opt, rank, world, what)
         for name, weight in _full(model).items():
-            torch.testing.assert_close(weight, ref[name].detach(), rtol=0, atol=1e-5, msg=f"{what}: {name}")
+            torch.testing.assert_close(weight, ref.weights[name].detach(), rtol=0, atol=1e-5, msg=f"{what}: {name}")
 
 
 def _precisions(rank, world):
     config = tiny_config("llama")
-    batch = _batches(LLAMA, config, n=1)[0]
+    batch = token_batches(config, 1, batch=8)[0]
     (part,) = _mine(batch, rank, world)
-    ref_loss = _reference(LLAMA, config, [batch])[0][0]
+    ref_loss = train_reference(*_fresh(LLAMA, config), [batch]).losses[0]
     bf16_mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
     for what, plugin, dtype in (("Gemini bf16", GeminiPlugin(precision="bf16"), torch.bfloat16),
                                 ("TorchFSDP bf16", TorchFSDPPlugin(mixed_precision=bf16_mp), torch.bfloat16),
@@ -191,8 +173,8 @@ def _precisions(rank, world):
 
 def _no_sync(rank, world):
     config = tiny_config("llama")
-    batch = _batches(LLAMA, config, n=1)[0]
-    _, _, ref = _reference(LLAMA, config, [batch])
+    batch = token_batches(config, 1, batch=8)[0]
+    ref = train_reference(*_fresh(LLAMA, config), [batch]).weights
     booster = Booster(plugin=GeminiPlugin(precision="fp32"))
     model, opt, *_ = booster.boost(*_fresh(LLAMA, config))
     first, second = _mine(batch, rank, world, parts=2)
@@ -208,7 +190,7 @@ def _checkpoints(rank, world, folder):
     import transformers
 
     config = tiny_config("llama")
-    batches = _batches(LLAMA, config, n=3, seed=9)
+    batches = token_batches(config, 3, batch=8, seed=9)
 
     def boosted(plugin=None):
         booster = Booster(plugin=plugin or GeminiPlugin(precision="fp32", max_norm=1.0))
@@ -307,7 +289,7 @@ def _refusals(rank, world):
     with pytest.raises(NotImplementedError, match="meta device"):
         booster.boost(meta)
     model, opt = _fresh(LLAMA, config)
-    model(**_batches(LLAMA, config, n=1)[0]).loss.backward()
+    model(**token_batches(config, 1, batch=8)[0]).loss.backward()
     opt.step()
     booster.boost(model, opt)     # a stepped optimizer's state is carried (test_colossalai_suite.py checks it)
     with pytest.raises(ValueError, match="cannot be combined"):

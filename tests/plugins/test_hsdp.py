@@ -27,17 +27,11 @@ from meshboost.booster.plugin import HybridParallelPlugin
 from meshboost.distributed.param_info import gather_tensor, get_tp_info
 from meshboost.fsdp import FSDPOptimizer
 from meshboost.testing import LOSS_ATOL, spawn
-from meshboost.testing.models import build_model, tiny_config
+from meshboost.testing.models import build_model, tiny_config, token_batches
 
 LR, STEPS = 1e-3, 2
 LLAMA = "LlamaForCausalLM"
 CONTEXT = dict(sp_size=2, enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all")
-
-
-def _batches(config, n=STEPS, seed=5):
-    g = torch.Generator().manual_seed(seed)
-    return [{"input_ids": (ids := torch.randint(1, config.vocab_size, (4, 8), generator=g)), "labels": ids.clone()}
-            for _ in range(n)]
 
 
 def _fresh(cls, config, seed=0):
@@ -92,7 +86,7 @@ def _equivalence(rank, world):
              ("sp=2 all_to_all x 2 replicas", LLAMA, 0.0, CONTEXT))
     for what, cls, max_norm, kwargs in cases:
         config = tiny_config("llama")
-        batches = _batches(config)
+        batches = token_batches(config, STEPS)
         ref, ref_opt = _fresh(cls, config)
         plugin, booster, model, opt = _boost(cls, config, dp_replicate_size=2, max_norm=max_norm, **kwargs)
         assert isinstance(opt, FSDPOptimizer) and plugin.mesh.dims.dp_replicate == 2, what
@@ -129,7 +123,7 @@ def _checkpoints(rank, world):
     dist.broadcast_object_list(folder, src=0)
     folder = folder[0]
     config = tiny_config("llama")
-    first, second = _batches(config, n=2, seed=9)
+    first, second = token_batches(config, 2, seed=9)
     plugin, booster, model, opt = _boost(LLAMA, config, seed=3, dp_replicate_size=2)
     _step(booster, plugin, model, opt, first)
     saved = {n: _whole(p, p) for n, p in model.unwrap().named_parameters()}
@@ -169,7 +163,7 @@ def _checkpoints(rank, world):
 def _fp16(rank, world):
     """One fp16 step: HSDP 2x2 against ZeRO-3 over dp=4 (both reduce gradients in fp32)."""
     config = tiny_config("llama", num_hidden_layers=1)
-    (batch,) = _batches(config, n=1, seed=7)
+    (batch,) = token_batches(config, 1, seed=7)
     results = {}
     for replicas in (2, 1):
         plugin, booster, model, opt = _boost(LLAMA, config, dp_replicate_size=replicas, precision="fp16",

@@ -15,26 +15,11 @@ from meshboost import Booster
 from meshboost.optim import ZeroOptimizer
 from meshboost.booster.plugin import HybridParallelPlugin
 from meshboost.testing import assert_close, spawn
-from meshboost.testing.compare import booster_step, gathered
-from meshboost.testing.models import build_model, tiny_config
+from meshboost.testing.compare import booster_step, gathered, train_reference
+from meshboost.testing.models import build_model, tiny_config, token_batches
 
 STEPS = 2
 CONFIG = tiny_config("llama", num_hidden_layers=4)
-
-
-def _batches(n=STEPS, batch=8, seq=8):
-    g = torch.Generator().manual_seed(7)
-    ids = [torch.randint(1, CONFIG.vocab_size, (batch, seq), generator=g) for _ in range(n)]
-    return [{"input_ids": i, "labels": i.clone()} for i in ids]
-
-
-def _reference(batches):
-    model = build_model("LlamaForCausalLM", copy.deepcopy(CONFIG))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)
-    for b in batches:
-        model(**b).loss.backward()
-        opt.step(), opt.zero_grad()
-    return dict(model.named_parameters())
 
 
 def _run(batches, **kwargs):
@@ -58,8 +43,9 @@ def _run(batches, **kwargs):
 
 
 def _body(rank, world):
-    batches = _batches()
-    reference = _reference(batches)
+    batches = token_batches(CONFIG, STEPS, batch=8, seed=7)
+    model = build_model("LlamaForCausalLM", copy.deepcopy(CONFIG))
+    reference = train_reference(model, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4), batches).weights
     layouts = [dict(tp_size=2, zero_stage=1), dict(tp_size=2, zero_stage=2),
                dict(tp_size=1, pp_size=2, zero_stage=1, microbatch_size=2)]
     for layout in layouts:
@@ -77,7 +63,7 @@ def _body(rank, world):
             assert_close(gathered(p), reference[name].detach(), msg=f"{where} weight {name} vs single process")
 
     # communication_dtype: bf16 training whose gradients are reduce-scattered in fp32
-    small = _batches(n=2, batch=4, seq=4)
+    small = token_batches(CONFIG, 2, batch=4, seq=4, seed=7)
     bf16 = _run(small, tp_size=2, zero_stage=1, precision="bf16")
     bf16_fp32_reduce = _run(small, tp_size=2, zero_stage=1, precision="bf16", communication_dtype=torch.float32)
     assert bf16_fp32_reduce[3].communication_dtype == torch.float32 and bf16[3].communication_dtype == torch.bfloat16

@@ -15,43 +15,29 @@ from meshboost import Booster
 from meshboost.distributed.param_info import gather_tensor, get_tp_info
 from meshboost.plugins import HybridParallelPlugin, TorchDDPPlugin
 from meshboost.testing import assert_close, spawn
-from meshboost.testing.compare import StepGradients, gradients_checked
-from meshboost.testing.models import build_model, tiny_config
+from meshboost.testing.compare import gradients_checked, train_reference
+from meshboost.testing.models import build_model, tiny_config, token_batches
 
 STEPS = 10
 
 
-def _batches(config, n, batch, seq=8, seed=3):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(1, config.vocab_size, (batch, seq), generator=g)
-        out.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
-    return out
-
-
-def _reference_losses(cls, config, batches, lr):
-    """One process on the whole batches: (per-step losses, the first step's gradients, the model)."""
+def _fresh(cls, config, lr):
+    """A model, its AdamW and its lr schedule (1 / (1 + step)): the same for one process and the boosted run."""
     model = build_model(cls, copy.deepcopy(config))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-4)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    losses, first = [], None
-    for b in batches:
-        loss = model(**b).loss
-        loss.backward()
-        if first is None:
-            first = StepGradients.of(model)
-        opt.step(), opt.zero_grad(), sched.step()
-        losses.append(loss.item())
-    return losses, first, model
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+
+
+def _reference(cls, config, batches, lr):
+    """One process on the whole batches (`Reference`: losses, first step's gradients, model)."""
+    model, opt, sched = _fresh(cls, config, lr)
+    return train_reference(model, opt, batches, scheduler=sched)
 
 
 def _train_boosted(cls, config, batches_for_me, lr, plugin, first, where):
     """Boosted training on this rank's batches; the first step's reduced gradients and global norm
     checked against `first` (one process's)."""
-    model = build_model(cls, copy.deepcopy(config))
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-4)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    model, opt, sched = _fresh(cls, config, lr)
     booster = Booster(plugin=plugin)
     model, opt, _, _, sched = booster.boost(model, opt, lr_scheduler=sched)
     losses = []
@@ -80,12 +66,12 @@ def _tp2_body(rank, world):
     plugin = HybridParallelPlugin(tp_size=2)
     for cls, family in (("GPT2LMHeadModel", "gpt2"), ("LlamaForCausalLM", "llama")):
         config = tiny_config(family)
-        batches = _batches(config, STEPS, batch=4)
-        ref_losses, first, ref = _reference_losses(cls, config, batches, lr=1e-3)
-        losses, boosted = _train_boosted(cls, config, batches, 1e-3, plugin, first, f"{cls} tp=2 step 0")
-        for step, (a, b) in enumerate(zip(losses, ref_losses)):
+        batches = token_batches(config, STEPS, batch=4, seed=3, attention_mask=True)
+        ref = _reference(cls, config, batches, lr=1e-3)
+        losses, boosted = _train_boosted(cls, config, batches, 1e-3, plugin, ref.first, f"{cls} tp=2 step 0")
+        for step, (a, b) in enumerate(zip(losses, ref.losses)):
             assert abs(a - b) <= 1e-5, f"{cls} tp=2 step {step}: loss {a} vs single-process {b}"
-        _compare_weights(boosted, ref, f"{cls} tp=2 after {STEPS} steps")
+        _compare_weights(boosted, ref.model, f"{cls} tp=2 after {STEPS} steps")
 
     # A configuration error is raised identically on every rank, before any collective.
     with pytest.raises(ValueError, match="world_size=2 is not divisible by tp_size x pp_size x cp_size = 4 x 1 x 1"):
@@ -99,12 +85,12 @@ def _tp2_body(rank, world):
 
     # TorchDDPPlugin: plain data parallelism over all ranks equals single-process on the combined batch.
     config = tiny_config("gpt2")
-    batches = _batches(config, 3, batch=4)
-    ref_losses, first, ref = _reference_losses("GPT2LMHeadModel", config, batches, 1e-3)
+    batches = token_batches(config, 3, batch=4, seed=3, attention_mask=True)
+    ref = _reference("GPT2LMHeadModel", config, batches, 1e-3)
     mine = [{k: v.chunk(world)[rank] for k, v in b.items()} for b in batches]
-    losses, boosted = _train_boosted("GPT2LMHeadModel", config, mine, 1e-3, TorchDDPPlugin(), first,
+    losses, boosted = _train_boosted("GPT2LMHeadModel", config, mine, 1e-3, TorchDDPPlugin(), ref.first,
                                      "TorchDDPPlugin dp=2 step 0")
-    _compare_weights(boosted, ref, "TorchDDPPlugin dp=2")
+    _compare_weights(boosted, ref.model, "TorchDDPPlugin dp=2")
 
 
 def _tp2dp2_body(rank, world):
@@ -124,16 +110,16 @@ def _tp2dp2_body(rank, world):
 
     for cls, family in (("LlamaForCausalLM", "llama"), ("BertForSequenceClassification", "bert")):
         config = tiny_config(family)
-        batches = _batches(config, 4, batch=4)
+        batches = token_batches(config, 4, batch=4, seed=3, attention_mask=True)
         if cls.startswith("Bert"):
             for b in batches:
                 b["labels"] = b["input_ids"][:, 0] % 2
-        ref_losses, first, ref = _reference_losses(cls, config, batches, 1e-3)
+        ref = _reference(cls, config, batches, 1e-3)
         mine = [{k: v.chunk(plugin.dp_size)[plugin.mesh.dp_rank] for k, v in b.items()} for b in batches]
-        losses, boosted = _train_boosted(cls, config, mine, 1e-3, plugin, first, f"{cls} tp=2 x dp=2 step 0")
-        for step, (a, b) in enumerate(zip(losses, ref_losses)):
+        losses, boosted = _train_boosted(cls, config, mine, 1e-3, plugin, ref.first, f"{cls} tp=2 x dp=2 step 0")
+        for step, (a, b) in enumerate(zip(losses, ref.losses)):
             assert abs(a - b) <= 1e-5, f"{cls} tp=2 x dp=2 step {step}: loss {a} vs combined-batch {b}"
-        _compare_weights(boosted, ref, f"{cls} tp=2 x dp=2")
+        _compare_weights(boosted, ref.model, f"{cls} tp=2 x dp=2")
 
 
 def test_tp2_matches_single_process():

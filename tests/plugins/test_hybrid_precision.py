@@ -21,7 +21,8 @@ from meshboost import Booster
 from meshboost.distributed.param_info import gather_tensor, get_tp_info, is_pipeline_replica, is_tp_sharded
 from meshboost.booster.plugin import HybridParallelPlugin
 from meshboost.testing import LOSS_ATOL, assert_close, spawn
-from meshboost.testing.models import build_model, tiny_config
+from meshboost.testing.compare import train_reference
+from meshboost.testing.models import build_model, tiny_config, token_batches
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))     # the repository root: `benchmarks`
 from benchmarks import memory  # noqa: E402
@@ -31,17 +32,6 @@ LR = 1e-3
 HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def _batches(config, n, batch=8, seq=8, seed=3):
-    # no ignored labels and no padding: every rank has the same token count, so the mean of the
-    # dp-local mean losses is the combined-batch loss
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(1, config.vocab_size, (batch, seq), generator=g)
-        out.append({"input_ids": ids, "labels": ids.clone()})
-    return out
-
-
 def _optimizer(model):
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-4)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))   # proves the lr reaches the step
@@ -49,17 +39,10 @@ def _optimizer(model):
 
 
 def _reference(cls, config, batches, max_norm):
-    """Single process, fp32, combined batch: per-step losses, pre-clip norms, final model."""
+    """Single process, fp32, combined batch (`Reference`: per-step losses, pre-clip norms, final model)."""
     model = build_model(cls, copy.deepcopy(config))
     opt, sched = _optimizer(model)
-    losses, norms = [], []
-    for b in batches:
-        loss = model(**b).loss
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm else math.inf).item())
-        opt.step(), opt.zero_grad(), sched.step()
-        losses.append(loss.item())
-    return losses, norms, model
+    return train_reference(model, opt, batches, max_norm, scheduler=sched)
 
 
 def _mine(batch, plugin, parts=1):
@@ -88,8 +71,9 @@ def _full(param):
 
 def check_training(cls, family, tp_size, zero_stage, precision, max_norm=0.0, **kwargs):
     config = tiny_config(family)
-    batches = _batches(config, STEPS)
-    ref_losses, ref_norms, ref = _reference(cls, config, batches, max_norm)
+    batches = token_batches(config, STEPS, batch=8, seed=3)
+    ref = _reference(cls, config, batches, max_norm)
+    ref_losses, ref_norms = ref.losses, ref.norms
     plugin = HybridParallelPlugin(tp_size=tp_size, zero_stage=zero_stage, precision=precision, max_norm=max_norm,
                                   **kwargs)
     booster, model, opt, sched = _boost(cls, config, plugin)
@@ -111,7 +95,7 @@ def check_training(cls, family, tp_size, zero_stage, precision, max_norm=0.0, **
         else:
             assert abs(norm - ref_norms[step]) <= 2e-2 * ref_norms[step], f"{where} step {step}: norm {norm}"
     if precision == "fp32":
-        ref_params = dict(ref.named_parameters())
+        ref_params = dict(ref.model.named_parameters())
         for name, p in model.unwrap().named_parameters():
             assert_close(_full(p), ref_params[name].detach(), msg=f"{where} weight {name}", scale=3)
     if max_norm:
@@ -125,7 +109,7 @@ def check_overflow(cls, family, tp_size, zero_stage, bad_rank, **kwargs):
     plugin = HybridParallelPlugin(tp_size=tp_size, zero_stage=zero_stage, precision="fp16", max_norm=1.0,
                                   initial_scale=2**10, hysteresis=2, **kwargs)
     booster, model, opt, sched = _boost(cls, config, plugin)
-    batches = _batches(config, 4)
+    batches = token_batches(config, 4, batch=8, seed=3)
     scales = []
     for step, b in enumerate(batches):
         (part,) = _mine(b, plugin)
@@ -183,7 +167,7 @@ def check_overflow_in_one_shard(cls, family, tp_size, zero_stage, bad_rank, pp_s
                                   hysteresis=2, **pipeline)
     booster, model, opt, _ = _boost(cls, config, plugin)
     where = f"{cls} tp={tp_size} pp={pp_size} dp={plugin.dp_size} zero={zero_stage}, inf on rank {bad_rank}"
-    for step, b in enumerate(_batches(config, 2, batch=4, seq=6)):
+    for step, b in enumerate(token_batches(config, 2, batch=4, seq=6, seed=3)):
         before = [p.detach().clone() for p in model.unwrap().parameters()]
         masters = [m.detach().clone() for g in opt.param_groups for m in g["params"]]
         (part,) = _mine(b, plugin)
@@ -212,8 +196,8 @@ def check_no_sync(cls, family, tp_size, zero_stage):
     """2 micro-steps (the first under no_sync; ZeRO-2: both reduced, summed in the partition) ==
     one step on the combined batch (fp32)."""
     config = tiny_config(family)
-    (batch,) = _batches(config, 1)
-    _, _, ref = _reference(cls, config, [batch], 0.0)
+    (batch,) = token_batches(config, 1, batch=8, seed=3)
+    ref = _reference(cls, config, [batch], 0.0).model
     plugin = HybridParallelPlugin(tp_size=tp_size, zero_stage=zero_stage)
     booster, model, opt, sched = _boost(cls, config, plugin)
     first, second = _mine(batch, plugin, parts=2)
@@ -232,7 +216,7 @@ def check_state_round_trip(cls, family, zero_stage, precision):
     config = tiny_config(family)
     plugin = HybridParallelPlugin(tp_size=1, zero_stage=zero_stage, precision=precision, max_norm=1.0)
     booster, model, opt, _ = _boost(cls, config, plugin)
-    batches = _batches(config, 3)
+    batches = token_batches(config, 3, batch=8, seed=3)
 
     def step(b):
         (part,) = _mine(b, plugin)

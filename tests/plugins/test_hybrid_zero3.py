@@ -39,7 +39,7 @@ from meshboost.booster.plugin import GeminiPlugin
 from meshboost.plugins.fsdp_optimizer import FSDPOptimizer
 from meshboost.testing import LOSS_ATOL, spawn
 from meshboost.testing.compare import train_reference
-from meshboost.testing.models import build_model, tiny_config
+from meshboost.testing.models import build_model, tiny_config, token_batches
 
 STEPS, LR = 2, 1e-3
 LLAMA, BERT, GPT2, QWEN3 = "LlamaForCausalLM", "BertForSequenceClassification", "GPT2LMHeadModel", "Qwen3ForCausalLM"
@@ -57,25 +57,9 @@ def _config(cls):
     return tiny_config({LLAMA: "llama", BERT: "bert", GPT2: "gpt2"}.get(cls, cls))
 
 
-def _batches(cls, config, n=STEPS, seed=5, size=4):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(1, config.vocab_size, (size, 8), generator=g)
-        labels = ids.clone() if cls != BERT else torch.randint(0, config.num_labels, (size,), generator=g)
-        out.append({"input_ids": ids, "labels": labels})
-    return out
-
-
 def _fresh(cls, config, seed=0):
     model = build_model(MODEL_CLASS.get(cls, cls), copy.deepcopy(config), seed=seed)
     return model, torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-4)
-
-
-def _reference(cls, config, batches, max_norm=0.0):
-    model, opt = _fresh(cls, config)
-    losses, norms = train_reference(model, opt, batches, max_norm)
-    return losses, norms, dict(model.named_parameters())
 
 
 def _full(model):
@@ -134,8 +118,8 @@ def _equivalence(rank, world):
         ("llama 2 kv heads at tp=4 x dp=1", "llama_kv2", 0.0, {"tp_size": 4}))
     for what, cls, max_norm, kwargs in cases:
         config = _config(cls)
-        batches = _batches(cls, config)
-        ref_losses, ref_norms, ref = _reference(cls, config, batches, max_norm)
+        batches = token_batches(config, STEPS, num_labels=config.num_labels if cls == BERT else None)
+        ref = train_reference(*_fresh(cls, config), batches, max_norm)
         plugin = HybridParallelPlugin(**{"tp_size": 2, **kwargs}, zero_stage=3, precision="fp32", max_norm=max_norm)
         assert (plugin.tp_size * plugin.dp_size, plugin.zero_stage) == (4, 3)
         checkpointing = "gradient_checkpoint_config" in kwargs
@@ -150,18 +134,18 @@ def _equivalence(rank, world):
         losses = _train(booster, plugin, model, opt, batches)
         if checkpointing:
             assert len(calls) == 2 * STEPS, f"{what}: attention 0 ran {len(calls)} times (forward + recompute expected)"
-        for step, (got, want) in enumerate(zip(losses, ref_losses)):
+        for step, (got, want) in enumerate(zip(losses, ref.losses)):
             assert abs(got - want) <= LOSS_ATOL[torch.float32], f"{what} step {step}: loss {got} vs {want}"
         if max_norm:
-            assert ref_norms[-1] > max_norm, f"{what}: the case must clip"
-            assert abs(opt.get_grad_norm() - ref_norms[-1]) <= 1e-5 * max(1.0, ref_norms[-1]), \
-                f"{what}: grad norm {opt.get_grad_norm()} vs {ref_norms[-1]}"
+            assert ref.norms[-1] > max_norm, f"{what}: the case must clip"
+            assert abs(opt.get_grad_norm() - ref.norms[-1]) <= 1e-5 * max(1.0, ref.norms[-1]), \
+                f"{what}: grad norm {opt.get_grad_norm()} vs {ref.norms[-1]}"
         full = _full(model)
         for name, weight in full.items():
-            torch.testing.assert_close(weight, ref[name].detach(), rtol=0, atol=1e-5, msg=f"{what}: {name}")
+            torch.testing.assert_close(weight, ref.weights[name].detach(), rtol=0, atol=1e-5, msg=f"{what}: {name}")
         if rank == 0:
-            print(f"\n[{what}] losses {losses} vs {ref_losses}; largest weight difference "
-                  f"{max((w - ref[n].detach()).abs().max().item() for n, w in full.items()):.2e}")
+            print(f"\n[{what}] losses {losses} vs {ref.losses}; largest weight difference "
+                  f"{max((w - ref.weights[n].detach()).abs().max().item() for n, w in full.items()):.2e}")
         _check_memory(model, opt, plugin, what)
 
 
@@ -169,8 +153,8 @@ def _no_sync(rank, world):
     """Two micro-batches, the first inside booster.no_sync (FSDP2 keeps its gradients unreduced), one
     step: equals one single-process step on the whole batch."""
     config = tiny_config("llama")
-    (batch,) = _batches(LLAMA, config, n=1, size=8)
-    _, _, ref = _reference(LLAMA, config, [batch])
+    (batch,) = token_batches(config, 1, batch=8)
+    ref = train_reference(*_fresh(LLAMA, config), [batch]).weights
     plugin = HybridParallelPlugin(tp_size=2, zero_stage=3)
     booster = Booster(plugin=plugin)
     model, opt, *_ = booster.boost(*_fresh(LLAMA, config))
@@ -191,7 +175,7 @@ def _lazy_init(rank, world):
     from meshboost.lazy import LazyInitContext
 
     config = tiny_config("llama")
-    (batch,) = _batches(LLAMA, config, n=1)
+    (batch,) = token_batches(config, 1)
 
     def lazy():
         with LazyInitContext(seed=11):
@@ -218,7 +202,7 @@ def _fp16(rank, world):
     """fp16 zero_stage=3 against fp16 zero_stage=1 on the same mesh, weights and data (one step, with
     sequence parallelism)."""
     config = tiny_config("llama", num_hidden_layers=1)
-    batches = _batches(LLAMA, config, n=1, seed=7)
+    batches = token_batches(config, 1, seed=7)
     results = {}
     for stage in (3, 1):
         plugin = HybridParallelPlugin(tp_size=2, zero_stage=stage, precision="fp16", initial_scale=2**10,
@@ -253,7 +237,7 @@ def _checkpoints(rank, world):
     dist.broadcast_object_list(folder, src=0)
     folder = folder[0]
     config = tiny_config("llama")
-    batches = _batches(LLAMA, config, n=1, seed=9)
+    batches = token_batches(config, 1, seed=9)
 
     def boosted(seed):
         plugin = HybridParallelPlugin(tp_size=2, zero_stage=3, precision="fp32")

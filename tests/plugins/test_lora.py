@@ -25,7 +25,8 @@ from meshboost.booster.plugin import HybridParallelPlugin
 from meshboost.booster.plugin import GeminiPlugin
 from meshboost.plugins import LowLevelZeroPlugin, TorchDDPPlugin
 from meshboost.testing import spawn
-from meshboost.testing.models import VOCAB, build_model, tiny_config
+from meshboost.testing.compare import train_reference
+from meshboost.testing.models import build_model, tiny_config, token_batches
 
 peft = pytest.importorskip("peft")
 STEPS, LR = 3, 1e-2
@@ -43,27 +44,16 @@ def _peft_model(booster=None, seed=0):
     return booster.enable_lora(base, lora_config=_lora_config())
 
 
-def _batches():
-    g = torch.Generator().manual_seed(3)
-    ids = [torch.randint(1, VOCAB, (4, 8), generator=g) for _ in range(STEPS)]
-    return [{"input_ids": x, "labels": x} for x in ids]       # every token labelled: equal counts per rank
-
-
 def _adapters(model) -> dict:
     return {n: p.detach().float().clone() for n, p in model.named_parameters() if "lora_" in n}
 
 
 def _reference(seed=0):
+    """One process training the peft model on the whole batches: (losses, adapters, the model)."""
     model = _peft_model(seed=seed)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-    losses = []
-    for batch in _batches():
-        loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, _adapters(model), model
+    ref = train_reference(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR),
+                          token_batches(tiny_config("llama"), STEPS, seed=3))
+    return ref.losses, _adapters(model), model
 
 
 def _close(a: dict, b: dict, atol: float, what: str) -> None:
@@ -87,7 +77,7 @@ def _body(rank, world, root):
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)     # frozen base included, as scripts do
         model, optimizer, *_ = booster.boost(model, optimizer)
         losses = []
-        for batch in _batches():
+        for batch in token_batches(tiny_config("llama"), STEPS, seed=3):
             loss = model(**{k: v[rows] for k, v in batch.items()}).loss
             booster.backward(loss, optimizer)
             optimizer.step()
@@ -138,7 +128,7 @@ def _body(rank, world, root):
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
         model, optimizer, *_ = booster.boost(model, optimizer)
         booster.load_model(model, os.path.join(root, "hf_llama"))
-        for batch in _batches():
+        for batch in token_batches(tiny_config("llama"), STEPS, seed=3):
             booster.backward(model(**{k: v[rows] for k, v in batch.items()}).loss, optimizer)
             optimizer.step()
             optimizer.zero_grad()

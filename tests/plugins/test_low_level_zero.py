@@ -21,7 +21,7 @@ from meshboost.optim import ZeroOptimizer
 from meshboost.booster.plugin import LowLevelZeroPlugin
 from meshboost.testing import LOSS_ATOL, assert_close, spawn
 from meshboost.testing.compare import train_reference
-from meshboost.testing.models import build_model, tiny_config
+from meshboost.testing.models import build_model, tiny_config, token_batches
 
 STEPS = 10
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -43,22 +43,10 @@ REFUSED = [  # (keywords, exception, message fragment naming the way out)
 ]
 
 
-def _batches(config, n, batch=8, seq=8):
-    g = torch.Generator().manual_seed(5)
-    ids = [torch.randint(1, config.vocab_size, (batch, seq), generator=g) for _ in range(n)]
-    return [{"input_ids": i, "labels": i.clone()} for i in ids]
-
-
 def _model_and_optimizer(config, device=None):
     with torch.device(device or "cpu"):
         model = build_model("LlamaForCausalLM", copy.deepcopy(config))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)
-
-
-def _reference(config, batches, max_norm):
-    model, opt = _model_and_optimizer(config)
-    losses, norms = train_reference(model, opt, batches, max_norm)
-    return losses, norms, model
 
 
 def _train(booster, model, opt, batches, rank, world):
@@ -98,10 +86,11 @@ def _assert_same_weights(a, b, msg):
 
 def _body(rank, world, root):
     config = tiny_config("llama")
-    batches = _batches(config, STEPS)
+    batches = token_batches(config, STEPS, batch=8)
     runs = {}
     for stage, precision, max_norm in ((1, "fp16", 0.0), (1, "fp32", 0.0), (2, "fp32", 0.5)):
-        ref_losses, ref_norms, ref = _reference(config, batches, max_norm)
+        ref = train_reference(*_model_and_optimizer(config), batches, max_norm)
+        ref_losses, ref_norms = ref.losses, ref.norms
         for offload in (False, True):
             msg = f"stage {stage} {precision} cpu_offload={offload}"
             booster = Booster(plugin=LowLevelZeroPlugin(stage=stage, precision=precision, max_norm=max_norm,
@@ -114,7 +103,7 @@ def _body(rank, world, root):
             if precision == "fp32":
                 for norm, ref_norm in zip(norms, ref_norms):
                     assert abs(norm - ref_norm) <= 1e-5 * max(1.0, ref_norm), msg
-                ref_params = dict(ref.named_parameters())
+                ref_params = dict(ref.model.named_parameters())
                 for name, p in model.unwrap().named_parameters():
                     assert_close(p.detach(), ref_params[name].detach(), msg=f"{msg} {name}", scale=3)
             runs[stage, precision, offload] = booster, model, opt, losses, norms
@@ -162,7 +151,7 @@ def _body(rank, world, root):
 
     # communication_dtype (bf16 reduce-scatter of fp32 gradients) and master_weights=False (the inner
     # optimizer steps bf16 shards): a few steps within bf16's tolerance of the fp32 reference.
-    ref_losses = _reference(config, batches[:3], 0.0)[0]
+    ref_losses = train_reference(*_model_and_optimizer(config), batches[:3]).losses
     for kwargs, dtype in ((dict(stage=2, precision="fp32", communication_dtype=torch.bfloat16), torch.float32),
                           (dict(stage=1, precision="bf16", master_weights=False, cpu_offload=True), torch.bfloat16)):
         booster = Booster(plugin=LowLevelZeroPlugin(**kwargs))
@@ -184,7 +173,7 @@ def _body(rank, world, root):
                 model(inputs_embeds=embeds)
 
     # no_sync: stage 1 accumulates two micro-steps locally == one combined-batch step
-    _, _, ref = _reference(config, batches[:1], 0.0)
+    ref = train_reference(*_model_and_optimizer(config), batches[:1]).model
     booster = Booster(plugin=LowLevelZeroPlugin(stage=1, precision="fp32"))
     model, opt, *_ = booster.boost(*_model_and_optimizer(config))
     first, second = [{k: v.chunk(world)[rank].chunk(2)[i] for k, v in batches[0].items()} for i in range(2)]

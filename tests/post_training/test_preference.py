@@ -27,48 +27,16 @@ from meshboost.post_training import (PreferenceBatchError, boost_reference, dp_g
                                      preference_loss, sequence_logprobs, shifted_labels, token_logprobs)
 from meshboost.shardformer.layers.vocab import split_logits
 from meshboost.testing import spawn
-from meshboost.testing.compare import assert_metric_steps_close
-from meshboost.testing.models import VOCAB, build_model, sharper_copy, tiny_config
+from meshboost.testing.models import build_model, sharper_copy
 
-PAIRS, SEQ, LR, STEPS, RTOL = 4, 8, 2.0, 2, 2e-5
-HYPER = {"dpo": dict(beta=0.5, label_smoothing=0.1), "ipo": dict(beta=0.5), "simpo": dict(beta=2.0, gamma=0.3),
-         "orpo": dict(beta=0.5)}
+from tests.post_training.pairs import (HYPER, LR, PAIRS, SEQ, STEPS, check_layouts, compare, preference_config,
+                                       random_pairs, random_rows, replica)
+
 SP = dict(sequence_parallel=True)
 LAYOUTS = {"tp2 dp2": HybridParallelConfig(tp_size=2),
            "tp2 dp2 zero1": HybridParallelConfig(tp_size=2, zero=ZeroConfig(stage=1)),
            "cp2 dp2 zero1": HybridParallelConfig(cp_size=2, zero=ZeroConfig(stage=1)),
            "tp2 sp dp2": HybridParallelConfig(tp_size=2, **SP)}
-
-
-def _config():
-    config = tiny_config("llama", num_key_value_heads=2)
-    config.use_cache = False
-    return config
-
-
-def _rows(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """n rows of SEQ tokens: a prompt of 2-3 tokens (-100), a response, right padding (-100, mask 0)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, VOCAB, (n, SEQ), generator=g)
-    labels, mask = ids.clone(), torch.ones_like(ids)
-    for i in range(n):
-        prompt, length = 2 + i % 2, SEQ - (i % 3)
-        labels[i, :prompt] = -100
-        labels[i, length:], mask[i, length:], ids[i, length:] = -100, 0, 0
-    return ids, labels, mask
-
-
-def _pairs(seed: int) -> dict:
-    out = {}
-    for side, offset in (("chosen", 0), ("rejected", 100)):
-        ids, labels, mask = _rows(PAIRS, seed + offset)
-        out |= {f"{side}_input_ids": ids, f"{side}_labels": labels, f"{side}_attention_mask": mask}
-    return out
-
-
-def _replica(batch: dict, rank: int, size: int) -> dict:
-    n = next(iter(batch.values())).shape[0] // size
-    return {k: v[rank * n:(rank + 1) * n] for k, v in batch.items()}
 
 
 def _gather_logprobs(model, batch: dict) -> torch.Tensor:
@@ -80,8 +48,8 @@ def _gather_logprobs(model, batch: dict) -> torch.Tensor:
 
 
 def _check_token_logprobs(rank):
-    config = _config()
-    batch = pair_batch(_pairs(3))
+    config = preference_config()
+    batch = pair_batch(random_pairs(3))
     whole = build_model("LlamaForCausalLM", copy.deepcopy(config))
     want = _gather_logprobs(whole, batch).detach()
     logp = F.log_softmax(whole(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits, -1)
@@ -112,8 +80,8 @@ def _check_half_precision_logprobs(rank):
     """bf16 and fp16 at tp=2 (train and eval): the log-probs come back in fp32 (the vocab-parallel reductions
     run in fp32), and their error against the fp32 truth is of the size one process has in the same precision
     (tp only reorders the half-precision sums); a wrong label shard or an unreduced log-sum-exp is off by units."""
-    config = _config()
-    batch = pair_batch(_pairs(5))
+    config = preference_config()
+    batch = pair_batch(random_pairs(5))
     whole = build_model("LlamaForCausalLM", copy.deepcopy(config))
     truth = _gather_logprobs(whole, batch).detach()
     counted = shifted_labels(batch["labels"]) != -100
@@ -134,25 +102,15 @@ def _check_half_precision_logprobs(rank):
 
 
 def _step_metrics(objective, model, ref, optimizer, booster, batch) -> dict:
+    """One boosted step of this replica's pairs, through the loss functions (not `preference_step`)."""
     with torch.no_grad():
         reference = sequence_logprobs(ref, batch) if ref is not None else None
-    group = dp_group_of(model) if booster is not None else None
-    out = preference_loss(objective, sequence_logprobs(model, batch), reference, group=group,
+    out = preference_loss(objective, sequence_logprobs(model, batch), reference, group=dp_group_of(model),
                           **HYPER[objective])
-    if booster is None:
-        out.loss.backward()
-    else:
-        booster.backward(out.loss, optimizer)
+    booster.backward(out.loss, optimizer)
     optimizer.step()
     optimizer.zero_grad()
     return out.metrics
-
-
-def _one_process(objective, config, pairs) -> list[dict]:
-    model = build_model("LlamaForCausalLM", copy.deepcopy(config))
-    ref = copy.deepcopy(model).eval().requires_grad_(False) if objective in ("dpo", "ipo") else None
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    return [_step_metrics(objective, model, ref, optimizer, None, pair_batch(p)) for p in pairs]
 
 
 def _boosted(objective, config, pairs, plugin_config) -> list[dict]:
@@ -167,25 +125,16 @@ def _boosted(objective, config, pairs, plugin_config) -> list[dict]:
     model.train()
     mesh = model.mesh
     return [_step_metrics(objective, model, ref, optimizer, booster,
-                          pair_batch(_replica(p, mesh.dp_rank, mesh.dp_size))) for p in pairs]
-
-
-def _compare(got: list[dict], want: list[dict], what: str) -> None:
-    assert_metric_steps_close(got, want, what, RTOL)
+                          pair_batch(replica(p, mesh.dp_rank, mesh.dp_size))) for p in pairs]
 
 
 def _check_paired(rank):
-    config = _config()
-    pairs = [_pairs(10 + s) for s in range(STEPS)]
-    for objective in HYPER:
-        want = _one_process(objective, config, pairs)
-        for what, plugin_config in LAYOUTS.items():
-            _compare(_boosted(objective, config, pairs, plugin_config), want, f"{objective} {what}")
+    check_layouts(preference_config(), [random_pairs(10 + s) for s in range(STEPS)], LAYOUTS, _boosted)
 
 
 def _kto_batches(seed: int) -> tuple[dict, dict, torch.Tensor]:
-    ids, labels, mask = _rows(2 * PAIRS, seed)
-    kl_ids, kl_labels, kl_mask = _rows(2 * PAIRS, seed + 7)       # mismatched prompt/completion rows
+    ids, labels, mask = random_rows(2 * PAIRS, seed)
+    kl_ids, kl_labels, kl_mask = random_rows(2 * PAIRS, seed + 7)       # mismatched prompt/completion rows
     batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
     return batch, {"input_ids": kl_ids, "labels": kl_labels, "attention_mask": kl_mask}, torch.arange(2 * PAIRS) % 3 != 0
 
@@ -203,7 +152,7 @@ def _kto_step(model, ref, optimizer, booster, batch, kl_batch, desirable) -> dic
 
 
 def _check_kto(rank):
-    config = _config()
+    config = preference_config()
     steps = [_kto_batches(40 + s) for s in range(STEPS)]
     model = build_model("LlamaForCausalLM", copy.deepcopy(config))
     ref = sharper_copy(model).eval().requires_grad_(False)       # the KL estimate positive, replica by replica
@@ -216,14 +165,14 @@ def _check_kto(rank):
         ref = boost_reference(booster, sharper_copy(policy))
         model, optimizer, *_ = booster.boost(policy, torch.optim.SGD(policy.parameters(), lr=LR))
         mesh = model.mesh
-        got = [_kto_step(model, ref, optimizer, booster, _replica(b, mesh.dp_rank, mesh.dp_size),
-                         _replica(k, mesh.dp_rank, mesh.dp_size), _replica({"d": d}, mesh.dp_rank, mesh.dp_size)["d"])
+        got = [_kto_step(model, ref, optimizer, booster, replica(b, mesh.dp_rank, mesh.dp_size),
+                         replica(k, mesh.dp_rank, mesh.dp_size), replica({"d": d}, mesh.dp_rank, mesh.dp_size)["d"])
                for b, k, d in steps]
-        _compare(got, want, f"kto {what}")
+        compare(got, want, f"kto {what}")
 
 
 def _check_refusals(rank):
-    good = _pairs(5)
+    good = random_pairs(5)
     bad = {"a missing rejected field": {k: v for k, v in good.items() if not k.startswith("rejected_input")},
            "an empty response": {**good, "chosen_labels": good["chosen_labels"].masked_fill(torch.ones_like(
                good["chosen_labels"], dtype=torch.bool), -100)},

@@ -26,60 +26,16 @@ from meshboost import Booster
 from meshboost.pipeline.config import PipelineConfig
 from meshboost.plugins import HybridParallelConfig, HybridParallelPlugin
 from meshboost.post_training import (PreferenceBatchError, boost_reference, kto_loss, kto_step, pair_batch,
-                                     pipeline_sequence_logprobs, preference_loss, preference_step, sequence_logprobs)
+                                     pipeline_sequence_logprobs, preference_step, sequence_logprobs)
 from meshboost.testing import spawn
-from meshboost.testing.compare import assert_metric_steps_close
-from meshboost.testing.models import VOCAB, build_model, sharper_copy, tiny_config
+from meshboost.testing.models import build_model, sharper_copy
 
-PAIRS, SEQ, LR, STEPS, RTOL = 4, 8, 2.0, 2, 2e-5
-HYPER = {"dpo": dict(beta=0.5, label_smoothing=0.1), "ipo": dict(beta=0.5), "simpo": dict(beta=2.0, gamma=0.3),
-         "orpo": dict(beta=0.5)}
+from tests.post_training.pairs import (LR, PAIRS, STEPS, check_layouts, compare, preference_config, preference_steps,
+                                       random_pairs, replica)
+
 LAYOUTS = {"pp2 dp2": HybridParallelConfig(pp_size=2, pipeline=PipelineConfig(num_microbatches=2)),
            "pp2 tp2": HybridParallelConfig(tp_size=2, pp_size=2, pipeline=PipelineConfig(num_microbatches=2)),
            "pp2 tp2 mbs2": HybridParallelConfig(tp_size=2, pp_size=2, pipeline=PipelineConfig(microbatch_size=2))}
-
-
-def _config():
-    config = tiny_config("llama", num_key_value_heads=2)
-    config.use_cache = False
-    return config
-
-
-def _pairs(seed: int) -> dict:
-    """PAIRS pairs of SEQ tokens: a prompt of 2-3 tokens (-100), a response, right padding (-100, mask 0)."""
-    out = {}
-    for side, offset in (("chosen", 0), ("rejected", 100)):
-        g = torch.Generator().manual_seed(seed + offset)
-        ids = torch.randint(1, VOCAB, (PAIRS, SEQ), generator=g)
-        labels, mask = ids.clone(), torch.ones_like(ids)
-        for i in range(PAIRS):
-            prompt, length = 2 + (i + offset) % 2, SEQ - (i % 3)
-            labels[i, :prompt] = -100
-            labels[i, length:], mask[i, length:], ids[i, length:] = -100, 0, 0
-        out |= {f"{side}_input_ids": ids, f"{side}_labels": labels, f"{side}_attention_mask": mask}
-    return out
-
-
-def _replica(batch: dict, rank: int, size: int) -> dict:
-    n = next(iter(batch.values())).shape[0] // size
-    return {k: v[rank * n:(rank + 1) * n] for k, v in batch.items()}
-
-
-def _one_process(objective, config, pairs) -> list[dict]:
-    model = build_model("LlamaForCausalLM", copy.deepcopy(config))
-    ref = copy.deepcopy(model).eval().requires_grad_(False) if objective in ("dpo", "ipo") else None
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    out = []
-    for p in pairs:
-        batch = pair_batch(p)
-        with torch.no_grad():
-            reference = sequence_logprobs(ref, batch) if ref is not None else None
-        step = preference_loss(objective, sequence_logprobs(model, batch), reference, **HYPER[objective])
-        step.loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        out.append(step.metrics)
-    return out
 
 
 def _pipelined(objective, config, pairs, plugin_config) -> list[dict]:
@@ -87,22 +43,11 @@ def _pipelined(objective, config, pairs, plugin_config) -> list[dict]:
     policy = build_model("LlamaForCausalLM", copy.deepcopy(config))
     ref = boost_reference(booster, copy.deepcopy(policy)) if objective in ("dpo", "ipo") else None
     model, optimizer, *_ = booster.boost(policy, torch.optim.SGD(policy.parameters(), lr=LR))
-    model.train()
-    mesh, out = model.mesh, []
-    for p in pairs:
-        out.append(preference_step(booster, model, optimizer, _replica(p, mesh.dp_rank, mesh.dp_size), objective,
-                                   reference=ref, **HYPER[objective]).metrics)
-        optimizer.step()
-        optimizer.zero_grad()
-    return out
-
-
-def _compare(got: list[dict], want: list[dict], what: str) -> None:
-    assert_metric_steps_close(got, want, what, RTOL)
+    return preference_steps(booster, model, optimizer, pairs, objective, ref)
 
 
 def _check_layout_of_pairs(rank):
-    rows = _pairs(3)
+    rows = random_pairs(3)
     batch = pair_batch(rows, microbatches=2)
     half = PAIRS // 2
     for m in range(2):                       # block m: chosen then rejected of pairs m*half .. (m+1)*half - 1
@@ -112,8 +57,8 @@ def _check_layout_of_pairs(rank):
 
 
 def _check_forward_logprobs(rank):
-    config = _config()
-    rows = _pairs(7)
+    config = preference_config()
+    rows = random_pairs(7)
     whole = build_model("LlamaForCausalLM", copy.deepcopy(config))
     want = sequence_logprobs(whole.eval(), pair_batch(rows, microbatches=2)).sums.detach()
     booster = Booster(plugin=HybridParallelPlugin(LAYOUTS["pp2 tp2"]))
@@ -126,12 +71,7 @@ def _check_forward_logprobs(rank):
 
 
 def _check_paired(rank):
-    config = _config()
-    pairs = [_pairs(10 + s) for s in range(STEPS)]
-    for objective in HYPER:
-        want = _one_process(objective, config, pairs)
-        for what, plugin_config in LAYOUTS.items():
-            _compare(_pipelined(objective, config, pairs, plugin_config), want, f"{objective} {what}")
+    check_layouts(preference_config(), [random_pairs(10 + s) for s in range(STEPS)], LAYOUTS, _pipelined)
 
 
 def _kto_rows(seed: int) -> tuple[dict, dict, torch.Tensor]:
@@ -139,7 +79,7 @@ def _kto_rows(seed: int) -> tuple[dict, dict, torch.Tensor]:
     def rows(pairs):
         return {k: torch.cat([pairs[f"chosen_{k}"], pairs[f"rejected_{k}"]]) for k in ("input_ids", "labels",
                                                                                      "attention_mask")}
-    return rows(_pairs(seed)), rows(_pairs(seed + 50)), torch.arange(2 * PAIRS) % 3 != 0
+    return rows(random_pairs(seed)), rows(random_pairs(seed + 50)), torch.arange(2 * PAIRS) % 3 != 0
 
 
 KTO_HYPER = dict(beta=0.5, undesirable_weight=1.5)
@@ -148,7 +88,7 @@ KTO_HYPER = dict(beta=0.5, undesirable_weight=1.5)
 def _check_kto(rank):
     """KTO at pp=2 x dp=2 and pp=2 x tp=2 with microbatch_size=2: its KL estimate from forward-only passes over
     the global batch, then the policy's training pass; two SGD steps against one process."""
-    config = _config()
+    config = preference_config()
     steps = [_kto_rows(60 + s) for s in range(STEPS)]
     model = build_model("LlamaForCausalLM", copy.deepcopy(config))
     ref = sharper_copy(model).eval().requires_grad_(False)
@@ -172,12 +112,12 @@ def _check_kto(rank):
         model.train()
         mesh, got = model.mesh, []
         for batch, kl_batch, desirable in steps:
-            here = [_replica(b, mesh.dp_rank, mesh.dp_size) for b in (batch, kl_batch, {"d": desirable})]
+            here = [replica(b, mesh.dp_rank, mesh.dp_size) for b in (batch, kl_batch, {"d": desirable})]
             got.append(kto_step(booster, model, optimizer, here[0], here[1], here[2]["d"], reference,
                                 **KTO_HYPER).metrics)
             optimizer.step()
             optimizer.zero_grad()
-        _compare(got, want, f"kto {what}")
+        compare(got, want, f"kto {what}")
     # rows that do not split into the schedule's micro-batches: refused on every rank, the ranks in step after
     booster = Booster(plugin=HybridParallelPlugin(LAYOUTS["pp2 tp2 mbs2"]))
     policy = build_model("LlamaForCausalLM", copy.deepcopy(config))
@@ -190,7 +130,7 @@ def _check_kto(rank):
 
 
 def _check_refusals(rank):
-    good = _pairs(5)
+    good = random_pairs(5)
     long_prompt = {**good, "chosen_labels": good["chosen_labels"].clone()}
     long_prompt["chosen_labels"][1, :7] = -100                # a 7-token prompt, limit 6
     bad = {"a prompt past the limit": (long_prompt, dict(max_length=6), "the prompt of chosen row 1 holds 7"),
@@ -198,16 +138,16 @@ def _check_refusals(rank):
            "pairs that split a micro-batch": (good, dict(microbatches=3), "do not split into 3 pipeline")}
     for culprit, (what, (batch, kwargs, text)) in enumerate(bad.items()):
         with pytest.raises(PreferenceBatchError) as error:
-            pair_batch(batch if rank == culprit else _pairs(5), **(kwargs if rank == culprit else {}))
+            pair_batch(batch if rank == culprit else random_pairs(5), **(kwargs if rank == culprit else {}))
         message = str(error.value)
         assert (text in message) == (rank == culprit) and "every rank before any collective" in message, (what, message)
-    config = _config()
+    config = preference_config()
     policy_booster = Booster(plugin=HybridParallelPlugin(LAYOUTS["pp2 dp2"]))
     other = boost_reference(Booster(plugin=HybridParallelPlugin(LAYOUTS["pp2 tp2"])),
                             build_model("LlamaForCausalLM", copy.deepcopy(config)))
     policy = build_model("LlamaForCausalLM", copy.deepcopy(config))
     model, optimizer, *_ = policy_booster.boost(policy, torch.optim.SGD(policy.parameters(), lr=LR))
-    rows = _replica(good, model.mesh.dp_rank, 2)
+    rows = replica(good, model.mesh.dp_rank, 2)
     with pytest.raises(ValueError, match="boost_reference"):
         preference_step(policy_booster, model, optimizer, rows, "dpo", reference=other)
     with pytest.raises(ValueError, match="with pp_size=2 the reference must be boosted"):

@@ -15,7 +15,7 @@ from meshboost.testing.models import build_model, tiny_config
 trl = pytest.importorskip("trl")
 from trl import DPOTrainer  # noqa: E402
 
-from tests.post_training.test_preference import _pairs  # noqa: E402
+from tests.post_training.pairs import random_pairs  # noqa: E402
 
 
 def _trl_loss(loss_type: str, beta: float, tokens, ref_sums) -> torch.Tensor:
@@ -45,7 +45,7 @@ def _trl_loss(loss_type: str, beta: float, tokens, ref_sums) -> torch.Tensor:
 def test_dpo_and_ipo_match_trl(objective):
     config = tiny_config("llama")
     policy, reference = build_model("LlamaForCausalLM", config, seed=0), build_model("LlamaForCausalLM", config, seed=1)
-    batch = pair_batch(_pairs(21))
+    batch = pair_batch(random_pairs(21))
     tokens = token_logprobs(policy, batch)
     with torch.no_grad():
         ref = sequence_logprobs(reference, batch)

@@ -20,21 +20,14 @@ import transformers as tfm
 from meshboost import Booster
 from meshboost.pipeline.config import PipelineConfig
 from meshboost.plugins import HybridParallelConfig, HybridParallelPlugin, ZeroConfig
-from meshboost.post_training import (BASE, boost_reference, pair_batch, preference_loss,
-                                     preference_step, sequence_logprobs)
+from meshboost.post_training import BASE, boost_reference, preference_step
 from meshboost.testing import spawn
-from meshboost.testing.models import tiny_config
 
-from tests.post_training.test_preference_pipeline import HYPER, LR, STEPS, _compare, _pairs, _replica
+from tests.post_training.pairs import (LR, REFERENCED, STEPS, compare, one_process, preference_config,
+                                       preference_steps, random_pairs, replica)
 
 peft = pytest.importorskip("peft")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def _config():
-    config = tiny_config("llama", num_key_value_heads=2)
-    config.use_cache = False
-    return config
 
 
 def _base(config):
@@ -52,21 +45,8 @@ def _lora(config, booster=None):
 def _one_process(objective, config, pairs, lora: bool) -> list[dict]:
     model = _lora(config) if lora else _base(config)
     # LoRA: the base as a model of its own (frozen under LoRA), not through adapters_disabled, which is under test
-    ref = _base(config).eval() if lora else copy.deepcopy(model).eval() if objective in ("dpo", "ipo") else None
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
-    out = []
-    for p in pairs:
-        batch = pair_batch(p)
-        reference = None
-        if ref is not None:
-            with torch.no_grad():
-                reference = sequence_logprobs(ref, batch)
-        step = preference_loss(objective, sequence_logprobs(model, batch), reference, **HYPER[objective])
-        step.loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        out.append(step.metrics)
-    return out
+    ref = _base(config).eval() if lora else copy.deepcopy(model).eval() if objective in REFERENCED else None
+    return one_process(objective, model, ref, pairs)
 
 
 def _boosted(objective, config, pairs, plugin_config, lora: bool) -> list[dict]:
@@ -79,14 +59,7 @@ def _boosted(objective, config, pairs, plugin_config, lora: bool) -> list[dict]:
         ref = boost_reference(booster, copy.deepcopy(policy))
     params = [p for p in policy.parameters() if p.requires_grad]
     model, optimizer, *_ = booster.boost(policy, torch.optim.SGD(params, lr=LR))
-    model.train()
-    mesh, out = model.mesh, []
-    for p in pairs:
-        out.append(preference_step(booster, model, optimizer, _replica(p, mesh.dp_rank, mesh.dp_size), objective,
-                                   reference=ref, **HYPER[objective]).metrics)
-        optimizer.step()
-        optimizer.zero_grad()
-    return out
+    return preference_steps(booster, model, optimizer, pairs, objective, ref)
 
 
 CASES = [("dp2 zero3", HybridParallelConfig(zero=ZeroConfig(stage=3)), False, ("dpo", "ipo", "simpo", "orpo")),
@@ -96,20 +69,20 @@ CASES = [("dp2 zero3", HybridParallelConfig(zero=ZeroConfig(stage=3)), False, ("
 
 
 def _body(rank, world_size):
-    config = _config()
-    pairs = [_pairs(20 + s) for s in range(STEPS)]
+    config = preference_config()
+    pairs = [random_pairs(20 + s) for s in range(STEPS)]
     wants = {}
     for what, plugin_config, lora, objectives in CASES:
         for objective in objectives:
             if (objective, lora) not in wants:
                 wants[(objective, lora)] = _one_process(objective, config, pairs, lora)
             got = _boosted(objective, config, pairs, plugin_config, lora)
-            _compare(got, wants[(objective, lora)], f"{objective} {what}")
+            compare(got, wants[(objective, lora)], f"{objective} {what}")
     booster = Booster(plugin=HybridParallelPlugin(HybridParallelConfig()))
     plain = _base(config)
     model, optimizer, *_ = booster.boost(plain, torch.optim.SGD(plain.parameters(), lr=LR))
     with pytest.raises(TypeError, match="peft"):
-        preference_step(booster, model, optimizer, _replica(pairs[0], rank, 2), "dpo", reference=BASE)
+        preference_step(booster, model, optimizer, replica(pairs[0], rank, 2), "dpo", reference=BASE)
 
 
 def test_post_training_zero3_lora():

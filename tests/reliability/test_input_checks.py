@@ -28,7 +28,7 @@ from meshboost.pipeline import split_microbatches
 from meshboost.booster.plugin import HybridParallelPlugin
 from meshboost.plugins.input_checks import InputCheck
 from meshboost.testing import LOSS_ATOL, assert_close, spawn
-from meshboost.testing.compare import gathered
+from meshboost.testing.compare import gathered, train_reference
 from meshboost.testing.models import build_model, tiny_batch, tiny_config
 
 GPT2, VIT = "GPT2LMHeadModel", "ViTForImageClassification"
@@ -120,19 +120,6 @@ def _iterator_runs_out(rank):
         assert f"config.n_positions={limit}" in str(raised.value), raised.value
 
 
-def _reference(batches):
-    """One process on each whole batch: the mean over every labelled token of the global batch."""
-    model = build_model(GPT2, tiny_config("gpt2"))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)
-    losses = []
-    for batch in batches:
-        loss = model(**batch).loss
-        loss.backward()
-        opt.step(), opt.zero_grad()
-        losses.append(loss.item())
-    return losses, dict(model.named_parameters(remove_duplicate=False))     # a stage may hold a tied copy
-
-
 def _no_labelled_token(rank):
     empty = _lm_batch(empty_rows=range(8))
     # tp=2 x dp=2: the update is refused on every rank at optimizer.step(), the weights unchanged
@@ -166,7 +153,9 @@ def _no_labelled_token(rank):
              (dict(tp_size=2, pp_size=2, num_microbatches=2), range(4))]
     for layout, rows in cases:
         batches = [_lm_batch(seed=5 + s, empty_rows=rows) for s in range(2)]
-        ref_losses, ref = _reference(batches)
+        ref_model = build_model(GPT2, tiny_config("gpt2"))     # the mean over every labelled token of the batch
+        reference = train_reference(ref_model, torch.optim.AdamW(ref_model.parameters(), lr=1e-3, eps=1e-4), batches)
+        ref_losses, ref = reference.losses, reference.weights     # by every name: a stage may hold a tied copy
         plugin = HybridParallelPlugin(**layout)
         booster, model, opt = _boost(GPT2, "gpt2", plugin)
         for step, batch in enumerate(batches):
@@ -190,10 +179,7 @@ def _replica_mean(batches, step, plugin):
     """The loss a pipeline replica reports: one process's mean over that replica's labelled tokens,
     with the weights one process reaches after the previous steps on whole batches."""
     model = build_model(GPT2, tiny_config("gpt2"))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)
-    for batch in batches[:step]:
-        model(**batch).loss.backward()
-        opt.step(), opt.zero_grad()
+    train_reference(model, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4), batches[:step])
     with torch.no_grad():
         return model(**_mine(batches[step], plugin)).loss.item()
 

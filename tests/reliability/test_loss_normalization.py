@@ -20,7 +20,7 @@ from meshboost import Booster
 from meshboost.pipeline.normalization import count_items
 from meshboost.booster.plugin import HybridParallelPlugin
 from meshboost.testing import assert_close, spawn
-from meshboost.testing.compare import StepGradients, gathered, gradients_checked
+from meshboost.testing.compare import gathered, gradients_checked, train_reference
 from meshboost.testing.models import build_model, tiny_batch, tiny_config
 
 CLS, STEPS = "LlamaForCausalLM", 3
@@ -35,20 +35,6 @@ def _batches(config):
         labels[5, 5:] = -100
         out.append({"input_ids": b["input_ids"], "labels": labels})
     return out
-
-
-def _reference(config, batches):
-    model = build_model(CLS, copy.deepcopy(config))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)
-    losses, first = [], None
-    for b in batches:
-        loss = model(**b).loss                 # one process, the whole batch: mean over all real tokens
-        loss.backward()
-        if first is None:
-            first = StepGradients.of(model)
-        opt.step(), opt.zero_grad()
-        losses.append(loss.item())
-    return losses, first, model
 
 
 def _train(config, batches, first=None, accumulate: int = 1, **plugin_kwargs):
@@ -85,8 +71,9 @@ def _train(config, batches, first=None, accumulate: int = 1, **plugin_kwargs):
 def _body(rank, world):
     config = tiny_config("llama")
     batches = _batches(config)
-    ref_losses, first, ref = _reference(config, batches)
-    ref_params = dict(ref.named_parameters())
+    ref = build_model(CLS, copy.deepcopy(config))     # one process, the whole batch: mean over all real tokens
+    reference = train_reference(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-4), batches)
+    ref_losses, first, ref_params = reference.losses, reference.first, dict(ref.named_parameters())
     for kwargs in (dict(zero_stage=0), dict(zero_stage=1), dict(zero_stage=1, accumulate=2),
                    dict(zero_stage=0, accumulate=2)):
         losses, model = _train(config, batches, first, **kwargs)

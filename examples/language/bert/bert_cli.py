@@ -66,10 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
-
-
 # every number flag's good values (examples/common/flags.py): a bad one is one line naming it, on every rank
 NUMBERS = {
     **dict.fromkeys(("tp", "pp", "epochs", "batch_size", "eval_batch_size", "max_length", "lora_r",
@@ -83,15 +79,18 @@ NUMBERS = {
 }
 
 
+def spell(dest: str) -> str:
+    return f"--{dest}"
+
+
 def check_args(args: argparse.Namespace, world_size: int) -> None:
     """Pure checks, identical on every rank, before any collective."""
-    flags.check_numbers(args, NUMBERS, lambda dest: f"--{dest}")
+    flags.check_numbers(args, NUMBERS, spell)
     flags.check_model_source("--model", args.model, needs="config.json")
     flags.check_file("--train_file", args.train_file)
     flags.check_file("--validation_file", args.validation_file)
     flags.check_output_dir("--output_dir", args.output_dir)
-    if args.lora and not [t for t in args.lora_targets.split(",") if t]:
-        raise UsageError(f"--lora_targets {args.lora_targets!r} names no module; pass e.g. query,value")
+    flags.check_lora_targets(args, spell, example="query,value")
     if args.plugin == "low_level_zero" and args.zero not in (None, 1, 2):
         raise UsageError(f"--zero {args.zero}: --plugin low_level_zero runs ZeRO stage 1 or 2 (stage 3: "
                          "--plugin hybrid_parallel --zero 3)")
@@ -103,9 +102,7 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     if args.plugin.startswith("torch_ddp") and (args.zero or args.precision != "fp32"):
         raise UsageError(f"--plugin {args.plugin} takes no --zero/--precision; use torch_ddp_fp16 for fp16 autocast "
                          "or low_level_zero / hybrid_parallel with --precision")
-    if args.pp > 1 and args.batch_size % (args.microbatch_size or 1):
-        raise UsageError(f"--batch_size {args.batch_size} must be a multiple of --microbatch_size "
-                         f"{args.microbatch_size} (pipeline micro-batches are equal)")
+    flags.check_microbatches(args, spell)
     if world_size % (args.tp * args.pp):
         raise UsageError(f"world size {world_size} is not divisible by --tp {args.tp} x --pp {args.pp}; "
                          f"launch a multiple of {args.tp * args.pp} processes")

@@ -28,7 +28,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parents[1])]
 import data  # noqa: E402  (the data module beside this script)
-from bert_cli import NUMBERS, build_parser, check_args, parse_args  # noqa: E402,F401  (the command line)
+from bert_cli import NUMBERS, build_parser, check_args  # noqa: E402,F401  (the command line)
 from plugin_setup import build_plugin, plugin_layout  # noqa: E402
 from common import flags, train_log, train_loop  # noqa: E402  (examples/common)
 from common.train_loop import UsageError  # noqa: E402
@@ -146,7 +146,7 @@ def agree_any(flag: bool, device) -> bool:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     args.task = args.task or ("custom" if args.train_file else data.DEFAULT_TASK)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))

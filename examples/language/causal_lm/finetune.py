@@ -90,10 +90,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
-
-
 # every number flag's good values (flags.py): a bad one is one line naming it, on every rank, before anything runs
 NUMBERS = {
     **dict.fromkeys(("tp", "pp", "ep", "sp", "dp_replicate", "seq", "batch_size", "epochs", "microbatch_size",
@@ -120,8 +116,7 @@ def check_args(args, world_size: int) -> None:
     flags.check_model_source("--tokenizer", args.tokenizer)
     flags.check_file("--data", args.data)
     flags.check_output_dir("--output-dir", args.output_dir)
-    if args.lora and not [t for t in args.lora_targets.split(",") if t]:
-        raise UsageError(f"--lora-targets {args.lora_targets!r} names no module; pass e.g. q_proj,v_proj")
+    flags.check_lora_targets(args, spell, example="q_proj,v_proj")
     if args.plugin == "auto" and (args.tp, args.pp, args.ep, args.sp, args.zero) != (1, 1, 1, 1, 0):
         raise UsageError("--plugin auto chooses --tp, --pp, --ep, --sp and --zero itself; drop them (or give the "
                          "layout yourself without --plugin auto)")
@@ -129,9 +124,7 @@ def check_args(args, world_size: int) -> None:
         raise UsageError("--sp-mode split_gather runs over the tp group: drop --sp (or choose all_to_all / ring_attn)")
     if args.lora_experts and not args.lora:
         raise UsageError("--lora-experts adds expert adapters to --lora: pass --lora too")
-    if args.pp > 1 and args.batch_size % args.microbatch_size:
-        raise UsageError(f"--batch-size {args.batch_size} must be a multiple of --microbatch-size "
-                         f"{args.microbatch_size} (pipeline micro-batches are equal)")
+    flags.check_microbatches(args, spell)
     if args.resume and not (Path(args.output_dir) / "checkpoints").is_dir():
         raise UsageError(f"--resume: no checkpoints under {args.output_dir}/checkpoints (write them with --save-every)")
     train_log.check_report_to(args.report_to)
@@ -179,7 +172,7 @@ def optimizer_and_schedule(model, args, total_steps: int):
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     say = print if rank == 0 else (lambda *a, **k: None)
     try:
