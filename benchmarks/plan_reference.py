@@ -8,7 +8,9 @@ Each layout runs in processes of its own (`spawn_json`, as benchmarks/plan_peak.
 frozen reference with `boost_reference` and the policy with AdamW by the plugin the planner builds for the
 layout, runs two DPO steps (`preference_step`, then the optimizer's step), then a third under torch's
 MemTracker (the policy, the reference, the inner optimizer, its masters and the pairs tracked; garbage
-collection off over it), and reports: the reference's bytes (`memory_breakdown`'s working weights), the
+collection off over it; both models through `unwrap()`, which reshards FSDP2's units at zero 3, so what the
+reference's forward gathers is made, and seen, under the tracker: a root gathered before it is reachable
+from no tracked tensor and was missed), and reports: the reference's bytes (`memory_breakdown`'s working weights), the
 bytes alive before and after its no-grad forward and their peak (the instant `reference`: the policy's state
 kept between steps beside it), and the whole step's peak. The planner predicts the same rank from the config
 alone on the CPU device model. Prints one line per rank. `measure` and `predict` are what
@@ -109,8 +111,8 @@ def _worker(rank: int, world: int, spec_fields: dict, fields: dict, outdir: str)
 
 
 def measure(spec, fields: dict) -> list[dict]:
-    """[per rank: {ranks, weights, before, after, reference_peak (pp 1), peak}] of one layout, in processes
-    of its own."""
+    """[per rank: {ranks, weights, before, after, reference_peak, peak}] of one layout, in processes of its
+    own."""
     from dataclasses import asdict
 
     return spawn_json(_worker, layout_of(fields, spec).world, asdict(spec), fields)
@@ -142,10 +144,9 @@ def main(argv: list[str]) -> None:
             p = predict(spec, fields, tuple(m["ranks"]))
             line = (f"{json.dumps(fields):46s} rank {tuple(m['ranks'])}: weights {m['weights']} "
                     f"(planner {p['state']['weights']}), held {p['state']['held']}")
-            if True:
-                pred = p["with"]["instants"]["reference"]
-                line += (f"; reference forward: measured after-before {m['after'] - m['before']}, peak "
-                         f"{m['reference_peak']}, planner {pred} ({(pred - m['reference_peak']) / m['reference_peak']:+.2%})")
+            pred, meas = p["with"]["instants"]["reference"], m["reference_peak"]
+            line += (f"; reference forward: measured after-before {m['after'] - m['before']}, peak {meas}, "
+                     f"planner {pred} ({(pred - meas) / meas:+.2%})")
             line += (f"; step peak measured {m['peak']}, planner {p['with']['peak']} "
                      f"({(p['with']['peak'] - m['peak']) / m['peak']:+.2%}, at {p['with']['instant']}; "
                      f"without the reference {p['without']['peak']})")

@@ -1,21 +1,23 @@
 """The planner's row for a frozen reference model (preference training, `meshboost.post_training`): what the
 reference holds on each rank, and the instant its forward runs.
 
-Owns `reference_state` (one rank's reference bytes, as `boost_reference` leaves them: the policy's plugin
-shards it exactly as it shards the policy, tp / pp / ep, and with no optimizer and no trainable parameter no
-gradient, master, optimizer state, ZeRO bucket or DDP reducer exists; zero 0-2: its weights in the working
-dtype (`model.to(dtype)`); zero 3: FSDP2 shards it over dp like the policy, fp32 shards (the masters' dtype,
+Owns `reference_state` (one rank's reference bytes as `boost_reference` leaves them. The policy's plugin
+shards it as it shards the policy (tp, pp, ep); with no optimizer and nothing trainable there is no
+gradient, master, optimizer state, ZeRO bucket or DDP reducer. Zero 0-2: its weights in the working dtype
+(`model.to(dtype)`). Zero 3: FSDP2 shards it over dp like the policy, fp32 shards (the masters' dtype,
 though nothing steps them) with their padding rows, and its root unit (embeddings, final norm, head) stays
-gathered in the compute dtype after its first no-grad forward: FSDP2 never reshards the root after a
-forward, and no backward comes to do it; under pp every unit stays gathered to the end of the forward-only
-step, which reshards them, but a stage's root that is not the last's: STAGE_ROOT_COPIES), `forward_peak` (the bytes its no-grad eval forward and the label
-log-probs add at their peak, from a fake run of the rank's config: logits, their fp32 read and the
-cross-entropy's temporaries) and `with_reference` (a rank's peak record with the reference: its resident
-bytes at every instant of the policy's step, and the instant `reference` before them: the policy's state
-kept between steps, the reference's bytes and its forward's peak, and under zero 3 what it gathers).
-With LoRA the reference is the policy's base through peft's `disable_adapter()`: 0 bytes of its own, its
-forward still counted. Not modelled: a reference offloaded to the host (the runtime keeps it on the
-device: `check_option` refuses it). Must not allocate: fake tensors only.
+gathered in the compute dtype after its first no-grad forward: FSDP2 does not reshard the root after a
+forward, and no backward comes to. Under pp every unit stays gathered to the end of the forward-only step,
+which reshards them, but for the root of a stage that is not the last: STAGE_ROOT_COPIES), `forward_peak`
+(the bytes its no-grad eval forward and the label log-probs add at their peak, from a fake run of the tp
+rank's config: logits, their fp32 read, the vocab-parallel cross-entropy's temporaries), `with_reference`
+(a rank's peak record with the reference: its `held` bytes at every instant of the policy's step, and the
+instant `reference` before them: the policy's state kept between steps, the reference, its forward's peak
+and what it gathers under zero 3, a pipeline's queued sends), and the planner's hooks `with_row`,
+`rank_peak` and `notes` (no-ops without a reference). With LoRA the reference is the policy's base through
+peft's `disable_adapter()`: 0 bytes of its own, its forward still counted. Not modelled: a reference
+offloaded to the host (the runtime keeps it on the device; `check_option` refuses it). Must not allocate:
+fake tensors only.
 """
 
 from __future__ import annotations
@@ -116,7 +118,8 @@ def forward_peak(planner, layout, pp_rank: int, layer_gather: int = 0, head_gath
     a 2-layer copy of the tp rank's config (under no grad nothing is saved: a layer's temporaries do not
     add up over layers). Sequence splits (cp, split_gather) and ep are not emulated: the whole sequences
     and every expert, an upper bound of those layouts' layers (in eval, cp gathers whole sequences
-    before the head anyway). `layer_gather`, `head_gather`: bytes alive beside the layers, beside the rest (zero 3's gathered units)."""
+    before the head anyway). `layer_gather`, `head_gather`: bytes alive beside the layers, and beside the
+    rest (zero 3's gathered units)."""
     from meshboost.plan.activations import _derived_config
 
     vocab, padded = getattr(planner.config, "vocab_size", None), None
@@ -211,14 +214,35 @@ def with_reference(planner, layout, pp_rank: int, tp_rank: int, dp_rank: int, me
     return peak.finish(instants, planner.device)
 
 
+def with_row(planner, mem: dict, layout, pp_rank: int, tp_rank: int, dp_rank: int) -> dict:
+    """`mem` (a rank's state by kind) with the row `reference` (its `held` bytes) when the planner has one."""
+    if planner.reference is None:
+        return mem
+    return {**mem, "reference": reference_state(planner, layout, pp_rank, tp_rank, dp_rank)["held"]}
+
+
+def rank_peak(planner, layout, pp_rank: int, tp_rank: int, shards, dp_rank: int, mem: dict) -> dict:
+    """peak.rank_peak's record of the rank, `with_reference` when the planner has a reference."""
+    from meshboost.plan import peak
+
+    predicted = peak.rank_peak(planner, layout, pp_rank, shards, dp_rank, mem)
+    if planner.reference is None:
+        return predicted
+    return with_reference(planner, layout, pp_rank, tp_rank, dp_rank, mem, predicted)
+
+
 def notes(planner, layout) -> list[str]:
-    """What the reference's row reads of `layout`, for the estimate's notes."""
+    """What the reference's row reads of `layout`, for the estimate's notes (none without a reference)."""
+    if planner.reference is None:
+        return []
     if planner.lora is not None:
         out = ["reference: the policy's base through peft's disable_adapter() (LoRA): 0 bytes of its own, no "
                "second copy; its no-grad forward counted at the instant 'reference'"]
     else:
+        held = ("FSDP2 fp32 shards over dp, its root unit kept gathered after its forward" if layout.zero == 3
+                else f"its weights in {layout.precision}")
         out = [f"reference: a frozen copy boosted like the policy (boost_reference), no gradient, optimizer state "
-               f"or reduction buffer: {'FSDP2 fp32 shards over dp, its root unit kept gathered after its forward' if layout.zero == 3 else 'its weights in ' + layout.precision}"]
+               f"or reduction buffer: {held}"]
     if layout.cp > 1 or layout.sequence_parallel and layout.tp > 1 or layout.ep > 1:
         out.append("reference forward: predicted on whole sequences with every expert (no sequence split or expert "
                    "parallelism emulated): an upper bound")
