@@ -10,7 +10,8 @@ meshboost/plan/reference.py), against the runtime's `boost_reference` in a real 
   the row would be under by more;
 - the row in --json and the explain table, the total and the fit decision including it, LoRA's 0 bytes (the
   base through disable_adapter()), and the option off leaving the estimate without the key; an offloaded
-  reference, which the runtime does not do, refused."""
+  reference (which the runtime does not do) and pp x zero=3 with several micro-batches (measured above the
+  planner's count) refused."""
 
 from __future__ import annotations
 
@@ -99,3 +100,7 @@ def test_lora_reference_is_the_base_and_offload_is_refused(capsys):
     assert on["memory_bytes_per_rank"]["peak"] >= off["memory_bytes_per_rank"]["peak"]
     code, err = _json(capsys, "--layout", "tp=2,zero=1", "--reference", "offload")
     assert code == 2 and "reference='offload'" in err and "boost_reference keeps the reference on the device" in err
+    # pp x zero=3 with several micro-batches: measured above what the planner counts, refused (the ranking skips it)
+    code, err = _json(capsys, "--layout", "pp=2,zero=3,microbatches=4", "--reference")
+    assert code == 2 and "pp_size=2 x zero_stage=3 with 4 micro-batches is not modelled yet" in err
+    assert _json(capsys, "--layout", "pp=2,zero=3,microbatches=4", "--json")[0] == 0     # without: planned
