@@ -16,8 +16,8 @@ instant `reference` before them: the policy's state kept between steps, the refe
 and what it gathers under zero 3, a pipeline's queued sends), and the planner's hooks `with_row`,
 `rank_peak` and `notes` (no-ops without a reference). With LoRA the reference is the policy's base through
 peft's `disable_adapter()`: 0 bytes of its own, its forward still counted. Not modelled: a reference
-offloaded to the host (the runtime keeps it on the device; `check_option` refuses it). Must not allocate:
-fake tensors only.
+offloaded to the host (the runtime keeps it on the device; `check_option` refuses it), and pp x zero 3
+with several micro-batches (`check_layout` refuses it). Must not allocate: fake tensors only.
 """
 
 from __future__ import annotations
