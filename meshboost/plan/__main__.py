@@ -65,6 +65,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-targets", default="all-linear",
                    help="with --lora-rank: the modules adapted (peft's target_modules: q_proj,v_proj or all-linear)")
     p.add_argument("--lora-dropout", type=float, default=0.0, help="with --lora-rank: peft's lora_dropout")
+    p.add_argument("--reference", nargs="?", const="device", default=None, metavar="MODE",
+                   help="preference training: add a frozen reference model on the policy's mesh (boost_reference; "
+                        "with --lora-rank the base, no second copy) as the memory row 'reference' and the peak's "
+                        "instant 'reference'")
     p.add_argument("--top", type=int, default=10, help="rows of the ranking to print (table output)")
     p.add_argument("--all", action="store_true", help="also list layouts that do not fit")
     p.add_argument("--json", action="store_true", help="print a JSON list of estimates")
@@ -127,10 +131,19 @@ def _gib(n: float) -> str:
     return f"{n / GIB:{NUMBER}.2f}"
 
 
+def _columns(estimates) -> tuple:
+    """COLUMNS, with the reference model's after the buffers where the estimates have one (--reference)."""
+    if not any("reference" in e.memory_bytes_per_rank for e in estimates):
+        return COLUMNS
+    at = COLUMNS.index("buffers") + 1
+    return (*COLUMNS[:at], "reference", *COLUMNS[at:])
+
+
 def _table(estimates) -> str:
     """The rows of `estimates`: the worst rank's state after backward by kind, then its peak and what the
     device reserves (fits compares that with --memory-gb; the kinds' sum is no instant of the step)."""
-    head = (f"{'layout':{WIDTH}s} " + " ".join(f"{LABELS.get(k, k):>{NUMBER}s}" for k in COLUMNS)
+    columns = _columns(estimates)
+    head = (f"{'layout':{WIDTH}s} " + " ".join(f"{LABELS.get(k, k):>{NUMBER}s}" for k in columns)
             + "   rel.time  fits")
     lines = [head, f"{'':{WIDTH}s} (GiB per rank, worst rank: its state after backward by kind, activations the bytes "
                    "saved for backward; peak: allocated at the step's worst instant; reserved: + allocator margin and "
@@ -138,7 +151,7 @@ def _table(estimates) -> str:
     for e in estimates:
         m = {**e.memory_bytes_per_rank, "reserved": e.memory_bytes_per_rank["reserved"]
              + e.memory_bytes_per_rank["outside"]}
-        lines.append(f"{e.layout.describe():{WIDTH}s} " + " ".join(_gib(m[k]) for k in COLUMNS)
+        lines.append(f"{e.layout.describe():{WIDTH}s} " + " ".join(_gib(m[k]) for k in columns)
                      + f"   {e.relative_step_time:8.2f}  {'yes' if e.fits else 'no'}")
     return "\n".join(lines)
 
@@ -152,7 +165,7 @@ def _explained(e, constants=None, lora=None) -> str:
         m = s["memory_bytes"]
         lines.append(f"  pp_rank {s['pp_rank']}: {s['layers']} layers, peak {m['peak'] / GIB:.2f} GiB at its "
                      f"{m['instant']}, reserved {(m['reserved'] + m['outside']) / GIB:.2f}; after backward "
-                     + ", ".join(f"{k} {m[k] / GIB:.2f}" for k in MEMORY_KEYS))
+                     + ", ".join(f"{k} {m[k] / GIB:.2f}" for k in (*MEMORY_KEYS, "reference") if k in m))
     lines.append("communication per step (payload bytes, worst stage): "
                  + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in e.comm_bytes_per_step.items()))
     lines += [f"note: {n}" for n in e.notes]
@@ -186,7 +199,8 @@ def main(argv=None) -> int:
         lora = LoraOptions(args.lora_rank, args.lora_targets, args.lora_dropout) if args.lora_rank else None
         planner = Planner(args.model, parse_overrides(args.set), architecture=args.architecture, gpus=args.gpus,
                           nodes=args.nodes, memory_gb=args.memory_gb, seq=args.seq, global_batch=args.global_batch,
-                          precision=args.precision, constants=_constants(args), device=args.device, lora=lora)
+                          precision=args.precision, constants=_constants(args), device=args.device, lora=lora,
+                          reference=args.reference)
     except (ValueError, TypeError, NotImplementedError, OSError) as exc:
         parser.error(str(exc))
     if args.layout is not None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from meshboost.plan import activations, cost, emulate, fakecache, memory, params, peak, sharded, traffic
+from meshboost.plan import reference as plan_reference      # a frozen reference model's row
 from meshboost.plan.checks import check_cluster, check_sequence
 from meshboost.plan.layout import SPLIT_GATHER, Layout, enumerate_layouts, plugin_config
 from meshboost.plan.lora import adapted, check_layout, with_options
@@ -61,13 +62,14 @@ class Planner:
     `gpus` devices of `memory_gb` GiB (`gpus_per_node` each node), sequences of `seq` tokens and
     `global_batch` sequences per step. `device` ("cuda", the default: the GPUs planned for, whatever
     this machine holds; or "cpu"): whose kernels' temporaries and allocator the peak model (peak.py)
-    predicts. `lora`: `LoraOptions` or None."""
+    predicts. `lora`: `LoraOptions` or None. `reference`: True, a frozen reference's row (plan/reference.py)."""
 
     def __init__(self, model, overrides: dict | None = None, *, architecture: str | None = None, gpus: int = 8,
                  nodes: int = 1, memory_gb: float = 80.0, seq: int = 2048, global_batch: int = 8,
                  precision: str = "bf16", constants: cost.CostConstants | None = None,
-                 make_vocab_size_divisible_by: int = 64, device: str = "cuda", lora=None):
+                 make_vocab_size_divisible_by: int = 64, device: str = "cuda", lora=None, reference=None):
         check_cluster(gpus, nodes, memory_gb, global_batch)
+        self.reference = plan_reference.check_option(reference)     # None: no reference model
         self.config = load_config(model, overrides)
         self.cls = model_class(self.config, architecture)
         self.lora, self.meta = lora, adapted(build_meta_model(self.config, architecture), lora)   # plan/lora.py
@@ -205,7 +207,7 @@ class Planner:
                 mem["host"] = sum(host.values())
             self._rank_states[key] = {k: int(v) for k, v in mem.items()}
         state = {**self._rank_states[key], "activations": int(activation_bytes)}
-        mem = {k: state[k] for k in MEMORY_KEYS}
+        mem = plan_reference.with_row(self, {k: state[k] for k in MEMORY_KEYS}, layout, pp_rank, tp_rank, dp_rank)
         return {**mem, "total": sum(mem.values()), **({"host": state["host"]} if "host" in state else {})}
 
     def _buffers(self, layout: Layout, shards, dp_rank: int) -> int:
@@ -259,7 +261,7 @@ class Planner:
                 shards = self.shards(layout, pp_rank, tp_rank)
                 for dp_rank in dp_ranks:
                     mem = self.rank_memory(layout, pp_rank, tp_rank, dp_rank, act)
-                    predicted = peak.rank_peak(self, layout, pp_rank, shards, dp_rank, mem)
+                    predicted = plan_reference.rank_peak(self, layout, pp_rank, tp_rank, shards, dp_rank, mem)
                     mem.update({k: predicted[k] for k in ("peak", "reserved", "outside", "instant", "device")})
                     if stage_worst is None or mem["peak"] > stage_worst[0]["peak"]:
                         stage_worst = (mem, shards, tp_rank, dp_rank)
@@ -285,7 +287,7 @@ class Planner:
                          "rank (tokens x top_k rows per rank, what the ep group receives in all), and the flops "
                          "count every expert's parameters (the cost model is dense)")
         notes += (["split_gather at tp=1 splits nothing (the plugin runs plain data parallelism)"]
-                  if layout.sequence_parallel and layout.tp == 1 else [])
+                  if layout.sequence_parallel and layout.tp == 1 else []) + plan_reference.notes(self, layout)
         seconds = max(s["step_seconds"] for s in stages)
         comm = {axis: max(s["comm_bytes_per_step"][axis] for s in stages) for axis in stages[0]["comm_bytes_per_step"]}
         return Estimate(layout, worst["memory_bytes"], stages, comm, seconds,
