@@ -65,6 +65,9 @@ def state_bound(planner, layout) -> int:
     are not bounded this way: 0."""
     if layout.zero == 3:
         return 0
+    key = _state_key(planner, layout)
+    if key is not None and key in planner.state_bounds:
+        return planner.state_bounds[key]
     nothing = peak.StageActivations(0, None, 0)
     tp_ranks, dp_ranks = planner.distinct_ranks(layout)
     bound = 0
@@ -76,7 +79,21 @@ def state_bound(planner, layout) -> int:
                 instants = peak.stage_peak(layout, mem, mem["buffers"], nothing,
                                            peak.step_shape(layout, shards, dp_rank), planner.device)
                 bound = max(bound, peak.needed_bytes(instants))
+    if key is not None:
+        planner.state_bounds[key] = bound
     return bound
+
+
+def _state_key(planner, layout) -> tuple | None:
+    """What `state_bound` reads of `layout` (ZeRO-1/2 or none): the ranks' holdings (tp, pp, chunks,
+    ep), their states and buffers (ZeRO stage, precision, the gradient replicas, cpu offload) and the
+    step's shape (the same); not the micro-batching, checkpointing or how the sequence is split, which
+    change only activations. Layouts sharing it share the bound (the 64-GPU MoE: 4710 layouts, 219
+    keys). None where the planner adds rows beyond these (a reference model's): no sharing."""
+    if getattr(planner, "reference", None) is not None:
+        return None
+    return (layout.tp, layout.pp, layout.num_model_chunks, layout.ep, layout.zero, layout.precision,
+            layout.grad_replicas, layout.cpu_offload)
 
 
 def _checked(planner, **kwargs) -> tuple[list, list]:
