@@ -188,13 +188,14 @@ class LayerMarks:
         self.layer_saved = self.made = self.grads = 0
         self.input = self.output = self.input_ref = None            # id(storage) of each, a weak reference
         self.input_bytes = self.output_bytes = 0
-        self.input_saved, self.input_gone = False, None
+        self.input_saved, self.input_gone, self.armed = False, None, False
         self.output_grad = self.output_grad_gone = None     # id(storage) of its output's gradient, op it went
         self.frees: list[tuple[int, int]] = []          # (op index, bytes) of what it made, gone before backward
         self.sighted: list[tuple[int, int]] = []        # (op index, bytes) of earlier storages first seen in it
         self.shared_frees: list[tuple[int, int]] = []   # (op index, bytes) of earlier tensors gone in its backward
         self.handles = [layer.register_forward_pre_hook(self._pre, with_kwargs=True),
-                        layer.register_forward_hook(self._post)]
+                        layer.register_forward_hook(self._post, prepend=True),   # before a gather's hook
+                        layer.register_forward_hook(self._returned)]                # after every hook
         tracker.on_free, tracker.on_sight = self._freed, self._sighted
 
     def _sighted(self, size: int) -> None:
@@ -232,9 +233,14 @@ class LayerMarks:
             out = output[0] if isinstance(output, (tuple, list)) else output
             self.output, self.output_bytes = id(out.untyped_storage()), self.tracker.counted_bytes(out)
             self.made = self.tracker.made_since(self.f0) - self.output_bytes
-            self.tracker.on_next_op = self._next_op
+            self.armed = True
             if out.grad_fn is not None:
                 self.handles.append(out.grad_fn.register_prehook(self._output_grad))
+
+    def _returned(self, module, args, output):
+        if self.armed:          # the layer's call has returned: whether its input is gone shows at the next op
+            self.armed = False
+            self.tracker.on_next_op = self._next_op
 
     def _next_op(self) -> None:
         self.input_gone = self.input_ref() is None
