@@ -282,7 +282,8 @@ class LayerMarks:
             handle.remove()
 
 
-def two_layers(saved: int, after: int, totals: array, grads: array, layer: tuple, whole: tuple | None = None) -> tuple:
+def two_layers(saved: int, after: int, totals: array, grads: array, layer: tuple, whole: tuple | None = None,
+               gathered: bool = False) -> tuple:
     """`live_peak`'s figures for two copies of the layer, from those of a run with one (`layer`: its
     `LayerMarks` figures). The two-layer timeline is this one's with the layer's forward run twice, its
     backward twice, each op's bytes those of this run at the same op plus what the other layer holds
@@ -300,7 +301,10 @@ def two_layers(saved: int, after: int, totals: array, grads: array, layer: tuple
     (its embedding output, a cache), so what the first layer leaves to the second's forward is read
     from the whole run; and its backward starts from a gradient held to the end (the schedule holds
     what it received), so the second layer's backward makes the first's output gradient beside it,
-    alive as long as a layer's output gradient lives in the whole run."""
+    alive as long as a layer's output gradient lives in the whole run. `gathered` (split_gather): the
+    stage's output is gathered after its last layer, so the gradient it receives reaches the layer
+    through the gather's backward, as a gradient of the layer's own output that lives as the one-layer
+    run shows (nothing held to the end is added)."""
     (layer_saved, made, frees, sighted, in_bytes, in_saved, in_gone, out_bytes, g, shared_frees,
      f0, f1, b0, b1, after_op, _) = layer
 
@@ -330,7 +334,7 @@ def two_layers(saved: int, after: int, totals: array, grads: array, layer: tuple
     second = plus(f0, f1, forward, before_op=sighted)
     head = plus(f1, b0, made + saved_input, from_op=first_layer)
     backward = plus(b0, b1, alive(b0) + (in_bytes if in_saved else 0), from_op=shared_frees)
-    received_life = whole[-1] if whole is not None else None
+    received_life = whole[-1] if whole is not None and not gathered else None
     first_backward = plus(b0, len(totals), 0, before_op=[(b0 + received_life, out_bytes)] if received_life else ())
     two_totals = array("q", [*totals[:f1], *second, *head, *backward, *first_backward])
     two_grads = array("q", [*grads[:f1], *grads[f0:b1], *(x + g for x in grads[b0:])])

@@ -44,8 +44,8 @@ def test_a_ranking_runs_each_shape_once_and_derives_two_layers(monkeypatch):
     fitting, _ = planner.rank()
     assert len(fitting) > 20
     assert len(runs) == len(set(runs)), "a fake run was made twice"
-    # two layers are run only where they differ from one: a pipeline stage's body under split_gather;
-    # the whole model's split_gather runs (tp=2 here, no pipeline) derive theirs from one layer
+    # two layers are run only where they differ from one (LoRA, layers of several kinds): split_gather's
+    # runs (tp=2 here) derive theirs from one layer too
     two = [run for run in runs if run[0] == 2]
     assert not two, two
     assert any(split is not None and split[0] == "split_gather" for *_, split, _, body, _ in runs)
@@ -109,18 +109,23 @@ GPT2 = "n_embd=64,n_layer=2,n_head=4,vocab_size=1000,n_positions=64"
     ("llama", TINY, "split_gather", False, False, 1),
     ("llama", TINY, "split_gather", True, False, 1),
     ("qwen3_moe", MOE, "split_gather", True, False, 2),
+    ("llama", TINY, "split_gather", False, True, 1),
+    ("qwen3_moe", MOE, "split_gather", True, True, 1),
 ], ids=["llama", "llama-ckpt", "llama-ring_attn", "llama-all_to_all-stage-body", "gpt2", "gpt2-ckpt-stage-body",
-        "moe-ep2", "llama-split_gather", "llama-split_gather-ckpt", "moe-split_gather-ckpt-ep2"])
+        "moe-ep2", "llama-split_gather", "llama-split_gather-ckpt", "moe-split_gather-ckpt-ep2",
+        "llama-split_gather-stage-body", "moe-split_gather-ckpt-stage-body"])
 def test_two_layers_derived_equal_a_two_layer_run(model, overrides, split, checkpointing, body, ep):
     planner = Planner(model, parse_overrides(overrides), gpus=2, seq=32, global_batch=4, device="cpu")
     config_json, model_type = activations._key(planner.config)
     if split == "split_gather":     # the cut before the first layer and the gather after the last outside the marks
         split = activations.SequenceSplit(split, 2, planner.sequence_roles(2))
-    assert activations._alike_layers(config_json, split, body)
+    assert activations._alike_layers(config_json, split)
     args = (2, 32, "bf16", checkpointing, split, 1, body, ep)
     one = activations._run.uncached(planner.cls, config_json, model_type, 1, *args)
     whole = activations._run.uncached(planner.cls, config_json, model_type, 1, *args[:6], False, ep)[5]
-    saved, after, totals, grads = live.two_layers(one[0], one[2], one[3], one[4], one[5], whole if body else None)
+    gathered = split is not None and split.mode == "split_gather"
+    saved, after, totals, grads = live.two_layers(one[0], one[2], one[3], one[4], one[5], whole if body else None,
+                                                  gathered)
     real = activations._run.uncached(planner.cls, config_json, model_type, 2, *args)
     assert (saved, after) == (real[0], real[2])
     assert 2 * one[1] == real[1]                # split_gather's replicated elements fed the chunk: each layer's
