@@ -200,4 +200,6 @@ def test_a_slow_ranking_says_how_far_it_is(capsys, monkeypatch):
     out = capsys.readouterr()
     lines = [line for line in out.err.splitlines() if line.startswith("meshboost.plan: ")]
     assert lines and "layouts estimated" in lines[-1] and lines[-1].startswith("meshboost.plan: done: ")
+    assert "layouts checked" in lines[0], lines     # the checks before any fake run say how far they are
+    assert "layouts checked" not in lines[-1]
     assert "meshboost.plan:" not in out.out          # stdout keeps the table (or --json) alone
