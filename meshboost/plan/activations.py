@@ -246,20 +246,20 @@ def _layers_run(cls, config_json: str, model_type: str, layers: int, batch: int,
         saved, summed, after, totals, grads, marks = _run(cls, config_json, model_type, 1, batch, *args)
         whole = _run(cls, config_json, model_type, 1, batch, *args[:5], False, ep)[5] if body else None
         if marks is not None and (not body or whole is not None and whole[-1] is not None):
-            saved, after, totals, grads = two_layers(saved, after, totals, grads, marks, whole)
-            return saved, summed, after, totals, grads
+            gathered = split is not None and split.mode == SPLIT_GATHER
+            saved, after, totals, grads = two_layers(saved, after, totals, grads, marks, whole, gathered)
+            return saved, 2 * summed, after, totals, grads      # split_gather's summed: each layer's own
     return _run(cls, config_json, model_type, layers, batch, *args)[:5]
 
 
 def _alike_layers(config_json: str, split) -> bool:
-    """Whether a copy's second layer runs the first's ops on tensors of the same shapes: not under
-    split_gather (the stack's first layer cuts the sequence, its last gathers it), LoRA (nothing before
-    the first adapter needs a gradient: the first layer differs) or a config whose layers differ by
-    kind (`layer_types`, dense layers among MoE ones, ...)."""
+    """Whether a copy's second layer runs the first's ops on tensors of the same shapes: not under LoRA
+    (nothing before the first adapter needs a gradient: the first layer differs) or a config whose
+    layers differ by kind (`layer_types`, dense layers among MoE ones, ...). split_gather's cut before
+    the stack's first layer and gather after its last lie outside the marked layer (live.LayerMarks),
+    and its replicated parameters fed the chunk are all the layers' (twice theirs with two)."""
     from meshboost.plan.lora import FIELD
 
-    if split is not None and split.mode == SPLIT_GATHER:
-        return False
     config = json.loads(config_json)
     if config.get(FIELD) or config.get("mlp_only_layers") or (config.get("first_k_dense_replace") or 0) > 0:
         return False

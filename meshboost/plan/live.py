@@ -188,13 +188,14 @@ class LayerMarks:
         self.layer_saved = self.made = self.grads = 0
         self.input = self.output = self.input_ref = None            # id(storage) of each, a weak reference
         self.input_bytes = self.output_bytes = 0
-        self.input_saved, self.input_gone = False, None
+        self.input_saved, self.input_gone, self.armed = False, None, False
         self.output_grad = self.output_grad_gone = None     # id(storage) of its output's gradient, op it went
         self.frees: list[tuple[int, int]] = []          # (op index, bytes) of what it made, gone before backward
         self.sighted: list[tuple[int, int]] = []        # (op index, bytes) of earlier storages first seen in it
         self.shared_frees: list[tuple[int, int]] = []   # (op index, bytes) of earlier tensors gone in its backward
         self.handles = [layer.register_forward_pre_hook(self._pre, with_kwargs=True),
-                        layer.register_forward_hook(self._post)]
+                        layer.register_forward_hook(self._post, prepend=True),   # before a gather's hook
+                        layer.register_forward_hook(self._returned)]                # after every hook
         tracker.on_free, tracker.on_sight = self._freed, self._sighted
 
     def _sighted(self, size: int) -> None:
@@ -232,9 +233,14 @@ class LayerMarks:
             out = output[0] if isinstance(output, (tuple, list)) else output
             self.output, self.output_bytes = id(out.untyped_storage()), self.tracker.counted_bytes(out)
             self.made = self.tracker.made_since(self.f0) - self.output_bytes
-            self.tracker.on_next_op = self._next_op
+            self.armed = True
             if out.grad_fn is not None:
                 self.handles.append(out.grad_fn.register_prehook(self._output_grad))
+
+    def _returned(self, module, args, output):
+        if self.armed:          # the layer's call has returned: whether its input is gone shows at the next op
+            self.armed = False
+            self.tracker.on_next_op = self._next_op
 
     def _next_op(self) -> None:
         self.input_gone = self.input_ref() is None
@@ -276,7 +282,8 @@ class LayerMarks:
             handle.remove()
 
 
-def two_layers(saved: int, after: int, totals: array, grads: array, layer: tuple, whole: tuple | None = None) -> tuple:
+def two_layers(saved: int, after: int, totals: array, grads: array, layer: tuple, whole: tuple | None = None,
+               gathered: bool = False) -> tuple:
     """`live_peak`'s figures for two copies of the layer, from those of a run with one (`layer`: its
     `LayerMarks` figures). The two-layer timeline is this one's with the layer's forward run twice, its
     backward twice, each op's bytes those of this run at the same op plus what the other layer holds
@@ -294,7 +301,10 @@ def two_layers(saved: int, after: int, totals: array, grads: array, layer: tuple
     (its embedding output, a cache), so what the first layer leaves to the second's forward is read
     from the whole run; and its backward starts from a gradient held to the end (the schedule holds
     what it received), so the second layer's backward makes the first's output gradient beside it,
-    alive as long as a layer's output gradient lives in the whole run."""
+    alive as long as a layer's output gradient lives in the whole run. `gathered` (split_gather): the
+    stage's output is gathered after its last layer, so the gradient it receives reaches the layer
+    through the gather's backward, as a gradient of the layer's own output that lives as the one-layer
+    run shows (nothing held to the end is added)."""
     (layer_saved, made, frees, sighted, in_bytes, in_saved, in_gone, out_bytes, g, shared_frees,
      f0, f1, b0, b1, after_op, _) = layer
 
@@ -324,7 +334,7 @@ def two_layers(saved: int, after: int, totals: array, grads: array, layer: tuple
     second = plus(f0, f1, forward, before_op=sighted)
     head = plus(f1, b0, made + saved_input, from_op=first_layer)
     backward = plus(b0, b1, alive(b0) + (in_bytes if in_saved else 0), from_op=shared_frees)
-    received_life = whole[-1] if whole is not None else None
+    received_life = whole[-1] if whole is not None and not gathered else None
     first_backward = plus(b0, len(totals), 0, before_op=[(b0 + received_life, out_bytes)] if received_life else ())
     two_totals = array("q", [*totals[:f1], *second, *head, *backward, *first_backward])
     two_grads = array("q", [*grads[:f1], *grads[f0:b1], *(x + g for x in grads[b0:])])

@@ -171,13 +171,32 @@ def stage_holdings(model: nn.Module, pp_size: int, num_chunks: int = 1,
     from meshboost.shardformer import pipeline_layout
 
     layout = pipeline_layout(model)
+    layers = _layer_modules(model, layout)
     out = []
     for rank in range(pp_size):
-        cut = copy.deepcopy(model)
+        # the layers are shared with `model`, the rest copied: a cut replaces the layer lists, reading the
+        # layers it drops and changing none (a layer's weights are tied over ranks only in shared groups)
+        cut = copy.deepcopy(model, {id(m): m for m in layers})
         first_name = {id(p): n for n, p in cut.named_parameters()}
+        if list(first_name.values()) != names:      # a weight reached from a layer and from outside it: whole
+            cut = copy.deepcopy(model)
+            first_name = {id(p): n for n, p in cut.named_parameters()}
         build_stages(cut, rank, pp_size, num_chunks, num_layers_per_stage, layout=layout)
         out.append({first_name[id(p)]: get_pipeline_tie(p) for p in cut.parameters()})
     return out
+
+
+def _layer_modules(model: nn.Module, declared) -> list[nn.Module]:
+    """The layers of the lists a pipeline cut replaces, which a copy for one cut may share with `model`;
+    none where a segment loops over shared layer groups (their weights are tied across ranks: a cut
+    marks them)."""
+    from meshboost.pipeline.layout import get_layout
+
+    base = getattr(model, "base_model", model)
+    segments = get_layout(model, declared).segments
+    if any(segment.shared_groups for segment in segments):
+        return []
+    return [m for segment in segments for m in base.get_submodule(segment.layers)]
 
 
 def expert_params(model: nn.Module, ep_size: int) -> set[int]:

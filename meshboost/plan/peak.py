@@ -191,16 +191,20 @@ def stage_activations(planner, layout, pp_rank: int) -> StageActivations:
         return max(best, peak(v)) if grads else best
 
     boundary = boundary_bytes(planner, layout)
+    lives = {chunk * P + pp_rank: live(chunk * P + pp_rank) for chunk in range(V)}
+    peaks = {v: peak(v) for v in lives}
     in_flight: dict[tuple[int, int], int] = {}
+    held = 0                    # the live bytes of the units in `in_flight` (a running sum: one walk, not one per unit)
     queued, instants, first_grads = 0, [], None
     for kind, chunk, mb in schedule_order(P, pp_rank, layout.microbatches if P > 1 else 1, V):
         v = chunk * P + pp_rank
         if kind == "F":
             in_flight[(chunk, mb)] = v
+            held += lives[v]
             continue
-        del in_flight[(chunk, mb)]
-        others = sum(live(u) for u in in_flight.values()) + queued * boundary
-        instants.append(others + peak(v))
+        held -= lives[in_flight.pop((chunk, mb))]
+        others = held + queued * boundary
+        instants.append(others + peaks[v])
         if first_grads is None:
             first_grads = others + peak(v, grads=True)
         queued += (v != last_virtual) + (v != 0)
