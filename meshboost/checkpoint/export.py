@@ -50,6 +50,7 @@ class ExportState:
     next one sends everything."""
 
     previous: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    settings: tuple = ()         # what was exported (dtype, names): another request starts afresh
 
 
 @dataclass
@@ -91,6 +92,9 @@ def export_weights(model: nn.Module, entries: list[ExportEntry], mesh=None, buck
                          f"in {largest.dtype} ({list(largest.shape)}); pass bucket_bytes >= {largest.nbytes} (a "
                          "bucket holds whole tensors)")
     mine = {e.name: e for e in entries}
+    if state is not None and state.settings != (dtype, tuple(mine)):
+        state.previous.clear()
+        state.settings = (dtype, tuple(mine))
     try:
         if state is not None:
             plan = _changed(plan, mine, roles, state)
