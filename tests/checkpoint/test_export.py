@@ -1,6 +1,6 @@
 """booster.export_weights streams the full HF tensors from any layout, in one spawn of 4 (fp32, tiny models):
 
-* tp=2 (vocab padding), pp=2 (stage 1's buckets travel to rank 0), dp=4 ZeRO-1 and ZeRO-3 (FSDP2), HSDP
+* tp=2 (vocab padding), GPT-2 at tp=2 ZeRO-2 (fused c_attn split over tp, Conv1D, tied head), pp=2 (stage 1's buckets travel to rank 0), dp=4 ZeRO-1 and ZeRO-3 (FSDP2), HSDP
   (2 replicas x 2 shards), cp=2 (Ulysses), ep=2 on a tiny Qwen3-MoE, and tp=2 ZeRO-1 in bf16 with fp32
   masters: rank 0 receives exactly `save_model`'s tensors (names in state-dict order, values bitwise, fp32
   masters when asked for fp32), which equal the unsharded model's; the other ranks yield nothing; a
@@ -94,6 +94,10 @@ def _llama():
     return build_model(LLAMA, tiny_config("llama"))
 
 
+def _gpt2():
+    return build_model("GPT2LMHeadModel", tiny_config("gpt2"))
+
+
 def _moe():
     return build_causal_lm(moe_config("qwen3_moe"))
 
@@ -101,6 +105,7 @@ def _moe():
 def _layouts(root):
     bucket = 101 * 32 * 4              # the embedding's bytes: the smallest bucket allowed, many buckets
     _check_layout("tp2", root, dict(tp_size=2), _llama, bucket)
+    _check_layout("gpt2 tp2 zero2", root, dict(tp_size=2, zero_stage=2), _gpt2, 2 * bucket)   # fused c_attn, tied
     _check_layout("pp2", root, dict(tp_size=1, pp_size=2, num_microbatches=1), _llama, 3 * bucket, forward=False)
     _check_layout("zero1 dp4", root, dict(tp_size=1, zero_stage=1), _llama, bucket)
     _check_layout("zero3 dp4", root, dict(tp_size=1, zero_stage=3), _llama, 2 * bucket)
