@@ -5,6 +5,7 @@ imports."""
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Callable, Iterator
 
 import torch
@@ -18,6 +19,7 @@ from meshboost.booster.checkpoint_view import CheckpointIO
 from meshboost.booster.plugin_base import Plugin
 from meshboost.booster.wrappers import ModelWrapper
 from meshboost.checkpoint import load_lr_scheduler, save_lr_scheduler
+from meshboost.checkpoint.export import ExportState
 from meshboost.distributed import ParallelMesh
 from meshboost.distributed.agreement import agree_model
 from meshboost.distributed.launch import get_current_device
@@ -65,6 +67,8 @@ class Booster:
         self.amp_dtype = check_mixed_precision(mixed_precision, plugin)
         self.mixed_precision = mixed_precision
         self.plugin = plugin
+        # delta weight export: per model, what its last export sent (dropped with the model)
+        self._export_states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def boost(self, model: nn.Module, optimizer: Optimizer | None = None, criterion: Callable | None = None,
               dataloader=None, lr_scheduler=None) -> tuple:
@@ -157,6 +161,23 @@ class Booster:
         checkpoint_io.save_boosted_model(model, checkpoint, self.mesh, shard=shard, gather_dtensor=gather_dtensor,
                                          prefix=prefix, size_per_shard=size_per_shard,
                                          use_safetensors=use_safetensors)
+
+    def export_weights(self, model: nn.Module, bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None,
+                       delta: bool = False, lora: str = "merged", timeout: float | None = None):
+        """Stream boosted `model`'s full HF tensors as (hf_name, tensor) pairs, bucket by bucket, for an inference
+        engine's `load_weights(iterable)` (or `meshboost.checkpoint.export.load_into(hf_model, pairs)`): the
+        tensors `save_model` writes, cast to `dtype` (default: the dtype the weights hold). Call on every rank and
+        iterate to the end: global rank 0 receives every stage's pairs, the other ranks yield nothing. A bucket
+        (`bucket_bytes`, at least the largest tensor) is what each rank holds beyond the model. delta: only the
+        tensors that changed since this model's last complete export (each rank keeps a copy of its shards).
+        A LoRA model: lora="merged" (peft's merge, base names) or "adapters" (peft's adapter names). `timeout`
+        seconds for every rank to call it (default: the process group's). See docs/post_training.md."""
+        _check_flag("delta", delta)
+        state = None
+        if delta:
+            state = self._export_states.setdefault(model, ExportState())
+        return checkpoint_io.export_boosted_weights(model, self.mesh, state, lora, bucket_bytes=bucket_bytes,
+                                                    dtype=dtype, timeout=timeout)
 
     def load_model(self, model: nn.Module, checkpoint: str, strict: bool = True, low_cpu_mem_mode: bool = True,
                    num_threads: int = 1) -> None:

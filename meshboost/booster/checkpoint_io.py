@@ -3,7 +3,7 @@
 Owns: finding what a boosted object carries (the user's model inside its wrappers, the optimizer
 `Booster.boost` paired with it, its fp32 masters), calling `checkpoint/` with the plugin's mesh,
 refreshing an optimizer's fp32 masters after its model was loaded, and what a training checkpoint
-(`save_checkpoint` / `load_checkpoint`) holds. Must not gather tensors or write files itself.
+(`save_checkpoint` / `load_checkpoint`) holds, and what a weight export is given. Must not gather tensors or write files itself.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import torch.nn as nn
 from meshboost.booster import lora
 from meshboost.booster.dataloader import ResumableDataLoader
 from meshboost.booster.wrappers import ModelWrapper, unwrap_model
-from meshboost.checkpoint import load_lr_scheduler, load_model, optimizer_io, save_lr_scheduler, save_model, step_io
+from meshboost.checkpoint import export, export_entries, load_lr_scheduler, load_model, optimizer_io, save_lr_scheduler
+from meshboost.checkpoint import save_model, step_io
 from meshboost.distributed.launch import get_current_device
 from meshboost.optim import OptimizerWrapper
 
@@ -30,6 +31,23 @@ def save_boosted_model(model: nn.Module, checkpoint: str, mesh=None, **kwargs) -
     optimizer = _optimizer_of(model)
     masters = optimizer.master_weight if optimizer is not None and optimizer.keeps_masters else None
     save_model(unwrap_model(model), checkpoint, mesh, master_weight=masters, **kwargs)
+
+
+def export_boosted_weights(model: nn.Module, mesh=None, state=None, lora_mode: str = "merged", **kwargs):
+    """`checkpoint.export.export_weights` of boosted (or plain) `model`: the values `save_boosted_model`
+    writes (the fp32 masters of the optimizer boosted with it), a LoRA model's base weights under the base
+    model's HF names."""
+    optimizer = _optimizer_of(model)
+    masters = optimizer.master_weight if optimizer is not None and optimizer.keeps_masters else None
+    inner = unwrap_model(model)
+    entries = export_entries.entries_of(inner, lora_mode, rename=lora.base_checkpoint_name)
+    if state is not None and masters is not None and kwargs.get("dtype") is not None:
+        wider = [e.name for e in entries if e.dtype.is_floating_point and e.dtype.itemsize < kwargs["dtype"].itemsize]
+        if wider:
+            raise NotImplementedError(f"export_weights(delta=True, dtype={kwargs['dtype']}): {wider[0]} is held in "
+                                      "a narrower dtype apart from its fp32 master, so an unchanged weight may hide "
+                                      "a changed master; export in the working dtype (dtype=None) or without delta")
+    return export.export_weights(inner, entries, mesh, master_weight=masters, state=state, **kwargs)
 
 
 def load_boosted_model(model: nn.Module, checkpoint: str, strict: bool = True, mesh=None) -> None:

@@ -1,9 +1,9 @@
 """Save a (possibly sharded) model as a HuggingFace checkpoint that `from_pretrained` loads.
 
 Owns: turning the model's state dict into full, unpadded tensors under the HF parameter names
-(tp shards gathered with `gather_tensor`, which reads each parameter's own record; the fp32
-master in place of a rounded half-precision weight, fetched one tensor at a time so a ZeRO save
-never holds more than one file's worth), and what an HF folder holds besides weights (index,
+(`gather_entry`, which the weight export `export.py` shares: tp shards gathered with `gather_tensor`,
+which reads each parameter's own record; the fp32 master in place of a rounded half-precision weight,
+fetched one tensor at a time so a ZeRO save never holds more than one file's worth), and what an HF folder holds besides weights (index,
 config.json). Who writes, staging, numbering and failure agreement are `writer.py`'s; the file
 names and formats `hf_format.py`'s. Must not know optimizers: masters come in as a callable.
 """
@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from meshboost.checkpoint import hf_format
 from meshboost.checkpoint.writer import CheckpointWriter, save_roles
-from meshboost.distributed.param_info import full_on_cpu, get_tp_info, is_dtensor
+from meshboost.distributed.param_info import full_on_cpu, gather_tensor, get_tp_info, is_dtensor
 
 
 def checkpoint_entries(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -31,6 +31,25 @@ def checkpoint_entries(model: nn.Module) -> dict[str, torch.Tensor]:
         seen.add(id(tensor))
         entries[name] = tensor
     return entries
+
+
+def gather_entry(tensor: torch.Tensor, roles, master_weight: Callable | None = None,
+                 on_cpu: bool = True) -> torch.Tensor | None:
+    """The full, unpadded value of one checkpoint entry (its fp32 master where `master_weight` gives one),
+    on the ranks that gather (`roles.gathers`), else None. A collective: every rank of the entry's stage
+    calls it for the same entries in the same order. Every rank joins the master's gather (ZeRO sends each
+    partition to dp rank 0) and FSDP2's all-gather; replica 0 then gathers over tp (and ep). on_cpu: a
+    compact CPU tensor the caller may keep (`full_on_cpu`); else on the device, possibly the live tensor
+    itself (read it, never write it)."""
+    source = master_weight(tensor) if master_weight is not None else None
+    source = tensor if source is None else source
+    if is_dtensor(source):           # torch FSDP2: every rank of its mesh joins the all-gather
+        source = source.detach().to(roles.device).full_tensor()
+    if not roles.gathers:
+        return None
+    if on_cpu:
+        return full_on_cpu(source, get_tp_info(tensor), reuse=source is not tensor)
+    return gather_tensor(source.detach(), get_tp_info(tensor))
 
 
 def save_model(model: nn.Module, checkpoint: str, mesh=None, shard: bool = False, gather_dtensor: bool = True,
@@ -70,14 +89,8 @@ def save_model(model: nn.Module, checkpoint: str, mesh=None, shard: bool = False
         read_file=lambda path: hf_format.read_weights(path, use_safetensors))
     try:
         for name, tensor in checkpoint_entries(model).items():
-            # Every rank joins the master's gather (ZeRO sends each partition to dp rank 0); replica 0
-            # then gathers it over tp.
-            source = master_weight(tensor) if master_weight is not None else None
-            source = tensor if source is None else source
-            if is_dtensor(source):       # torch FSDP2: every rank of its mesh joins the all-gather
-                source = source.detach().to(roles.device).full_tensor()
-            if roles.gathers:
-                full = full_on_cpu(source, get_tp_info(tensor), reuse=source is not tensor)
+            full = gather_entry(tensor, roles, master_weight)
+            if full is not None:
                 writer.add(name, full, full.numel() * full.element_size())
     except BaseException:
         writer.discard()                          # no staging folder or save lock outlives a raised save
