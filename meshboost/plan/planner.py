@@ -99,8 +99,7 @@ class Planner:
         self._context_checked: set[tuple] = set()
         self._rank_states: dict[tuple, dict] = {}
         self._lora_configs: dict[bool, object] = {}
-        self.checked_candidates: dict[tuple, tuple] = {}     # ranking.py's checked candidates, per keywords
-        self.state_bounds: dict[tuple, int] = {}            # ranking.py's state bounds, per what they read
+        self.checked_candidates, self.state_bounds = {}, {}   # ranking.py's: per keywords, per what a bound reads
         from meshboost.shardformer.layers.expert_parallel import experts_modules
         self.expert_paths = {path for path, _ in experts_modules(self.meta)}
         self.top_k = next((getattr(self.config, f) for f in TOP_K_FIELDS
