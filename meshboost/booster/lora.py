@@ -21,8 +21,8 @@ import torch.nn as nn
 
 from meshboost.booster.wrappers import ModelWrapper, unwrap_model
 from meshboost.checkpoint.atomic import AtomicTarget
+from meshboost.checkpoint.model_io import gather_entry
 from meshboost.checkpoint.writer import agree, save_roles
-from meshboost.distributed.param_info import full_on_cpu, get_tp_info
 from meshboost.lazy import LazyInitContext, lazy_seed, set_initializer
 from meshboost.shardformer.lora import is_peft_module
 
@@ -189,10 +189,9 @@ def save_lora(model: nn.Module, checkpoint: str, use_safetensors: bool, mesh=Non
     for name, tensor in peft_model.state_dict(keep_vars=True).items():
         if not getattr(tensor, "requires_grad", False):       # the frozen base: not part of the adapters
             continue
-        source = masters(tensor) if masters is not None else None   # a collective under ZeRO: every rank joins
-        source = tensor if source is None else source
-        if roles.gathers:
-            state[name] = full_on_cpu(source, get_tp_info(tensor), reuse=source is not tensor)
+        full = gather_entry(tensor, roles, masters)      # a collective under ZeRO and FSDP2: every rank joins
+        if full is not None:
+            state[name] = full
     stages = None
     if roles.num_stages > 1:
         # peft picks the adapter tensors by visiting the model's own LoRA layers, and each stage holds only its
