@@ -1,8 +1,9 @@
 """Weight export: a model's full, unsharded HF tensors at any layout, streamed bucket by bucket to an inference
 engine's `load_weights(iterable)` (vLLM's, SGLang's) or into a plain HF model (`load_into`).
 
-Owns the protocol. Every rank of the mesh calls `export_weights` and iterates it to the end; global rank 0
-alone receives the (hf_name, tensor) pairs (each stage's, in stage order), every other rank yields nothing.
+Owns the protocol. Every rank of the mesh calls `export_weights` and iterates it (a consumer that stops early,
+with `break` or `close()`, makes rank 0 receive the rest unseen, so no rank hangs; a delta export then forgets
+what it sent); global rank 0 alone receives the (hf_name, tensor) pairs (each stage's, in stage order), every other rank yields nothing.
   1. Arrival: each rank checks in at the process group's store and waits at most `timeout` seconds for the
      others; then every rank that called raises, naming the ranks that did not (one arriving later raises
      the same), so an export run on rank 0 only fails clearly instead of hanging in a gather.
@@ -98,8 +99,18 @@ def export_weights(model: nn.Module, entries: list[ExportEntry], mesh=None, buck
     try:
         if state is not None:
             plan = _changed(plan, mine, roles, state)
-        for bucket in _buckets(plan, bucket_bytes):
-            yield from _send_bucket(bucket, mine, roles, leads, dtype, master_weight)
+        stream = (pair for bucket in _buckets(plan, bucket_bytes)
+                  for pair in _send_bucket(bucket, mine, roles, leads, dtype, master_weight))
+        for pair in stream:
+            try:
+                yield pair
+            except GeneratorExit:
+                # the consumer stopped early (a `break`, or the iterator closed or collected): the other ranks
+                # are still gathering and sending the remaining buckets, so this rank joins them to the end
+                # without yielding (no rank hangs); the delta state is dropped below, the next export sends all
+                for _ in stream:
+                    pass
+                raise
     except BaseException:
         if state is not None:
             state.previous.clear()              # the consumer may have missed some: the next export sends all

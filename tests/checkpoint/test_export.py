@@ -12,7 +12,8 @@
   one), then nothing; the consumer updated by it matches the boosted model;
 * bad inputs, on every rank: a bucket smaller than the largest tensor; an export called on ranks 0 and 1
   only (they raise after the timeout naming ranks 2 and 3, which raise the same when they call late), after
-  which exports work again.
+  which exports work again; a consumer on rank 0 that closes the stream after one tensor (the other ranks
+  still gathering) hangs no rank, and the next delta export sends everything.
 """
 
 import copy
@@ -189,6 +190,14 @@ def _bad_inputs(root):
     with pytest.raises(RuntimeError, match=r"called on ranks \[0, 1\] only: ranks \[2, 3\] did not call it"):
         list(booster.export_weights(model, timeout=1.5))
     dist.barrier()
+    pairs = booster.export_weights(model, bucket_bytes=1 << 14, delta=True)
+    if rank == 0:                                    # the consumer stops after one tensor: nobody hangs
+        assert next(pairs)[0] == "model.embed_tokens.weight"
+        pairs.close()
+    else:
+        assert list(pairs) == []
+    assert len(_export(booster, model, delta=True)) == (len(checkpoint_entries(_llama())) if rank == 0 else 0), \
+        "a delta export after an abandoned one sends everything"
     assert len(_export(booster, model)) == (len(checkpoint_entries(_llama())) if rank == 0 else 0)
 
 
