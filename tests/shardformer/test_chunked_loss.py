@@ -6,13 +6,16 @@ token count, exactly the token count and more than it; with ignored labels, with
 per token (`chunked_linear_cross_entropy` against F.cross_entropy(reduction="none") under an uneven incoming
 gradient, bias and padded vocabulary rows included). No tensor the autograd graph saves holds a chunk's
 logits, nor does the forward return them: the training output's logits are an empty [B, S, 0] stand-in,
-eval and label-free forwards return the whole logits as before. Refusals: a chunk size <= 0 (or not an int),
+eval and label-free forwards return the whole logits as before; post_training's `token_logprobs` scores
+through the same chunks (log-probs 1e-6, gradients 1e-5). Refusals: a chunk size <= 0 (or not an int),
 a model whose forward transforms the logits (Gemma-2's softcapping), one without a causal-LM loss.
 
 One spawn of world 2 through HybridParallelPlugin, each layout against one process training the unchunked
 model (`testing.sharded_training.train_and_check`: every step's loss, the first step's gradients, the last
 weights): tp=2 (vocab-parallel chunks, the vocabulary padded 96 -> 128), tp=2 with Megatron sequence
-parallelism, cp=2 (each rank's piece of the sequence, the global token count), pp=2 (the last stage).
+parallelism, cp=2 (each rank's piece of the sequence, the global token count), pp=2 (the last stage); every
+training forward's logits are the empty stand-in, and under tp `token_logprobs` of the trained model equals
+one process's from the reference's trained weights.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch.nn.functional as F
 import transformers as tfm
 
 from meshboost.plugins import HybridParallelConfig, PipelineConfig
+from meshboost.post_training.logprobs import token_logprobs
 from meshboost.shardformer import ShardConfig, ShardFormer
 from meshboost.shardformer.layers.chunked_loss import ChunkedLinearHead, chunked_linear_cross_entropy
 from meshboost.testing import spawn
@@ -126,6 +130,26 @@ def test_eval_and_label_free_forwards_keep_whole_logits():
     assert abs(got.loss.item() - want.loss.item()) <= 1e-6 * want.loss.item()
 
 
+def test_token_logprobs_chunked():
+    """post_training's log-probs through the chunked head (no labels passed to the model): the same per-token
+    log-probs and gradients as the whole logits give, the logits never whole; the entropy reads whole logits."""
+    ref = _llama()
+    model = _chunked(copy.deepcopy(ref), 5)
+    batch = _batch()
+    widths = []
+    model.register_forward_hook(lambda _m, _i, out: widths.append(out.logits.shape[-1]))
+    want, got = token_logprobs(ref, batch), token_logprobs(model, batch)
+    assert widths == [0]
+    assert torch.equal(got.mask, want.mask)
+    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=1e-6, atol=1e-6)
+    want.logprobs.sum().backward(), got.logprobs.sum().backward()
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5, msg=name)
+    with_entropy = token_logprobs(model, batch, entropy=True)
+    assert widths[-1] == 96 and with_entropy.entropy is not None
+    torch.testing.assert_close(with_entropy.logprobs, want.logprobs, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("bad", [0, -4, 1.5, True, "1024"])
 def test_bad_chunk_size_refused(bad):
     with pytest.raises(ValueError, match="loss_chunk_tokens"):
@@ -166,9 +190,15 @@ def _layouts(rank: int, world: int) -> None:
             model.register_forward_hook(lambda _m, _i, out: widths.append(out.logits.shape[-1]))
             return model
 
-        plugin = train_and_check(config, make_model, batches, ref, what)[0]
+        plugin, _, model, _ = train_and_check(config, make_model, batches, ref, what)
         if plugin.pp_size == 1 or plugin.mesh.pp_rank == 1:     # the head lives on the last stage
             assert widths and set(widths) == {0}, f"{what}: the head's training logits were computed whole: {widths}"
+        if plugin.tp_size > 1:              # the log-probs through the vocab-parallel chunks, the trained weights
+            whole = _llama()
+            whole.load_state_dict(ref[2])
+            torch.testing.assert_close(token_logprobs(model, batches[0]).logprobs,
+                                       token_logprobs(whole, batches[0]).logprobs, rtol=1e-5, atol=1e-5)
+            assert widths[-1] == 0, f"{what}: token_logprobs computed the logits whole"
 
 
 def test_layouts_world2():

@@ -4,7 +4,8 @@ Owns: `chunked_linear_cross_entropy` (per-token losses of `hidden @ weight.T` ag
 `chunk_tokens` rows at a time: each chunk's logits are freed after its loss and recomputed in the backward,
 the head's weight gradient accumulated chunk by chunk), the heads that hand their input to that loss instead
 of computing logits (`ChunkedLinearHead` at tp=1, `ChunkedVocabParallelLMHead` under tp), and
-`install_chunked_loss`, which swaps the model's LM head and `loss_function` (ShardConfig(loss_chunk_tokens=N)).
+`install_chunked_loss`, which swaps the model's LM head and `loss_function` (ShardConfig(loss_chunk_tokens=N)),
+and `chunked_hidden` / `head_token_losses`, through which post_training's log-probs score labels the same way.
 Must not fork a transformers forward, gather the vocabulary, or communicate outside the tp group.
 
 The numbers (each row of the loss is the row of today's loss; see docs/memory.md):
@@ -25,6 +26,7 @@ The numbers (each row of the loss is the row of today's loss; see docs/memory.md
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import inspect
 
@@ -149,13 +151,35 @@ class _Pending:
         self.hidden: torch.Tensor | None = None
 
 
+# Set inside `chunked_hidden()`: the list every chunked head appends (head, its input) to, in any mode.
+_TAKE = contextvars.ContextVar("meshboost_chunked_hidden", default=None)
+
+
+@contextlib.contextmanager
+def chunked_hidden():
+    """Inside the block every chunked LM head returns the empty stand-in for its logits, in any mode and without
+    labels, and appends (head, its input) to the list yielded, for a reader that scores labels itself through
+    `head_token_losses` (post_training's log-probs). Scoped to the caller's context, nothing stored on a module."""
+    taken: list = []
+    token = _TAKE.set(taken)
+    try:
+        yield taken
+    finally:
+        _TAKE.reset(token)
+
+
 class _ChunkedHeadMixin:
     """Inside a training forward given labels, the head returns an empty stand-in `[..., 0]` for its logits
     and keeps its input for the chunked loss; otherwise it computes its logits as the head it replaces."""
 
     pending: _Pending
+    chunk_tokens: int
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        taken = _TAKE.get()
+        if taken is not None:
+            taken.append((self, x))
+            return x.new_empty((*x.shape[:-1], 0))
         if not (self.training and self.pending.armed.get()):
             return super().forward(x)
         self.pending.hidden = x
@@ -163,13 +187,32 @@ class _ChunkedHeadMixin:
         return self.pending.stand_in
 
 
+def is_chunked(head) -> bool:
+    """True for an LM head that `install_chunked_loss` put in place."""
+    return isinstance(head, _ChunkedHeadMixin)
+
+
+def head_token_losses(head: nn.Module, hidden: torch.Tensor, target: torch.Tensor, vocab_size: int | None = None,
+                      ignore_index: int = -100) -> torch.Tensor:
+    """Per-token cross-entropy [...] of a chunked head's logits for its input `hidden` against `target` (already
+    shifted), its `chunk_tokens` at a time; under tp the vocab-split chunks, the input gradient summed over tp."""
+    group = None
+    if isinstance(head, VocabParallelLMHead):
+        group = head.process_group
+        hidden = comm.copy_to_tp(hidden, group)           # the input gradient, partial per shard, summed over tp
+        vocab_size = head.vocab_size if vocab_size is None else vocab_size
+    return chunked_linear_cross_entropy(hidden, head.weight, head.bias, target.to(hidden.device), head.chunk_tokens,
+                                        group, vocab_size, ignore_index)
+
+
 class ChunkedLinearHead(_ChunkedHeadMixin, nn.Linear):
     """An nn.Linear LM head (tp=1, or a replicated vocabulary) whose training logits are the chunked loss's."""
 
     @classmethod
-    def from_native(cls, module: nn.Linear, pending: _Pending):
+    def from_native(cls, module: nn.Linear, pending: _Pending, chunk_tokens: int):
         new = cls(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
-        new.weight, new.bias, new.pending = module.weight, module.bias, pending     # the same parameters
+        new.weight, new.bias = module.weight, module.bias           # the same parameters
+        new.pending, new.chunk_tokens = pending, chunk_tokens
         new.train(module.training)
         return new
 
@@ -178,9 +221,9 @@ class ChunkedVocabParallelLMHead(_ChunkedHeadMixin, VocabParallelLMHead):
     """A vocab-parallel LM head whose training logits are the chunked loss's (vocab-split chunks)."""
 
     @classmethod
-    def from_parallel(cls, module: VocabParallelLMHead, pending: _Pending):
+    def from_parallel(cls, module: VocabParallelLMHead, pending: _Pending, chunk_tokens: int):
         new = cls(module.weight, module.bias, module.process_group, module.vocab_size, module.parallel_output)
-        new.pending = pending
+        new.pending, new.chunk_tokens = pending, chunk_tokens
         new.train(module.training)
         return new
 
@@ -212,9 +255,9 @@ def install_chunked_loss(model: nn.Module, chunk_tokens: int) -> None:
         if not head.parallel_output:
             raise ValueError(f"loss_chunk_tokens with parallel_output=False ({name}): the chunked loss runs on the "
                              "vocabulary shards; pass parallel_output=True or loss_chunk_tokens=None")
-        new, group = ChunkedVocabParallelLMHead.from_parallel(head, pending), head.process_group
+        new = ChunkedVocabParallelLMHead.from_parallel(head, pending, chunk_tokens)
     elif type(head) is nn.Linear:
-        new, group = ChunkedLinearHead.from_native(head, pending), None
+        new = ChunkedLinearHead.from_native(head, pending, chunk_tokens)
     else:
         raise NotImplementedError(f"loss_chunk_tokens: {name}'s LM head is a {type(head).__name__}, not a plain "
                                   "nn.Linear (an adapter, a quantised layer?); leave loss_chunk_tokens=None")
@@ -231,10 +274,10 @@ def install_chunked_loss(model: nn.Module, chunk_tokens: int) -> None:
 
     model.register_forward_pre_hook(arm, with_kwargs=True)
     model.register_forward_hook(disarm, with_kwargs=True, always_call=True)
-    model.loss_function = _chunked_causal_lm_loss(model.loss_function, new, group, chunk_tokens, pending)
+    model.loss_function = _chunked_causal_lm_loss(model.loss_function, new, pending)
 
 
-def _chunked_causal_lm_loss(previous, head: nn.Module, group, chunk_tokens: int, pending: _Pending):
+def _chunked_causal_lm_loss(previous, head: nn.Module, pending: _Pending):
     """transformers' causal-LM loss signature; the chunked loss on the head's stand-in, `previous` otherwise."""
 
     def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
@@ -248,10 +291,7 @@ def _chunked_causal_lm_loss(previous, head: nn.Module, group, chunk_tokens: int,
         hidden, pending.stand_in, pending.hidden = pending.hidden, None, None
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        if isinstance(head, VocabParallelLMHead):
-            hidden = comm.copy_to_tp(hidden, group)       # the input gradient, partial per shard, summed over tp
-        losses = chunked_linear_cross_entropy(hidden, head.weight, head.bias, shift_labels.to(hidden.device),
-                                              chunk_tokens, group, vocab_size, ignore_index)
+        losses = head_token_losses(head, hidden, shift_labels, vocab_size, ignore_index)
         return reduce_token_losses(losses, shift_labels, ignore_index, "mean", num_items_in_batch)
 
     return causal_lm_loss
