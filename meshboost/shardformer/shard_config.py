@@ -33,7 +33,7 @@ class ShardConfig:
     loss_chunk_tokens: None (off, the default: the chunked weight gradient is equal to rounding, not bitwise)
         or N: a causal LM's training loss runs its LM head and cross-entropy N tokens at a time, each
         chunk's logits recomputed in the backward, so the logits are never whole (layers/chunked_loss.py,
-        docs/memory.md); at any tp, with parallel_output under tp.
+        docs/optimizations.md); at any tp, with parallel_output under tp.
     enable_sequence_parallelism: Megatron sequence parallelism over the tp group: norms, dropouts and
         residuals of the layer stack hold 1/tp of the sequence (sequence.py, docs/sequence_parallel.md).
         With `mesh`, the layout record's tp mode (`mesh.dims.sequence_parallel`), read here, once (a value

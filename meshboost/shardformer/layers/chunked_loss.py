@@ -8,7 +8,7 @@ of computing logits (`ChunkedLinearHead` at tp=1, `ChunkedVocabParallelLMHead` u
 and `chunked_hidden` / `head_token_losses`, through which post_training's log-probs score labels the same way.
 Must not fork a transformers forward, gather the vocabulary, or communicate outside the tp group.
 
-The numbers (each row of the loss is the row of today's loss; see docs/memory.md):
+The numbers (each row of the loss is the row of today's loss; see docs/optimizations.md):
 - tp=1: one chunk's logits [chunk, V] in fp32 (the head's output upcast, as transformers' loss does); the
   row's max, softmax denominator and target logit give `log(sum exp(l - max)) - (l_target - max)`.
 - tp (vocab-parallel head, weight rows split): each rank's chunk holds its vocabulary shard, padded columns
