@@ -13,7 +13,8 @@ a model whose forward transforms the logits (Gemma-2's softcapping), one without
 One spawn of world 2 through HybridParallelPlugin, each layout against one process training the unchunked
 model (`testing.sharded_training.train_and_check`: every step's loss, the first step's gradients, the last
 weights): tp=2 (vocab-parallel chunks, the vocabulary padded 96 -> 128), tp=2 with Megatron sequence
-parallelism, cp=2 (each rank's piece of the sequence, the global token count), pp=2 (the last stage); every
+parallelism, cp=2 (each rank's piece of the sequence, the global token count), pp=2 (the last stage), dp=2
+with ZeRO-3 (FSDP2 gathers the head; `num_items_in_batch` the global token count); every
 training forward's logits are the empty stand-in, and under tp `token_logprobs` of the trained model equals
 one process's from the reference's trained weights.
 """
@@ -21,17 +22,18 @@ one process's from the reference's trained weights.
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers as tfm
 
-from meshboost.plugins import HybridParallelConfig, PipelineConfig
+from meshboost.plugins import HybridParallelConfig, PipelineConfig, ZeroConfig
 from meshboost.post_training.logprobs import token_logprobs
 from meshboost.shardformer import ShardConfig, ShardFormer
 from meshboost.shardformer.layers.chunked_loss import ChunkedLinearHead, chunked_linear_cross_entropy
-from meshboost.testing import spawn
+from meshboost.testing import assert_close, spawn
 from meshboost.testing.moe import causal_batches
 from meshboost.testing.sharded_training import reference_run, train_and_check
 
@@ -69,7 +71,8 @@ def _loss_and_grads(model, batch: dict):
 def test_matches_transformers(chunk, tied):
     ref = _llama(tie_word_embeddings=tied)
     model = _chunked(copy.deepcopy(ref), chunk)
-    assert isinstance(model.lm_head, ChunkedLinearHead) and (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    assert isinstance(model.lm_head, ChunkedLinearHead)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     batch = _batch()
     for extra in ({}, {"num_items_in_batch": torch.tensor(50.0)}):   # HF's gradient-accumulation normalisation
         want, want_grads = _loss_and_grads(ref, {**batch, **extra})
@@ -99,7 +102,8 @@ def test_per_token_losses_and_gradients():
     (want * upstream).sum().backward()
     torch.testing.assert_close(losses, want, rtol=1e-6, atol=1e-6)
     assert torch.all(losses[[0, 7, 22]] == 0)
-    want_grads = [x.grad, torch.cat([weight.grad[:40], torch.zeros(8, 16)]), torch.cat([bias.grad[:40], torch.zeros(8)])]
+    want_grads = [x.grad, torch.cat([weight.grad[:40], torch.zeros(8, 16)]),
+                  torch.cat([bias.grad[:40], torch.zeros(8)])]
     for name, a, b in zip(("x", "weight", "bias"), got, want_grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
@@ -150,6 +154,34 @@ def test_token_logprobs_chunked():
     torch.testing.assert_close(with_entropy.logprobs, want.logprobs, rtol=1e-6, atol=1e-6)
 
 
+def test_positional_labels_and_kept_logits():
+    """Labels passed positionally arm the chunked loss too; logits_to_keep with labels is refused, naming it."""
+    ref = _llama()
+    model = _chunked(copy.deepcopy(ref), 5)
+    batch = _batch()
+    names = list(inspect.signature(ref.forward).parameters)
+    args = [None] * (names.index("labels") + 1)
+    args[0], args[-1] = batch["input_ids"], batch["labels"]
+    got, want = model(*args), ref(*args)
+    assert got.logits.shape[-1] == 0 and abs(got.loss.item() - want.loss.item()) <= 1e-6 * want.loss.item()
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        model(**batch, logits_to_keep=1)
+
+
+def test_bf16_matches_transformers():
+    """bf16 weights: the head's chunks in bf16 upcast to fp32 as transformers' loss upcasts its logits; the
+    gradients reach the bf16 weights in their dtype (the weight's summed in fp32, rounded once)."""
+    ref = _llama(vocab_size=64).to(torch.bfloat16)
+    model = _chunked(copy.deepcopy(ref), 7)
+    batch = _batch(seq=9, vocab=64)
+    want, want_grads = _loss_and_grads(ref, batch)
+    got, got_grads = _loss_and_grads(model, batch)
+    assert abs(got.loss.item() - want.loss.item()) <= 1e-3 * abs(want.loss.item()), (got.loss, want.loss)
+    for name, grad in want_grads.items():
+        assert got_grads[name].dtype == torch.bfloat16, name
+        assert_close(got_grads[name], grad, dtype=torch.bfloat16, msg=name)
+
+
 @pytest.mark.parametrize("bad", [0, -4, 1.5, True, "1024"])
 def test_bad_chunk_size_refused(bad):
     with pytest.raises(ValueError, match="loss_chunk_tokens"):
@@ -175,6 +207,7 @@ LAYOUTS = (
     ("tp=2 sp", dict(tp_size=2, sequence_parallel=True)),
     ("cp=2", dict(cp_size=2)),
     ("pp=2", dict(pp_size=2, pipeline=PipelineConfig(num_microbatches=2))),
+    ("dp=2 zero3", dict(zero=ZeroConfig(stage=3))),        # FSDP2's gathered head, the global token count over dp
 )
 
 

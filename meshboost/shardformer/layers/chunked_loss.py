@@ -137,6 +137,9 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bia
     vocab_size = weight.shape[0] if vocab_size is None else vocab_size
     flat = hidden.reshape(-1, hidden.shape[-1])
     flat_target = target.reshape(-1).to(flat.device)
+    if flat.shape[0] != flat_target.shape[0]:
+        raise ValueError(f"the LM head's input holds {flat.shape[0]} tokens ({tuple(hidden.shape)}) for "
+                         f"{flat_target.shape[0]} labels ({tuple(target.shape)}): pass logits_to_keep=0 with labels")
     losses = _ChunkedLinearCrossEntropy.apply(flat, weight, bias, flat_target, group, vocab_size, ignore_index,
                                               chunk_tokens)
     return losses.view(target.shape)
@@ -228,9 +231,12 @@ class ChunkedVocabParallelLMHead(_ChunkedHeadMixin, VocabParallelLMHead):
         return new
 
 
-def _labels_given(signature, args, kwargs) -> bool:
-    bound = signature.bind_partial(*args, **kwargs).arguments if args else kwargs
-    return bound.get("labels") is not None or bound.get("shift_labels") is not None
+def _labels_given(position: int | None, args, kwargs) -> bool:
+    """Whether a forward call passes labels (by keyword, or at their place among the positional inputs):
+    transformers' forward then computes its loss from the head's logits."""
+    if kwargs.get("labels") is not None:
+        return True
+    return position is not None and position < len(args) and args[position] is not None
 
 
 def install_chunked_loss(model: nn.Module, chunk_tokens: int) -> None:
@@ -263,10 +269,11 @@ def install_chunked_loss(model: nn.Module, chunk_tokens: int) -> None:
                                   "nn.Linear (an adapter, a quantised layer?); leave loss_chunk_tokens=None")
     for path in [p for p, m in model.named_modules(remove_duplicate=False) if m is head]:
         model.set_submodule(path, new)
-    signature = inspect.signature(model.forward)
+    names = list(inspect.signature(model.forward).parameters)
+    position = names.index("labels") if "labels" in names else None
 
-    def arm(_module, args, kwargs):
-        pending.armed.set(model.training and _labels_given(signature, args, kwargs))
+    def arm(module, args, kwargs):
+        pending.armed.set(module.training and _labels_given(position, args, kwargs))
 
     def disarm(_module, _args, _kwargs, _output):
         pending.armed.set(False)
