@@ -4,7 +4,7 @@ One process, fp32, against transformers' own loss (`model(**batch).loss`) from t
 loss within 1e-6 relative and every gradient within 1e-5, at chunk sizes of one token, one not dividing the
 token count, exactly the token count and more than it; with ignored labels, with `num_items_in_batch`, and
 per token (`chunked_linear_cross_entropy` against F.cross_entropy(reduction="none") under an uneven incoming
-gradient, bias and padded vocabulary rows included). No tensor the autograd graph saves holds a chunk's
+gradient, bias and padded vocabulary rows included); GPT-2, Qwen2, Gemma, OPT, BLOOM and Falcon too. No tensor the autograd graph saves holds a chunk's
 logits, nor does the forward return them: the training output's logits are an empty [B, S, 0] stand-in,
 eval and label-free forwards return the whole logits as before; post_training's `token_logprobs` scores
 through the same chunks (log-probs 1e-6, gradients 1e-5). Refusals: a chunk size <= 0 (or not an int),
@@ -34,6 +34,7 @@ from meshboost.post_training.logprobs import token_logprobs
 from meshboost.shardformer import ShardConfig, ShardFormer
 from meshboost.shardformer.layers.chunked_loss import ChunkedLinearHead, chunked_linear_cross_entropy
 from meshboost.testing import assert_close, spawn
+from meshboost.testing.models import build_model, tiny_batch, tiny_config
 from meshboost.testing.moe import causal_batches
 from meshboost.testing.sharded_training import reference_run, train_and_check
 
@@ -63,7 +64,7 @@ def _loss_and_grads(model, batch: dict):
     model.zero_grad()
     out = model(**batch)
     out.loss.backward()
-    return out, {n: p.grad.clone() for n, p in model.named_parameters()}
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 38, 1000])        # 2 x 19 = 38 tokens
@@ -81,6 +82,23 @@ def test_matches_transformers(chunk, tied):
         assert got.logits.shape == (2, 19, 0)              # the logits were never whole
         for name, grad in want_grads.items():
             torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("cls,family", [("GPT2LMHeadModel", "gpt2"), ("Qwen2ForCausalLM", "qwen2"),
+                                        ("GemmaForCausalLM", "gemma"), ("OPTForCausalLM", "opt"),
+                                        ("BloomForCausalLM", "bloom"), ("FalconForCausalLM", "falcon")])
+def test_families(cls, family):
+    """The zoo's causal LMs (GPT-2's and Gemma's heads tied to a scaled / plain embedding, OPT's projections)."""
+    config = tiny_config(family)
+    ref = build_model(cls, config).train()
+    model = _chunked(copy.deepcopy(ref), 5)                  # 32 tokens: the last chunk of 2
+    batch = tiny_batch(cls, config)
+    want, want_grads = _loss_and_grads(ref, batch)
+    got, got_grads = _loss_and_grads(model, batch)
+    assert got.logits.shape[-1] == 0
+    assert abs(got.loss.item() - want.loss.item()) <= 1e-6 * abs(want.loss.item()), (got.loss, want.loss)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_per_token_losses_and_gradients():
