@@ -13,8 +13,8 @@ The numbers (each row of the loss is the row of today's loss; see docs/optimizat
   row's max, softmax denominator and target logit give `log(sum exp(l - max)) - (l_target - max)`.
 - tp (vocab-parallel head, weight rows split): each rank's chunk holds its vocabulary shard, padded columns
   masked; after every chunk, the rows' local max and local sum; then the max all-reduced (MAX) and one
-  all-reduce of [target logit - max, local sum rescaled to the global max]: three collectives of [tokens]
-  per call, never one of the vocabulary. The input gradient is partial over the shards: the head's
+  all-reduce of [target logit - max, local sum rescaled to the global max] (SUM): the unchunked loss's two
+  collectives, 3 x tokens fp32 per call whatever the chunk, never one of the vocabulary. The input gradient is partial over the shards: the head's
   `copy_to_tp` before the loss all-reduces it, as the unchunked head does.
 - backward: softmax = exp(l - max) / sum, minus one at the target, times the row's incoming gradient
   (ignored rows none, as torch's nll_loss): the same entries as the unchunked loss's; the weight gradient
