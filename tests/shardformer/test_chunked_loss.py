@@ -13,8 +13,8 @@ a model whose forward transforms the logits (Gemma-2's softcapping), one without
 One spawn of world 2 through HybridParallelPlugin, each layout against one process training the unchunked
 model (`testing.sharded_training.train_and_check`: every step's loss, the first step's gradients, the last
 weights): tp=2 (vocab-parallel chunks, the vocabulary padded 96 -> 128), tp=2 with Megatron sequence
-parallelism, cp=2 (each rank's piece of the sequence, the global token count), pp=2 (the last stage), dp=2
-with ZeRO-3 (FSDP2 gathers the head; `num_items_in_batch` the global token count); every
+parallelism, cp=2 (each rank's piece of the sequence, the global token count), pp=2 (the last stage), dp=2 (DDP)
+and dp=2 with ZeRO-3 (FSDP2 gathers the head; `num_items_in_batch` the global token count); every
 training forward's logits are the empty stand-in, and under tp `token_logprobs` of the trained model equals
 one process's from the reference's trained weights.
 """
@@ -225,6 +225,7 @@ LAYOUTS = (
     ("tp=2 sp", dict(tp_size=2, sequence_parallel=True)),
     ("cp=2", dict(cp_size=2)),
     ("pp=2", dict(pp_size=2, pipeline=PipelineConfig(num_microbatches=2))),
+    ("dp=2", dict()),                                       # torch DDP over dp
     ("dp=2 zero3", dict(zero=ZeroConfig(stage=3))),        # FSDP2's gathered head, the global token count over dp
 )
 
