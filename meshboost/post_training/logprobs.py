@@ -21,10 +21,13 @@ The numbers, as one process computes them (transformers' causal-LM loss, negated
   which the dp x cp gradient average turns into the whole sequence's. In eval the model returns the whole
   sequences (context.py gathers them) and every cp rank reads them all.
 - fp16/bf16 logits are read in fp32 (as transformers' loss upcasts them).
+- loss_chunk_tokens (a chunked head): the head's input is scored chunk by chunk (`head_token_losses`), the
+  logits never whole; the entropy, and cp's eval (whose logits context.py gathers), read whole logits.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 
 from meshboost.distributed import comm
 from meshboost.plugins.hybrid_parallel import HybridParallelModule
+from meshboost.shardformer.layers.chunked_loss import chunked_hidden, head_token_losses, is_chunked
 from meshboost.shardformer.layers.vocab import VocabParallelLMHead, split_logits, vocab_parallel_cross_entropy
 
 IGNORE_INDEX = -100
@@ -99,15 +103,20 @@ def token_logprobs(model: torch.nn.Module, batch: dict, entropy: bool = False) -
     inputs = {k: v for k, v in batch.items() if k not in _NOT_MODEL_INPUTS}
     inputs["use_cache"] = False
     head = hf_model(model).get_output_embeddings()
-    with split_logits():
+    context = model.context if isinstance(model, HybridParallelModule) else None
+    # loss_chunk_tokens: the head's chunks score the labels (not for the entropy, nor cp's gathered eval logits)
+    chunked = is_chunked(head) and not entropy and (context is None or model.training)
+    with split_logits(), (chunked_hidden() if chunked else contextlib.nullcontext()) as taken:
         logits = model(**inputs).logits
         split = isinstance(head, VocabParallelLMHead) and head.output_is_parallel
     target = shifted_labels(labels.to(logits.device))
-    context = model.context if isinstance(model, HybridParallelModule) else None
     positions = None
     if context is not None and model.training:          # this rank's piece of every sequence
         positions = context.positions(labels.shape[1], logits.device)
         target = target[:, positions]
+    if chunked:
+        losses = head_token_losses(*taken[-1], target, ignore_index=IGNORE_INDEX)
+        return TokenLogprobs(-losses, target != IGNORE_INDEX, positions, None)
     return label_logprobs(logits, target, head, split, entropy, positions)
 
 

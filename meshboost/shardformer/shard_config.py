@@ -13,6 +13,7 @@ from functools import cached_property
 import torch.distributed as dist
 
 from meshboost.distributed.mesh import ParallelMesh
+from meshboost.shardformer.layers.chunked_loss import check_chunk_tokens
 from meshboost.shardformer.sequence import check_mode
 
 
@@ -29,6 +30,10 @@ class ShardConfig:
     parallel_output: keep LM-head logits split over the vocabulary in training, with the loss
         computed by the vocab-parallel cross-entropy; evaluation always sees full logits.
     make_vocab_size_divisible_by: vocab is padded to a multiple of this times tp_size.
+    loss_chunk_tokens: None (off, the default: the chunked weight gradient is equal to rounding, not bitwise)
+        or N: a causal LM's training loss runs its LM head and cross-entropy N tokens at a time, each
+        chunk's logits recomputed in the backward, so the logits are never whole (layers/chunked_loss.py,
+        docs/optimizations.md); at any tp, with parallel_output under tp.
     enable_sequence_parallelism: Megatron sequence parallelism over the tp group: norms, dropouts and
         residuals of the layer stack hold 1/tp of the sequence (sequence.py, docs/sequence_parallel.md).
         With `mesh`, the layout record's tp mode (`mesh.dims.sequence_parallel`), read here, once (a value
@@ -53,6 +58,7 @@ class ShardConfig:
     enable_tensor_parallelism: bool = True
     parallel_output: bool = True
     make_vocab_size_divisible_by: int = 64
+    loss_chunk_tokens: int | None = None
     enable_sequence_parallelism: bool | None = None
     sequence_parallelism_mode: str | None = None
     enable_flash_attention: bool = False
@@ -76,6 +82,7 @@ class ShardConfig:
         if not isinstance(self.make_vocab_size_divisible_by, int) or self.make_vocab_size_divisible_by < 1:
             raise ValueError(f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by!r} must be a "
                              "positive integer (64 is a good default; 1 disables padding beyond tp_size)")
+        check_chunk_tokens(self.loss_chunk_tokens)
         if self.enable_sequence_parallelism:
             self.sequence_parallelism_mode = check_mode(self.sequence_parallelism_mode)
 

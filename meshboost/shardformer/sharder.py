@@ -31,6 +31,7 @@ from meshboost.shardformer.layers import (
     make_causal_lm_loss,
 )
 from meshboost.shardformer.context_checks import WRAPPED
+from meshboost.shardformer.layers.chunked_loss import install_chunked_loss
 from meshboost.shardformer.layers.vocab import embedding_extras, uses_causal_lm_loss
 from meshboost.shardformer.lora import adapter_base, adapter_linears, is_peft_module, shard_adapter_
 from meshboost.shardformer.optimizations import fuse_norms, jit_fuse, say, use_fast_attention
@@ -179,6 +180,8 @@ class ShardFormer:
             if plan.seq_stack is not None:        # every activation of a layer is split: hold it per layer,
                 for layer in model.base_model.get_submodule(plan.seq_stack):     # so every pipeline stage does
                     rng.hold_across(layer, layer)
+        if self.shard_config.loss_chunk_tokens is not None:       # after the vocab-parallel head, at any tp
+            install_chunked_loss(model, self.shard_config.loss_chunk_tokens)
         device_type = get_current_device().type
         if self.shard_config.enable_flash_attention:
             use_fast_attention(model, device_type, self._attention_kernels())

@@ -4,7 +4,8 @@ Owns: splitting the vocabulary over the tp group, padding it to a multiple of
 `make_vocab_size_divisible_by * tp_size` (padded rows are zero and never win: the loss masks
 them, gathered logits are trimmed back to the real vocabulary), and the cross-entropy that works
 on vocab-split logits without ever gathering them; telling whether a model computes its causal-LM
-loss through transformers' `loss_function` (`uses_causal_lm_loss`), which is what that loss replaces.
+loss through transformers' `loss_function` (`uses_causal_lm_loss`), which is what that loss replaces, and
+that loss's reduction (`reduce_token_losses`, shared with the chunked loss of chunked_loss.py).
 """
 
 from __future__ import annotations
@@ -226,8 +227,15 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     flat_logits = logits.reshape(-1, logits.shape[-1]).float()
     flat_target = target.reshape(-1).to(flat_logits.device)
     losses = _VocabParallelCrossEntropy.apply(flat_logits, flat_target, group, vocab_size, ignore_index)
+    return reduce_token_losses(losses.view(target.shape), target, ignore_index, reduction, num_items_in_batch)
+
+
+def reduce_token_losses(losses: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str = "mean",
+                        num_items_in_batch=None) -> torch.Tensor:
+    """Per-token losses (0 where ignored) reduced as transformers' causal-LM loss does: the sum over
+    `num_items_in_batch` when given, else the mean over the non-ignored targets; "sum" and "none" as torch."""
     if reduction == "none":
-        return losses.view(target.shape)
+        return losses
     total = losses.sum()
     if reduction == "sum":
         return total
@@ -236,7 +244,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
             num_items_in_batch = num_items_in_batch.to(total.device)
         return total / num_items_in_batch
     # Matches F.cross_entropy(reduction="mean"): nan when every target is ignored.
-    return total / (flat_target != ignore_index).sum()
+    return total / (target.to(total.device) != ignore_index).sum()
 
 
 def make_causal_lm_loss(head: VocabParallelLMHead):
