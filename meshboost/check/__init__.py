@@ -69,7 +69,7 @@ def planner_line(config, layout, seq: int, memory_gb: float) -> str:
 def check(model, layout: str, overrides: dict | None = None, seq: int = 2048, memory_gb: float = 80.0) -> Report:
     """Run `layout` ('tp=2,pp=2,ep=2,...') on a shrunk copy of `model` (an HF folder, config.json, model
     type or transformers config) against one process; the planner's line for the real size."""
-    from meshboost.check.run import run_layout
+    from meshboost.check.run import run_cases
     from meshboost.plan.model import load_config, model_class
     from meshboost.testing.spawn import spawn
 
@@ -82,9 +82,9 @@ def check(model, layout: str, overrides: dict | None = None, seq: int = 2048, me
     small, lines = shrink(config, parsed)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "verdict.json")
-        spawn(run_layout, parsed.world, small, parsed.as_dict(), out)
+        spawn(run_cases, parsed.world, [(small, parsed.as_dict())], out)
         import json
         with open(out) as f:
-            result = json.load(f)
+            result = json.load(f)[0]
     return Report(lines, tuple(result["loss"]), {g: tuple(v) for g, v in result["groups"].items()},
                   planner_line(config, parsed, seq, memory_gb))

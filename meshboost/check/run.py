@@ -71,17 +71,27 @@ def batch_for(config, rows: int, seq: int) -> dict:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
-def run_layout(rank: int, world: int, config, layout_fields: dict, out: str) -> None:
-    """The spawned body: rank 0 writes {"loss": (verdict, detail), "groups": {group: (verdict, detail)}} to `out`."""
+def run_cases(rank: int, world: int, cases: list, out: str) -> None:
+    """The spawned body: for each (shrunk config, Layout fields) of `cases` (layouts of this world), rank 0
+    writes {"loss": (verdict, detail), "groups": {group: (verdict, detail)}} to the JSON list in `out`."""
     import warnings
 
     import torch.distributed as dist
     import transformers
-
-    from meshboost.plan.layout import Layout
-    from meshboost.plan.model import model_class
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore")
+    results = [run_layout(config, fields) for config, fields in cases]
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+
+
+def run_layout(config, layout_fields: dict) -> dict:
+    """One case of `run_cases`, on every rank: the reference, the layout's step, the verdicts."""
+    from meshboost.plan.layout import Layout
+    from meshboost.plan.model import model_class
+
     layout = Layout(**layout_fields)
     rows = layout.dp * layout.microbatches * layout.microbatch_size
     seq = 16 * layout.cp * (layout.tp if layout.sequence_parallel else 1)
@@ -94,11 +104,7 @@ def run_layout(rank: int, world: int, config, layout_fields: dict, out: str) -> 
     ref_loss.backward()
     want = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
     groups = {n: group_of(ref, n) for n in want}
-    result = _sharded(par, layout, batch, before, want, groups, ref_loss.item())
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(result, f)
-    dist.barrier()
+    return _sharded(par, layout, batch, before, want, groups, ref_loss.item())
 
 
 def _sharded(par, layout, batch: dict, before: dict, want: dict, groups: dict, ref_loss: float) -> dict:
