@@ -6,8 +6,8 @@ its per-rank shapes), every field the layout does not size. Reduced: the layers 
 needs (at least pp x model chunks, one kept layer of each kind the per-layer lists name:
 `testing.tiny_configs.cut_layers`; dense-before-MoE counts and MLP-only lists kept with one of each), the
 experts to a multiple of ep that top-k still fits in, the widths (hidden, intermediate, MoE and shared
-expert intermediate) divided by one factor that keeps every width divisible by tp exactly where the real
-one is, the vocabulary to 256, dropouts off. Must not build or run models (run.py).
+expert intermediate) each divided by the largest factor that keeps it divisible by tp (and 2 tp) exactly
+where the real one is, the vocabulary to 256, dropouts off. Must not build or run models (run.py).
 """
 
 from __future__ import annotations
@@ -22,15 +22,10 @@ VOCAB = 256
 MIN_EXPERTS = 4
 
 
-def _factor(widths: dict, tp: int, low: int) -> int:
-    """The largest factor dividing every width such that the first width stays >= `low` and each width
-    divided keeps the divisibility by tp (and 2 tp) it had."""
-    first = next(iter(widths.values()))
-    for f in sorted((d for d in range(1, first + 1) if first % d == 0), reverse=True):
-        if first // f < low:
-            continue
-        if all(w % f == 0 and all((w % d == 0) == ((w // f) % d == 0) for d in (tp, 2 * tp))
-               for w in widths.values()):
+def _factor(width: int, divisors: tuple, low: int) -> int:
+    """The largest factor of `width` leaving it >= `low` and as divisible by each of `divisors` as it was."""
+    for f in sorted((d for d in range(1, width + 1) if width % d == 0), reverse=True):
+        if width // f >= low and all((width % d == 0) == ((width // f) % d == 0) for d in divisors):
             return f
     return 1
 
@@ -51,11 +46,16 @@ def _widths(fields: dict, alias: dict, tp: int, overrides: dict, lines: list, hi
               and fields[k] > 0}
     if not widths:
         return
-    f = _factor(widths, tp, max(MIN_WIDTH, 8 * tp))
-    if f > 1:
-        for k, w in widths.items():
+    changed = []
+    for k, w in widths.items():     # each its own factor: the hidden size to MIN_WIDTH, the MLPs' to a quarter
+        # the hidden size as divisible by the heads as it was too (configs validate hidden % heads)
+        by = (tp, 2 * tp) + ((heads,) if k == hidden_key and isinstance(heads, int) else ())
+        f = _factor(w, by, max(MIN_WIDTH if k == hidden_key else MIN_WIDTH // 4, 8 * tp))
+        if f > 1:
             overrides[k] = w // f
-        lines.append(f"shrunk: widths / {f}: " + ", ".join(f"{k} {w} -> {w // f}" for k, w in widths.items()))
+            changed.append(f"{k} {w} -> {w // f}")
+    if changed:
+        lines.append("shrunk: " + ", ".join(changed) + f" (each as divisible by tp={tp} and {2 * tp} as it was)")
 
 
 def _experts(fields: dict, ep: int, overrides: dict, lines: list) -> None:

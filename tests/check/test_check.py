@@ -1,0 +1,111 @@
+"""meshboost.check: the shrink keeps head counts and tp divisibility (no processes); at world 2, a layout
+the plugin runs exactly reads exact per layer type, one it refuses reads refused with the plugin's message,
+and a gradient deliberately scaled on one rank reads wrong naming that parameter; an unknown model type
+is one line; the comparison on tensors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from meshboost.check import layout_for, shrink
+from meshboost.check.__main__ import main
+from meshboost.check.run import compare, run_cases
+from meshboost.plan.model import load_config
+from meshboost.testing.spawn import spawn
+
+SCALED = "model.layers.0.mlp.down_proj.weight"
+
+
+def test_shrink_keeps_heads_and_divisibility():
+    for model, overrides, layout in (("llama", {}, "tp=4,pp=2"), ("qwen3_moe", {}, "tp=2,dp=2,ep=2"),
+                                     ("llama", {"intermediate_size": 11006}, "tp=2")):
+        real = load_config(model, overrides)
+        parsed = layout_for(layout)
+        small, lines = shrink(real, parsed)
+        assert lines and all(line.startswith(("shrunk: ", "kept: ")) for line in lines), lines
+        for key in ("num_attention_heads", "num_key_value_heads"):
+            assert getattr(small, key) == getattr(real, key), key
+        real_head = getattr(real, "head_dim", None) or real.hidden_size // real.num_attention_heads
+        assert (getattr(small, "head_dim", None) or small.hidden_size // small.num_attention_heads) == real_head
+        assert small.hidden_size < real.hidden_size and small.vocab_size <= 256
+        assert parsed.pp <= small.num_hidden_layers < real.num_hidden_layers
+        for key in ("hidden_size", "intermediate_size", "moe_intermediate_size"):
+            if isinstance(getattr(real, key, None), int):     # splits the same way: divisible by tp where it was
+                assert (getattr(small, key) % parsed.tp == 0) == (getattr(real, key) % parsed.tp == 0), key
+        if parsed.ep > 1:
+            assert small.num_experts % parsed.ep == 0 and small.num_experts_per_tok <= small.num_experts
+            assert small.num_experts_per_tok == real.num_experts_per_tok
+    assert layout_for("pp=2").microbatches == 2          # a pipeline gets a micro-batch per stage
+
+
+def test_compare_on_tensors():
+    want = {"a": torch.ones(4), "b": torch.full((2,), 0.5)}
+    groups = {"a": "Attention (self_attn)", "b": "MLP (mlp)"}
+    exact = compare({"a": torch.ones(4) + 1e-7, "b": want["b"].clone()}, want, groups)
+    assert all(v == "exact" for v, _ in exact.values()), exact
+    wrong = compare({"a": torch.ones(4), "b": want["b"] * 2}, want, groups)
+    assert wrong["Attention (self_attn)"][0] == "exact"
+    assert wrong["MLP (mlp)"][0] == "wrong" and "0.5" in wrong["MLP (mlp)"][1] and " b" in wrong["MLP (mlp)"][1]
+    missing = compare({"a": torch.ones(4)}, want, groups)
+    assert missing["MLP (mlp)"][0] == "wrong" and "no gradient" in missing["MLP (mlp)"][1]
+
+
+def test_unknown_model_type_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", "lamma", "--layout", "tp=2"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "'lamma'" in err and "llama" in err, err
+
+
+def _scaled_step(step):
+    """SGD's step with one parameter's gradient doubled on rank 0 (a deliberately wrong layout)."""
+    def patched(self, *args, **kwargs):
+        if torch.distributed.get_rank() == 0:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if getattr(p, "_check_scaled", False):
+                        p.grad.mul_(2)
+        return step(self, *args, **kwargs)
+    return patched
+
+
+def _body(rank, world, cases, wrong_case, out):
+    run_cases(rank, world, cases, out + ".right")
+    step = torch.optim.SGD.step
+    torch.optim.SGD.step = _scaled_step(step)
+    import meshboost.booster as booster_module
+    real_boost = booster_module.Booster.boost
+
+    def boost_and_mark(self, model, *args, **kwargs):
+        boosted = real_boost(self, model, *args, **kwargs)
+        dict(boosted[0].unwrap().named_parameters())[SCALED]._check_scaled = True
+        return boosted
+    booster_module.Booster.boost = boost_and_mark
+    try:
+        run_cases(rank, world, [wrong_case], out + ".wrong")
+    finally:
+        torch.optim.SGD.step = step
+        booster_module.Booster.boost = real_boost
+
+
+def test_verdicts_at_world_2(tmp_path):
+    llama = load_config("llama", {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16})
+    odd = load_config("llama", {"hidden_size": 4000, "num_attention_heads": 5, "num_key_value_heads": 5,
+                                "head_dim": 16})
+    tp2 = layout_for("tp=2")
+    cases = [(shrink(llama, tp2)[0], tp2.as_dict()), (shrink(odd, tp2)[0], tp2.as_dict())]
+    out = str(tmp_path / "verdicts")
+    spawn(_body, 2, cases, cases[0], out)
+    exact, refused = json.loads(open(out + ".right").read())
+    wrong, = json.loads(open(out + ".wrong").read())
+    assert exact["loss"][0] == "exact" and exact["groups"], exact
+    assert {v for v, _ in exact["groups"].values()} == {"exact"}, exact
+    assert "LlamaAttention (self_attn)" in exact["groups"] and "LlamaMLP (mlp)" in exact["groups"]
+    assert refused["loss"][0] == "refused" and "5" in refused["loss"][1], refused
+    assert wrong["groups"]["LlamaMLP (mlp)"][0] == "wrong" and SCALED in wrong["groups"]["LlamaMLP (mlp)"][1], wrong
+    assert wrong["groups"]["LlamaAttention (self_attn)"][0] == "exact", wrong
+    assert os.path.exists(out + ".wrong")
