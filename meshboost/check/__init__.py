@@ -31,8 +31,8 @@ class Report:
     def lines(self) -> list[str]:
         out = list(self.shrunk)
         verdict, detail = self.loss
-        if verdict == "refused":
-            return out + [f"refused: {detail}", self.planner]
+        if verdict in ("refused", "not run") or not self.groups:
+            return out + [f"{verdict}: {detail}", self.planner]
         out.append(f"loss: {verdict} ({detail})")
         out += [f"{g}: {v}" + (f" ({d})" if d else "") for g, (v, d) in self.groups.items()]
         return out + [self.planner]

@@ -21,7 +21,7 @@ from meshboost.testing.tolerance import TOLERANCE
 
 LR = 1.0
 LOSS_RTOL = 2e-5
-EXACT, REFUSED, WRONG = "exact", "refused", "wrong"
+EXACT, REFUSED, WRONG, NOT_RUN = "exact", "refused", "wrong", "not run"
 
 
 def group_of(model, name: str) -> str:
@@ -42,6 +42,9 @@ def compare(got: dict, want: dict, groups: dict) -> dict:
     difference and the parameter it is in. got, want: {name: tensor}; groups: {name: group}."""
     rtol, atol = TOLERANCE[torch.float32]
     worst: dict = {}
+    for name in sorted(set(got) - set(want)):       # no gradient on one process: at most a zero one here
+        if got[name].abs().max().item() > atol:
+            worst[groups[name]] = (True, float("inf"), name, "only")
     for name, w in want.items():
         g = got.get(name)
         group = groups[name]
@@ -52,12 +55,14 @@ def compare(got: dict, want: dict, groups: dict) -> dict:
             diff, bad = err.max().item(), bool((err > atol + rtol * w.double().abs()).any())
         best = worst.get(group)
         if best is None or (bad, diff) > (best[0], best[1]):
-            worst[group] = (bad, diff, name, g is None)
+            worst[group] = (bad, diff, name, "missing" if g is None or g.shape != w.shape else "")
     out = {}
-    for group, (bad, diff, name, missing) in sorted(worst.items()):
+    for group, (bad, diff, name, how) in sorted(worst.items()):
         if not bad:
             out[group] = (EXACT, f"max |grad diff| {diff:.1e}")
-        elif missing:
+        elif how == "only":
+            out[group] = (WRONG, f"{name}: a gradient only in this layout (none on one process)")
+        elif how:
             out[group] = (WRONG, f"{name}: no gradient applied (or a shape changed)")
         else:
             out[group] = (WRONG, f"max |grad diff| {diff:.3g} in {name}")
@@ -96,19 +101,28 @@ def run_layout(config, layout_fields: dict) -> dict:
     rows = layout.dp * layout.microbatches * layout.microbatch_size
     seq = 16 * layout.cp * (layout.tp if layout.sequence_parallel else 1)
     torch.manual_seed(0)
-    ref = model_class(config)._from_config(copy.deepcopy(config)).float()
-    par = copy.deepcopy(ref)
-    batch = batch_for(config, rows, seq)
-    before = {n: p.detach().clone() for n, p in ref.named_parameters(remove_duplicate=False)}
-    ref_loss = ref(**batch).loss
-    ref_loss.backward()
+    try:
+        ref = model_class(config)._from_config(copy.deepcopy(config)).float()
+        par = copy.deepcopy(ref)
+        batch = batch_for(config, rows, seq)
+        before = {n: p.detach().clone() for n, p in ref.named_parameters(remove_duplicate=False)}
+        ref_loss = ref(**batch).loss
+        ref_loss.backward()
+    except Exception as e:  # noqa: BLE001 - not meshboost's: the shrunk model does not run on one process
+        return {"loss": (NOT_RUN, f"the shrunk model does not run on one process: {_first_line(e)}"), "groups": {}}
     want = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
-    groups = {n: group_of(ref, n) for n in want}
-    return _sharded(par, layout, batch, before, want, groups, ref_loss.item())
+    first = {}
+    for n, p in ref.named_parameters(remove_duplicate=False):      # a tied weight's names: its first one
+        first.setdefault(id(p), n)
+    canonical = {n: first[id(p)] for n, p in ref.named_parameters(remove_duplicate=False)}
+    groups = {n: group_of(ref, n) for n in canonical.values()}
+    return _sharded(par, layout, batch, (before, want, groups, canonical), ref_loss.item())
 
 
-def _sharded(par, layout, batch: dict, before: dict, want: dict, groups: dict, ref_loss: float) -> dict:
-    """Boost `par` under the layout, one step, and the verdicts (every rank; the gradient check gathers)."""
+def _sharded(par, layout, batch: dict, reference: tuple, ref_loss: float) -> dict:
+    """Boost `par` under the layout, one step, and the verdicts (every rank; the gradient check gathers).
+    reference: (weights before, one process's gradients, groups, each name's canonical name)."""
+    before, want, groups, canonical = reference
     import torch.distributed as dist
 
     from meshboost.booster import Booster
@@ -129,15 +143,21 @@ def _sharded(par, layout, batch: dict, before: dict, want: dict, groups: dict, r
         opt.step()
     except (UncoveredParameterError, SequenceLayoutError) as e:        # refused at the first call
         return _refused(e, groups, "at the first call: ")
+    except Exception as e:  # noqa: BLE001 - accepted, then broke: a defect, never a silent pass
+        return {"loss": (WRONG, f"the step crashed: {_first_line(e)}"), "groups": {}}
     applied = {n: (before[n] - w) / LR for n, w in whole_weights(model).items()}
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, {n: t for n, t in applied.items() if n in want})
-    got = {n: t for part in everyone for n, t in part.items()}
+    dist.all_gather_object(everyone, applied)
+    got = {canonical.get(n, n): t for part in everyone for n, t in part.items()}
     ok = abs(loss - ref_loss) <= LOSS_RTOL * max(abs(ref_loss), 1e-6)
     return {"loss": (EXACT if ok else WRONG, f"{loss:.6f} vs one process's {ref_loss:.6f}"),
-            "groups": compare(got, want, groups)}
+            "groups": compare(got, want, {n: groups.get(n, "other") for n in {*want, *got}})}
+
+
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: " + (str(e).splitlines() or [""])[0][:300]
 
 
 def _refused(e: Exception, groups: dict, where: str = "") -> dict:
-    message = where + f"{type(e).__name__}: " + (str(e).splitlines() or [""])[0][:300]
+    message = where + _first_line(e)
     return {"loss": (REFUSED, message), "groups": {g: (REFUSED, message) for g in sorted(set(groups.values()))}}

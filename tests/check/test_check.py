@@ -52,6 +52,10 @@ def test_compare_on_tensors():
     assert wrong["MLP (mlp)"][0] == "wrong" and "0.5" in wrong["MLP (mlp)"][1] and " b" in wrong["MLP (mlp)"][1]
     missing = compare({"a": torch.ones(4)}, want, groups)
     assert missing["MLP (mlp)"][0] == "wrong" and "no gradient" in missing["MLP (mlp)"][1]
+    extra = compare({**want, "c": torch.ones(2)}, want, {**groups, "c": "MLP (mlp)"})
+    assert extra["MLP (mlp)"][0] == "wrong" and "only in this layout" in extra["MLP (mlp)"][1], extra
+    zero = compare({**want, "c": torch.zeros(2)}, want, {**groups, "c": "MLP (mlp)"})
+    assert zero["MLP (mlp)"][0] == "exact", zero
 
 
 def test_unknown_model_type_is_one_line(capsys):
