@@ -42,6 +42,20 @@ def test_shrink_keeps_heads_and_divisibility():
     assert layout_for("pp=2").microbatches == 2          # a pipeline gets a micro-batch per stage
 
 
+def test_shrink_keeps_one_layer_of_each_kind():
+    hybrid = load_config("qwen3_next")                  # linear-attention and full-attention layers
+    small, _ = shrink(hybrid, layout_for("tp=2"))
+    assert set(small.layer_types) == set(hybrid.layer_types) and len(small.layer_types) == small.num_hidden_layers
+    assert small.linear_num_key_heads == hybrid.linear_num_key_heads
+    dense_first = load_config("deepseek_v3")            # dense layers before the MoE ones
+    small, _ = shrink(dense_first, layout_for("pp=2,dp=2,ep=2"))
+    assert 0 < small.first_k_dense_replace < small.num_hidden_layers and small.num_hidden_layers >= 2
+    assert small.n_routed_experts % 2 == 0 and small.num_experts_per_tok == dense_first.num_experts_per_tok
+    gpt2 = load_config("gpt2")                          # head_dim derived from the width: the width stays
+    small, lines = shrink(gpt2, layout_for("tp=2"))
+    assert small.n_embd == gpt2.n_embd and small.n_head == gpt2.n_head and any("kept: n_embd" in x for x in lines)
+
+
 def test_compare_on_tensors():
     want = {"a": torch.ones(4), "b": torch.full((2,), 0.5)}
     groups = {"a": "Attention (self_attn)", "b": "MLP (mlp)"}
