@@ -20,7 +20,8 @@ __all__ = ["check", "Report", "layout_for", "shrink"]
 
 @dataclass
 class Report:
-    """What `check` found: the shrink's lines, the loss's and each layer type's (verdict, detail), the planner's line."""
+    """What `check` found: the shrink's lines, the loss's and each layer type's (verdict, detail), the planner's
+    line."""
 
     shrunk: list[str]
     loss: tuple
@@ -66,9 +67,11 @@ def planner_line(config, layout, seq: int, memory_gb: float) -> str:
             f"({kinds}); fits {memory_gb:g} GiB: {'yes' if e.fits else 'no'}")
 
 
-def check(model, layout: str, overrides: dict | None = None, seq: int = 2048, memory_gb: float = 80.0) -> Report:
+def check(model, layout: str, overrides: dict | None = None, seq: int = 2048, memory_gb: float = 80.0,
+          max_world: int = 16) -> Report:
     """Run `layout` ('tp=2,pp=2,ep=2,...') on a shrunk copy of `model` (an HF folder, config.json, model
-    type or transformers config) against one process; the planner's line for the real size."""
+    type or transformers config) against one process; the planner's line for the real size. A layout of
+    more than `max_world` processes is refused (each is a process on this machine's CPU)."""
     from meshboost.check.run import run_cases
     from meshboost.plan.model import load_config, model_class
     from meshboost.testing.spawn import spawn
@@ -79,10 +82,21 @@ def check(model, layout: str, overrides: dict | None = None, seq: int = 2048, me
         raise ValueError(f"{type(config).__name__} builds {cls.__name__}: meshboost.check runs causal LMs "
                          "(a *ForCausalLM class) only")
     parsed = layout_for(layout)
+    if parsed.world > max_world:
+        raise ValueError(f"--layout {layout}: {parsed.world} processes, more than --max-world {max_world} on this "
+                         "machine's CPU; check a smaller dp (the splits per rank stay the same) or raise --max-world")
     small, lines = shrink(config, parsed)
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "verdict.json")
-        spawn(run_cases, parsed.world, [(small, parsed.as_dict())], out)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""         # the check runs on CPU (gloo) on any machine
+        try:
+            spawn(run_cases, parsed.world, [(small, parsed.as_dict())], out)
+        finally:
+            if hidden is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES")
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = hidden
         import json
         with open(out) as f:
             result = json.load(f)[0]

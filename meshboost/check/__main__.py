@@ -22,6 +22,7 @@ def main(argv=None) -> int:
     p.add_argument("--set", default="", help="config overrides key=value,key=value")
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence, for the planner's memory line")
     p.add_argument("--memory-gb", type=float, default=80.0, help="device memory, for the planner's fits")
+    p.add_argument("--max-world", type=int, default=16, help="the most processes the check starts on this machine")
     args = p.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
@@ -29,7 +30,7 @@ def main(argv=None) -> int:
     from meshboost.plan.model import parse_overrides
     hf_logging.set_verbosity_error()
     try:
-        report = check(args.model, args.layout, parse_overrides(args.set), args.seq, args.memory_gb)
+        report = check(args.model, args.layout, parse_overrides(args.set), args.seq, args.memory_gb, args.max_world)
     except (ValueError, OSError) as exc:
         p.error(" ".join(str(exc).split()))
     print("\n".join(report.lines()))

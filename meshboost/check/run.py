@@ -147,7 +147,7 @@ def _sharded(par, layout, batch: dict, reference: tuple, ref_loss: float) -> dic
         return _refused(e, groups, "at the first call: ")
     except Exception as e:  # noqa: BLE001 - accepted, then broke: a defect, never a silent pass
         return {"loss": (WRONG, f"the step crashed: {_first_line(e)}"), "groups": {}}
-    applied = {n: (before[n] - w) / LR for n, w in whole_weights(model).items()}
+    applied = {n: (before[n] - w) / LR for n, w in whole_weights(model).items() if n in before}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, applied)
     got = {canonical.get(n, n): t for part in everyone for n, t in part.items()}

@@ -5,9 +5,11 @@ the user's: the head counts and head_dim (written out when the config only deriv
 its per-rank shapes), every field the layout does not size. Reduced: the layers to what the pipeline
 needs (at least pp x model chunks, one kept layer of each kind the per-layer lists name:
 `testing.tiny_configs.cut_layers`; dense-before-MoE counts and MLP-only lists kept with one of each), the
-experts to a multiple of ep that top-k still fits in, the widths (hidden, intermediate, MoE and shared
-expert intermediate) each divided by the largest factor that keeps it divisible by tp (and 2 tp) exactly
-where the real one is, the vocabulary to 256, dropouts off. Must not build or run models (run.py).
+experts to a multiple of ep at least twice top-k (the router still picks a subset), the widths (hidden,
+intermediate, MoE and shared expert intermediate) each divided by the largest factor that keeps it
+divisible by tp (and 2 tp) exactly where the real one is, the vocabulary to 256, a sliding window to 8
+(the check's 16-token sequences cross it, as the real ones cross the real window), dropouts off.
+Must not build or run models (run.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ WIDTHS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "shared_e
 MIN_WIDTH = 64          # the shrunk hidden size aims no lower (and no lower than 8 per tp rank)
 VOCAB = 256
 MIN_EXPERTS = 4
+SLIDING_WINDOW = 8      # the check runs 16 tokens per sequence (x cp): a window they cross
 
 
 def _factor(width: int, divisors: tuple, low: int) -> int:
@@ -65,10 +68,12 @@ def _experts(fields: dict, ep: int, overrides: dict, lines: list) -> None:
         n = fields.get(key)
         if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
             continue
-        want = -(-max(MIN_EXPERTS, top_k, ep) // ep) * ep          # a multiple of ep that top-k fits in
+        # a multiple of ep, twice top-k (the router still picks a subset)
+        want = -(-max(MIN_EXPERTS, 2 * top_k, ep) // ep) * ep
         if want < n:
             overrides[key] = want
-            lines.append(f"shrunk: {key} {n} -> {want} (top-k {top_k} kept; ep={ep} divides it)")
+            lines.append(f"shrunk: {key} {n} -> {want} (top-k {top_k} kept: the router picks a subset; ep={ep} "
+                         "divides it)")
             for group_key in ("n_group", "topk_group"):             # grouped routing: one group
                 if isinstance(fields.get(group_key), int) and fields[group_key] > 1:
                     overrides[group_key] = 1
@@ -134,6 +139,10 @@ def _shrink(config, layout, hidden_free: bool):
         for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
             if isinstance(fields.get(key), int) and fields[key] >= VOCAB:
                 overrides[key] = VOCAB - 1
+    window = fields.get("sliding_window")
+    if isinstance(window, int) and not isinstance(window, bool) and window > SLIDING_WINDOW:
+        overrides["sliding_window"] = SLIDING_WINDOW
+        lines.append(f"shrunk: sliding_window {window} -> {SLIDING_WINDOW} (the check's sequences cross it)")
     overrides.update({k: 0.0 for k in DROPOUTS if isinstance(fields.get(k), float) and fields[k]})
     overrides["use_cache"] = False
     kept = [f"{k}={fields[k]}" for k in ("num_attention_heads", "num_key_value_heads", "head_dim")

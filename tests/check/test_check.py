@@ -77,6 +77,14 @@ def test_unknown_model_type_is_one_line(capsys):
         main(["--model", "lamma", "--layout", "tp=2"])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.count("\n") == 1 and "'lamma'" in err and "llama" in err, err
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", "llama", "--layout", "tp=4,dp=8"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "32 processes" in err, err
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", "llama", "--layout", "tq=2"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "'tq=2'" in err, err
 
 
 def _scaled_step(step):
