@@ -87,6 +87,16 @@ def test_unknown_model_type_is_one_line(capsys):
     assert exc.value.code == 2 and err.count("\n") == 1 and "'tq=2'" in err, err
 
 
+def test_report_lines_and_exit_status():
+    from meshboost.check import Report
+    ok = Report(["shrunk: x"], ("exact", "1 vs 1"), {"A (a)": ("exact", "d")}, "planner: p")
+    assert ok.lines() == ["shrunk: x", "loss: exact (1 vs 1)", "A (a): exact (d)", "planner: p"]
+    refused = Report([], ("refused", "ValueError: m"), {"A (a)": ("refused", "ValueError: m")}, "planner: p")
+    assert refused.lines() == ["refused: ValueError: m", "planner: p"]
+    crashed = Report([], ("wrong", "the step crashed: E"), {}, "planner: p")
+    assert crashed.lines() == ["wrong: the step crashed: E", "planner: p"]
+
+
 def _scaled_step(step):
     """SGD's step with one parameter's gradient doubled on rank 0 (a deliberately wrong layout)."""
     def patched(self, *args, **kwargs):
@@ -122,11 +132,15 @@ def test_verdicts_at_world_2(tmp_path):
     llama = load_config("llama", {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16})
     odd = load_config("llama", {"hidden_size": 4000, "num_attention_heads": 5, "num_key_value_heads": 5,
                                 "head_dim": 16})
-    tp2 = layout_for("tp=2")
-    cases = [(shrink(llama, tp2)[0], tp2.as_dict()), (shrink(odd, tp2)[0], tp2.as_dict())]
+    tp2, pp2, ep2 = layout_for("tp=2"), layout_for("pp=2"), layout_for("dp=2,ep=2,zero=1")
+    cases = [(shrink(llama, tp2)[0], tp2.as_dict()), (shrink(odd, tp2)[0], tp2.as_dict()),
+             (shrink(llama, pp2)[0], pp2.as_dict()), (shrink(load_config("qwen3_moe"), ep2)[0], ep2.as_dict())]
     out = str(tmp_path / "verdicts")
     spawn(_body, 2, cases, cases[0], out)
-    exact, refused = json.loads(open(out + ".right").read())
+    exact, refused, stages, experts = json.loads(open(out + ".right").read())
+    for what, result in (("pp=2", stages), ("ep=2", experts)):
+        assert result["loss"][0] == "exact" and {v for v, _ in result["groups"].values()} == {"exact"}, (what, result)
+    assert "Qwen3MoeSparseMoeBlock (mlp)" in experts["groups"], experts
     wrong, = json.loads(open(out + ".wrong").read())
     assert exact["loss"][0] == "exact" and exact["groups"], exact
     assert {v for v, _ in exact["groups"].values()} == {"exact"}, exact
