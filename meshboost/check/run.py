@@ -1,7 +1,7 @@
 """Running a layout on the shrunk model against one process, and the verdict per layer type.
 
-Owns: the spawned body (`run_layout`: the world the layout's degrees multiply to, gloo on CPU or NCCL
-from the environment, fp32), the batch, the one-process reference from the same weights and batch, and
+Owns: the spawned body (`run_cases`, `run_layout`: the world the layout's degrees multiply to, gloo on
+CPU, fp32), the batch, the one-process reference from the same weights and batch, and
 `compare` (the comparison of loss and gradients, grouped by the module type that owns each parameter:
 the child of a layer-list entry, `Qwen3MoeSparseMoeBlock (mlp)`, or, outside the layer lists, the owning
 module, `Embedding (embed_tokens)`). The gradient a layout applied is read back from the weights after one
@@ -150,10 +150,28 @@ def _sharded(par, layout, batch: dict, reference: tuple, ref_loss: float) -> dic
     applied = {n: (before[n] - w) / LR for n, w in whole_weights(model).items() if n in before}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, applied)
-    got = {canonical.get(n, n): t for part in everyone for n, t in part.items()}
+    got = worst_copies(everyone, want, canonical)
     ok = abs(loss - ref_loss) <= LOSS_RTOL * max(abs(ref_loss), 1e-6)
     return {"loss": (EXACT if ok else WRONG, f"{loss:.6f} vs one process's {ref_loss:.6f}"),
             "groups": compare(got, want, {n: groups.get(n, "other") for n in {*want, *got}})}
+
+
+def worst_copies(parts: list, want: dict, canonical: dict) -> dict:
+    """One tensor per name from every rank's {name: applied gradient} (data-parallel replicas and ZeRO ranks
+    each hold a copy): the one furthest from `want` (a replica that diverged is not hidden by one that did
+    not), names under their canonical (first tied) name."""
+    def distance(name, t):
+        w = want.get(name)
+        if w is None:
+            return t.abs().max().item()
+        return float("inf") if t.shape != w.shape else (t.double() - w.double()).abs().max().item()
+    got: dict = {}
+    for part in parts:
+        for name, t in part.items():
+            name = canonical.get(name, name)
+            if name not in got or distance(name, t) > distance(name, got[name]):
+                got[name] = t
+    return got
 
 
 def _first_line(e: Exception) -> str:

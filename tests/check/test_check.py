@@ -13,7 +13,7 @@ import torch
 
 from meshboost.check import layout_for, shrink
 from meshboost.check.__main__ import main
-from meshboost.check.run import compare, run_cases
+from meshboost.check.run import compare, run_cases, worst_copies
 from meshboost.plan.model import load_config
 from meshboost.testing.spawn import spawn
 
@@ -70,6 +70,12 @@ def test_compare_on_tensors():
     assert extra["MLP (mlp)"][0] == "wrong" and "only in this layout" in extra["MLP (mlp)"][1], extra
     zero = compare({**want, "c": torch.zeros(2)}, want, {**groups, "c": "MLP (mlp)"})
     assert zero["MLP (mlp)"][0] == "exact", zero
+    # two replicas: the one that diverged is the one compared, whichever rank holds it; tied names merged
+    replicas = worst_copies([{"b": want["b"] * 2}, {"b": want["b"].clone(), "b_tied": want["b"].clone()}], want,
+                            {"b_tied": "b"})
+    assert set(replicas) == {"b"} and compare(replicas, want, groups)["MLP (mlp)"][0] == "wrong"
+    replicas = worst_copies([{"b": want["b"].clone()}, {"b_tied": want["b"] * 2}], want, {"b_tied": "b"})
+    assert compare(replicas, want, groups)["MLP (mlp)"][0] == "wrong"
 
 
 def test_unknown_model_type_is_one_line(capsys):
