@@ -18,7 +18,7 @@ from meshboost.plan.planner import MOE_FIELDS, TOP_K_FIELDS
 from meshboost.testing.tiny_configs import DROPOUTS, cut_layers
 
 WIDTHS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
-          "shared_experts_intermediate_size")
+          "shared_experts_intermediate_size", "q_lora_rank", "kv_lora_rank")   # latent ranks: whole on every rank
 MIN_WIDTH = 64          # the shrunk hidden size aims no lower (and no lower than 8 per tp rank)
 VOCAB = 256
 MIN_EXPERTS = 4

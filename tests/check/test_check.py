@@ -51,6 +51,8 @@ def test_shrink_keeps_one_layer_of_each_kind():
     small, _ = shrink(dense_first, layout_for("pp=2,dp=2,ep=2"))
     assert 0 < small.first_k_dense_replace < small.num_hidden_layers and small.num_hidden_layers >= 2
     assert small.n_routed_experts % 2 == 0 and small.num_experts_per_tok == dense_first.num_experts_per_tok
+    assert small.n_routed_experts >= 2 * small.num_experts_per_tok         # the router picks a subset
+    assert small.kv_lora_rank < dense_first.kv_lora_rank and small.num_attention_heads == 128   # MLA: heads kept
     gpt2 = load_config("gpt2")                          # head_dim derived from the width: the width stays
     small, lines = shrink(gpt2, layout_for("tp=2"))
     assert small.n_embd == gpt2.n_embd and small.n_head == gpt2.n_head and any("kept: n_embd" in x for x in lines)
