@@ -3,8 +3,8 @@ a frozen reference on the same mesh, and the preference objectives (DPO, IPO, Si
 global batch, rollouts from the policy and the GRPO step. A floor above plugins/: it composes a boosted model through public names only (docs/post_training.md)."""
 
 from meshboost.post_training.batch import PreferenceBatchError, agree, pair_batch
-from meshboost.post_training.grpo import (GRPOBatch, GRPOBatchError, GRPOConfig, GRPOOutput, group_advantages,
-                                          grpo_loss, grpo_step, prepare_grpo)
+from meshboost.post_training.grpo import grpo_loss, grpo_step, prepare_grpo
+from meshboost.post_training.grpo_terms import GRPOBatch, GRPOBatchError, GRPOConfig, GRPOOutput, group_advantages
 from meshboost.post_training.logprobs import (SequenceLogprobs, TokenLogprobs, sequence_logprobs, shifted_labels,
                                               token_logprobs)
 from meshboost.post_training.objectives import GlobalBatch, PreferenceOutput, dp_group_of, kto_loss, preference_loss

@@ -18,7 +18,10 @@ from __future__ import annotations
 import torch
 
 from meshboost.post_training.batch import agree
+from meshboost.post_training.grpo_terms import (METRICS, GRPOBatchError, GRPOOutput, TokenTerms, grpo_metrics,
+                                                replica_share, token_terms)
 from meshboost.post_training.logprobs import hf_model, label_logprobs, shifted_labels
+from meshboost.post_training.objectives import GlobalBatch, dp_group_of
 from meshboost.post_training.pipeline import _model_inputs, pipeline_microbatches, refuse_unsupported
 from meshboost.shardformer.layers.vocab import VocabParallelLMHead, split_logits
 
@@ -49,8 +52,6 @@ class TokenScorer:
 
 
 def _microbatches(model, rows: int) -> int:
-    from meshboost.post_training.grpo import GRPOBatchError
-
     m = pipeline_microbatches(model, rows)
     schedule = model.pipeline
     size = schedule.microbatch_size if schedule.num_microbatches is None else rows // m
@@ -76,9 +77,6 @@ def pipeline_token_logprobs(booster, model, rollout) -> torch.Tensor | None:
 
 def pipeline_grpo_step(booster, model, optimizer, prepared, config):
     """One GRPO training step (forward and backward; the caller steps the optimizer) at pp_size > 1."""
-    from meshboost.post_training.grpo import GRPOOutput, METRICS, grpo_metrics, replica_share, token_terms
-    from meshboost.post_training.objectives import GlobalBatch, dp_group_of
-
     refuse_unsupported(model)
     batch = prepared.rollout.model_batch()
     m = _microbatches(model, prepared.rollout.rows)
@@ -99,8 +97,6 @@ def pipeline_grpo_step(booster, model, optimizer, prepared, config):
                                  TokenScorer(model, batch, m, loss_of, entropy=True), optimizer, return_loss=True)
     values = torch.zeros(len(METRICS), dtype=torch.float64, device=model.mesh.device)
     if kept:
-        from meshboost.post_training.grpo import TokenTerms
-
         terms = TokenTerms(*(torch.cat([getattr(k[0], f) for k in kept]) for f in TokenTerms.__dataclass_fields__))
         share = torch.stack([k[1] for k in kept]).sum()
         metrics = grpo_metrics(terms, share, prepared, GlobalBatch(dp_group_of(model)))
