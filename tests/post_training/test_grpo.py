@@ -33,6 +33,7 @@ from meshboost.post_training import (GRPOBatchError, GRPOConfig, RolloutBatch, b
 from meshboost.testing import spawn
 from meshboost.testing.compare import assert_metric_steps_close
 from meshboost.testing.models import VOCAB, build_model, sharper_copy, tiny_config
+from meshboost.testing.moe import build_causal_lm, moe_config
 
 PROMPTS, G, SEQ, LR, STEPS, RTOL = 4, 4, 10, 1.0, 2, 2e-5
 CONFIGS = {"token": GRPOConfig(epsilon_low=0.1, epsilon_high=0.3, beta=0.1),
@@ -45,13 +46,22 @@ LAYOUTS = {"tp2 dp2": (HybridParallelConfig(tp_size=2), ("token", "sequence")),
            "tp2 dp2 zero3": (HybridParallelConfig(tp_size=2, zero=ZeroConfig(stage=3)), ("token", "sequence")),
            "cp2 dp2 zero1": (HybridParallelConfig(cp_size=2, zero=ZeroConfig(stage=1)), ("token", "constant")),
            "pp2 dp2": (HybridParallelConfig(pp_size=2, pipeline=MB2), ("sequence",)),
-           "pp2 tp2": (HybridParallelConfig(tp_size=2, pp_size=2, pipeline=MB2), ("token", "constant"))}
+           "pp2 tp2": (HybridParallelConfig(tp_size=2, pp_size=2, pipeline=MB2), ("token", "constant")),
+           "moe ep2 dp4 zero1": (HybridParallelConfig.of(ep_size=2, zero_stage=1), ("token",))}
 
 
 def _config():
     config = tiny_config("llama", num_key_value_heads=2)
     config.use_cache = False
     return config
+
+
+def _make(what: str):
+    """The policy of a layout: a tiny Qwen3-MoE (4 experts, top-2) for the ep layouts, else the tiny Llama."""
+    if what.startswith("moe"):
+        return build_causal_lm(moe_config("qwen3_moe"))
+    torch.manual_seed(0)
+    return build_model("LlamaForCausalLM", _config())
 
 
 def _rollouts(seed: int = 3) -> tuple[RolloutBatch, torch.Tensor]:
@@ -78,10 +88,9 @@ def _share(rollout: RolloutBatch, rewards, rank: int, size: int):
     return rollout.select(slice(rank * rows, (rank + 1) * rows)), rewards[rank * rows:(rank + 1) * rows]
 
 
-def _one_process(config, normalization):
+def _one_process(what, normalization):
     """One process: prepare once, STEPS SGD steps on the same rollouts; the metrics and the final weights."""
-    torch.manual_seed(0)
-    model = build_model("LlamaForCausalLM", copy.deepcopy(config))
+    model = _make(what)
     ref = sharper_copy(model, 1.5).eval().requires_grad_(False)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     rollout, rewards = _rollouts()
@@ -98,10 +107,9 @@ def _one_process(config, normalization):
     return out, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _boosted(config, plugin_config, normalization):
+def _boosted(what, plugin_config, normalization):
     booster = Booster(plugin=HybridParallelPlugin(plugin_config))
-    torch.manual_seed(0)
-    policy = build_model("LlamaForCausalLM", copy.deepcopy(config))
+    policy = _make(what)
     grpo = CONFIGS[normalization]
     ref = boost_reference(booster, sharper_copy(policy, 1.5)) if grpo.beta else None
     model, optimizer, *_ = booster.boost(policy, torch.optim.SGD(policy.parameters(), lr=LR))
@@ -119,12 +127,14 @@ def _boosted(config, plugin_config, normalization):
 
 
 def _check_layouts(rank):
-    config = _config()
-    wants = {n: _one_process(config, n) for n in CONFIGS}
+    wants = {}
     for what, (plugin_config, normalizations) in LAYOUTS.items():
+        family = "moe" if what.startswith("moe") else "llama"
         for normalization in normalizations:
-            got, weights = _boosted(config, plugin_config, normalization)
-            want, want_weights = wants[normalization]
+            if (family, normalization) not in wants:
+                wants[(family, normalization)] = _one_process(family, normalization)
+            got, weights = _boosted(what, plugin_config, normalization)
+            want, want_weights = wants[(family, normalization)]
             assert_metric_steps_close(got, want, f"{what} {normalization}", RTOL)
             if rank == 0:
                 assert weights, what
@@ -136,7 +146,7 @@ def _check_layouts(rank):
 def _check_wrong_rule(rank):
     """Advantages over each replica's rows (not each group) give another loss: the comparison above catches it."""
     config = _config()
-    want, _ = _one_process(config, "sequence")
+    want, _ = _one_process("llama", "sequence")
     grpo = CONFIGS["sequence"]
     torch.manual_seed(0)
     fresh = build_model("LlamaForCausalLM", copy.deepcopy(config))
