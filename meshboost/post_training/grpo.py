@@ -43,7 +43,7 @@ def prepare_grpo(model, rollout: RolloutBatch, rewards: torch.Tensor, config: GR
         raise ValueError(f"beta={config.beta} needs a reference: boost_reference(booster, model), or BASE (LoRA)")
     check_reference(model, reference if config.beta > 0 else None)
     group = dp_group_of(model)
-    rewards = rewards.float()
+    rewards = rewards.to(rollout.input_ids.device).float()
     advantages = group_advantages(rewards, rollout.group_size, config.scale_rewards, group)
     batch = GlobalBatch(group)
     n, s, s2, tokens = batch.totals(torch.tensor(float(rollout.rows), device=rewards.device), rewards,

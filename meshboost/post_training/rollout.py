@@ -15,7 +15,8 @@ What runs, layout by layout:
   all-gather of the weights per generated token. The weights are pointed back at their shards after.
 - dp: one seed per data-parallel replica (`replica_seed(seed, dp_rank)`), so replicas draw different samples.
   With more than one process, `synced_gpus=True`: a replica whose sequences all ended keeps stepping until every
-  rank has, so collectives inside the forward (FSDP2's gathers, ep's token exchange) stay in step.
+  rank has, so collectives inside the forward (FSDP2's gathers, ep's token exchange) stay in step; ep (experts
+  over ep ranks carved from dp) runs that way.
 - refused by name: pp (the stages hold different layers; generate on an exported copy: `booster.export_weights`
   into a plain model, `checkpoint.export.load_into`), cp and Megatron sequence parallelism (one decoded token
   cannot be split over ranks).

@@ -8,6 +8,8 @@ the boosted policy, each layout against one process's transformers `generate` fr
 - the rows are what the log-prob path takes: the completion's log-probs by `token_logprobs` on the rollout
   batch equal the log-softmax of the scores `generate` used (the right-padded rows hold the positions generate
   gave the left-padded ones); the response mask stops after the first end-of-sequence token;
+- ep=2 on a tiny Qwen3-MoE (dp=4, replicas of different sizes): greedy rows equal one process's (the experts'
+  token exchange inside every decoding step, the replicas kept in step by synced_gpus);
 - refused by name on every rank: pp=2 (generate on an exported copy), cp=2, sequence parallelism.
 One process group, the layouts looped inside."""
 
@@ -24,6 +26,7 @@ from meshboost.plugins import HybridParallelConfig, HybridParallelPlugin, ZeroCo
 from meshboost.post_training import RolloutBatch, generate_rollouts, replica_seed, token_logprobs
 from meshboost.testing import spawn
 from meshboost.testing.models import build_model, tiny_config
+from meshboost.testing.moe import build_causal_lm, moe_config
 
 G, NEW, SEED = 2, 6, 11
 PROMPTS = [[[5, 9, 2], [7, 3, 3, 8, 1], [4], [6, 6]], [[8, 2, 2, 9], [3], [10, 11, 12], [1, 2]],
@@ -141,6 +144,19 @@ def _check_generate_scores(rank):
     assert rows.response_mask.sum(1).min() <= NEW
 
 
+def _check_experts(rank):
+    """ep=2 on a tiny Qwen3-MoE (dp=4, each replica its own prompts): every replica's greedy rows are one
+    process's, though the experts' token exchange runs inside every decoding step (synced_gpus keeps the
+    replicas stepping together until the last has finished)."""
+    config = moe_config("qwen3_moe", use_cache=True, eos_token_id=17)
+    whole = build_causal_lm(config)
+    booster = Booster(plugin=HybridParallelPlugin(HybridParallelConfig.of(ep_size=2, zero_stage=1)))
+    model, *_ = booster.boost(build_causal_lm(config))
+    prompts = PROMPTS[model.mesh.dp_rank][: 1 + model.mesh.dp_rank]       # replicas of different sizes
+    got = generate_rollouts(model, prompts, G, NEW, do_sample=False)
+    _same(got, _one_process(whole, prompts, None), "ep2 greedy")
+
+
 def _check_refusals(rank):
     config = _config()
     for what, plugin_config, text in (
@@ -157,6 +173,7 @@ def _body(rank, world_size):
     _check_generate_scores(rank)
     _check_refusals(rank)
     _check_layouts(rank)
+    _check_experts(rank)
 
 
 def test_rollouts():
