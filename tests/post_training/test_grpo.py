@@ -4,9 +4,11 @@ fixed rollouts and rewards (no sampling), each layout against one process from t
 - two SGD steps on one rollout batch (the old log-probs computed once, at preparation, and reused: the second
   step's ratios move off 1 and the clip engages) at tp=2 x dp=2 (DDP), tp=2 x dp=2 ZeRO-1, tp=2 x dp=2 ZeRO-3
   (FSDP2), cp=2 x dp=2 ZeRO-1, pp=2 x dp=2 and pp=2 x tp=2 (execute_pipeline, the last stage scoring each
-  micro-batch), each normalisation ("token", "sequence", "constant") and reward scaling at two layouts or more,
+  micro-batch) and ep=2 x dp=4 ZeRO-1 on a tiny Qwen3-MoE, each normalisation ("token", "sequence", "constant") and reward scaling at two layouts or more,
   the k3 KL to a reference at three: the loss and every logged metric within 2e-5 relative on every rank, and the
   weights after the steps (exported whole by `booster.export_weights`) within 1e-6;
+- LoRA at tp=2 x dp=2 with `reference=BASE` (the KL to the policy's own base through peft's disable_adapter())
+  against one process whose reference is the base model itself: the metrics, and the adapters after the steps;
 - the one process's loss against a per-token formula written out here with loops (advantages from Python's
   statistics module, the clip and each normalisation by hand), with old log-probs from another model so the
   ratios spread over both sides of the clip range (DAPO's clip-higher: eps_low 0.1, eps_high 0.3);
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 from meshboost import Booster
 from meshboost.pipeline.config import PipelineConfig
 from meshboost.plugins import HybridParallelConfig, HybridParallelPlugin, ZeroConfig
-from meshboost.post_training import (GRPOBatchError, GRPOConfig, RolloutBatch, boost_reference, grpo_loss,
+from meshboost.post_training import (BASE, GRPOBatchError, GRPOConfig, RolloutBatch, boost_reference, grpo_loss,
                                      grpo_step, group_advantages, prepare_grpo)
 from meshboost.testing import spawn
 from meshboost.testing.compare import assert_metric_steps_close
@@ -143,6 +145,55 @@ def _check_layouts(rank):
                                                msg=lambda m: f"{what} {normalization} {name}: {m}")
 
 
+def _lora_policy(booster=None):
+    """The tiny Llama with LoRA adapters on every linear, lora_B random (the policy differs from its base)."""
+    import peft
+
+    base = _make("llama")
+    torch.manual_seed(7)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                               "up_proj", "down_proj"], lora_dropout=0.0,
+                           init_lora_weights=False)
+    return booster.enable_lora(base, lora_config=lora) if booster is not None else peft.get_peft_model(base, lora)
+
+
+def _check_lora(rank):
+    """LoRA at tp=2 x dp=2 with the reference the policy's own base (`reference=BASE`: peft's disable_adapter(), no
+    second copy) against one process whose reference is the base model itself; the adapters after the steps."""
+    import peft
+
+    grpo = CONFIGS["token"]
+    model = _lora_policy()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    prepared = prepare_grpo(model, *_rollouts(), grpo, reference=_make("llama").eval())
+    want = []
+    for _ in range(STEPS):
+        step = grpo_loss(model, prepared, grpo)
+        step.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        want.append(step.metrics)
+    assert want[0]["kl"] > 1e-4, want                 # the adapters moved the policy off its base
+    want_adapters = {k: v.detach() for k, v in peft.get_peft_model_state_dict(model).items()}
+    booster = Booster(plugin=HybridParallelPlugin(HybridParallelConfig(tp_size=2)))
+    policy = _lora_policy(booster)
+    model, optimizer, *_ = booster.boost(policy, torch.optim.SGD([p for p in policy.parameters() if p.requires_grad],
+                                                                 lr=LR))
+    model.train()
+    prepared = prepare_grpo(model, *_share(*_rollouts(), model.mesh.dp_rank, 2), grpo, reference=BASE)
+    got = []
+    for _ in range(STEPS):
+        got.append(grpo_step(booster, model, optimizer, prepared, grpo).metrics)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert_metric_steps_close(got, want, "lora tp2 dp2", RTOL)
+    adapters = dict(booster.export_weights(model, lora="adapters"))
+    if rank == 0:
+        assert adapters.keys() == want_adapters.keys(), (sorted(adapters)[:3], sorted(want_adapters)[:3])
+        for name, tensor in adapters.items():
+            torch.testing.assert_close(tensor, want_adapters[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
 def _check_wrong_rule(rank):
     """Advantages over each replica's rows (not each group) give another loss: the comparison above catches it."""
     config = _config()
@@ -245,6 +296,7 @@ def _check_refusals(rank):
 
 
 def _body(rank, world_size):
+    _check_lora(rank)
     _check_by_hand(rank)
     _check_refusals(rank)
     _check_wrong_rule(rank)
