@@ -1,6 +1,7 @@
 """Post-training on a boosted model: label log-probs from vocab-parallel logits (never the vocabulary whole),
 a frozen reference on the same mesh, and the preference objectives (DPO, IPO, SimPO, ORPO, KTO) over the
-global batch, rollouts from the policy and the GRPO step. A floor above plugins/: it composes a boosted model through public names only (docs/post_training.md)."""
+global batch, rollouts from the policy and the GRPO step. A floor above plugins/: it composes a boosted model
+through public names only (docs/post_training.md)."""
 
 from meshboost.post_training.batch import PreferenceBatchError, agree, pair_batch
 from meshboost.post_training.grpo import grpo_loss, grpo_step, prepare_grpo

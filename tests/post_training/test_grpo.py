@@ -4,9 +4,10 @@ fixed rollouts and rewards (no sampling), each layout against one process from t
 - two SGD steps on one rollout batch (the old log-probs computed once, at preparation, and reused: the second
   step's ratios move off 1 and the clip engages) at tp=2 x dp=2 (DDP), tp=2 x dp=2 ZeRO-1, tp=2 x dp=2 ZeRO-3
   (FSDP2), cp=2 x dp=2 ZeRO-1, pp=2 x dp=2 and pp=2 x tp=2 (execute_pipeline, the last stage scoring each
-  micro-batch) and ep=2 x dp=4 ZeRO-1 on a tiny Qwen3-MoE, each normalisation ("token", "sequence", "constant") and reward scaling at two layouts or more,
-  the k3 KL to a reference at three: the loss and every logged metric within 2e-5 relative on every rank, and the
-  weights after the steps (exported whole by `booster.export_weights`) within 1e-6;
+  micro-batch) and ep=2 x dp=4 ZeRO-1 on a tiny Qwen3-MoE; each normalisation ("token", "sequence",
+  "constant", with the reward scalings "group", "batch", "none") at two layouts or more, the k3 KL to a
+  reference at every layout but pp=2 x dp=2: the loss and every logged metric within 2e-5 relative on every
+  rank, and the weights after the steps (exported whole by `booster.export_weights`) within 1e-6;
 - LoRA at tp=2 x dp=2 with `reference=BASE` (the KL to the policy's own base through peft's disable_adapter())
   against one process whose reference is the base model itself: the metrics, and the adapters after the steps;
 - the one process's loss against a per-token formula written out here with loops (advantages from Python's
