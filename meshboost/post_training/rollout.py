@@ -11,8 +11,10 @@ What runs, layout by layout:
   token from bitwise equal logits: the tp ranks' sequences are equal.
 - ZeRO-3 (FSDP2): FSDP2's own forward hooks gather one unit (a transformer layer) at a time and free it after,
   at every decoding step; the root unit (embeddings, final norm, head) stays gathered during a forward. Peak
-  extra memory: the root unit plus one layer, in the compute dtype (not the whole model); the cost is one
-  all-gather of the weights per generated token. The weights are pointed back at their shards after.
+  extra memory: the root unit plus one layer (plus `forward_prefetch` more), in the compute dtype, not the whole
+  model (with reshard_after_forward=False every unit stays gathered: the whole model); the cost is one
+  all-gather of the weights per generated token. The weights are pointed back at their shards after. (From
+  FSDP2's semantics; not measured here.)
 - dp: one seed per data-parallel replica (`replica_seed(seed, dp_rank)`), so replicas draw different samples.
   With more than one process, `synced_gpus=True`: a replica whose sequences all ended keeps stepping until every
   rank has, so collectives inside the forward (FSDP2's gathers, ep's token exchange) stay in step; ep (experts
@@ -32,6 +34,7 @@ import torch.distributed as dist
 
 from meshboost.booster.wrappers import ModelWrapper
 from meshboost.plugins.hybrid_parallel import HybridParallelModule
+from meshboost.post_training.batch import agree
 from meshboost.post_training.logprobs import IGNORE_INDEX, hf_model
 
 
@@ -104,9 +107,16 @@ def _refuse_layout(model) -> None:
             "ranks. Boost the rollout policy with sequence_parallel=False, or generate on an exported copy")
 
 
+def _prompt_problem(prompts) -> str | None:
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        return ("prompts: a non-empty list of token-id lists (one per prompt); every replica needs at least one "
+                "prompt, since its ranks step with the others (FSDP2's gathers, ep's token exchange)")
+    if any(not isinstance(p, (list, tuple, torch.Tensor)) or len(p) == 0 for p in prompts):
+        return "prompts: every prompt is a non-empty list of token ids"
+    return None
+
+
 def _left_padded(prompts, pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    if not isinstance(prompts, (list, tuple)) or not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("prompts: a non-empty list of non-empty token-id lists (one per prompt)")
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -161,6 +171,7 @@ def generate_rollouts(model, prompts, num_generations: int, max_new_tokens: int,
     pad = pad_token_id if pad_token_id is not None else (config.pad_token_id if config.pad_token_id is not None else 0)
     eos = eos_token_id if eos_token_id is not None else getattr(config, "eos_token_id", None)
     device = next(hf.parameters()).device
+    agree(_prompt_problem(prompts), None, device, ValueError, "prompts")      # every rank raises, none waits
     ids, mask = _left_padded(prompts, pad, device)
     ids, mask = ids.repeat_interleave(num_generations, 0), mask.repeat_interleave(num_generations, 0)
     if isinstance(model, HybridParallelModule):

@@ -10,7 +10,8 @@ the boosted policy, each layout against one process's transformers `generate` fr
   gave the left-padded ones); the response mask stops after the first end-of-sequence token;
 - ep=2 on a tiny Qwen3-MoE (dp=4, replicas of different sizes): greedy rows equal one process's (the experts'
   token exchange inside every decoding step, the replicas kept in step by synced_gpus);
-- refused by name on every rank: pp=2 (generate on an exported copy), cp=2, sequence parallelism.
+- refused by name on every rank: pp=2 (generate on an exported copy), cp=2, sequence parallelism; a replica with
+  no prompts under ZeRO-3 (its peers would wait in FSDP2's gathers) raises on every rank.
 One process group, the layouts looped inside."""
 
 import copy
@@ -167,6 +168,10 @@ def _check_refusals(rank):
         model, *_ = booster.boost(build_model("LlamaForCausalLM", copy.deepcopy(config)))
         with pytest.raises(NotImplementedError, match=text):
             generate_rollouts(model, PROMPTS[0], G, NEW)
+    booster = Booster(plugin=HybridParallelPlugin(HybridParallelConfig(zero=ZeroConfig(stage=3))))
+    model, *_ = booster.boost(build_model("LlamaForCausalLM", copy.deepcopy(config)))
+    with pytest.raises(ValueError, match="every rank before any collective"):   # one replica without prompts
+        generate_rollouts(model, [] if rank == 2 else PROMPTS[rank], G, NEW)
 
 
 def _body(rank, world_size):
