@@ -38,7 +38,7 @@ def prepare_grpo(model, rollout: RolloutBatch, rewards: torch.Tensor, config: GR
     the reference's when config.beta > 0 (a model boosted like the policy, or BASE: LoRA's base weights) and the
     global counts. booster: needed with pipeline stages."""
     device = rollout.input_ids.device if isinstance(rollout, RolloutBatch) else None
-    agree(check_rollouts(rollout, rewards, device), None, device, GRPOBatchError, "rollout batch")
+    agree(check_rollouts(rollout, rewards), None, device, GRPOBatchError, "rollout batch")
     if config.beta > 0 and reference is None:
         raise ValueError(f"beta={config.beta} needs a reference: boost_reference(booster, model), or BASE (LoRA)")
     check_reference(model, reference if config.beta > 0 else None)

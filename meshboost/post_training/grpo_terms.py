@@ -97,16 +97,24 @@ class GRPOOutput:
     metrics: dict[str, float]
 
 
-def check_rollouts(rollout, rewards, device) -> str | None:
+def check_rollouts(rollout, rewards) -> str | None:
+    """What makes `rollout` and `rewards` unscorable, or None (pure: the caller agrees it over every rank)."""
     if not isinstance(rollout, RolloutBatch):
         return f"a GRPO batch is a RolloutBatch (generate_rollouts); got {type(rollout).__name__}"
     n, g = rollout.rows, rollout.group_size
+    if g < 2:
+        return f"group_size={g}: a group-relative advantage needs at least 2 completions per prompt"
     if not torch.is_tensor(rewards) or rewards.dim() != 1 or rewards.shape[0] != n:
         shape = tuple(rewards.shape) if torch.is_tensor(rewards) else type(rewards).__name__
         return f"rewards {shape}: one float per completion, shape ({n},) for this replica's {n} rows"
     if n == 0 or n % g:
         return (f"{n} rows with group_size={g}: every replica holds whole groups (a multiple of {g} rows; a group "
                 "split across replicas would give its completions other advantages)")
+    lengths, starts = rollout.response_mask.sum(dim=1), rollout.response_mask[:, 0]
+    if (lengths == 0).any() or starts.any():
+        row = int(((lengths == 0) | starts).nonzero()[0])
+        return (f"row {row} holds no completion token, or one at position 0 (no prompt token before it to score "
+                "it from): every completion follows a prompt of at least one token and has at least one token")
     prompts = rollout.input_ids.masked_fill(rollout.response_mask | (rollout.attention_mask == 0), -1)
     grouped = prompts.view(n // g, g, -1)
     split = (grouped != grouped[:, :1]).any(dim=2).any(dim=1).nonzero().flatten().tolist()

@@ -16,7 +16,7 @@ fixed rollouts and rewards (no sampling), each layout against one process from t
 - a wrong rule fails: the advantages taken over each replica's rows instead of each group move the loss past the
   tolerance;
 - refused on every rank before any collective: a group split across replicas (rank 0's rows shifted by one
-  completion), rewards of the wrong shape (rank 1), and rows that do not split into the pipeline's micro-batches.
+  completion), rewards of the wrong shape (rank 1), an empty completion (rank 2), and rows that do not split into the pipeline's micro-batches.
 One process group, the layouts looped inside."""
 
 import copy
@@ -280,7 +280,10 @@ def _check_refusals(rank):
     good = _share(rollout, rewards, dp, 2)
     shifted = (rollout.select(slice(1, 9)), rewards[1:9])                    # a group cut across the replicas
     bad = {"a split group": (0, shifted, "hold different prompts"),
-           "rewards of the wrong shape": (1, (good[0], good[1][:-1]), "one float per completion")}
+           "rewards of the wrong shape": (1, (good[0], good[1][:-1]), "one float per completion"),
+           "an empty completion": (2, (dataclasses.replace(good[0], response_mask=good[0].response_mask.clone()
+                                                            .index_fill_(0, torch.tensor([3]), False)), good[1]),
+                                   "row 3 holds no completion token")}
     for what, (culprit, batch, text) in bad.items():
         with pytest.raises(GRPOBatchError) as error:
             prepare_grpo(model, *(batch if rank == culprit else good), grpo)
