@@ -3,11 +3,12 @@ fixed rollouts and rewards (no sampling), each layout against one process from t
 
 - two SGD steps on one rollout batch (the old log-probs computed once, at preparation, and reused: the second
   step's ratios move off 1 and the clip engages) at tp=2 x dp=2 (DDP), tp=2 x dp=2 ZeRO-1, tp=2 x dp=2 ZeRO-3
-  (FSDP2), cp=2 x dp=2 ZeRO-1, pp=2 x dp=2 and pp=2 x tp=2 (execute_pipeline, the last stage scoring each
-  micro-batch) and ep=2 x dp=4 ZeRO-1 on a tiny Qwen3-MoE; each normalisation ("token", "sequence",
-  "constant", with the reward scalings "group", "batch", "none") at two layouts or more, the k3 KL to a
-  reference at every layout but pp=2 x dp=2: the loss and every logged metric within 2e-5 relative on every
-  rank, and the weights after the steps (exported whole by `booster.export_weights`) within 1e-6;
+  (FSDP2), cp=2 x dp=2 ZeRO-1, pp=2 x dp=2 and pp=2 x tp=2 (execute_pipeline, the last stage scoring each micro-
+  batch), ep=2 x dp=4 ZeRO-1 on a tiny Qwen3-MoE, and TorchDDPPlugin and FSDPPlugin at dp=4; each normalisation
+  ("token", "sequence", "constant", with the reward scalings "group", "batch", "none") at two layouts or more,
+  the k3 KL to a reference at every HybridParallelPlugin layout but pp=2 x dp=2: the loss and every logged
+  metric within 2e-5 relative on every rank, and the weights after the steps (exported whole by
+  `booster.export_weights`) within 1e-6;
 - LoRA at tp=2 x dp=2 with `reference=BASE` (the KL to the policy's own base through peft's disable_adapter())
   against one process whose reference is the base model itself: the metrics, and the adapters after the steps;
 - the one process's loss against a per-token formula written out here with loops (advantages from Python's
@@ -26,11 +27,12 @@ import statistics
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from meshboost import Booster
 from meshboost.pipeline.config import PipelineConfig
-from meshboost.plugins import HybridParallelConfig, HybridParallelPlugin, ZeroConfig
+from meshboost.plugins import FSDPPlugin, HybridParallelConfig, HybridParallelPlugin, TorchDDPPlugin, ZeroConfig
 from meshboost.post_training import (BASE, GRPOBatchError, GRPOConfig, RolloutBatch, boost_reference, grpo_loss,
                                      grpo_step, group_advantages, prepare_grpo)
 from meshboost.testing import spawn
@@ -50,7 +52,9 @@ LAYOUTS = {"tp2 dp2": (HybridParallelConfig(tp_size=2), ("token", "sequence")),
            "cp2 dp2 zero1": (HybridParallelConfig(cp_size=2, zero=ZeroConfig(stage=1)), ("token", "constant")),
            "pp2 dp2": (HybridParallelConfig(pp_size=2, pipeline=MB2), ("sequence",)),
            "pp2 tp2": (HybridParallelConfig(tp_size=2, pp_size=2, pipeline=MB2), ("token", "constant")),
-           "moe ep2 dp4 zero1": (HybridParallelConfig.of(ep_size=2, zero_stage=1), ("token",))}
+           "moe ep2 dp4 zero1": (HybridParallelConfig.of(ep_size=2, zero_stage=1), ("token",)),
+           "TorchDDPPlugin dp4": (TorchDDPPlugin, ("sequence",)),          # plugins without a mesh: every rank
+           "FSDPPlugin dp4": (FSDPPlugin, ("sequence",))}                   # a replica (no reference: beta=0)
 
 
 def _config():
@@ -111,14 +115,16 @@ def _one_process(what, normalization):
 
 
 def _boosted(what, plugin_config, normalization):
-    booster = Booster(plugin=HybridParallelPlugin(plugin_config))
+    plugin = plugin_config() if callable(plugin_config) else HybridParallelPlugin(plugin_config)
+    booster = Booster(plugin=plugin)
     policy = _make(what)
     grpo = CONFIGS[normalization]
     ref = boost_reference(booster, sharper_copy(policy, 1.5)) if grpo.beta else None
     model, optimizer, *_ = booster.boost(policy, torch.optim.SGD(policy.parameters(), lr=LR))
     model.train()
-    mesh = model.mesh
-    rollout, rewards = _share(*_rollouts(), mesh.dp_rank, mesh.dp_size)
+    mesh = getattr(model, "mesh", None)
+    replica, replicas = (mesh.dp_rank, mesh.dp_size) if mesh is not None else (dist.get_rank(), dist.get_world_size())
+    rollout, rewards = _share(*_rollouts(), replica, replicas)
     prepared = prepare_grpo(model, rollout, rewards, grpo, reference=ref, booster=booster)
     out = []
     for _ in range(STEPS):

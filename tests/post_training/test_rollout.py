@@ -1,8 +1,9 @@
 """Issue 59 point 2 on 4 processes (fp32, tiny Llama, vocabulary 101: padded at tp=2): `generate_rollouts` from
 the boosted policy, each layout against one process's transformers `generate` from the same weights:
 
-- greedy: tp=2 x dp=2, tp=2 x dp=2 with ZeRO-3 (FSDP2 gathering one unit at a time) and dp=4 each return one
-  process's greedy rows (the prompts of different lengths, left-padded for generate, re-laid right-padded);
+- greedy: tp=2 x dp=2, tp=2 x dp=2 with ZeRO-3 (FSDP2 gathering one unit at a time), dp=4, and TorchDDPPlugin and
+  FSDPPlugin at dp=4 each return one process's greedy rows (the prompts of different lengths, left-padded for
+  generate, re-laid right-padded);
 - sampling (temperature 0.9, top_p 0.95): the tp ranks' rows are equal, the replicas' differ, and replica r's rows
   are one process's samples with the generator seeded `replica_seed(seed, r)`; the global RNG is untouched;
 - the rows are what the log-prob path takes: the completion's log-probs by `token_logprobs` on the rollout
@@ -23,7 +24,7 @@ from transformers import GenerationConfig
 
 from meshboost import Booster
 from meshboost.pipeline.config import PipelineConfig
-from meshboost.plugins import HybridParallelConfig, HybridParallelPlugin, ZeroConfig
+from meshboost.plugins import FSDPPlugin, HybridParallelConfig, HybridParallelPlugin, TorchDDPPlugin, ZeroConfig
 from meshboost.post_training import RolloutBatch, generate_rollouts, replica_seed, token_logprobs
 from meshboost.testing import spawn
 from meshboost.testing.models import build_model, tiny_config
@@ -35,7 +36,9 @@ PROMPTS = [[[5, 9, 2], [7, 3, 3, 8, 1], [4], [6, 6]], [[8, 2, 2, 9], [3], [10, 1
 SAMPLE = dict(temperature=0.9, top_p=0.95)
 LAYOUTS = {"tp2 dp2": (HybridParallelConfig(tp_size=2), 2),
            "tp2 dp2 zero3": (HybridParallelConfig(tp_size=2, zero=ZeroConfig(stage=3)), 2),
-           "dp4": (HybridParallelConfig(), 4)}
+           "dp4": (HybridParallelConfig(), 4),
+           "TorchDDPPlugin dp4": (TorchDDPPlugin, 4),          # plugins without a mesh: every rank a replica
+           "FSDPPlugin dp4": (FSDPPlugin, 4)}
 
 
 def _config():
@@ -88,10 +91,13 @@ def _check_layouts(rank):
     config = _config()
     whole = build_model("LlamaForCausalLM", copy.deepcopy(config))
     for what, (plugin_config, replicas) in LAYOUTS.items():
-        booster = Booster(plugin=HybridParallelPlugin(plugin_config))
-        model, *_ = booster.boost(build_model("LlamaForCausalLM", copy.deepcopy(config)))
+        plugin = plugin_config() if callable(plugin_config) else HybridParallelPlugin(plugin_config)
+        booster = Booster(plugin=plugin)
+        policy = build_model("LlamaForCausalLM", copy.deepcopy(config))
+        model, *_ = booster.boost(policy, torch.optim.SGD(policy.parameters(), lr=0.1))
         model.train()
-        replica = model.mesh.dp_rank
+        mesh = getattr(model, "mesh", None)
+        replica, tp = (mesh.dp_rank, mesh.tp_size) if mesh is not None else (dist.get_rank(), 1)
         prompts = PROMPTS[replica] if replicas == 4 else PROMPTS[replica] + PROMPTS[replica + 2]
         greedy = generate_rollouts(model, prompts, G, NEW, do_sample=False)
         _same(greedy, _one_process(whole, prompts, None), f"{what} greedy")
@@ -101,7 +107,6 @@ def _check_layouts(rank):
         assert model.training, f"{what}: the model's mode was not restored"
         _same(sampled, _one_process(whole, prompts, replica_seed(SEED, replica)), f"{what} sampled")
         everyone = _gathered(sampled.input_ids, None)
-        tp = model.mesh.tp_size
         for r in range(dist.get_world_size()):          # tp ranks equal, replicas different
             first_of_replica = r - r % tp if tp > 1 else r
             assert torch.equal(everyone[r], everyone[first_of_replica]), (what, r)
