@@ -32,11 +32,14 @@ def _aligned(tokens: TokenLogprobs, positions) -> torch.Tensor:
 
 
 def prepare_grpo(model, rollout: RolloutBatch, rewards: torch.Tensor, config: GRPOConfig, reference=None,
-                 booster=None) -> GRPOBatch:
+                 booster=None, sequences_in_batch=None, tokens_in_batch=None) -> GRPOBatch:
     """Once per rollout batch: check it on every rank (whole groups of consecutive rows, one reward per row),
     the advantages, the old policy's log-probs (no gradient, in the model's mode: the one its steps run in),
     the reference's when config.beta > 0 (a model boosted like the policy, or BASE: LoRA's base weights) and the
-    global counts. booster: needed with pipeline stages."""
+    global counts. booster: needed with pipeline stages. sequences_in_batch / tokens_in_batch: the global
+    completions and response tokens of a gradient-accumulation window this batch is one part of (default: this
+    batch's, all-reduced); the loss and the per-token metrics are then this part's share of the window's (they add
+    up over the window), the reward statistics this part's."""
     device = rollout.input_ids.device if isinstance(rollout, RolloutBatch) else None
     agree(check_rollouts(rollout, rewards), None, device, GRPOBatchError, "rollout batch")
     if config.beta > 0 and reference is None:
@@ -49,6 +52,8 @@ def prepare_grpo(model, rollout: RolloutBatch, rewards: torch.Tensor, config: GR
     n, s, s2, tokens = batch.totals(torch.tensor(float(rollout.rows), device=rewards.device), rewards,
                                     rewards * rewards, rollout.response_mask.sum().float())
     stats = ((s / n).item(), ((s2 - s * s / n) / (n - 1).clamp(min=1)).clamp(min=0).sqrt().item())
+    n = n if sequences_in_batch is None else torch.as_tensor(float(sequences_in_batch), device=n.device)
+    tokens = tokens if tokens_in_batch is None else torch.as_tensor(float(tokens_in_batch), device=n.device)
     if isinstance(model, HybridParallelModule) and model.pipeline is not None:
         old = pipeline_token_logprobs(booster, model, rollout)
         ref = None

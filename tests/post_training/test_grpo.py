@@ -14,10 +14,13 @@ fixed rollouts and rewards (no sampling), each layout against one process from t
 - the one process's loss against a per-token formula written out here with loops (advantages from Python's
   statistics module, the clip and each normalisation by hand), with old log-probs from another model so the
   ratios spread over both sides of the clip range (DAPO's clip-higher: eps_low 0.1, eps_high 0.3);
+- gradient accumulation: a rollout batch prepared as two parts with the window's counts gives the whole batch's
+  loss and gradient (one process, every normalisation);
 - a wrong rule fails: the advantages taken over each replica's rows instead of each group move the loss past the
   tolerance;
 - refused on every rank before any collective: a group split across replicas (rank 0's rows shifted by one
-  completion), rewards of the wrong shape (rank 1), an empty completion (rank 2), and rows that do not split into the pipeline's micro-batches.
+  completion), rewards of the wrong shape (rank 1), an empty completion (rank 2), and rows that do not split
+  into the pipeline's micro-batches.
 One process group, the layouts looped inside."""
 
 import copy
@@ -275,6 +278,30 @@ def _check_by_hand(rank):
             assert 0.05 < out.metrics["clip_fraction"] < 0.95, out.metrics       # both sides of the clip range
 
 
+def _check_accumulation(rank):
+    """One rollout batch prepared as two accumulation parts (whole groups each) with the window's counts gives the
+    whole batch's gradient and loss, for every normalisation (one process)."""
+    rollout, rewards = _rollouts()
+    half = rollout.rows // 2
+    for normalization, grpo in CONFIGS.items():
+        grpo = dataclasses.replace(grpo, beta=0.0, scale_rewards="group")
+        grads = []
+        for parts in (1, 2):
+            model = _make("llama")
+            rows = [(rollout, rewards)] if parts == 1 else [
+                (rollout.select(slice(k * half, (k + 1) * half)), rewards[k * half:(k + 1) * half]) for k in range(2)]
+            loss = 0.0
+            for part, part_rewards in rows:
+                counts = dict(sequences_in_batch=rollout.rows, tokens_in_batch=int(rollout.response_mask.sum()))
+                out = grpo_loss(model, prepare_grpo(model, part, part_rewards, grpo, **counts), grpo)
+                out.loss.backward()
+                loss += out.metrics["loss"]
+            grads.append((loss, torch.cat([p.grad.flatten() for p in model.parameters()])))
+        (whole, whole_grad), (parts, parts_grad) = grads
+        assert abs(whole - parts) <= 1e-5 * abs(whole) + 1e-7, (normalization, whole, parts)
+        torch.testing.assert_close(parts_grad, whole_grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{normalization}: {m}")
+
+
 def _check_refusals(rank):
     config = _config()
     booster = Booster(plugin=HybridParallelPlugin(HybridParallelConfig(tp_size=2)))
@@ -306,6 +333,7 @@ def _check_refusals(rank):
 
 
 def _body(rank, world_size):
+    _check_accumulation(rank)
     _check_lora(rank)
     _check_by_hand(rank)
     _check_refusals(rank)
