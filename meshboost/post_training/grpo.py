@@ -73,7 +73,7 @@ def prepare_grpo(model, rollout: RolloutBatch, rewards: torch.Tensor, config: GR
 
 def grpo_loss(model, prepared: GRPOBatch, config: GRPOConfig) -> GRPOOutput:
     """The policy's forward on the prepared rollouts and this replica's share of the GRPO loss (not backwarded)."""
-    tokens = token_logprobs(model, prepared.rollout.model_batch(), entropy=True)
+    tokens = token_logprobs(model, prepared.rollout.model_batch(), entropy=config.log_entropy)
     if tokens.logprobs.shape != prepared.old_logprobs.shape:
         raise RuntimeError(f"the policy scored {tuple(tokens.logprobs.shape)} positions, the prepared batch "
                            f"{tuple(prepared.old_logprobs.shape)}: prepare_grpo in the mode the steps run in")

@@ -94,10 +94,12 @@ def pipeline_grpo_step(booster, model, optimizer, prepared, config):
 
     with split_logits():
         booster.execute_pipeline(iter([_model_inputs(batch)]), model,
-                                 TokenScorer(model, batch, m, loss_of, entropy=True), optimizer, return_loss=True)
+                                 TokenScorer(model, batch, m, loss_of, entropy=config.log_entropy), optimizer, return_loss=True)
     values = torch.zeros(len(METRICS), dtype=torch.float64, device=model.mesh.device)
     if kept:
-        terms = TokenTerms(*(torch.cat([getattr(k[0], f) for k in kept]) for f in TokenTerms.__dataclass_fields__))
+        fields = [f for f in TokenTerms.__dataclass_fields__ if f != "logged_entropy"]
+        terms = TokenTerms(*(torch.cat([getattr(k[0], f) for k in kept]) for f in fields),
+                           logged_entropy=config.log_entropy)
         share = torch.stack([k[1] for k in kept]).sum()
         metrics = grpo_metrics(terms, share, prepared, GlobalBatch(dp_group_of(model)))
         values = torch.tensor([metrics[n] for n in METRICS], dtype=torch.float64, device=values.device)

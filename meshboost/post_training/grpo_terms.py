@@ -49,6 +49,7 @@ class GRPOConfig:
     normalization: str = "token"       # "token" (DAPO), "sequence" (GRPO), "constant" (Dr. GRPO: max_length)
     max_length: int | None = None      # "constant": the per-completion divisor (the generation budget)
     scale_rewards: str = "group"       # the advantage's std: "group", "batch" (global), "none" (Dr. GRPO)
+    log_entropy: bool = True           # the entropy metric (False: NaN; a chunked head then keeps its chunks)
 
     def __post_init__(self):
         high = self.epsilon_low if self.epsilon_high is None else self.epsilon_high
@@ -150,7 +151,8 @@ class TokenTerms:
     counts: torch.Tensor      # [B] response tokens
     kl: torch.Tensor          # [B] sum of k3 (detached)
     clipped: torch.Tensor     # [B] tokens whose clipped term was taken
-    entropy: torch.Tensor     # [B] sum of the entropies
+    entropy: torch.Tensor     # [B] sum of the entropies (0 when not asked for)
+    logged_entropy: bool = True
 
 
 def token_terms(tokens: TokenLogprobs, old: torch.Tensor, ref: torch.Tensor | None, advantages: torch.Tensor,
@@ -176,7 +178,7 @@ def token_terms(tokens: TokenLogprobs, old: torch.Tensor, ref: torch.Tensor | No
     if cp_group is not None:                    # cp training: each rank scored its piece of every completion
         loss = sum_over_context(loss, cp_group)
         comm.all_reduce(extra, cp_group)
-    return TokenTerms(loss, *extra)
+    return TokenTerms(loss, *extra, logged_entropy=tokens.entropy is not None)
 
 
 def replica_share(terms: TokenTerms, prepared: GRPOBatch, config: GRPOConfig, size: int) -> torch.Tensor:
@@ -194,5 +196,6 @@ def grpo_metrics(terms: TokenTerms, share: torch.Tensor, prepared: GRPOBatch, ba
     tokens = prepared.tokens.clamp(min=1)
     return {"loss": (sums[0] / batch.size).item(), "reward/mean": prepared.reward_stats[0],
             "reward/std": prepared.reward_stats[1], "kl": (sums[1] / tokens).item(),
-            "clip_fraction": (sums[2] / tokens).item(), "entropy": (sums[3] / tokens).item(),
+            "clip_fraction": (sums[2] / tokens).item(),
+            "entropy": (sums[3] / tokens).item() if terms.logged_entropy else float("nan"),
             "response_length": (prepared.tokens / prepared.sequences).item()}

@@ -276,6 +276,9 @@ def _check_by_hand(rank):
             assert abs(out.loss.item() - want) <= 1e-5 * abs(want), (normalization, scale, out.loss.item(), want)
             assert abs(out.metrics["loss"] - want) <= 1e-5 * abs(want)
             assert 0.05 < out.metrics["clip_fraction"] < 0.95, out.metrics       # both sides of the clip range
+    quiet = dataclasses.replace(grpo, log_entropy=False)               # no entropy: the same loss, NaN logged
+    unlogged = grpo_loss(model, prepared, quiet)
+    assert unlogged.loss.item() == pytest.approx(out.loss.item(), rel=1e-6) and math.isnan(unlogged.metrics["entropy"])
 
 
 def _check_accumulation(rank):
