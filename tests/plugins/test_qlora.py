@@ -19,6 +19,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 import transformers as tfm
 from torch.distributed.tensor import DTensor
 
@@ -78,7 +79,37 @@ def _check_quantized(model, ref, what, stages):
     assert quantized == 7 * CONFIG["num_hidden_layers"] // stages, (what, quantized)   # this stage's layers
 
 
-def _layouts(rank):
+def _check_saved(booster, model, config, ref, folder, what):
+    """The adapters' peft folder loads on the unquantized base (and quantizes there to the boosted model); the
+    whole model saved and loaded back into a fresh QLoRA model keeps its NF4 bytes; another base is refused."""
+    booster.save_lora_as_pretrained(model, f"{folder}/adapter", use_safetensors=True)
+    booster.save_model(model, f"{folder}/model", shard=False, use_safetensors=True)
+    mine = {n: gather_tensor((p.full_tensor() if isinstance(p, DTensor) else p).detach(), get_tp_info(p))
+            for n, p in model.unwrap().named_parameters() if "lora_" in n}
+    if dist.get_rank() == 0:
+        loaded = peft.PeftModel.from_pretrained(_base(config), f"{folder}/adapter")
+        saved = {n: p for n, p in loaded.named_parameters() if "lora_" in n}
+        assert saved.keys() == mine.keys(), what
+        assert all(torch.equal(saved[n], mine[n]) for n in saved), f"{what}: the saved adapters differ"
+    dist.barrier()
+    again = Booster(plugin=HybridParallelPlugin(booster.plugin.config))
+    fresh, *_ = again.boost(_boosted_model(config, booster.plugin.config))
+    again.load_model(fresh, f"{folder}/model")
+    for (n, p), q in zip(fresh.unwrap().named_parameters(), model.unwrap().parameters()):
+        local, want = (p.to_local(), q.to_local()) if isinstance(p, DTensor) else (p, q)
+        if is_nf4(local):
+            assert torch.equal(local.quantized_data, want.quantized_data), f"{what}: {n} re-quantized on load"
+    other = tfm.LlamaConfig(**CONFIG)
+    torch.manual_seed(1)
+    model_b = booster.enable_lora(tfm.AutoModelForCausalLM.from_config(other).float(), lora_config=_lora_config(),
+                                  quantize=QUANT)
+    other_booster = Booster(plugin=HybridParallelPlugin(booster.plugin.config))
+    model_b, *_ = other_booster.boost(model_b)
+    with pytest.raises(ValueError, match="frozen NF4 base .QLoRA. whose 4-bit values differ"):
+        other_booster.load_model(model_b, f"{folder}/model")
+
+
+def _layouts(rank, root):
     config = tfm.LlamaConfig(**CONFIG)
     batches = causal_batches(config, 3)
     ref = _reference(config)
@@ -93,9 +124,11 @@ def _layouts(rank):
         ("cp2", HybridParallelConfig(cp_size=2, cp_mode="all_to_all")),
         ("dp2 zero3", HybridParallelConfig(zero=ZeroConfig(stage=3))),
     ]:
-        _, model, _ = train_boosted(config, batches, plugin_config, ref_losses, ref_params, f"qlora {what}",
+        booster, model, _ = train_boosted(config, batches, plugin_config, ref_losses, ref_params, f"qlora {what}",
                                     model=_boosted_model(config, plugin_config), ref_first=first[0])
         _check_quantized(model, ref, what, plugin_config.dims.pp)
+        if what in ("tp2", "dp2 zero3"):
+            _check_saved(booster, model, config, ref, f"{root}/{what.replace(' ', '_')}", what)
 
 
 def _bf16_keeps_nf4(rank):
@@ -126,14 +159,14 @@ def _bad_inputs(rank):
         booster.boost(model)                    # o_proj's 32-column shards would cut 64-element blocks
 
 
-def _body(rank, world):
+def _body(rank, world, root):
     _bad_inputs(rank)
     _bf16_keeps_nf4(rank)
-    _layouts(rank)
+    _layouts(rank, root)
 
 
-def test_qlora_layouts():
-    spawn(_body, 2)
+def test_qlora_layouts(tmp_path):
+    spawn(_body, 2, str(tmp_path))
 
 
 def test_trainable_base_refused():
