@@ -123,12 +123,12 @@ class Booster:
         return self.plugin.execute_pipeline(data_iter, model, criterion, optimizer, return_loss, return_outputs)
 
     def enable_lora(self, model: nn.Module, pretrained_dir: str | None = None, lora_config=None,
-                    bnb_quantization_config=None, quantize: bool = False) -> nn.Module:
+                    bnb_quantization_config=None, quantize=False) -> nn.Module:
         """Wrap `model` with HuggingFace peft LoRA adapters, before `boost`: new ones from
         `lora_config` (a `peft.LoraConfig`), or trainable ones loaded from `pretrained_dir` (a peft
         folder). Boost the returned model; build the optimizer on its parameters (peft freezes the
         base weights). Plugins: TorchDDPPlugin, LowLevelZeroPlugin, HybridParallelPlugin(tp_size=1,
-        pp_size=1), as ColossalAI. QLoRA (quantize / bnb_quantization_config) is refused."""
+        pp_size=1), as ColossalAI. quantize=True, "nf4" or a `QuantConfig`: QLoRA, the adapted linears' frozen bases in NF4 (torchao; bitsandbytes' configs are refused)."""
         return lora.enable_lora(self.plugin, model, pretrained_dir, lora_config, bnb_quantization_config, quantize)
 
     def save_lora_as_pretrained(self, model: nn.Module, checkpoint: str, use_safetensors: bool = False) -> None:
