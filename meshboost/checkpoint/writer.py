@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from meshboost.checkpoint import file_log
 from meshboost.checkpoint.atomic import AtomicTarget
 from meshboost.distributed import comm
 from meshboost.distributed.launch import get_current_device
@@ -115,6 +116,7 @@ class CheckpointWriter:
         self.shard, self.as_file, self.limit = shard, as_file, size_per_shard_mb * 1024 * 1024
         self.shard_name, self.single_name, self.write_file = shard_name, single_name, write_file
         self.error: BaseException | None = None
+        self.log = file_log.current()        # a training-checkpoint step records (or defers) what it writes
         self.target: AtomicTarget | None = None
         self.parts: list[WrittenFile] = []
         self._pending: dict = {}
@@ -144,13 +146,24 @@ class CheckpointWriter:
             return
         if self.shard and starts_new_file(self._pending_bytes, not self._pending, nbytes, self.limit):
             self._flush()
+        if self.defers:                       # staged in host memory now: training may change it after the save
+            payload = self.log.freeze(payload)
         self._pending[name] = payload
         self._pending_bytes += nbytes
 
-    def _write(self, payload: dict, path: str) -> None:
+    @property
+    def defers(self) -> bool:
+        """An asynchronous save: items are staged in host buffers and written later (`file_log`)."""
+        return self.log is not None and self.log.defer
+
+    def _write(self, payload: dict, path: str, defer: bool = True) -> None:
+        """Write one file (inside a training-checkpoint step: through its log, which may defer it)."""
         if self.error is None:
             try:
-                self.write_file(payload, path)
+                if self.log is None:
+                    self.write_file(payload, path)
+                else:
+                    self.log.write(self.write_file, payload, path, defer, frozen=True)
             except Exception as e:  # noqa: BLE001
                 self.error = e
 
@@ -216,11 +229,13 @@ class CheckpointWriter:
                 self.error = e
         if self._failed():
             self._abort()
+        if self.log is not None and self.target is not None:   # the main writer has committed (a barrier above)
+            self.log.moved(self.target.path, self.target.target)
 
     def _stage_part(self) -> None:
         """This stage's tensors of an unsharded save over stages, in a part file of the staging folder."""
         name = f".part-{self.roles.stage}-0.tmp"
-        self._write(self._pending, os.path.join(self.target.staging, name))
+        self._write(self._pending, os.path.join(self.target.staging, name), defer=False)   # read back below
         self.parts = [WrittenFile(name, list(self._pending), self._pending_bytes)]
         self._pending = {}
 
@@ -232,7 +247,10 @@ class CheckpointWriter:
             merged.update(self.read_file(path))
             os.remove(path)
         path = self.target.path if self.as_file else os.path.join(self.target.path, self.single_name)
-        self.write_file(merged, path)
+        if self.log is None:
+            self.write_file(merged, path)
+        else:
+            self.log.write(self.write_file, merged, path)
         return WrittenFile(os.path.basename(path), list(merged), sum(f.nbytes for f in parts))
 
     def _number(self, first: int, total: int) -> None:
@@ -241,7 +259,11 @@ class CheckpointWriter:
             final = self.shard_name(k, total)
             if self.error is None:
                 try:
-                    os.replace(os.path.join(self.target.path, f.name), os.path.join(self.target.path, final))
+                    old, new = os.path.join(self.target.path, f.name), os.path.join(self.target.path, final)
+                    if self.log is not None:
+                        self.log.rename(old, new)
+                    else:
+                        os.replace(old, new)
                 except Exception as e:  # noqa: BLE001
                     self.error = e
             f.name = final
