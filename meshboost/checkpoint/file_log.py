@@ -104,6 +104,7 @@ def _frozen(payload, buffers: HostBuffers):
 class _Pending:
     write: Callable[[object, str], None]
     payload: object
+    name: str        # the file name it was given: written under it, then renamed (torch.save records it inside)
 
 
 class FileLog:
@@ -129,7 +130,7 @@ class FileLog:
         stage it (unless `frozen` already) for `flush`."""
         path = os.path.abspath(path)
         if self.defer and defer:
-            self.pending[path] = _Pending(write, payload if frozen else self.freeze(payload))
+            self.pending[path] = _Pending(write, payload if frozen else self.freeze(payload), os.path.basename(path))
         else:
             self.written[path] = durable(write, payload, path)
 
@@ -161,7 +162,10 @@ class FileLog:
         for path in sorted(self.pending):
             job = self.pending[path]
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            self.written[path] = durable(job.write, job.payload, path)
+            first = os.path.join(os.path.dirname(path), job.name)   # the bytes a synchronous save writes
+            self.written[path] = durable(job.write, job.payload, first)
+            if first != path:
+                os.replace(first, path)
             del self.pending[path]
 
     def entries(self) -> dict[str, dict]:

@@ -163,7 +163,9 @@ class CheckpointWriter:
                 if self.log is None:
                     self.write_file(payload, path)
                 else:
-                    self.log.write(self.write_file, payload, path, defer, frozen=True)
+                    # a file target is committed by renaming the file itself, so it is written now (inside a
+                    # training checkpoint only the LR scheduler's small file is saved that way)
+                    self.log.write(self.write_file, payload, path, defer and not self.as_file, frozen=True)
             except Exception as e:  # noqa: BLE001
                 self.error = e
 
