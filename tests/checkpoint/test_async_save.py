@@ -14,6 +14,8 @@ process group looping dp=2 ZeRO-1 and tp=2 (GPT-2, tied head, AdamW + StepLR):
   optimizer file each fail load_checkpoint on every rank naming the file (verify=False loads the
   garbage, as every load did before manifests); a step without a manifest (an older save) loads with a
   warning.
+And, in one process: a process killed (os._exit) while its writer thread is halfway through a file leaves
+`latest` on the previous step, which loads; the next save removes what the dead one staged.
 """
 
 from __future__ import annotations
@@ -185,3 +187,49 @@ def _all(rank, world, root):
 
 def test_async_save_and_checksums(tmp_path):
     spawn(_all, 2, str(tmp_path))
+
+
+_KILLED = """
+import os, sys, time, torch
+from meshboost import Booster
+from meshboost.checkpoint import file_log
+from meshboost.testing.models import build_model, tiny_config
+booster = Booster()
+model = build_model("GPT2LMHeadModel", tiny_config("gpt2"), seed=0)
+model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+booster.save_checkpoint(sys.argv[1], model, opt, step=1)
+
+def killed(write, payload, path):             # the process dies inside the writer thread, mid-file
+    write(payload, path)
+    os.truncate(path, os.path.getsize(path) // 2)
+    os._exit(9)
+
+file_log.durable = killed
+booster.save_checkpoint(sys.argv[1], model, opt, step=2, asynchronous=True)
+time.sleep(60)
+"""
+
+
+def test_a_process_killed_during_the_background_write(tmp_path):
+    """The whole process dies (os._exit) while its writer thread is halfway through a file: `latest` stays on
+    the previous step, which loads and verifies; nothing of step 2 is committed; the next save cleans up."""
+    import subprocess
+    import sys
+
+    from meshboost import Booster
+    from meshboost.testing.models import build_model, tiny_config
+
+    folder = str(tmp_path / "ckpt")
+    done = subprocess.run([sys.executable, "-c", _KILLED, folder], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 9, done.stderr[-2000:]
+    assert open(os.path.join(folder, "latest")).read().strip() == "step-00000001"
+    left = [n for n in os.listdir(folder) if n.startswith(".step-00000002.tmp-")]
+    assert left and not os.path.exists(os.path.join(folder, "step-00000002")), os.listdir(folder)
+    booster = Booster()
+    model = build_model("GPT2LMHeadModel", tiny_config("gpt2"), seed=5)
+    model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert booster.load_checkpoint(folder, model, opt)["step"] == 1
+    reference = build_model("GPT2LMHeadModel", tiny_config("gpt2"), seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(model.unwrap().parameters(), reference.parameters()))
+    booster.save_checkpoint(folder, model, opt, step=3)
+    assert not [n for n in os.listdir(folder) if n.startswith(".")], os.listdir(folder)
