@@ -1,5 +1,5 @@
 """Asynchronous training-checkpoint saves and the file manifest (issue 63 points 1 and 3), in one 2-rank
-process group looping dp=2 ZeRO-1 and tp=2 (GPT-2, tied head, AdamW + StepLR):
+process group looping dp=2 ZeRO-1, tp=2 and pp=2 (GPT-2, tied head, AdamW + StepLR):
 
 * `save_checkpoint(asynchronous=True)` returns before its files exist (a slowed writer), training goes on
   while they are written, and the committed step holds the same bytes, file by file, as a synchronous
@@ -35,7 +35,8 @@ from _train_helpers import boosted, train
 from meshboost.checkpoint import file_log
 from meshboost.testing import spawn
 
-LAYOUTS = {"dp2_zero1": dict(tp_size=1, zero_stage=1), "tp2": dict(tp_size=2)}
+LAYOUTS = {"dp2_zero1": dict(tp_size=1, zero_stage=1), "tp2": dict(tp_size=2),
+           "pp2": dict(tp_size=1, pp_size=2, num_microbatches=2)}     # pp: every stage writes its own files
 STEP = "step-00000002"
 
 
@@ -117,9 +118,9 @@ def _one_in_flight(root, rank, booster, mesh, model, opt, sched):
         assert 0 < held <= step_bytes, (held, step_bytes)
 
 
-def _fault_in_the_writer(root, rank, booster, mesh, model, opt, sched):
+def _fault_in_the_writer(root, rank, layout, booster, mesh, model, opt, sched):
     folder = os.path.join(root, "async")
-    with _Slow(delay=0.0, fail_at=2 if rank == 0 else None):    # rank 0 writes every file at these layouts
+    with _Slow(delay=0.0, fail_at=2 if rank == 0 else None):    # rank 0 writes two files or more at each layout
         booster.save_checkpoint(folder, model, opt, sched, step=6, asynchronous=True)
         with pytest.raises(OSError if rank == 0 else RuntimeError, match="disk full"):
             booster.save_checkpoint(folder, model, opt, sched, step=7, asynchronous=True)
@@ -127,7 +128,7 @@ def _fault_in_the_writer(root, rank, booster, mesh, model, opt, sched):
     assert sorted(n for n in os.listdir(folder) if not n.startswith(".lock")) == \
         ["latest", STEP, "step-00000003", "step-00000005"], os.listdir(folder)
     booster.wait_for_checkpoint()                               # raised once: nothing left to raise
-    b2, mesh2, m2, o2, s2 = boosted(seed=7, **LAYOUTS["tp2" if mesh.tp_size == 2 else "dp2_zero1"])
+    b2, mesh2, m2, o2, s2 = boosted(seed=7, **layout)
     assert b2.load_checkpoint(folder, m2, o2, s2)["step"] == 5
     booster.save_checkpoint(folder, model, opt, sched, step=8, asynchronous=True)   # a later save works
     booster.wait_for_checkpoint()
@@ -137,8 +138,10 @@ def _fault_in_the_writer(root, rank, booster, mesh, model, opt, sched):
 def _damaged(root, rank, layout):
     folder = os.path.join(root, "sync")
     step = os.path.join(folder, STEP)
-    weights = os.path.join(step, "model", "model-00001-of-00001.safetensors")
-    optimizer = os.path.join(step, "optimizer", "optimizer-00001-of-00001.bin")
+    weights = os.path.join(step, "model", sorted(n for n in os.listdir(os.path.join(step, "model"))
+                                                 if n.endswith(".safetensors"))[-1])
+    optimizer = os.path.join(step, "optimizer", sorted(n for n in os.listdir(os.path.join(step, "optimizer"))
+                                                       if n.startswith("optimizer-"))[-1])
     original = {p: open(p, "rb").read() for p in (weights, optimizer, os.path.join(step, "meta.json"))}
     dist.barrier()
 
@@ -180,7 +183,7 @@ def _all(rank, world, root):
         here = os.path.join(root, name)
         objects = _sync_equals_async(here, rank, layout)
         _one_in_flight(here, rank, *objects)
-        _fault_in_the_writer(here, rank, *objects)
+        _fault_in_the_writer(here, rank, layout, *objects)
         _damaged(here, rank, layout)
         objects[0].wait_for_checkpoint()
 
