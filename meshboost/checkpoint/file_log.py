@@ -94,7 +94,10 @@ def _frozen(payload, buffers: HostBuffers):
     if torch.is_tensor(payload):
         return buffers.stage(payload)
     if isinstance(payload, dict):
-        return type(payload)((k, _frozen(v, buffers)) for k, v in payload.items())
+        out = copy.copy(payload)               # the same type (an OrderedDict; a defaultdict keeps its factory)
+        for k, v in payload.items():
+            out[k] = _frozen(v, buffers)
+        return out
     if isinstance(payload, (list, tuple)) and type(payload) in (list, tuple):
         return type(payload)(_frozen(v, buffers) for v in payload)
     return copy.deepcopy(payload)

@@ -6,15 +6,18 @@ Layout of a checkpoint folder:
                       ranks/rank-00000.pt ... (each rank's RNG states; the state of a data loader
                       that has no global position),
                       meta.json (written last: step, world size, mesh, the data loader's global
-                      sample position, the caller's extras)
+                      sample position, the caller's extras, and "files": every other file's size
+                      and crc32, checked before a load: `manifest.py`)
     latest            "step-00000010": the committed step, replaced atomically (os.replace)
     .step-00000012.tmp-<token>/   a save in progress; removed when it fails, or by the next save
     .lock             held (flock) by the save in progress, naming it: a second save is refused, and
                       only the holder cleans what dead saves left (`atomic.SaveLock`)
 Saving: every rank writes into one staging folder (the parts through their own writers, then its
-rank file), all agree, global rank 0 writes meta.json, renames the folder to its step name and
-replaces `latest`; only then does it delete committed steps beyond `keep_last`. A crash at any
-point leaves `latest` naming a complete step. Loading reads `latest` (or, without it, the newest
+rank file), each file fsynced, all agree, global rank 0 writes meta.json, renames the folder to
+its step name and replaces `latest`; only then does it delete committed steps beyond `keep_last`.
+A crash at any point leaves `latest` naming a complete step. An asynchronous save (`saver`,
+`async_save.AsyncSaver`) runs the same steps, but its writers stage their files in host memory
+(`file_log.FileLog(defer=True)`) and a thread writes them, agrees and commits (`_finish`). Loading reads `latest` (or, without it, the newest
 step holding meta.json); every rank agrees on the step and finds its files before anything is
 loaded (`open_step`). Needs a file system every rank shares. Must not know what the parts are.
 """
