@@ -57,7 +57,7 @@ def _measure(layers: int, width: int, repeats: int, root: str) -> dict:
     _step(booster, model, opt, ids)                      # AdamW's moments exist from here on
     params = sum(p.numel() for p in model.parameters())
     sync, blocked, committed, step_in_flight = [], [], [], []
-    plain = [_step(booster, model, opt, ids) for _ in range(3)]
+    plain = [_step(booster, model, opt, ids) for _ in range(2)]
     start = time.perf_counter()                          # the first asynchronous save allocates its buffers
     booster.save_checkpoint(os.path.join(root, "async"), model, opt, step=0, keep_last=1, asynchronous=True)
     first = time.perf_counter() - start
