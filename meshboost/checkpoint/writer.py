@@ -21,7 +21,10 @@ Who does what (mesh order dp x pp x tp, tp innermost):
     unsharded save over pipeline stages (ColossalAI's one consolidated file) has each stage stage its
     tensors in a part file, which rank 0 reads back (`read_file`) and writes as the one file;
   * every rank joins the agreements, so a failed write raises on every rank, nobody returns before
-    the staging folder is gone, and a checkpoint already at the target is never touched.
+    the staging folder is gone, and a checkpoint already at the target is never touched;
+  * inside a training-checkpoint step (`file_log.recording`) every file goes through the step's
+    `FileLog`: fsynced and checksummed, or (an asynchronous save) each item staged in host memory
+    as it is added and the file written later by the save's thread, the log following the renames.
 """
 
 from __future__ import annotations
@@ -252,7 +255,7 @@ class CheckpointWriter:
         if self.log is None:
             self.write_file(merged, path)
         else:
-            self.log.write(self.write_file, merged, path)
+            self.log.write(self.write_file, merged, path, defer=not self.as_file)   # as in _write
         return WrittenFile(os.path.basename(path), list(merged), sum(f.nbytes for f in parts))
 
     def _number(self, first: int, total: int) -> None:
