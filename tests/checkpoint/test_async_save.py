@@ -1,5 +1,5 @@
 """Asynchronous training-checkpoint saves and the file manifest (issue 63 points 1 and 3), in one 2-rank
-process group looping dp=2 ZeRO-1, tp=2 and pp=2 (GPT-2, tied head, AdamW + StepLR):
+process group looping dp=2 ZeRO-1, tp=2, pp=2 and dp=2 ZeRO-3 (GPT-2, tied head, AdamW + StepLR):
 
 * `save_checkpoint(asynchronous=True)` returns before its files exist (a slowed writer), training goes on
   while they are written, and the committed step holds the same bytes, file by file, as a synchronous
@@ -36,7 +36,8 @@ from meshboost.checkpoint import file_log
 from meshboost.testing import spawn
 
 LAYOUTS = {"dp2_zero1": dict(tp_size=1, zero_stage=1), "tp2": dict(tp_size=2),
-           "pp2": dict(tp_size=1, pp_size=2, num_microbatches=2)}     # pp: every stage writes its own files
+           "pp2": dict(tp_size=1, pp_size=2, num_microbatches=2),      # pp: every stage writes its own files
+           "dp2_zero3": dict(tp_size=1, zero_stage=3)}                 # FSDP2: DTensor weights and states
 STEP = "step-00000002"
 
 
