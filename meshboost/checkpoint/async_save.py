@@ -82,9 +82,10 @@ class AsyncSaver:
 
     def report(self, step: int, rank: int) -> None:
         """Say how much host memory staging holds: printed by the first save, logged by later ones."""
-        kind = "pinned " if self.buffers.pinned else ""
-        line = (f"meshboost: asynchronous save of step {step} holds {self.buffers.nbytes / 2**20:.1f} MiB of {kind}"
-                f"host memory on rank {rank} (this rank's share of one step, in buffers the next save reuses)")
+        kind = (f"pinned host memory ({self.buffers.nbytes / 2**20:.1f} MiB staged, each buffer rounded up to a "
+                "power of two by torch's pinned allocator)" if self.buffers.pinned else "host memory")
+        line = (f"meshboost: asynchronous save of step {step} holds {self.buffers.held / 2**20:.1f} MiB of {kind} on "
+                f"rank {rank} (this rank's share of one step, in buffers the next save reuses)")
         if not self._reported:
             print(line, flush=True)
             self._reported = True

@@ -85,7 +85,14 @@ class HostBuffers:
 
     @property
     def nbytes(self) -> int:
+        """The bytes the staged tensors take."""
         return sum(b.numel() * b.element_size() for b in self._buffers)
+
+    @property
+    def held(self) -> int:
+        """The host memory the buffers hold: torch's pinned allocator rounds each one up to a power of two."""
+        sizes = [b.numel() * b.element_size() for b in self._buffers]
+        return sum(1 << max(n - 1, 0).bit_length() for n in sizes) if self.pinned else sum(sizes)
 
 
 def _frozen(payload, buffers: HostBuffers):
