@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--stop-after", type=int, default=0, help="end the run after this step as an interruption would (the "
         "schedule still plans --max-steps); resume it with --resume")
     arg("--save-every", type=int, default=0, help="booster.save_checkpoint every N steps into <output-dir>/checkpoints")
+    arg("--async-save", action="store_true", help="--save-every's saves write and commit in a background thread "
+        "while training goes on (booster.save_checkpoint(asynchronous=True))")
     arg("--resume", action="store_true", help="continue from <output-dir>/checkpoints (exactly: same loss stream)")
     arg("--save-hf", action="store_true", help="at the end write <output-dir>/hf (or the peft folder with --lora)")
     arg("--output-dir", default="outputs/causal_lm")
@@ -255,6 +257,7 @@ def main(argv=None) -> int:
     resumed = step if args.resume and step else None
     last, saved = run(args, booster, model, optimizer, schedule, loader, mesh, device, logger, step, total_steps,
                       epochs, ckpt_dir)
+    booster.wait_for_checkpoint()          # --async-save: the last step committed (or its failure raised) here
     logger.close()
     folder = None
     if args.save_hf:
@@ -319,7 +322,8 @@ def run(args, booster, model, optimizer, schedule, loader, mesh, device, logger,
             bar.set_postfix(train_log.postfix(record), refresh=False)
             bar.update(1)
             if args.save_every and step % args.save_every == 0:
-                booster.save_checkpoint(ckpt_dir, model, optimizer, schedule, loader, step=step)
+                booster.save_checkpoint(ckpt_dir, model, optimizer, schedule, loader, step=step,
+                                        asynchronous=args.async_save)
                 saved = step
                 logger.restart_clock()
         if step >= stop:
