@@ -19,7 +19,7 @@ copy stays the truth and nothing is copied back. A use is the boosted model's fo
 always-called forward hook) or, with pipeline stages, one `execute_pipeline` step (around the schedule's step
 hooks, `PipelineSchedule.sharding`, which FSDP2's `StepSharding` also uses). Buffers (rotary tables) stay on the
 device. Between uses the parameters hold no storage at all: touch the reference only through its forward or
-`execute_pipeline` (its state_dict is refused; a raw read would fault, never return stale numbers). Why not
+`execute_pipeline` (a raw read of a weight faults on its empty storage, never returns stale numbers). Why not
 torch's or accelerate's offload: FSDP2's CPUOffloadPolicy is chosen at `fully_shard` (the policy's plugin, shared
 with the policy) and covers ZeRO-3 only; accelerate's hooks re-point parameters module by module and do not know
 DTensor shards. Must not reach into a plugin's internals.
