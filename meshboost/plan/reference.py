@@ -8,7 +8,7 @@ gradient, master, optimizer state, ZeRO bucket or DDP reducer. Zero 0-2: its wei
 though nothing steps them) with their padding rows, and its root unit (embeddings, final norm, head) stays
 gathered in the compute dtype after its first no-grad forward: FSDP2 does not reshard the root after a
 forward, and no backward comes to. Under pp every unit stays gathered to the end of the forward-only step,
-which reshards them, but for the root of a stage that is not the last: STAGE_ROOT_COPIES), `forward_peak`
+which reshards them all, the roots of the stages that are not the last too), `forward_peak`
 (the bytes its no-grad eval forward and the label log-probs add at their peak, from a fake run of the tp
 rank's config: logits, their fp32 read, the vocab-parallel cross-entropy's temporaries), `with_reference`
 (a rank's peak record with the reference: its `held` bytes at every instant of the policy's step, and the
@@ -21,7 +21,8 @@ the weights and FSDP2's padding; on a CPU the host is the device, so they count 
 instants carry none of it; the row is what its forward holds on the device (`loaded`: the weights, the
 padding, and under zero 3 what its forward gathers at most) and the instant `reference` has it beside the
 policy's state; `copy_seconds`: one host-to-device copy of `host` per step at `host_bytes_s` (nothing
-overlapped, nothing copied back: frozen). Not modelled: pp x zero 3 (`check_layout` refuses it). Must not allocate: fake tensors only.
+overlapped, nothing copied back: frozen). Not modelled: pp x zero 3 (`check_layout` refuses it). Must not
+allocate: fake tensors only.
 """
 
 from __future__ import annotations
@@ -37,11 +38,6 @@ from meshboost.optim.precision import PRECISION_DTYPES as DTYPES
 ON_DEVICE = "device"         # the reference's weights stay on the device between uses
 OFFLOAD = "offload"          # in host memory between uses, on the device for its forward only
 CHOICES = (ON_DEVICE, OFFLOAD)
-# zero 3 under pp, a stage that is not the last: while its reference's forward-only step runs, its root unit (the
-# embeddings) holds two buffers of its compute-dtype size, the other units one; the step's end reshards them all
-# (StepSharding.finish resets FSDP2's iteration state: the root's post-forward never ran there). Still under what
-# MemTracker measures at pp=2 x dp=2 (benchmarks/plan_reference.py): `check_layout` refuses pp x zero 3.
-STAGE_ROOT_COPIES = 2
 
 
 def check_option(reference) -> str | None:
@@ -99,8 +95,8 @@ def _gathered_bytes(layout, groups, only: set | None = None) -> int:
 def _forward_gather(planner, layout, pp_rank: int, tp_rank: int, dp_rank: int) -> int:
     """Zero 3: the gathered bytes beside the reference's layers while they run, on top of `held`: without
     pp, the largest transformer layer (one at a time, forward_prefetch off; the root is in `held`); under
-    pp, every unit of the stage (reshard_after_forward is off there: each stays gathered to the step's end;
-    a non-last stage's root in STAGE_ROOT_COPIES buffers)."""
+    pp, every unit of the stage (reshard_after_forward is off there: each stays gathered to the step's end,
+    which reshards them all; still under what MemTracker measures, so `check_layout` refuses pp x zero 3)."""
     from meshboost.plan import sharded
 
     if layout.zero != 3:
@@ -108,11 +104,9 @@ def _forward_gather(planner, layout, pp_rank: int, tp_rank: int, dp_rank: int) -
     shards = planner.shards(layout, pp_rank, tp_rank)
     every = [*shards, *getattr(shards, "frozen", ())]
     groups = sharded.fsdp_groups(layout, every, dp_rank)
-    units = sharded.fsdp_units(every, planner.layer_prefixes)
-    if layout.pp > 1:               # every unit, a non-last stage's root twice (STAGE_ROOT_COPIES)
-        root = {id(s) for s in units[0]} if pp_rank < layout.pp - 1 else set()
-        return _gathered_bytes(layout, groups) + (STAGE_ROOT_COPIES - 1) * _gathered_bytes(layout, groups, root)
-    layers = units[1:]
+    if layout.pp > 1:               # every unit
+        return _gathered_bytes(layout, groups)
+    layers = sharded.fsdp_units(every, planner.layer_prefixes)[1:]
     return max((_gathered_bytes(layout, groups, {id(s) for s in u}) for u in layers), default=0)
 
 
