@@ -166,7 +166,8 @@ def _explained(e, constants=None, lora=None) -> str:
         m = s["memory_bytes"]
         lines.append(f"  pp_rank {s['pp_rank']}: {s['layers']} layers, peak {m['peak'] / GIB:.2f} GiB at its "
                      f"{m['instant']}, reserved {(m['reserved'] + m['outside']) / GIB:.2f}; after backward "
-                     + ", ".join(f"{k} {m[k] / GIB:.2f}" for k in (*MEMORY_KEYS, "reference", "reference_host") if k in m))
+                     + ", ".join(f"{k} {m[k] / GIB:.2f}" for k in (*MEMORY_KEYS, "reference", "reference_host")
+                                 if k in m))
     lines.append("communication per step (payload bytes, worst stage): "
                  + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in e.comm_bytes_per_step.items()))
     lines += [f"note: {n}" for n in e.notes]

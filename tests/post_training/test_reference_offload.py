@@ -6,7 +6,9 @@
 - between uses (after boost, after each use) every parameter's local storage on this rank (a tp shard, the
   stage's weights, FSDP2's padded shard) holds 0 bytes, and the host copies hold exactly the bytes the device
   reference's parameter storages hold (FSDP2's padding rows included): a storage the rule missed fails one, a
-  host copy of the wrong size the other; the host copies are other storages than the parameters';
+  host copy of the wrong size the other; the host copies are other storages than the parameters', and their
+  bytes are the planner's `reference_host` for the rank (`plan(..., reference="offload")`; pp x ZeRO-3, which the
+  planner refuses with a reference, aside);
 - pp x ZeRO-3: a forward-only pipeline step leaves no unit gathered on any stage (every registered parameter is
   FSDP2's DTensor shard again; before the fix a stage that is not the last kept its root unit, the embeddings,
   gathered: fsdp/pipeline.py's `StepSharding.finish`).
@@ -25,13 +27,14 @@ from meshboost.post_training.reference import HostOffload
 from meshboost.testing import spawn
 from meshboost.testing.models import build_model
 
-from tests.post_training.pairs import preference_config, random_pairs, replica
+from tests.post_training.pairs import PAIRS, SEQ, preference_config, random_pairs, replica
 
 MICRO = 2
 LAYOUTS = [("tp2 dp2", dict(tp_size=2)),
            ("pp2 dp2", dict(pp_size=2, pipeline=PipelineConfig(num_microbatches=MICRO))),
            ("tp2 zero3 dp2", dict(tp_size=2, zero=ZeroConfig(stage=3))),
-           ("pp2 zero3 dp2", dict(pp_size=2, zero=ZeroConfig(stage=3), pipeline=PipelineConfig(num_microbatches=MICRO)))]
+           ("pp2 zero3 dp2", dict(pp_size=2, zero=ZeroConfig(stage=3),
+                                  pipeline=PipelineConfig(num_microbatches=MICRO)))]
 
 
 def _storages(model) -> dict[int, int]:
@@ -60,7 +63,20 @@ def _check_between_uses(what: str, ref, offload: HostOffload, device_bytes: int)
     assert all(s.host.is_pinned() == (s.view.device.type == "cuda") for s in offload.stored), what
 
 
-def _body(rank, world_size):
+def _planned_host_bytes() -> dict:
+    """{layout: {pp_rank: the planner's reference_host}} of LAYOUTS (the planner's layout strings)."""
+    from meshboost.plan import plan
+
+    out = {}
+    for what, layout in (("tp2 dp2", "tp=2,zero=0"), ("pp2 dp2", f"pp=2,zero=0,microbatches={MICRO}"),
+                         ("tp2 zero3 dp2", "tp=2,zero=3")):
+        e = plan(preference_config(), layout=layout, gpus=4, seq=SEQ, global_batch=2 * PAIRS, precision="fp32",
+                 device="cpu", reference="offload")
+        out[what] = {s["pp_rank"]: s["memory_bytes"]["reference_host"] for s in e.per_stage}
+    return out
+
+
+def _body(rank, world_size, planned):
     config = preference_config()
     whole = build_model("LlamaForCausalLM", copy.deepcopy(config))
     for what, fields in LAYOUTS:
@@ -74,6 +90,8 @@ def _body(rank, world_size):
         device_bytes = sum(_storages(on_device).values())
         assert device_bytes > 0, what
         _check_between_uses(f"{what}, after boost", offloaded, offload, device_bytes)
+        if what in planned:
+            assert offload.host_bytes == planned[what][mesh.pp_rank], (what, offload.host_bytes, planned[what])
         for use in range(2):
             batch = pair_batch(replica(random_pairs(30 + use), mesh.dp_rank, mesh.dp_size),
                                microbatches=MICRO if pipelined else 1)
@@ -89,4 +107,4 @@ def _body(rank, world_size):
 
 
 def test_reference_host_offload():
-    spawn(_body, 4)
+    spawn(_body, 4, _planned_host_bytes())
