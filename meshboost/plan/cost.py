@@ -82,10 +82,10 @@ class CostConstants:
     optimizer_elements_s: float = 50e9     # AdamW elements (fp32 masters) updated per second
     solo_speedup: float = 1.0              # compute speed-up of a rank while the others idle (shared cores)
     pipeline_overhead_s: float = 50e-6     # the 1F1B schedule's own cost per micro-batch slot
-    # bytes/s written into newly allocated memory (a clone): on a CPU every first touch of a page
-    # faults (glibc returns large blocks to the OS); a GPU's caching allocator reuses its blocks, so
-    # there it is about HBM bandwidth (3.35 TB/s read + write, x 0.6)
+    # bytes/s written into newly allocated memory (a clone): on a CPU every first touch of a page faults (glibc returns
+    # large blocks to the OS); a GPU's caching allocator reuses its blocks: about HBM bandwidth (3.35 TB/s r+w, x 0.6)
     fresh_bytes_s: float = 1.0e12
+    host_bytes_s: float = 40e9             # pinned host -> device copies: PCIe Gen5 x16, 64 GB/s per direction x 0.6
     source: str = "defaults (H100 SXM-class: 989 TFLOPS bf16 x 0.4; NVLink; not calibrated)"
 
     def flops(self, precision: str) -> float:

@@ -62,7 +62,7 @@ class Planner:
     `gpus` devices of `memory_gb` GiB (`gpus_per_node` each node), sequences of `seq` tokens and
     `global_batch` sequences per step. `device` ("cuda", the default: the GPUs planned for, whatever
     this machine holds; or "cpu"): whose kernels' temporaries and allocator the peak model (peak.py)
-    predicts. `lora`: `LoraOptions` or None. `reference`: True, a frozen reference's row (plan/reference.py)."""
+    predicts. `lora`: `LoraOptions` or None. `reference`: True or "offload", a reference's row (plan/reference.py)."""
 
     def __init__(self, model, overrides: dict | None = None, *, architecture: str | None = None, gpus: int = 8,
                  nodes: int = 1, memory_gb: float = 80.0, seq: int = 2048, global_batch: int = 8,
@@ -91,8 +91,7 @@ class Planner:
         self.lm_head = self.meta.get_output_embeddings() is not None
         self._splits: dict[int, dict] = {}
         self._holdings: dict[tuple[int, int], list] = {}
-        self._experts: dict[int, set] = {}
-        self._roles: dict[int, emulate.SequenceRoles] = {}
+        self._experts, self._roles = {}, {}        # {tp: set of expert ids}, {tp: emulate.SequenceRoles}
         self._shards: dict[tuple, list] = {}
         self._activations: dict[tuple, activations.ActivationModel] = {}
         self._stage_peaks: dict[tuple, peak.StageActivations] = {}
@@ -207,8 +206,9 @@ class Planner:
                 mem["host"] = sum(host.values())
             self._rank_states[key] = {k: int(v) for k, v in mem.items()}
         state = {**self._rank_states[key], "activations": int(activation_bytes)}
-        mem = plan_reference.with_row(self, {k: state[k] for k in MEMORY_KEYS}, layout, pp_rank, tp_rank, dp_rank)
-        return {**mem, "total": sum(mem.values()), **({"host": state["host"]} if "host" in state else {})}
+        mem, host = plan_reference.with_row(self, {k: state[k] for k in MEMORY_KEYS}, layout, pp_rank, tp_rank, dp_rank,
+                                            state.get("host"))
+        return {**mem, "total": sum(mem.values()), **host}            # host bytes: outside the device total
 
     def _buffers(self, layout: Layout, shards, dp_rank: int) -> int:
         if layout.zero == 3:     # FSDP2's gathers and reductions, and its shards' padding rows
@@ -269,10 +269,10 @@ class Planner:
             comm = traffic.rank_traffic(self, layout, shards, layer_counts[pp_rank], first, last,
                                         act_model.summed_per_layer)
             breakdown: dict = {}
-            seconds = cost.step_seconds(layout, sum(s.numel for s in shards), layer_counts[pp_rank], self.hidden,
-                                        self.seq, comm, self.gpus_per_node, self.constants, ends=first or last,
-                                        zero_buckets=traffic.zero_buckets(self, layout, shards), breakdown=breakdown,
-                                        frozen_numel=sum(s.numel for s in shards.frozen))
+            seconds = plan_reference.copy_seconds(self, mem, breakdown) + cost.step_seconds(
+                layout, sum(s.numel for s in shards), layer_counts[pp_rank], self.hidden, self.seq, comm,
+                self.gpus_per_node, self.constants, ends=first or last, zero_buckets=traffic.zero_buckets(self, layout,
+                shards), breakdown=breakdown, frozen_numel=sum(s.numel for s in shards.frozen))
             stages.append({"pp_rank": pp_rank, "layers": layer_counts[pp_rank], "worst_tp_rank": tp_rank,
                            "worst_dp_rank": dp_rank, "memory_bytes": mem, "step_seconds": seconds,
                            "step_seconds_terms": breakdown,
