@@ -147,10 +147,8 @@ class Planner:
     def check(self, layout: Layout) -> None:
         """Raise what the planner (not modelled yet), the plugin, the sharder or the pipeline would
         raise for `layout` on this model and world."""
-        from meshboost.distributed.dims import check_mesh_shape
-
         plugin_config(layout)                       # the plugin's own validation and messages
-        check_mesh_shape(layout.world, layout.tp, layout.pp, layout.dp, layout.ep, layout.cp, layout.dp_replicate)
+        layout.dims.resolved(layout.world)          # the factorisation's one check (dims.py), as the mesh runs it
         self.splits(layout.tp)                      # the sharder's checks (heads divisible by tp, ...)
         if layout.sequence_parallel and layout.tp > 1:     # split_gather: the sharder's and the split's checks
             from meshboost.shardformer.sequence import check_length
@@ -374,7 +372,7 @@ def plan(model, overrides: dict | None = None, layout: Layout | dict | str | Non
     if isinstance(layout, str):
         layout = parse_layout(layout, precision=planner.precision, **_default_batching(planner, layout))
     elif isinstance(layout, dict):
-        layout = Layout(**{"precision": planner.precision, **layout})
+        layout = Layout.of(**{"precision": planner.precision, **layout})
     return planner.explain(layout)
 
 
@@ -382,19 +380,19 @@ def _default_batching(planner: Planner, text: str) -> dict:
     """dp, micro-batches and micro-batch size a --layout leaves out: dp from the world, micro-batches of
     one sequence (or as many as the given micro-batch size leaves), so that dp x microbatches x
     microbatch_size is the global batch."""
-    from meshboost.plan.layout import layout_fields, parse_layout
+    from meshboost.distributed.dims import ParallelDims
+    from meshboost.plan.layout import DIMS_FIELDS, layout_fields
 
-    given = parse_layout(text)
-    named = set(layout_fields(text))
+    named = layout_fields(text)     # no Layout yet: its record would check ep against a dp still to come
+    given = ParallelDims(**{k: v for k, v in named.items() if k in DIMS_FIELDS})
     out = {}
     dp = given.dp
-    if "dp" not in named:
-        dp = max(1, planner.gpus // (given.tp * given.pp * given.cp))
-        out["dp"] = dp
+    if dp is None:
+        dp = out["dp"] = max(1, planner.gpus // (given.tp * given.pp * given.cp))
     per_replica = max(1, planner.global_batch // dp)
     if "microbatches" in named:
         if "microbatch_size" not in named:
-            out["microbatch_size"] = max(1, per_replica // given.microbatches)
+            out["microbatch_size"] = max(1, per_replica // named["microbatches"])
     else:
-        out["microbatches"] = max(1, per_replica // given.microbatch_size)
+        out["microbatches"] = max(1, per_replica // named.get("microbatch_size", Layout.microbatch_size))
     return out
