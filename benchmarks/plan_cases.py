@@ -39,7 +39,7 @@ def layout_of(fields: dict, spec):
     f = {k: v for k, v in fields.items() if k not in LORA_FIELDS}
     dp, m = f.get("dp", 1), f.get("microbatches", 1)
     f.setdefault("microbatch_size", spec.batch // (dp * m))
-    return Layout(**f)
+    return Layout.of(**f)
 
 
 def planner_for(spec, layout, lora=None, device="cpu"):

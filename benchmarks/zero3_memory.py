@@ -271,9 +271,9 @@ def planner_predictions(run: dict, world: int, batch: int, seq: int, tiny: bool)
     sp, pp = kw.get("sp_size", 1), kw["pp_size"]
     dp = world // (kw["tp_size"] * sp * pp)
     micro = MICROBATCHES if pp > 1 else 1
-    layout = Layout(tp=kw["tp_size"], pp=pp, cp=sp, dp=dp, ep=kw.get("ep_size", 1),
-                    dp_replicate=kw["dp_replicate_size"], zero=3, precision="fp32", microbatches=micro,
-                    microbatch_size=batch // micro)
+    layout = Layout.of(tp=kw["tp_size"], pp=pp, cp=sp, dp=dp, ep=kw.get("ep_size", 1),
+                       dp_replicate=kw["dp_replicate_size"], zero=3, precision="fp32", microbatches=micro,
+                       microbatch_size=batch // micro)
     planner = Planner(make_config(tiny, _is_moe(run["layout"])), gpus=world, seq=seq, global_batch=batch * dp,
                       precision="fp32", device="cpu")
     planner.check(layout)

@@ -19,6 +19,7 @@ from meshboost.booster.checkpoint_view import CheckpointIO
 from meshboost.booster.plugin_base import Plugin
 from meshboost.booster.wrappers import ModelWrapper
 from meshboost.checkpoint import load_lr_scheduler, save_lr_scheduler
+from meshboost.checkpoint.async_save import AsyncSaver
 from meshboost.checkpoint.export import ExportState
 from meshboost.distributed import ParallelMesh
 from meshboost.distributed.agreement import agree_model
@@ -69,6 +70,7 @@ class Booster:
         self.plugin = plugin
         # delta weight export: per model, what its last export sent (dropped with the model)
         self._export_states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._saver: AsyncSaver | None = None     # asynchronous training-checkpoint saves (the first creates it)
 
     def boost(self, model: nn.Module, optimizer: Optimizer | None = None, criterion: Callable | None = None,
               dataloader=None, lr_scheduler=None) -> tuple:
@@ -123,12 +125,12 @@ class Booster:
         return self.plugin.execute_pipeline(data_iter, model, criterion, optimizer, return_loss, return_outputs)
 
     def enable_lora(self, model: nn.Module, pretrained_dir: str | None = None, lora_config=None,
-                    bnb_quantization_config=None, quantize: bool = False) -> nn.Module:
+                    bnb_quantization_config=None, quantize=False) -> nn.Module:
         """Wrap `model` with HuggingFace peft LoRA adapters, before `boost`: new ones from
         `lora_config` (a `peft.LoraConfig`), or trainable ones loaded from `pretrained_dir` (a peft
         folder). Boost the returned model; build the optimizer on its parameters (peft freezes the
         base weights). Plugins: TorchDDPPlugin, LowLevelZeroPlugin, HybridParallelPlugin(tp_size=1,
-        pp_size=1), as ColossalAI. QLoRA (quantize / bnb_quantization_config) is refused."""
+        pp_size=1), as ColossalAI. quantize=True, "nf4" or a `QuantConfig`: QLoRA, the adapted linears' frozen bases in NF4 (torchao; bitsandbytes' configs are refused)."""
         return lora.enable_lora(self.plugin, model, pretrained_dir, lora_config, bnb_quantization_config, quantize)
 
     def save_lora_as_pretrained(self, model: nn.Module, checkpoint: str, use_safetensors: bool = False) -> None:
@@ -214,18 +216,38 @@ class Booster:
 
     # -- training checkpoints: one step folder, committed atomically, the last `keep_last` kept --------
     def save_checkpoint(self, checkpoint: str, model: nn.Module, optimizer=None, lr_scheduler=None, dataloader=None,
-                        step: int = 0, keep_last: int = 3, extra: dict | None = None) -> str:
+                        step: int = 0, keep_last: int = 3, extra: dict | None = None, asynchronous: bool = False,
+                        if_busy: str = "wait") -> str | None:
         """Save everything a run needs to resume after step `step` (model, optimizer with its loss scaler,
         LR scheduler, every rank's random generators, the `plugin.prepare_dataloader` loader's position
         and your JSON-able `extra`) as `checkpoint/step-<step>`, then point `checkpoint/latest` at it
-        atomically: a crash at any moment leaves `latest` naming a complete step. Call on every rank."""
+        atomically: a crash at any moment leaves `latest` naming a complete step. Call on every rank.
+        asynchronous: return once the state is staged in host memory; the files are written and the step
+        committed in a background thread (`wait_for_checkpoint()` blocks for it and raises its failure,
+        as does the next save). A save still in flight is waited for first (if_busy="wait") or this step
+        is skipped with a warning (if_busy="skip": returns None)."""
+        if asynchronous and self._saver is None:
+            self._saver = AsyncSaver()
+        if not asynchronous:
+            self.wait_for_checkpoint()             # one save at a time: the one in flight first
         return checkpoint_io.save_checkpoint(checkpoint, step, model, optimizer, lr_scheduler, dataloader, self.mesh,
-                                             keep_last, extra)
+                                             keep_last, extra, saver=self._saver if asynchronous else None,
+                                             if_busy=if_busy)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until the asynchronous save in flight (if any) is committed; raise its failure (on every
+        rank). Call it at the end of training, before the process group is destroyed."""
+        if self._saver is not None:
+            self._saver.wait()
 
     def load_checkpoint(self, checkpoint: str, model: nn.Module, optimizer=None, lr_scheduler=None,
-                        dataloader=None) -> dict | None:
+                        dataloader=None, verify: bool = True) -> dict | None:
         """Restore the step `checkpoint/latest` names into the boosted objects (weights and optimizer at any
         layout; random generators and data position when the mesh is the one that saved). Returns the
         step's meta ({"step": ..., "extra": ...}) or None when there is no checkpoint yet, so a script can
-        always call it at start (elastic restarts included). Call on every rank."""
-        return checkpoint_io.load_checkpoint(checkpoint, model, optimizer, lr_scheduler, dataloader, self.mesh)
+        always call it at start (elastic restarts included). Call on every rank. verify: check every file
+        against the size and crc32 its step recorded first (off: for very large checkpoints; the work is
+        shared by the ranks, at about 1.5 GB/s each)."""
+        self.wait_for_checkpoint()                 # the step in flight may be the one to load
+        return checkpoint_io.load_checkpoint(checkpoint, model, optimizer, lr_scheduler, dataloader, self.mesh,
+                                             verify)

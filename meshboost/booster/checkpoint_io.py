@@ -100,10 +100,12 @@ def load_boosted_optimizer(optimizer, checkpoint: str) -> None:
 
 # -- training checkpoints: everything a run needs to resume, one atomically committed step ----------
 def save_checkpoint(folder: str, step: int, model: nn.Module, optimizer=None, lr_scheduler=None, dataloader=None,
-                    mesh=None, keep_last: int = 3, extra: dict | None = None) -> str:
+                    mesh=None, keep_last: int = 3, extra: dict | None = None, saver=None,
+                    if_busy: str = "wait") -> str | None:
     """Model (HF folder), optimizer (name-keyed, with its loss scaler), LR scheduler, every rank's
     RNG states and the data-loader position as step `step` of `folder` (see
-    `meshboost.checkpoint.step_io`). Returns the step folder."""
+    `meshboost.checkpoint.step_io`; `saver`: written in its background thread). Returns the step
+    folder (None: skipped, a save still in flight and if_busy="skip")."""
     parts = {"model": lambda path: save_boosted_model(model, path, mesh, shard=True, use_safetensors=True)}
     if optimizer is not None:
         parts["optimizer"] = lambda path: save_boosted_optimizer(optimizer, path, shard=True, mesh=mesh)
@@ -115,18 +117,19 @@ def save_checkpoint(folder: str, step: int, model: nn.Module, optimizer=None, lr
     rank_state = {"rng": step_io.rng_state(),
                   "dataloader": dataloader.state_dict() if data is None and hasattr(dataloader, "state_dict")
                   else None}
-    return step_io.save_step(folder, step, parts, rank_state, mesh, keep_last, extra, data=data)
+    return step_io.save_step(folder, step, parts, rank_state, mesh, keep_last, extra, data=data, saver=saver,
+                             if_busy=if_busy)
 
 
 def load_checkpoint(folder: str, model: nn.Module, optimizer=None, lr_scheduler=None, dataloader=None,
-                    mesh=None) -> dict | None:
+                    mesh=None, verify: bool = True) -> dict | None:
     """Restore the committed step of `folder`: weights, optimizer, scheduler and the data position at
     any layout (the position of `plugin.prepare_dataloader`'s loader is global), RNG states when the
     mesh is the one that saved. Every rank agrees on the step and finds its files first. Returns its
     meta ({"step", "extra", ...}), or None when `folder` holds no checkpoint yet (a fresh run)."""
     wanted = ["model"] + (["optimizer"] if optimizer is not None else []) + \
         (["lr_scheduler.pt"] if lr_scheduler is not None else [])
-    found = step_io.open_step(folder, wanted, mesh)
+    found = step_io.open_step(folder, wanted, mesh, verify=verify)   # verify: the files' sizes and checksums
     if found is None:
         return None
     step_folder, meta = found.folder, found.meta

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from meshboost.booster.qlora import quant_config, quantize_bases_
 from meshboost.booster.wrappers import ModelWrapper, unwrap_model
 from meshboost.checkpoint.atomic import AtomicTarget
 from meshboost.checkpoint.model_io import gather_entry
@@ -55,9 +56,10 @@ def require_peft():
 
 
 def enable_lora(plugin, model: nn.Module, pretrained_dir: str | None, lora_config, bnb_quantization_config,
-                quantize: bool) -> nn.Module:
+                quantize) -> nn.Module:
     """`model` wrapped with LoRA adapters (new from `lora_config`, or trainable ones loaded from the
-    peft folder `pretrained_dir`), to be boosted next with the plugin that checked it."""
+    peft folder `pretrained_dir`), to be boosted next with the plugin that checked it. quantize: True, "nf4"
+    or a `QuantConfig`: the adapted linears' frozen bases become NF4 (QLoRA, `qlora.py`)."""
     peft = require_peft()
     if plugin is None:
         raise ValueError("booster.enable_lora needs a plugin: Booster(plugin=TorchDDPPlugin() or "
@@ -68,10 +70,18 @@ def enable_lora(plugin, model: nn.Module, pretrained_dir: str | None, lora_confi
     if isinstance(model, ModelWrapper) or isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise RuntimeError("booster.enable_lora must come before booster.boost: pass the original model, then "
                            "boost the model it returns")
-    if quantize or bnb_quantization_config is not None:
-        raise NotImplementedError("booster.enable_lora(quantize=True / bnb_quantization_config=...): QLoRA's "
-                                  "bitsandbytes 4-bit base weights are not supported by meshboost; drop them to "
-                                  "train LoRA adapters on the unquantized model")
+    if bnb_quantization_config is not None:
+        raise NotImplementedError("booster.enable_lora(bnb_quantization_config=...): bitsandbytes' 4-bit layers are "
+                                  "not supported; pass quantize='nf4' (or a meshboost QuantConfig) for QLoRA's NF4 "
+                                  "bases through torchao")
+    quant = quant_config(quantize)
+    peft_model = _enable(peft, model, pretrained_dir, lora_config)
+    if quant is not None:
+        quantize_bases_(peft_model, quant)
+    return peft_model
+
+
+def _enable(peft, model: nn.Module, pretrained_dir: str | None, lora_config) -> nn.Module:
     if isinstance(model, peft.PeftModel):
         raise ValueError("this model already has peft adapters; call booster.enable_lora once, on the base model")
     if pretrained_dir is None:

@@ -1,7 +1,8 @@
 """Checkpoint IO: HF-format model saving and loading at any layout (model_io.py, load.py),
 topology-free optimizer and LR-scheduler states (optimizer_io.py), all written by one sharded,
 atomic writer (writer.py), and training checkpoints: one step folder committed by an atomic
-pointer (step_io.py). Booster glue lives in `meshboost.booster.checkpoint_io`."""
+pointer (step_io.py), every file's size and crc32 in its manifest (file_log.py, manifest.py),
+saved synchronously or by a writer thread (async_save.py). Booster glue lives in `meshboost.booster.checkpoint_io`."""
 
 from meshboost.checkpoint.atomic import AtomicTarget
 from meshboost.checkpoint.load import load_model

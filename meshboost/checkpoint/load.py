@@ -25,6 +25,7 @@ from meshboost.checkpoint.atomic import recover
 from meshboost.checkpoint.names import ParamNames
 from meshboost.distributed.param_info import (
     TensorParallelInfo, get_tp_info, is_dtensor, replace_keeping_object, shard_from)
+from meshboost.distributed.quantized import dequantized, is_nf4
 
 _INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _SINGLES = ("model.safetensors", "pytorch_model.bin")
@@ -237,6 +238,20 @@ def _copy_into_model(reader: CheckpointReader, resolved: list[tuple], device: to
     return used
 
 
+def _check_nf4(tensor: torch.Tensor, value: torch.Tensor, name: str) -> None:
+    """A frozen NF4 base (QLoRA) loads only the values it already computes with: quantizing other values again
+    would change them (and quantizing these again would too), so anything else is refused."""
+    if is_dtensor(tensor):             # FSDP2: this rank's rows of the value against its NF4 rows
+        from torch.distributed.tensor import distribute_tensor
+        mesh = tensor.device_mesh
+        value = distribute_tensor(value.to(mesh.device_type), mesh, tensor.placements, src_data_rank=None).to_local()
+        tensor = tensor.to_local()
+    if not torch.equal(dequantized(tensor), value.to(tensor.device)):
+        raise ValueError(f"{name} is a frozen NF4 base (QLoRA) whose 4-bit values differ from the checkpoint's; "
+                         "quantizing the checkpoint's values would not give them back exactly. Quantize the same base "
+                         "weights the checkpoint was trained on, or load it into the unquantized model")
+
+
 def _copy_shard(tensor: torch.Tensor, shard: torch.Tensor, name: str, device: torch.device | None) -> None:
     """Put `shard` into `tensor`: materialised from the meta device on `device`, into a DTensor's
     local piece, or copied in place."""
@@ -251,7 +266,9 @@ def _copy_shard(tensor: torch.Tensor, shard: torch.Tensor, name: str, device: to
         # safetensors and mmap'ed pickles hand out file-backed memory: own it, so the model
         # never depends on the file (and memory figures are honest).
         value = value.clone()
-    if tensor.is_meta:
+    if is_nf4(tensor.to_local() if is_dtensor(tensor) else tensor):
+        _check_nf4(tensor, value, name)
+    elif tensor.is_meta:
         replace_keeping_object(tensor, value)
     elif is_dtensor(tensor):
         # torch FSDP2 (GeminiPlugin, TorchFSDPPlugin): each rank cuts its own piece, no communication

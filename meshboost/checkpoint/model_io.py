@@ -89,7 +89,8 @@ def save_model(model: nn.Module, checkpoint: str, mesh=None, shard: bool = False
         read_file=lambda path: hf_format.read_weights(path, use_safetensors))
     try:
         for name, tensor in checkpoint_entries(model).items():
-            full = gather_entry(tensor, roles, master_weight)
+            # an asynchronous save stages each tensor straight from the device into its (pinned) host buffer
+            full = gather_entry(tensor, roles, master_weight, on_cpu=not writer.defers)
             if full is not None:
                 writer.add(name, full, full.numel() * full.element_size())
     except BaseException:

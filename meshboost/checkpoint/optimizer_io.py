@@ -76,7 +76,8 @@ def save_optimizer(optimizer, model: nn.Module, checkpoint: str, shard: bool = F
         shard_name=lambda k, total: f"{prefix + '-' if prefix else ''}optimizer-{k:05d}-of-{total:05d}.bin",
         write_file=write_file, read_file=_read_entries, what="save_optimizer")
     try:
-        for key, entry in optimizer.export_state(key_of, replica0_only=True):
+        # an asynchronous save stages each tensor straight from where it lives into its (pinned) host buffer
+        for key, entry in optimizer.export_state(key_of, replica0_only=True, live=writer.defers):
             if entry is not None:
                 tensors = list(entry["per_element"].values()) + ([entry["master"]] if "master" in entry else [])
                 writer.add(key, entry, sum(t.numel() * t.element_size() for t in tensors))

@@ -6,21 +6,25 @@ Layout of a checkpoint folder:
                       ranks/rank-00000.pt ... (each rank's RNG states; the state of a data loader
                       that has no global position),
                       meta.json (written last: step, world size, mesh, the data loader's global
-                      sample position, the caller's extras)
+                      sample position, the caller's extras, and "files": every other file's size
+                      and crc32, checked before a load: `manifest.py`)
     latest            "step-00000010": the committed step, replaced atomically (os.replace)
     .step-00000012.tmp-<token>/   a save in progress; removed when it fails, or by the next save
     .lock             held (flock) by the save in progress, naming it: a second save is refused, and
                       only the holder cleans what dead saves left (`atomic.SaveLock`)
 Saving: every rank writes into one staging folder (the parts through their own writers, then its
-rank file), all agree, global rank 0 writes meta.json, renames the folder to its step name and
-replaces `latest`; only then does it delete committed steps beyond `keep_last`. A crash at any
-point leaves `latest` naming a complete step. Loading reads `latest` (or, without it, the newest
+rank file), each file fsynced, all agree, global rank 0 writes meta.json, renames the folder to
+its step name and replaces `latest`; only then does it delete committed steps beyond `keep_last`.
+A crash at any point leaves `latest` naming a complete step. An asynchronous save (`saver`,
+`async_save.AsyncSaver`) runs the same steps, but its writers stage their files in host memory
+(`file_log.FileLog(defer=True)`) and a thread writes them, agrees and commits (`_finish`). Loading reads `latest` (or, without it, the newest
 step holding meta.json); every rank agrees on the step and finds its files before anything is
 loaded (`open_step`). Needs a file system every rank shares. Must not know what the parts are.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -35,6 +39,8 @@ import numpy as np
 import torch
 
 from meshboost.checkpoint.atomic import SaveLock, clean_leftovers, recover, replace_folder
+from meshboost.checkpoint.file_log import FileLog, fsync_dir, recording
+from meshboost.checkpoint.manifest import MANIFEST, manifest_of, verify_step
 from meshboost.checkpoint.writer import agree, any_failed, raise_agreed_failure, save_roles
 from meshboost.distributed import comm
 from meshboost.distributed.agreement import agree_settings
@@ -133,9 +139,12 @@ def _release(lock: SaveLock | None) -> None:
 
 
 def _commit(folder: str, staging: str, name: str, meta: dict, keep_last: int) -> None:
-    """Rank 0: meta.json last inside the step, the step in place, the pointer replaced, old steps pruned."""
+    """Rank 0: meta.json last inside the step (durable, like every file the manifest names), the step
+    in place, the pointer replaced, old steps pruned."""
     with open(os.path.join(staging, "meta.json"), "w", encoding="utf-8") as fh:
         json.dump(meta, fh, indent=2, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
     final = os.path.join(folder, name)
     pointed = _committed(folder)
     if os.path.exists(final) and (pointed is None or os.path.abspath(pointed) != os.path.abspath(final)):
@@ -144,34 +153,87 @@ def _commit(folder: str, staging: str, name: str, meta: dict, keep_last: int) ->
         replace_folder(staging, final)                 # one exchange, or moved aside (recovered after a crash)
     else:
         os.replace(staging, final)
+    fsync_dir(folder)
     tmp = os.path.join(folder, f".{POINTER}.tmp-{secrets.token_hex(4)}")
     with open(tmp, "w", encoding="utf-8") as fh:
         fh.write(name + "\n")
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, os.path.join(folder, POINTER))    # the commit
+    fsync_dir(folder)
     steps = sorted(n for n in os.listdir(folder) if _STEP.match(n) and n <= name)
     for old_step in steps[:-keep_last]:
         shutil.rmtree(os.path.join(folder, old_step), ignore_errors=True)
 
 
 def save_step(folder: str, step: int, parts: dict[str, Callable[[str], None]], rank_state: dict, mesh=None,
-              keep_last: int = 3, extra: dict | None = None, data: dict | None = None) -> str:
+              keep_last: int = 3, extra: dict | None = None, data: dict | None = None, saver=None,
+              if_busy: str = "wait") -> str | None:
     """Write step `step` into checkpoint folder `folder`; call on every rank. `parts`: name ->
     save(path) (collective: every rank calls each, in this order); `rank_state`: this rank's own
     state (RNG), one file per rank; `data`: the data loader's global position (JSON-able, equal on
-    every rank), kept in meta.json so that any layout can resume from it. Returns the committed
-    step folder."""
+    every rank), kept in meta.json so that any layout can resume from it. Returns the step folder
+    (committed; with `saver`, committed once its write in the background is).
+
+    saver (`async_save.AsyncSaver`): stage the step in host memory now, write and commit it in the
+    saver's thread. A save still in flight is waited for (if_busy="wait") or this step is skipped
+    on every rank with a warning (if_busy="skip": returns None); its failure raises here."""
     # A script that counts steps per rank would commit a step without some ranks' state (they staged
     # elsewhere): agree first, naming each rank's value (before the checks below too, so a bad value
     # on one rank cannot leave the others waiting).
-    agree_settings({"step": step, "keep_last": keep_last, "data position": data},
-                   f"save_checkpoint({folder!r}) arguments")
+    agree_settings({"step": step, "keep_last": keep_last, "data position": data, "asynchronous": saver is not None,
+                    "if_busy": if_busy}, f"save_checkpoint({folder!r}) arguments")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step={step!r} must be a non-negative integer (the training step just finished)")
     if not isinstance(keep_last, int) or keep_last < 1:
         raise ValueError(f"keep_last={keep_last!r} must be a positive integer (how many steps to keep)")
+    if if_busy not in ("wait", "skip"):
+        raise ValueError(f"if_busy={if_busy!r} must be 'wait' (for the save in flight) or 'skip' (this step)")
     roles = save_roles(mesh)
+    if saver is not None:
+        if if_busy == "skip" and agree([float(saver.busy)], roles)[0]:     # the same answer on every rank
+            warnings.warn(f"save_checkpoint({folder!r}, step={step}) skipped: the previous asynchronous save is "
+                          "still being written (if_busy='skip'; if_busy='wait' waits for it)", stacklevel=3)
+            return None
+        saver.wait()                                   # its failure raises on every rank (agreed in its thread)
+        writer_roles = saver.roles_for(roles)          # the threads' own group: created here, on every rank
+    name, lock, staging = _stage_folder(folder, step, roles)
+    log = FileLog(staging, defer=saver is not None, buffers=saver.buffers if saver is not None else None)
+    error = None
+    try:
+        with recording(log):
+            for part, save in parts.items():
+                save(os.path.join(staging, part))      # each agrees on its own failure
+    except BaseException:
+        _abandon(staging, lock, roles)
+        agree([0.0], roles)                            # nobody returns before the staging folder is gone
+        raise
+    rank = torch.distributed.get_rank() if roles.group is not None else 0
+    try:
+        os.makedirs(os.path.join(staging, "ranks"), exist_ok=True)
+        log.write(torch.save, rank_state, os.path.join(staging, "ranks", f"rank-{rank:05d}.pt"), defer=False)
+        log.staged()
+    except Exception as e:  # noqa: BLE001
+        error = e
+    if any_failed(error, roles):
+        _abandon(staging, lock, roles)
+        raise_agreed_failure(error, roles, f"save_checkpoint({folder!r})")
+    world = torch.distributed.get_world_size() if roles.group is not None else 1
+    layout = {"dp": mesh.dp_size, "pp": mesh.pp_size, "tp": mesh.tp_size} if mesh is not None else None
+    meta = {"format": FORMAT, "step": step, "world_size": world, "mesh": layout, "parts": list(parts),
+            "extra": extra or {}, "data": data}
+    finish = functools.partial(_finish, folder, staging, name, meta, keep_last, log, lock)
+    if saver is None:
+        finish(roles)
+    else:
+        saver.report(step, rank)
+        saver.start(lambda: finish(writer_roles), f"save_checkpoint({folder!r}, step={step})")
+    return os.path.join(folder, name)
+
+
+def _stage_folder(folder: str, step: int, roles) -> tuple[str, SaveLock | None, str]:
+    """(step name, the save lock (rank 0), the staging folder every rank writes into): rank 0 takes the
+    lock and cleans what dead saves left; every rank agrees on the folder's token (or on the failure)."""
     name, error, lock = step_name(step), None, None
     if roles.main_writer:
         try:
@@ -182,38 +244,51 @@ def save_step(folder: str, step: int, parts: dict[str, Callable[[str], None]], r
                            float(error is not None)], roles)
     if failed:
         raise_agreed_failure(error, roles, f"save_checkpoint({folder!r})")
-    staging = os.path.join(folder, f".{name}.tmp-{int(token):012x}")
+    return name, lock, os.path.join(folder, f".{name}.tmp-{int(token):012x}")
+
+
+def _abandon(staging: str, lock: SaveLock | None, roles) -> None:
+    if roles.main_writer:
+        shutil.rmtree(staging, ignore_errors=True)
+    _release(lock)
+
+
+def _gather(value, roles) -> list:
+    """`value` of every rank (one all_gather_object over `roles.group`; also a barrier)."""
+    if roles.group is None:
+        return [value]
+    out = [None] * torch.distributed.get_world_size(roles.group)
+    torch.distributed.all_gather_object(out, value, group=roles.group)
+    return out
+
+
+def _finish(folder: str, staging: str, name: str, meta: dict, keep_last: int, log: FileLog, lock, roles) -> None:
+    """Every rank, once the step is staged: write what `log` deferred (each file fsynced), agree that
+    every rank's files are durable, let rank 0 commit with the manifest of every file, agree on that.
+    On any failure the staging folder goes, the lock is released, and every rank raises (the failing
+    one its own error, the others one quoting it). Runs in the saver's thread for an asynchronous
+    save: over `roles.group`, which then is the threads' own (no other collective uses it)."""
+    error = None
     try:
-        for part, save in parts.items():
-            save(os.path.join(staging, part))          # each agrees on its own failure
-    except BaseException:
-        if roles.main_writer:
-            shutil.rmtree(staging, ignore_errors=True)
-        _release(lock)
-        agree([0.0], roles)                            # nobody returns before the staging folder is gone
-        raise
-    rank = torch.distributed.get_rank() if roles.group is not None else 0
-    try:
-        os.makedirs(os.path.join(staging, "ranks"), exist_ok=True)
-        torch.save(rank_state, os.path.join(staging, "ranks", f"rank-{rank:05d}.pt"))
-    except Exception as e:  # noqa: BLE001
+        log.flush()
+    except Exception as e:  # noqa: BLE001 - agreed just below
         error = e
-    if not any_failed(error, roles) and roles.main_writer:
-        world = torch.distributed.get_world_size() if roles.group is not None else 1
-        layout = {"dp": mesh.dp_size, "pp": mesh.pp_size, "tp": mesh.tp_size} if mesh is not None else None
-        meta = {"format": FORMAT, "step": step, "world_size": world, "mesh": layout, "parts": list(parts),
-                "extra": extra or {}, "data": data}
+    reports = _gather((log.entries(), None if error is None else f"{type(error).__name__}: {error}"), roles)
+    if roles.main_writer and all(message is None for _, message in reports):
         try:
-            _commit(folder, staging, name, meta, keep_last)
+            files = manifest_of(staging, [entries for entries, _ in reports])
+            _commit(folder, staging, name, {**meta, MANIFEST: files}, keep_last)
         except Exception as e:  # noqa: BLE001
             error = e
-    if any_failed(error, roles):
-        if roles.main_writer:
-            shutil.rmtree(staging, ignore_errors=True)
-        _release(lock)
-        raise_agreed_failure(error, roles, f"save_checkpoint({folder!r})")
+    messages = _gather(None if error is None else f"{type(error).__name__}: {error}", roles)
+    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
+    if failed:
+        _abandon(staging, lock, roles)
+        if error is not None:
+            raise error
+        raise RuntimeError(f"save_checkpoint({folder!r}) failed on rank {failed[0][0]}: {failed[0][1]}. The steps "
+                           "committed before are unchanged.")
     _release(lock)
-    return os.path.join(folder, name)
 
 
 @dataclass
@@ -225,13 +300,15 @@ class StepToLoad:
     rank_state: dict | None     # this rank's RNG states; None when another layout saved the step
 
 
-def open_step(folder: str, parts: list[str], mesh=None) -> StepToLoad | None:
+def open_step(folder: str, parts: list[str], mesh=None, verify: bool = True) -> StepToLoad | None:
     """Call on every rank before loading anything: the committed step of `folder`, its meta and this
     rank's own state. Any rank that finds a file missing or unreadable (meta.json, one of `parts` the
     caller will load, its `ranks/rank-N.pt`) fails every rank at once, naming the file, so no rank
     walks into the next collective while another has died; ranks that see different committed steps
     (a folder that is not one shared file system, or a save committing meanwhile) are refused too.
-    None on every rank when no step is committed yet."""
+    None on every rank when no step is committed yet. verify: every file those parts and the rank
+    files need is checked against the step's manifest (size, crc32) first, the files dealt out over
+    the ranks; a damaged one fails every rank, naming it."""
     result: list[StepToLoad | None] = []
 
     def find() -> None:
@@ -246,6 +323,11 @@ def open_step(folder: str, parts: list[str], mesh=None) -> StepToLoad | None:
             views = ", ".join(f"{step_name(v) if v >= 0 else 'none'} on rank {r}" for r, v in enumerate(seen))
             raise RuntimeError(f"ranks see different committed steps in {folder!r} ({views}): every rank must read "
                                "one file system that all of them share, and no save may commit while they load")
+    if found is not None and verify:
+        rank, world = (torch.distributed.get_rank(roles.group), torch.distributed.get_world_size(roles.group)) \
+            if roles.group is not None else (0, 1)
+        agreed(lambda: verify_step(found.folder, found.meta, parts, rank, world), mesh,
+               f"load_checkpoint({folder!r})")
     return found
 
 

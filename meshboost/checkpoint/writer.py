@@ -21,7 +21,10 @@ Who does what (mesh order dp x pp x tp, tp innermost):
     unsharded save over pipeline stages (ColossalAI's one consolidated file) has each stage stage its
     tensors in a part file, which rank 0 reads back (`read_file`) and writes as the one file;
   * every rank joins the agreements, so a failed write raises on every rank, nobody returns before
-    the staging folder is gone, and a checkpoint already at the target is never touched.
+    the staging folder is gone, and a checkpoint already at the target is never touched;
+  * inside a training-checkpoint step (`file_log.recording`) every file goes through the step's
+    `FileLog`: fsynced and checksummed, or (an asynchronous save) each item staged in host memory
+    as it is added and the file written later by the save's thread, the log following the renames.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from meshboost.checkpoint import file_log
 from meshboost.checkpoint.atomic import AtomicTarget
 from meshboost.distributed import comm
 from meshboost.distributed.launch import get_current_device
@@ -115,6 +119,7 @@ class CheckpointWriter:
         self.shard, self.as_file, self.limit = shard, as_file, size_per_shard_mb * 1024 * 1024
         self.shard_name, self.single_name, self.write_file = shard_name, single_name, write_file
         self.error: BaseException | None = None
+        self.log = file_log.current()        # a training-checkpoint step records (or defers) what it writes
         self.target: AtomicTarget | None = None
         self.parts: list[WrittenFile] = []
         self._pending: dict = {}
@@ -144,13 +149,26 @@ class CheckpointWriter:
             return
         if self.shard and starts_new_file(self._pending_bytes, not self._pending, nbytes, self.limit):
             self._flush()
+        if self.defers:                       # staged in host memory now: training may change it after the save
+            payload = self.log.freeze(payload)
         self._pending[name] = payload
         self._pending_bytes += nbytes
 
-    def _write(self, payload: dict, path: str) -> None:
+    @property
+    def defers(self) -> bool:
+        """An asynchronous save: items are staged in host buffers and written later (`file_log`)."""
+        return self.log is not None and self.log.defer
+
+    def _write(self, payload: dict, path: str, defer: bool = True) -> None:
+        """Write one file (inside a training-checkpoint step: through its log, which may defer it)."""
         if self.error is None:
             try:
-                self.write_file(payload, path)
+                if self.log is None:
+                    self.write_file(payload, path)
+                else:
+                    # a file target is committed by renaming the file itself, so it is written now (inside a
+                    # training checkpoint only the LR scheduler's small file is saved that way)
+                    self.log.write(self.write_file, payload, path, defer and not self.as_file, frozen=True)
             except Exception as e:  # noqa: BLE001
                 self.error = e
 
@@ -216,11 +234,13 @@ class CheckpointWriter:
                 self.error = e
         if self._failed():
             self._abort()
+        if self.log is not None and self.target is not None:   # the main writer has committed (a barrier above)
+            self.log.moved(self.target.path, self.target.target)
 
     def _stage_part(self) -> None:
         """This stage's tensors of an unsharded save over stages, in a part file of the staging folder."""
         name = f".part-{self.roles.stage}-0.tmp"
-        self._write(self._pending, os.path.join(self.target.staging, name))
+        self._write(self._pending, os.path.join(self.target.staging, name), defer=False)   # read back below
         self.parts = [WrittenFile(name, list(self._pending), self._pending_bytes)]
         self._pending = {}
 
@@ -232,7 +252,10 @@ class CheckpointWriter:
             merged.update(self.read_file(path))
             os.remove(path)
         path = self.target.path if self.as_file else os.path.join(self.target.path, self.single_name)
-        self.write_file(merged, path)
+        if self.log is None:
+            self.write_file(merged, path)
+        else:
+            self.log.write(self.write_file, merged, path, defer=not self.as_file)   # as in _write
         return WrittenFile(os.path.basename(path), list(merged), sum(f.nbytes for f in parts))
 
     def _number(self, first: int, total: int) -> None:
@@ -241,7 +264,11 @@ class CheckpointWriter:
             final = self.shard_name(k, total)
             if self.error is None:
                 try:
-                    os.replace(os.path.join(self.target.path, f.name), os.path.join(self.target.path, final))
+                    old, new = os.path.join(self.target.path, f.name), os.path.join(self.target.path, final)
+                    if self.log is not None:
+                        self.log.rename(old, new)
+                    else:
+                        os.replace(old, new)
                 except Exception as e:  # noqa: BLE001
                     self.error = e
             f.name = final

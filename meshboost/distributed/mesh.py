@@ -242,6 +242,12 @@ class ParallelMesh:
         return self.pp_rank == self.pp_size - 1
 
     def __repr__(self) -> str:
-        ep = f", ep={self.ep_size}" if self.ep_size > 1 else ""
-        return (f"ParallelMesh(dp={self.dp_size}{ep}, pp={self.pp_size}, tp={self.tp_size}; rank "
-                f"{self.global_rank} at dp={self.dp_rank}, pp={self.pp_rank}, tp={self.tp_rank}; {self.device})")
+        """Every axis beyond size 1 and each axis' mode: cp's (`cp=2(ring_attn)`) and tp's, Megatron sequence
+        parallelism (`tp=2(sp)`), then this rank's coordinates."""
+        dims = self.dims
+        dp = "".join(f", {name}={n}" for name, n in (("ep", dims.ep), ("dp_replicate", dims.dp_replicate)) if n > 1)
+        cp = f", cp={dims.cp}({dims.cp_mode})" if dims.cp > 1 else ""
+        tp = f"tp={dims.tp}" + ("(sp)" if dims.sequence_parallel else "")
+        at = f", cp={self.cp_rank}" if dims.cp > 1 else ""
+        return (f"ParallelMesh(dp={dims.dp}{dp}, pp={dims.pp}{cp}, {tp}; rank {self.global_rank} at "
+                f"dp={self.dp_rank}, pp={self.pp_rank}{at}, tp={self.tp_rank}; {self.device})")

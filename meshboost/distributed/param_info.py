@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from meshboost.distributed import comm
+from meshboost.distributed.quantized import dequantized, is_nf4, nf4_shard
 
 _TP_ATTR = "tp_info"
 _TIE_ATTR = "pipeline_tie"
@@ -266,7 +267,13 @@ def shard_from(read_slice: Callable[[tuple], torch.Tensor], full_shape: tuple[in
 
 def shard_tensor(full: torch.Tensor, info: TensorParallelInfo) -> torch.Tensor:
     """This rank's shard of the full (unpadded) tensor, as a new tensor (it never keeps the full
-    tensor's storage alive)."""
+    tensor's storage alive). A frozen NF4 weight is cut from its own quantized bytes (`quantized.py`)."""
+    if is_nf4(full):
+        pieces = local_slices(info)
+        if info.expert_size > 1 or any(pad for _, pad in pieces):
+            raise ValueError(f"an NF4 weight of shape {tuple(full.shape)} would need padding or an expert split "
+                             f"({info}); quantize only dense linears whose split dims divide by tp")
+        return nf4_shard(full, [index for index, _ in pieces])
     return shard_from(full.__getitem__, tuple(full.shape), info, "tensor").clone(memory_format=torch.contiguous_format)
 
 
@@ -293,6 +300,7 @@ def gather_tensor(local: torch.Tensor, info: TensorParallelInfo | None, group=No
     `local` may be the parameter or any tensor laid out like it (its gradient, an Adam moment). An
     expert-parallel weight is then gathered over its expert group too (every rank of it calls this).
     """
+    local = dequantized(local)          # a frozen NF4 weight gathers as the values it computes with
     if info is None:
         return local
     if info.tp_size == 1:
@@ -317,7 +325,7 @@ def full_on_cpu(local: torch.Tensor, info: TensorParallelInfo | None, reuse: boo
     (torch.save would write all of it)."""
     full = gather_tensor(local.detach(), info).to("cpu")
     storage = full.untyped_storage()
-    aliased = not reuse and storage.data_ptr() == local.untyped_storage().data_ptr()
+    aliased = not reuse and not is_nf4(local) and storage.data_ptr() == local.untyped_storage().data_ptr()
     if aliased or not full.is_contiguous() or storage.nbytes() != full.numel() * full.element_size():
         full = full.clone(memory_format=torch.contiguous_format)
     return full

@@ -44,6 +44,12 @@ class StepSharding:
         and reshard every unit; a forward-only step just reshards (nothing is left gathered that an
         optimizer step or a checkpoint would read stale)."""
         if not training:
+            # a stage that is not the last never ran its root's post-forward (module docstring): the root stays
+            # in its forward state, where reshard() keeps the gathered weights (reshard_after_forward=False), and
+            # its next forward skips the root's pre-forward. FSDP2's reset for an aborted forward ends both.
+            reset = getattr(self.model, "reset_iter_state", None)       # torch >= 2.13
+            if reset is not None:
+                reset()
             reshard_all(self.model)
             return
         self._set(last=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from meshboost.distributed.param_info import full_on_cpu, full_shape, get_tp_info, shard_from
+from meshboost.distributed.param_info import full_on_cpu, full_shape, gather_tensor, get_tp_info, shard_from
 
 FORMAT = "meshboost-optimizer-v1"
 
@@ -32,16 +32,19 @@ def cpu_copy(value):
     return value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
 
 
-def build_entry(param: torch.Tensor, state: dict, master: torch.Tensor | None, fresh: bool = False) -> dict:
+def build_entry(param: torch.Tensor, state: dict, master: torch.Tensor | None, fresh: bool = False,
+                live: bool = False) -> dict:
     """The entry of `param` from its state and master laid out like `param` on this rank (a
     collective over the tp group for a tp-sharded parameter). fresh: the tensors are temporaries
-    (gathered for this call), handed on without another copy; otherwise live state is copied."""
+    (gathered for this call), handed on without another copy; otherwise live state is copied.
+    live: the full tensors stay where they are, possibly the live state itself (read them before the
+    next step, never write them): an asynchronous checkpoint save copies them into its host buffers."""
     info = get_tp_info(param)
-    entry = {"per_element": {k: full_on_cpu(v, info, fresh) for k, v in sorted(state.items())
-                             if is_per_element(v, param)},
+    full = (lambda v: gather_tensor(v.detach(), info)) if live else (lambda v: full_on_cpu(v, info, fresh))
+    entry = {"per_element": {k: full(v) for k, v in sorted(state.items()) if is_per_element(v, param)},
              "scalar": {k: cpu_copy(v) for k, v in state.items() if not is_per_element(v, param)}}
     if master is not None:
-        entry["master"] = full_on_cpu(master, info, fresh)
+        entry["master"] = full(master)
     return entry
 
 

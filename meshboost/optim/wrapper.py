@@ -142,17 +142,19 @@ class OptimizerWrapper:
         """Masters changed: bring the working weights in line (mixed precision, ZeRO)."""
 
     # -- state keyed by parameter (optim/state.py) ------------------------------------------------
-    def export_state(self, key_of: Mapping[torch.Tensor, object], replica0_only: bool = False) -> Iterator[tuple]:
+    def export_state(self, key_of: Mapping[torch.Tensor, object], replica0_only: bool = False,
+                     live: bool = False) -> Iterator[tuple]:
         """(key, entry) for every trained parameter, in the same order on every rank; every rank must
         iterate to the end (ZeRO gathers each parameter's partitions over dp as it goes, tp shards are
         gathered over tp). replica0_only: entries only on data-parallel replica 0 (what a checkpoint
         writes), None elsewhere, so the other replicas skip the tp gathers and ZeRO sends each
-        partition to dp rank 0 instead of to everyone."""
+        partition to dp rank 0 instead of to everyone. live: tensors not copied to the CPU
+        (`state.build_entry`)."""
         here = not replica0_only or self._dp_rank() == 0
         for params in self.working_param_groups:
             for p in params:
                 state, master = self._local_state(p, replica0_only)
-                yield key_of[p], (fmt.build_entry(p, state, master, self._gathers_state) if here else None)
+                yield key_of[p], (fmt.build_entry(p, state, master, self._gathers_state, live) if here else None)
 
     def _dp_rank(self) -> int:
         """This rank's data-parallel coordinate (a plain wrapper has no mesh: every rank is a replica 0)."""

@@ -68,7 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reference", nargs="?", const="device", default=None, metavar="MODE",
                    help="preference training: add a frozen reference model on the policy's mesh (boost_reference; "
                         "with --lora-rank the base, no second copy) as the memory row 'reference' and the peak's "
-                        "instant 'reference'")
+                        "instant 'reference'; '--reference offload': in host memory between uses (boost_reference("
+                        "offload=True): 'reference_host', and the copies' time)")
     p.add_argument("--top", type=int, default=10, help="rows of the ranking to print (table output)")
     p.add_argument("--all", action="store_true", help="also list layouts that do not fit")
     p.add_argument("--json", action="store_true", help="print a JSON list of estimates")
@@ -165,7 +166,8 @@ def _explained(e, constants=None, lora=None) -> str:
         m = s["memory_bytes"]
         lines.append(f"  pp_rank {s['pp_rank']}: {s['layers']} layers, peak {m['peak'] / GIB:.2f} GiB at its "
                      f"{m['instant']}, reserved {(m['reserved'] + m['outside']) / GIB:.2f}; after backward "
-                     + ", ".join(f"{k} {m[k] / GIB:.2f}" for k in (*MEMORY_KEYS, "reference") if k in m))
+                     + ", ".join(f"{k} {m[k] / GIB:.2f}" for k in (*MEMORY_KEYS, "reference", "reference_host")
+                                 if k in m))
     lines.append("communication per step (payload bytes, worst stage): "
                  + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in e.comm_bytes_per_step.items()))
     lines += [f"note: {n}" for n in e.notes]

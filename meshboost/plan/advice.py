@@ -65,13 +65,13 @@ def _changes(planner, layout) -> list[tuple[str, object]]:
     if layout.dp % 2 == 0:
         m = layout.microbatches * 2
         out.append((f"pp={2 * layout.pp} in place of dp={layout.dp}", replace(
-            layout, pp=2 * layout.pp, dp=layout.dp // 2, ep=1, microbatches=m)))
+            layout, dims=replace(layout.dims, pp=2 * layout.pp, dp=layout.dp // 2, ep=1), microbatches=m)))
         if planner.context_parallel_ok:
             out.append((f"context parallelism cp={2 * layout.cp} in place of dp={layout.dp}", replace(
-                layout, cp=2 * layout.cp, dp=layout.dp // 2, ep=1, microbatches=m, sequence_parallel=False,
-                cp_mode=None if layout.cp == 1 else layout.cp_mode)))
+                layout, dims=replace(layout.dims, cp=2 * layout.cp, dp=layout.dp // 2, ep=1, sequence_parallel=False,
+                                     cp_mode=None if layout.cp == 1 else layout.cp_mode), microbatches=m)))
     if layout.zero != 3:
-        out.append(("zero=3 (FSDP2)", replace(layout, zero=3, ep=1, cpu_offload=False)))
+        out.append(("zero=3 (FSDP2)", replace(layout, dims=replace(layout.dims, ep=1), zero=3, cpu_offload=False)))
     if not layout.cpu_offload and layout.zero != 3:       # ZeRO-1/2's offload (from zero=0: ZeRO-1's)
         out.append(("cpu offload of masters and moments" + ("" if layout.zero else " (zero=1)"),
                     replace(layout, cpu_offload=True, zero=layout.zero or 1)))

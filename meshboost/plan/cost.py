@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from meshboost.distributed.agreement import INPUT_DIGEST_BYTES
 from meshboost.distributed.p2p import ACTIVATION_HEADER_BYTES
 from meshboost.optim.precision import PRECISION_BYTES as BYTES
+from meshboost.pipeline.schedule import LOSS_BROADCAST_BYTES
 from meshboost.plan.layout import axis_inside_node, axis_size
 from meshboost.plugins.config import DDP_BUCKET_CAP_MB
 from meshboost.plugins.input_checks import EMPTY_FLAG_BYTES, PIPELINE_AGREEMENT_BYTES
@@ -82,10 +83,10 @@ class CostConstants:
     optimizer_elements_s: float = 50e9     # AdamW elements (fp32 masters) updated per second
     solo_speedup: float = 1.0              # compute speed-up of a rank while the others idle (shared cores)
     pipeline_overhead_s: float = 50e-6     # the 1F1B schedule's own cost per micro-batch slot
-    # bytes/s written into newly allocated memory (a clone): on a CPU every first touch of a page
-    # faults (glibc returns large blocks to the OS); a GPU's caching allocator reuses its blocks, so
-    # there it is about HBM bandwidth (3.35 TB/s read + write, x 0.6)
+    # bytes/s written into newly allocated memory (a clone): on a CPU every first touch of a page faults (glibc returns
+    # large blocks to the OS); a GPU's caching allocator reuses its blocks: about HBM bandwidth (3.35 TB/s r+w, x 0.6)
     fresh_bytes_s: float = 1.0e12
+    host_bytes_s: float = 40e9             # pinned host -> device copies: PCIe Gen5 x16, 64 GB/s per direction x 0.6
     source: str = "defaults (H100 SXM-class: 989 TFLOPS bf16 x 0.4; NVLink; not calibrated)"
 
     def flops(self, precision: str) -> float:
@@ -112,6 +113,7 @@ def ring_factor(op: str, size: int) -> float:
 # the runtime's own figures (tests/plan/test_runtime_facts.py measures them on the real sends):
 INPUT_CHECK_BYTES = INPUT_DIGEST_BYTES      # check_inputs="always": per rank all-gathered per forward call (tp, pp, cp)
 P2P_HEADER_BYTES = ACTIVATION_HEADER_BYTES  # p2p.py's header before each activation send
+DDP_BUCKET_BYTES = DDP_BUCKET_CAP_MB * 2 ** 20  # the bucket_cap_mb meshboost passes DDP (torch: MiB)
 
 
 @dataclass(frozen=True)
@@ -281,7 +283,7 @@ def comm_per_step(layout, hidden: int, layers_held: int, first: bool, last: bool
         out["pp"].append(("send", forward + backward))
         # next_pipeline_batch's agreement over the world: once per step (the world group's label)
         out["pp"].append(("all_reduce", PIPELINE_AGREEMENT_BYTES))
-        out["pp"].append(("broadcast", 4))       # the step's loss (fp32) from the last stage to every stage
+        out["pp"].append(("broadcast", LOSS_BROADCAST_BYTES))   # the step's loss, from the last stage to all
         if tied_numel:
             out["pp"].append(("all_reduce", tied_numel * w))
     if vocab_parallel_loss and layout.pp == 1 and layout.dp > 1:
@@ -304,9 +306,6 @@ def axis_bandwidth(layout, axis: str, gpus_per_node: int, constants: CostConstan
 
 def _inside(layout, axis: str, gpus_per_node: int) -> bool:
     return axis_inside_node(layout.dims, axis, gpus_per_node)
-
-
-DDP_BUCKET_BYTES = DDP_BUCKET_CAP_MB * 2 ** 20     # the bucket_cap_mb meshboost passes DDP (torch: MiB)
 
 
 def calls_per_step(layout, axis: str, op: str, nbytes: int, hidden: int, seq: int, zero_buckets: int = 1,

@@ -1,21 +1,22 @@
 """A candidate parallel layout, the plugin config it stands for, and the enumeration of valid ones.
 
-Owns: `Layout` (the mesh degrees as one `ParallelDims`, the runtime's own record, built from the
-runtime's names tp, pp, dp, ep, cp (context parallelism) and dp_replicate (HSDP); cp's mode, Megatron
-sequence parallelism over tp (split_gather: no cp), the ZeRO stage, precision, micro-batches and their
-size, activation checkpointing, cpu offload, model chunks), the ranks of each of the planner's axes as
-the runtime's mesh groups them (`axis_groups`, read from `ParallelDims.mesh_axes`, never restated),
-parsing `--layout tp=2,pp=2,zero=1,...` (ColossalAI's `sp=`/`sp_mode=` accepted for cp), building the
-`HybridParallelConfig` a layout stands for (so the plugin's own checks raise their own messages:
-nothing is copied here), and enumerating every factorisation of the world (and ep, for an MoE; cp and
-its modes, for a causal LM; HSDP's replica groups under ZeRO-3) that the model and the plugin accept.
+Owns: `Layout` (one `ParallelDims`, the runtime's own record of the degrees tp, pp, dp, ep, cp (context
+parallelism) and dp_replicate (HSDP), cp's mode and tp's (Megatron sequence parallelism, split_gather: no
+cp), held once; and the training knobs: the ZeRO stage, precision, micro-batches and their size,
+activation checkpointing, cpu offload, model chunks), the ranks of each of the planner's axes as the
+runtime's mesh groups them (`axis_groups`, read from `ParallelDims.mesh_axes`, never restated), parsing
+`--layout tp=2,pp=2,zero=1,...` (ColossalAI's `sp=`/`sp_mode=` accepted for cp), building the
+`HybridParallelConfig` a layout stands for (its record passed through whole, so the plugin's own checks
+raise their own messages: nothing is copied here), and enumerating every factorisation of the world (and
+ep, for an MoE; cp and its modes, for a causal LM; HSDP's replica groups under ZeRO-3) that the model and
+the plugin accept.
 Must not estimate memory or time (memory.py, cost.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
-from functools import cached_property, lru_cache
+from dataclasses import dataclass, fields, replace
+from functools import lru_cache
 from itertools import product
 
 from meshboost.distributed.dims import ParallelDims
@@ -25,49 +26,63 @@ from meshboost.optim.precision import PRECISION_BYTES
 PRECISIONS = tuple(PRECISION_BYTES)
 SPLIT_GATHER = "split_gather"           # Megatron sequence parallelism over the tp group (cp stays 1)
 CONTEXT_MODES = ("all_to_all", "ring_attn")     # context parallelism over a cp axis of its own
+DIMS_FIELDS = tuple(f.name for f in fields(ParallelDims))     # the record's fields, as `Layout.of` names them
+# the JSON output's keys, in the order the planner has always written them
+AS_DICT = ("tp", "pp", "dp", "precision", "ep", "cp", "cp_mode", "sequence_parallel", "zero", "microbatches",
+           "microbatch_size", "checkpointing", "cpu_offload", "num_model_chunks", "dp_replicate")
 
 
 @dataclass(frozen=True)
 class Layout:
-    """One layout the plugin can run: the mesh sizes (tp x pp x dp x cp = the world; ep splits the
+    """One layout the plugin can run: the mesh's record `dims` (tp x pp x dp x cp = the world; ep splits the
     experts over ep of the dp ranks; dp_replicate > 1 is HSDP, ZeRO-3 sharded over the dp / dp_replicate
-    ranks of one replica group), the ZeRO stage, precision, micro-batching and the memory switches. The
-    sizes' derived facts (world, axis order, gradient replicas) are `dims`'s, the runtime's record.
-    `cp_mode`: with cp > 1 the context-parallel mode ("all_to_all", the default, or "ring_attn").
-    `sequence_parallel`: Megatron sequence parallelism over the tp group (split_gather, ColossalAI's
-    `enable_sequence_parallelism=True` without sp_size), which is no cp: the tp ranks split the sequence."""
+    ranks of one replica group; cp's mode; Megatron sequence parallelism, the tp axis' mode) and the
+    training knobs: the ZeRO stage, precision, micro-batching and the memory switches. The degrees are the
+    record's only (the properties below read it; `Layout.of` takes them as keywords and builds it first),
+    and the plugin's config gets the same record (`plugin_config`). At cp > 1 the context mode defaults to
+    "all_to_all", the plugin's default; split_gather (ColossalAI's `enable_sequence_parallelism=True`
+    without sp_size) is no cp: the tp ranks split the sequence."""
 
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
+    dims: ParallelDims = ParallelDims(dp=1)
     precision: str = "bf16"
-    ep: int = 1                     # experts split over ep of the dp ranks (ep divides dp)
-    cp: int = 1                     # context parallelism: every sequence split over cp ranks (ColossalAI's sp_size)
-    cp_mode: str | None = None      # see the docstring
-    sequence_parallel: bool = False     # split_gather over tp (see the docstring)
     zero: int = 0                   # 0, 1, 2 (meshboost's ZeRO), 3 (torch FSDP2)
     microbatches: int = 1
     microbatch_size: int = 1
     checkpointing: bool = False
     cpu_offload: bool = False
     num_model_chunks: int = 1
-    dp_replicate: int = 1           # HSDP: replica groups (divides dp; zero=3)
 
     def __post_init__(self):
-        # the plugin's default mode; none beside split_gather, whose clash with cp > 1 the plugin names
-        if self.cp > 1 and self.cp_mode is None and not self.sequence_parallel:
-            object.__setattr__(self, "cp_mode", CONTEXT_MODES[0])
+        if not isinstance(self.dims, ParallelDims):
+            raise TypeError(f"Layout(dims={self.dims!r}): pass a meshboost.distributed.ParallelDims, or the degrees "
+                            "as keywords, Layout.of(tp=..., dp=..., ...)")
+        if self.dims.dp is None:
+            raise ValueError(f"Layout(dims={self.dims!r}): a layout is planned for one world; give its dp (the "
+                             "data-parallel size)")
+        if self.dims.cp > 1 and self.dims.cp_mode is None:      # the plugin's default mode
+            object.__setattr__(self, "dims", replace(self.dims, cp_mode=CONTEXT_MODES[0]))
 
-    @cached_property
-    def dims(self) -> ParallelDims:
-        """The runtime's record of these degrees. Unvalidated: the planner's `check` runs
-        `check_mesh_shape`, which names a bad size."""
-        return ParallelDims(dp=self.dp, pp=self.pp, tp=self.tp, ep=self.ep, cp=self.cp, dp_replicate=self.dp_replicate,
-                            cp_mode=self.cp_mode if self.cp > 1 else None)
+    @classmethod
+    def of(cls, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, cp: int = 1, cp_mode: str | None = None,
+           sequence_parallel: bool = False, dp_replicate: int = 1, **knobs) -> "Layout":
+        """The degrees as keywords (the runtime's names, as `--layout` spells them), built into the record
+        first (as `HybridParallelConfig.of` does); `knobs`: the training fields."""
+        return cls(ParallelDims(dp=dp, pp=pp, tp=tp, ep=ep, cp=cp, dp_replicate=dp_replicate, cp_mode=cp_mode,
+                                sequence_parallel=sequence_parallel), **knobs)
+
+    # -- the degrees, read from the record (no copy of them here) -----------------------------------
+    tp = property(lambda self: self.dims.tp)
+    pp = property(lambda self: self.dims.pp)
+    dp = property(lambda self: self.dims.dp)
+    ep = property(lambda self: self.dims.ep)
+    cp = property(lambda self: self.dims.cp)
+    cp_mode = property(lambda self: self.dims.cp_mode)
+    sequence_parallel = property(lambda self: self.dims.sequence_parallel)
+    dp_replicate = property(lambda self: self.dims.dp_replicate)
 
     @property
     def world(self) -> int:
-        return self.dims.size("dp", "pp", "cp", "tp")      # every rank once, however dp is factored
+        return self.dims.world
 
     @property
     def grad_replicas(self) -> int:
@@ -83,7 +98,8 @@ class Layout:
         return self.dims.size(*replicate), self.dims.size(*shard)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The fields by name, the degrees among them (the planner's JSON output)."""
+        return {name: getattr(self, name) for name in AS_DICT}
 
     def describe(self) -> str:
         ckpt = (",ckpt" if self.checkpointing else "") + (",offload" if self.cpu_offload else "")
@@ -192,7 +208,7 @@ def _number(raw: str, item: str, low: int) -> int:
 def parse_layout(text: str, **defaults) -> Layout:
     """'tp=2,pp=2,zero=1,ckpt=1' (or a table row's 'tp=2,pp=1,dp=4,zero=1,bf16,mb=1x8,ckpt') -> a Layout
     (unnamed fields from `defaults`, then Layout's)."""
-    return Layout(**{**defaults, **layout_fields(text)})
+    return Layout.of(**{**defaults, **layout_fields(text)})
 
 
 def plugin_config(layout: Layout):
@@ -209,13 +225,9 @@ def plugin_config(layout: Layout):
     else:
         pipeline = PipelineConfig()
     # checkpointing: HF's gradient_checkpointing_enable() on every layer (the plugin's default without a
-    # PipelineGradientCheckpointConfig); nothing in the config
-    # split_gather: the record's tp mode, the field the planner's layout names (the record's check of the mode
-    # with cp_size > 1 names the clash)
-    return HybridParallelConfig(tp_size=layout.tp, pp_size=layout.pp, ep_size=layout.ep, cp_size=layout.cp,
-                                dp_replicate_size=layout.dp_replicate, cp_mode=layout.cp_mode,
-                                sequence_parallel=layout.sequence_parallel, pipeline=pipeline,
-                                precision=PrecisionConfig(layout.precision),
+    # PipelineGradientCheckpointConfig); nothing in the config. The layout's record goes through whole (its
+    # dp too: the mesh checks it against the world it runs on)
+    return HybridParallelConfig(dims=layout.dims, pipeline=pipeline, precision=PrecisionConfig(layout.precision),
                                 zero=ZeroConfig(stage=layout.zero, cpu_offload=layout.cpu_offload))
 
 
@@ -259,9 +271,10 @@ def enumerate_layouts(world: int, global_batch: int, num_layers: int, precision:
                 eps = [e for e in divisors(dp) if num_experts and num_experts % e == 0] or [1]
                 splits = sequence_options(tp, cp, context, split_gather)
                 for split, ep, m, zero, ckpt in product(splits, eps, counts, zero_stages, checkpointing):
-                    base = Layout(tp=tp, pp=pp, dp=dp, ep=ep, cp=cp, zero=zero, precision=precision, microbatches=m,
-                                  microbatch_size=per_replica // m, checkpointing=ckpt, **split)
-                    out += [replace(base, dp_replicate=r) for r in replica_options(base, gpus_per_node)]
+                    base = Layout.of(tp=tp, pp=pp, dp=dp, ep=ep, cp=cp, zero=zero, precision=precision,
+                                     microbatches=m, microbatch_size=per_replica // m, checkpointing=ckpt, **split)
+                    out += [replace(base, dims=replace(base.dims, dp_replicate=r))
+                            for r in replica_options(base, gpus_per_node)]
     return out
 
 
@@ -273,4 +286,4 @@ def replica_options(layout: Layout, gpus_per_node: int) -> list[int]:
         return [1]
     multi_node = layout.world > gpus_per_node
     return [r for r in divisors(layout.dp) if r == 1 or not multi_node
-            or axis_inside_node(replace(layout, dp_replicate=r).dims, "dp", gpus_per_node)]
+            or axis_inside_node(replace(layout.dims, dp_replicate=r), "dp", gpus_per_node)]

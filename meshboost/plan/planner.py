@@ -62,7 +62,7 @@ class Planner:
     `gpus` devices of `memory_gb` GiB (`gpus_per_node` each node), sequences of `seq` tokens and
     `global_batch` sequences per step. `device` ("cuda", the default: the GPUs planned for, whatever
     this machine holds; or "cpu"): whose kernels' temporaries and allocator the peak model (peak.py)
-    predicts. `lora`: `LoraOptions` or None. `reference`: True, a frozen reference's row (plan/reference.py)."""
+    predicts. `lora`: `LoraOptions` or None. `reference`: True or "offload", a reference's row (plan/reference.py)."""
 
     def __init__(self, model, overrides: dict | None = None, *, architecture: str | None = None, gpus: int = 8,
                  nodes: int = 1, memory_gb: float = 80.0, seq: int = 2048, global_batch: int = 8,
@@ -91,8 +91,7 @@ class Planner:
         self.lm_head = self.meta.get_output_embeddings() is not None
         self._splits: dict[int, dict] = {}
         self._holdings: dict[tuple[int, int], list] = {}
-        self._experts: dict[int, set] = {}
-        self._roles: dict[int, emulate.SequenceRoles] = {}
+        self._experts, self._roles = {}, {}        # {tp: set of expert ids}, {tp: emulate.SequenceRoles}
         self._shards: dict[tuple, list] = {}
         self._activations: dict[tuple, activations.ActivationModel] = {}
         self._stage_peaks: dict[tuple, peak.StageActivations] = {}
@@ -148,10 +147,8 @@ class Planner:
     def check(self, layout: Layout) -> None:
         """Raise what the planner (not modelled yet), the plugin, the sharder or the pipeline would
         raise for `layout` on this model and world."""
-        from meshboost.distributed.dims import check_mesh_shape
-
         plugin_config(layout)                       # the plugin's own validation and messages
-        check_mesh_shape(layout.world, layout.tp, layout.pp, layout.dp, layout.ep, layout.cp, layout.dp_replicate)
+        layout.dims.resolved(layout.world)          # the factorisation's one check (dims.py), as the mesh runs it
         self.splits(layout.tp)                      # the sharder's checks (heads divisible by tp, ...)
         if layout.sequence_parallel and layout.tp > 1:     # split_gather: the sharder's and the split's checks
             from meshboost.shardformer.sequence import check_length
@@ -207,8 +204,9 @@ class Planner:
                 mem["host"] = sum(host.values())
             self._rank_states[key] = {k: int(v) for k, v in mem.items()}
         state = {**self._rank_states[key], "activations": int(activation_bytes)}
-        mem = plan_reference.with_row(self, {k: state[k] for k in MEMORY_KEYS}, layout, pp_rank, tp_rank, dp_rank)
-        return {**mem, "total": sum(mem.values()), **({"host": state["host"]} if "host" in state else {})}
+        mem, host = plan_reference.with_row(self, {k: state[k] for k in MEMORY_KEYS}, layout, pp_rank, tp_rank, dp_rank,
+                                            state.get("host"))
+        return {**mem, "total": sum(mem.values()), **host}            # host bytes: outside the device total
 
     def _buffers(self, layout: Layout, shards, dp_rank: int) -> int:
         if layout.zero == 3:     # FSDP2's gathers and reductions, and its shards' padding rows
@@ -269,10 +267,10 @@ class Planner:
             comm = traffic.rank_traffic(self, layout, shards, layer_counts[pp_rank], first, last,
                                         act_model.summed_per_layer)
             breakdown: dict = {}
-            seconds = cost.step_seconds(layout, sum(s.numel for s in shards), layer_counts[pp_rank], self.hidden,
-                                        self.seq, comm, self.gpus_per_node, self.constants, ends=first or last,
-                                        zero_buckets=traffic.zero_buckets(self, layout, shards), breakdown=breakdown,
-                                        frozen_numel=sum(s.numel for s in shards.frozen))
+            seconds = plan_reference.copy_seconds(self, mem, breakdown) + cost.step_seconds(
+                layout, sum(s.numel for s in shards), layer_counts[pp_rank], self.hidden, self.seq, comm,
+                self.gpus_per_node, self.constants, ends=first or last, zero_buckets=traffic.zero_buckets(self, layout,
+                shards), breakdown=breakdown, frozen_numel=sum(s.numel for s in shards.frozen))
             stages.append({"pp_rank": pp_rank, "layers": layer_counts[pp_rank], "worst_tp_rank": tp_rank,
                            "worst_dp_rank": dp_rank, "memory_bytes": mem, "step_seconds": seconds,
                            "step_seconds_terms": breakdown,
@@ -374,7 +372,7 @@ def plan(model, overrides: dict | None = None, layout: Layout | dict | str | Non
     if isinstance(layout, str):
         layout = parse_layout(layout, precision=planner.precision, **_default_batching(planner, layout))
     elif isinstance(layout, dict):
-        layout = Layout(**{"precision": planner.precision, **layout})
+        layout = Layout.of(**{"precision": planner.precision, **layout})
     return planner.explain(layout)
 
 
@@ -382,19 +380,19 @@ def _default_batching(planner: Planner, text: str) -> dict:
     """dp, micro-batches and micro-batch size a --layout leaves out: dp from the world, micro-batches of
     one sequence (or as many as the given micro-batch size leaves), so that dp x microbatches x
     microbatch_size is the global batch."""
-    from meshboost.plan.layout import layout_fields, parse_layout
+    from meshboost.distributed.dims import ParallelDims
+    from meshboost.plan.layout import DIMS_FIELDS, layout_fields
 
-    given = parse_layout(text)
-    named = set(layout_fields(text))
+    named = layout_fields(text)     # no Layout yet: its record would check ep against a dp still to come
+    given = ParallelDims(**{k: v for k, v in named.items() if k in DIMS_FIELDS})
     out = {}
     dp = given.dp
-    if "dp" not in named:
-        dp = max(1, planner.gpus // (given.tp * given.pp * given.cp))
-        out["dp"] = dp
+    if dp is None:
+        dp = out["dp"] = max(1, planner.gpus // (given.tp * given.pp * given.cp))
     per_replica = max(1, planner.global_batch // dp)
     if "microbatches" in named:
         if "microbatch_size" not in named:
-            out["microbatch_size"] = max(1, per_replica // given.microbatches)
+            out["microbatch_size"] = max(1, per_replica // named["microbatches"])
     else:
-        out["microbatches"] = max(1, per_replica // given.microbatch_size)
+        out["microbatches"] = max(1, per_replica // named.get("microbatch_size", Layout.microbatch_size))
     return out

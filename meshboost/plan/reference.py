@@ -8,16 +8,21 @@ gradient, master, optimizer state, ZeRO bucket or DDP reducer. Zero 0-2: its wei
 though nothing steps them) with their padding rows, and its root unit (embeddings, final norm, head) stays
 gathered in the compute dtype after its first no-grad forward: FSDP2 does not reshard the root after a
 forward, and no backward comes to. Under pp every unit stays gathered to the end of the forward-only step,
-which reshards them, but for the root of a stage that is not the last: STAGE_ROOT_COPIES), `forward_peak`
+which reshards them all, the roots of the stages that are not the last too), `forward_peak`
 (the bytes its no-grad eval forward and the label log-probs add at their peak, from a fake run of the tp
 rank's config: logits, their fp32 read, the vocab-parallel cross-entropy's temporaries), `with_reference`
 (a rank's peak record with the reference: its `held` bytes at every instant of the policy's step, and the
 instant `reference` before them: the policy's state kept between steps, the reference, its forward's peak
 and what it gathers under zero 3, a pipeline's queued sends), and the planner's hooks `with_row`,
 `rank_peak` and `notes` (no-ops without a reference). With LoRA the reference is the policy's base through
-peft's `disable_adapter()`: 0 bytes of its own, its forward still counted. Not modelled: a reference
-offloaded to the host (the runtime keeps it on the device; `check_option` refuses it), and pp x zero 3
-with several micro-batches (`check_layout` refuses it). Must not allocate: fake tensors only.
+peft's `disable_adapter()`: 0 bytes of its own, its forward still counted. Offloaded (`reference="offload"`,
+`boost_reference(..., offload=True)`): between uses its parameter storages live in host memory (`host`:
+the weights and FSDP2's padding; on a CPU the host is the device, so they count there), so the policy's
+instants carry none of it; the row is what its forward holds on the device (`loaded`: the weights, the
+padding, and under zero 3 what its forward gathers at most) and the instant `reference` has it beside the
+policy's state; `copy_seconds`: one host-to-device copy of `host` per step at `host_bytes_s` (nothing
+overlapped, nothing copied back: frozen). Not modelled: pp x zero 3 (`check_layout` refuses it). Must not
+allocate: fake tensors only.
 """
 
 from __future__ import annotations
@@ -31,13 +36,8 @@ from meshboost.optim.precision import PRECISION_BYTES as BYTES
 from meshboost.optim.precision import PRECISION_DTYPES as DTYPES
 
 ON_DEVICE = "device"         # the reference's weights stay on the device between uses
-CHOICES = (ON_DEVICE,)
-# zero 3 under pp, a stage that is not the last: its root unit (the embeddings) stays gathered after the
-# reference's forward-only step, in two buffers of its compute-dtype size (FSDP2's all-gather output and the
-# unsharded parameter; measured with benchmarks/plan_reference.py at pp=2 x dp=2: 512000 bytes left for a
-# 128000-element bf16 embedding). StepSharding.finish's reshard_all leaves it UNSHARDED there: the stage's
-# forward ends by an exception in a hook, so the root's post-forward never ran.
-STAGE_ROOT_COPIES = 2
+OFFLOAD = "offload"          # in host memory between uses, on the device for its forward only
+CHOICES = (ON_DEVICE, OFFLOAD)
 
 
 def check_option(reference) -> str | None:
@@ -46,10 +46,6 @@ def check_option(reference) -> str | None:
         return None
     if reference is True:
         return ON_DEVICE
-    if reference == "offload":
-        raise NotImplementedError("reference='offload': boost_reference keeps the reference on the device (no host "
-                                  "offload between uses yet), so the planner has nothing to predict; pass "
-                                  "reference=True")
     if reference not in CHOICES:
         raise ValueError(f"reference={reference!r}: pass True (a frozen reference on the policy's mesh, "
                          f"boost_reference) or one of {CHOICES}; leave it out for no reference")
@@ -57,14 +53,16 @@ def check_option(reference) -> str | None:
 
 
 def reference_state(planner, layout, pp_rank: int, tp_rank: int, dp_rank: int) -> dict:
-    """{weights, padding, gathered, held, shared} bytes of the reference on one rank: `weights` what
-    `memory_breakdown(reference)` counts (the parameters' own bytes), `padding` FSDP2's spare rows,
-    `gathered` its root unit kept gathered after a forward (zero 3), `held` their sum (the device bytes
-    through the policy's step); `shared`: LoRA, the reference is the policy's base (all 0)."""
+    """{weights, padding, gathered, held, loaded, host, shared} bytes of the reference on one rank: `weights`
+    what `memory_breakdown(reference)` counts (the parameters' own bytes), `padding` FSDP2's spare rows,
+    `gathered` its root unit kept gathered after a forward (zero 3 without pp), `held` the device bytes through
+    the policy's step (on the device: their sum; offloaded: 0, or `host` on a CPU), `loaded` what an offloaded
+    reference brings to the device for its forward (else 0: in `held`), `host` its host copy (offloaded);
+    `shared`: LoRA, the reference is the policy's base (all 0)."""
     from meshboost.plan import sharded
 
     if planner.lora is not None:
-        return {"weights": 0, "padding": 0, "gathered": 0, "held": 0, "shared": True}
+        return {"weights": 0, "padding": 0, "gathered": 0, "held": 0, "loaded": 0, "host": 0, "shared": True}
     shards = planner.shards(layout, pp_rank, tp_rank)
     every = [*shards, *getattr(shards, "frozen", ())]
     padding = gathered = 0
@@ -74,14 +72,16 @@ def reference_state(planner, layout, pp_rank: int, tp_rank: int, dp_rank: int) -
         padding = sum(sharded.SHARD_BYTES * (sharded.fsdp_padded_numel(s, n) - sharded.fsdp_local_numel(s, n, i))
                       for g, n, i in groups for s in g)
         root = {id(s) for s in sharded.fsdp_units(every, planner.layer_prefixes)[0]}
-        if layout.pp == 1:
+        if layout.pp == 1:           # under pp the forward-only step ends by resharding every unit
             gathered = _gathered_bytes(layout, groups, root)
-        elif pp_rank < layout.pp - 1:       # measured: see STAGE_ROOT_COPIES
-            gathered = STAGE_ROOT_COPIES * _gathered_bytes(layout, groups, root)
     else:
         weights = BYTES[layout.precision] * sum(s.numel for s in every)
-    return {"weights": int(weights), "padding": int(padding), "gathered": int(gathered),
-            "held": int(weights + padding + gathered), "shared": False}
+    out = {"weights": int(weights), "padding": int(padding), "gathered": int(gathered), "shared": False}
+    resident = int(weights + padding + gathered)
+    if planner.reference != OFFLOAD:
+        return {**out, "held": resident, "loaded": 0, "host": 0}
+    host = int(weights + padding)
+    return {**out, "held": host if planner.device == "cpu" else 0, "loaded": resident, "host": host}
 
 
 def _gathered_bytes(layout, groups, only: set | None = None) -> int:
@@ -95,7 +95,8 @@ def _gathered_bytes(layout, groups, only: set | None = None) -> int:
 def _forward_gather(planner, layout, pp_rank: int, tp_rank: int, dp_rank: int) -> int:
     """Zero 3: the gathered bytes beside the reference's layers while they run, on top of `held`: without
     pp, the largest transformer layer (one at a time, forward_prefetch off; the root is in `held`); under
-    pp, every unit of the stage (reshard_after_forward is off there: each stays gathered to the step's end)."""
+    pp, every unit of the stage (reshard_after_forward is off there: each stays gathered to the step's end,
+    which reshards them all; still under what MemTracker measures, so `check_layout` refuses pp x zero 3)."""
     from meshboost.plan import sharded
 
     if layout.zero != 3:
@@ -103,11 +104,9 @@ def _forward_gather(planner, layout, pp_rank: int, tp_rank: int, dp_rank: int) -
     shards = planner.shards(layout, pp_rank, tp_rank)
     every = [*shards, *getattr(shards, "frozen", ())]
     groups = sharded.fsdp_groups(layout, every, dp_rank)
-    units = sharded.fsdp_units(every, planner.layer_prefixes)
-    if layout.pp > 1:               # every unit (a non-last stage's root: in `held` already)
-        skip = {id(s) for s in units[0]} if pp_rank < layout.pp - 1 else set()
-        return _gathered_bytes(layout, groups, {id(s) for s in every if id(s) not in skip})
-    layers = units[1:]
+    if layout.pp > 1:               # every unit
+        return _gathered_bytes(layout, groups)
+    layers = sharded.fsdp_units(every, planner.layer_prefixes)[1:]
     return max((_gathered_bytes(layout, groups, {id(s) for s in u}) for u in layers), default=0)
 
 
@@ -196,7 +195,8 @@ def with_reference(planner, layout, pp_rank: int, tp_rank: int, dp_rank: int, me
     """`predicted` (peak.rank_peak's record of the rank whose state is `mem`) with the reference: its
     `held` bytes added to every instant of the policy's step, and the instant `reference` (the step's
     first: the policy's weights, masters, optimizer states and resident buffers, kept between steps; the
-    reference's bytes and its forward's peak; zero 3: what its forward gathers, `_forward_gather`)."""
+    reference's bytes (offloaded: those it brings in, `loaded`) and its forward's peak; zero 3: what its forward
+    gathers, `_forward_gather`)."""
     from meshboost.plan import peak
     from meshboost.plan.memory import resident_buffers
 
@@ -209,27 +209,46 @@ def with_reference(planner, layout, pp_rank: int, tp_rank: int, dp_rank: int, me
     gather = _forward_gather(planner, layout, pp_rank, tp_rank, dp_rank) if not state["shared"] else 0
     if layout.pp > 1 and pp_rank < layout.pp - 1:   # the forward-only step waits for its sends at its end
         kept += layout.microbatches * peak.boundary_bytes(planner, layout)
-    instants["reference"] = kept + state["held"] + forward_peak(planner, layout, pp_rank, gather,
-                                                                gather if layout.pp > 1 else 0)
+    instants["reference"] = kept + state["held"] + state["loaded"] + forward_peak(
+        planner, layout, pp_rank, gather, gather if layout.pp > 1 else 0)
     return peak.finish(instants, planner.device)
 
 
-def with_row(planner, mem: dict, layout, pp_rank: int, tp_rank: int, dp_rank: int) -> dict:
-    """`mem` (a rank's state by kind) with the row `reference` (its `held` bytes) when the planner has one."""
+def with_row(planner, mem: dict, layout, pp_rank: int, tp_rank: int, dp_rank: int, host=None) -> tuple[dict, dict]:
+    """(`mem` (a rank's state by kind) with the row `reference` when the planner has one, the host bytes outside
+    the device total: {"host": `host`} (cpu_offload's) where given, "reference_host" (the offloaded reference's
+    copy)). The row: the reference's device bytes at their largest, `held` on the device, offloaded what its
+    forward holds there (`loaded` and what it gathers, beside `held`)."""
+    outside = {"host": host} if host is not None else {}
     if planner.reference is None:
-        return mem
+        return mem, outside
     check_layout(layout)
-    return {**mem, "reference": reference_state(planner, layout, pp_rank, tp_rank, dp_rank)["held"]}
+    state = reference_state(planner, layout, pp_rank, tp_rank, dp_rank)
+    row = state["held"]
+    if planner.reference == OFFLOAD and not state["shared"]:
+        row += state["loaded"] + _forward_gather(planner, layout, pp_rank, tp_rank, dp_rank)
+        outside["reference_host"] = state["host"]
+    return {**mem, "reference": row}, outside
+
+
+def copy_seconds(planner, memory: dict, breakdown: dict | None = None) -> float:
+    """Seconds an offloaded reference's copies add to a step (`memory`: a rank's, with_row's `reference_host`):
+    one host-to-device copy of its host bytes per use, one use per step (KTO's two passes copy twice), at the
+    cost constants' `host_bytes_s`, nothing overlapped; the breakdown's `reference_copies`."""
+    seconds = memory.get("reference_host", 0) / planner.constants.host_bytes_s
+    if breakdown is not None and planner.reference == OFFLOAD:
+        breakdown["reference_copies"] = seconds
+    return seconds
 
 
 def check_layout(layout) -> None:
     """Refuse the layouts whose reference the planner does not predict yet (a refusal: the ranking skips them)."""
-    if layout.zero == 3 and layout.pp > 1 and layout.microbatches > 1:
+    if layout.zero == 3 and layout.pp > 1:
         raise NotImplementedError(
-            f"a reference model at pp_size={layout.pp} x zero_stage=3 with {layout.microbatches} micro-batches is not "
-            "modelled yet: its forward-only pipeline step under FSDP2 holds more per micro-batch than the planner "
-            "counts (MemTracker measured its instant 8-17% above the prediction at 3 micro-batches, "
-            "benchmarks/plan_reference.py); plan it with one micro-batch or zero_stage 0-2")
+            f"a reference model at pp_size={layout.pp} x zero_stage=3 is not modelled yet: its forward-only pipeline "
+            "step under FSDP2 holds more than the planner counts (MemTracker measured its instant 3-4% (bf16) and "
+            "4-11% (fp32) above the prediction at one micro-batch, 8-17% at 3, benchmarks/plan_reference.py); plan "
+            "it with zero_stage 0-2 or pp_size=1")
 
 
 def rank_peak(planner, layout, pp_rank: int, tp_rank: int, shards, dp_rank: int, mem: dict) -> dict:
@@ -252,6 +271,9 @@ def notes(planner, layout) -> list[str]:
     else:
         held = ("FSDP2 fp32 shards over dp, its root unit kept gathered after its forward" if layout.zero == 3
                 else f"its weights in {layout.precision}")
+        if planner.reference == OFFLOAD:
+            held = (f"{held.split(',')[0]}, in host memory between uses (reference_host); the row is what its "
+                    "forward holds on the device, the step's time has their host-to-device copy (reference_copies)")
         out = [f"reference: a frozen copy boosted like the policy (boost_reference), no gradient, optimizer state "
                f"or reduction buffer: {held}"]
     if layout.cp > 1 or layout.sequence_parallel and layout.tp > 1 or layout.ep > 1:

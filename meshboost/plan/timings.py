@@ -114,7 +114,7 @@ def pipeline_overhead(world: int, sync, hidden: int = 64, tokens: int = 8, preci
     cfg = llama_config(hidden, layers=world, positions=max(64, tokens))
     steps = {}
     for m in (2, 16):
-        plugin = HybridParallelPlugin(plugin_config(Layout(pp=world, microbatches=m, precision=precision)))
+        plugin = HybridParallelPlugin(plugin_config(Layout.of(pp=world, microbatches=m, precision=precision)))
         torch.manual_seed(0)
         model = tfm.LlamaForCausalLM(cfg)
         booster = Booster(plugin=plugin)

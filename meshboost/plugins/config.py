@@ -74,7 +74,7 @@ def check_replicate(dp_replicate_size, zero_stage: int, cpu_offload: bool) -> No
                                   "dp_replicate_size=1 (ZeRO-1/2 shard the states over every dp rank)")
 
 
-DDP_BUCKET_CAP_MB = 25      # torch DDP's own default bucket_cap_mb, passed explicitly (the planner reads it)
+DDP_BUCKET_CAP_MB = 25      # torch DDP's and ColossalAI's default bucket_cap_mb (the planner and compat read it)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from meshboost.distributed.quantized import is_nf4
 from meshboost.optim import MixedPrecisionOptimizer
 from meshboost.plugins.ddp_hooks import register_counting_allreduce, register_fp8_allreduce
 
@@ -32,9 +33,10 @@ def wrap_ddp(model: nn.Module, optimizer, mesh, ddp_kwargs: dict, fp8_communicat
     found = reductions(model, mesh)
     params, group = found[0]
     # DDP averages the dense weights and must not see the experts, frozen ones (LoRA) included: it would
-    # broadcast dp rank 0's over ranks holding others. The optimizer averages the experts, at step
+    # broadcast dp rank 0's over ranks holding others. The optimizer averages the experts, at step. Nor the
+    # frozen NF4 bases (QLoRA): its broadcast of a tensor subclass would overwrite their 4-bit data
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [
-        n for n, p in model.named_parameters() if mesh.reduction_axes(p) != mesh.dims.grad_axes()])
+        n for n, p in model.named_parameters() if mesh.reduction_axes(p) != mesh.dims.grad_axes() or is_nf4(p)])
     if len(found) > 1:
         if isinstance(optimizer, MixedPrecisionOptimizer):
             optimizer.average_at_step(found[1:])

@@ -23,6 +23,7 @@ from meshboost.distributed import ParallelMesh, comm, get_current_device
 from meshboost.distributed.agreement import agree_settings
 from meshboost.distributed.inputs import cast_floating
 from meshboost.distributed.p2p import StageComm
+from meshboost.distributed.quantized import cast_keeping_nf4
 from meshboost.fsdp import is_sharded, no_gradient_sync, reshard_all
 from meshboost.lazy import materialize
 from meshboost.optim import MixedPrecisionOptimizer, ZeroOptimizer
@@ -271,7 +272,7 @@ class HybridParallelPlugin(Plugin):
         else:
             if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
                 optimizer = self._wrap_optimizer(optimizer)  # fp32 masters from the fp32 weights, before the cast
-            model = model.to(self.config.precision.dtype)   # working weights (in place, same objects)
+            model = cast_keeping_nf4(model, self.config.precision.dtype)   # working weights (in place, same objects)
         module = model
         if self.dp_reducer == DDP:
             module = wrap_ddp(model, optimizer, self.mesh, self.config.ddp.kwargs(), self.fp8_communication)

@@ -18,6 +18,7 @@ from meshboost.booster import ModelWrapper, OptimizerWrapper, Plugin
 from meshboost.distributed import ParallelMesh
 from meshboost.distributed.agreement import agree_settings
 from meshboost.distributed.inputs import cast_floating
+from meshboost.distributed.quantized import cast_keeping_nf4
 from meshboost.optim import PrecisionConfig, ZeroConfig, ZeroOptimizer
 from meshboost.plugins.shortcuts import config_from
 
@@ -120,7 +121,7 @@ class LowLevelZeroPlugin(Plugin):
         if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
             optimizer = ZeroOptimizer(optimizer, self.mesh, self.precision_config, self.zero_config,
                                       verbose=self.verbose)
-        model = model.to(self.precision_config.dtype)   # after the masters copied the fp32 weights
+        model = cast_keeping_nf4(model, self.precision_config.dtype)   # after the masters copied the fp32 weights
         input_dtype = self.precision_config.dtype if self.cast_inputs else None
         return LowLevelZeroModel(model, self.mesh, input_dtype), optimizer, criterion, dataloader, lr_scheduler
 

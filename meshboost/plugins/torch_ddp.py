@@ -8,6 +8,7 @@ from torch.nn.parallel import DistributedDataParallel
 from meshboost.booster import ModelWrapper, OptimizerWrapper, Plugin
 from meshboost.distributed import ParallelMesh, get_current_device
 from meshboost.distributed.agreement import agree_settings
+from meshboost.distributed.quantized import is_nf4
 from meshboost.plugins.config import DDP_BUCKET_CAP_MB, DDPConfig
 from meshboost.plugins.ddp_hooks import fp8_refusal, register_counting_allreduce, register_fp8_allreduce
 
@@ -44,6 +45,9 @@ class TorchDDPPlugin(Plugin):
         model = model.to(device)
         # the group the parameters' records say averages their gradients (the mesh answers: dp)
         group = self.mesh.reduction_of(p for p in model.parameters() if p.requires_grad)[1]
+        # frozen NF4 bases (QLoRA) are built alike on every rank; DDP's broadcast would overwrite their 4-bit data
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, [n for n, p in model.named_parameters() if is_nf4(p)])
         ddp = DistributedDataParallel(model, process_group=group,
                                       device_ids=[device] if device.type == "cuda" else None, **self.ddp_config.kwargs())
         if self.fp8_communication:

@@ -25,21 +25,21 @@ class PreferenceBatchError(ValueError):
     """A batch the preference objectives cannot score exactly (raised on every rank of the group)."""
 
 
-def agree(problem: str | None, group=None, device=None) -> None:
-    """Raise `problem` on this rank and a PreferenceBatchError naming the rank(s) on every other rank of
-    `group` (None: the world), when any rank found one. One all-gather of one integer per rank."""
+def agree(problem: str | None, group=None, device=None, error=PreferenceBatchError, what="preference batch") -> None:
+    """Raise `problem` on this rank and an `error` naming the rank(s) on every other rank of `group` (None: the
+    world), when any rank found one. One all-gather of one integer per rank."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         if problem:
-            raise PreferenceBatchError(problem)
+            raise error(problem)
         return
     flag = torch.tensor([int(problem is not None)], dtype=torch.int32, device=device)
     flags = comm.all_gather(flag, group, dim=0).tolist()
     if problem:
-        raise PreferenceBatchError(problem + " (raised on every rank before any collective)")
+        raise error(problem + " (raised on every rank before any collective)")
     if any(flags):
         bad = [dist.get_global_rank(group, r) if group is not None else r for r, f in enumerate(flags) if f]
-        raise PreferenceBatchError(f"the preference batch of rank(s) {bad} was refused (see the error there); "
-                                   "raised on every rank before any collective")
+        raise error(f"the {what} of rank(s) {bad} was refused (see the error there); "
+                    "raised on every rank before any collective")
 
 
 def _too_long(ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, side: str, max_length: int | None):

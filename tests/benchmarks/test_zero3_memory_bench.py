@@ -49,7 +49,7 @@ def test_planner_hsdp_with_experts_counts_every_rank_s_experts():
         model = transformers.AutoModelForCausalLM.from_config(config)
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     dense = sum(p.numel() for p in model.parameters()) - experts
-    layout = Layout(dp=4, ep=2, dp_replicate=2, zero=3, precision="fp32", microbatch_size=1)
+    layout = Layout.of(dp=4, ep=2, dp_replicate=2, zero=3, precision="fp32", microbatch_size=1)
     planner = Planner(config, gpus=4, seq=8, global_batch=4, precision="fp32", device="cpu")
     planner.check(layout)
     for dp_rank in range(4):

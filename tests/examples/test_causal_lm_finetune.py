@@ -3,7 +3,8 @@ the experts dealt out and their adapters with them), HSDP (--zero 3 --dp-replica
 Each run must write one metrics.jsonl record per step whose loss and gradient norm equal a one-process
 run of the same script on the same global batches (the weights come from LazyInitContext's
 layout-independent init, so every layout starts from the same model); at tp=2 a run interrupted after a
-checkpoint and continued with --resume must reproduce the uninterrupted loss stream exactly, and
+checkpoint (saved with --async-save: in the background) and continued with --resume must reproduce the
+uninterrupted loss stream exactly, and
 --save-hf must write a folder `from_pretrained` loads."""
 
 import importlib.util
@@ -72,7 +73,7 @@ def test_tp2_matches_one_process_and_resumes_exactly(tmp_path):
         assert list((tmp_path / "whole" / "tensorboard").glob("events.out.tfevents.*")), "no TensorBoard events"
 
     interrupted = tmp_path / "interrupted"
-    first, stdout = _launch(interrupted, 2, *args, "--tp", "2", "--save-every", "2", "--stop-after", "2")
+    first, stdout = _launch(interrupted, 2, *args, "--tp", "2", "--save-every", "2", "--stop-after", "2", "--async-save")
     assert len(first) == 2 and (interrupted / "checkpoints" / "latest").exists()
     records = f"{interrupted / 'metrics.jsonl'}" + (f" and {interrupted / 'tensorboard'}"
                                                     if importlib.util.find_spec("tensorboard") else "")

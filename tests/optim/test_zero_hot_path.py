@@ -301,7 +301,7 @@ def _check_new_buffers_are_the_planners(mesh):
         opt.backward(_loss(model, _mine(x, mesh), _mine(y, mesh), model[0].weight.dtype))
         opt.step()
         padded = sum(b.shard_size * b.dp_size for b in opt.buckets)
-        assert counter.bytes > padded and counter.bytes == zero_fresh_bytes(Layout(dp=2, zero=1, precision=precision), padded), \
+        assert counter.bytes > padded and counter.bytes == zero_fresh_bytes(Layout.of(dp=2, zero=1, precision=precision), padded), \
             (precision, counter.bytes, padded)
 
 

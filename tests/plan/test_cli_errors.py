@@ -94,7 +94,7 @@ def test_nothing_fits_names_a_change_that_fits():
     from meshboost.plan.advice import needed_bytes, nothing_fits
     from meshboost.plan.model import parse_overrides
     planner = Planner("llama", parse_overrides(TINY), gpus=2, seq=64, global_batch=4)
-    start = planner.explain(Layout(dp=2, zero=1, microbatches=1, microbatch_size=2))
+    start = planner.explain(Layout.of(dp=2, zero=1, microbatches=1, microbatch_size=2))
     advice = nothing_fits(planner, [start])
     assert advice.smallest is start
     tried = {what.split(" ")[0] for what, _ in advice.changes}
@@ -113,16 +113,16 @@ def test_nothing_fits_names_a_change_that_fits():
 
 def test_table_layout_is_accepted_back(capsys):
     from meshboost.plan.layout import Layout, parse_layout
-    for layout in (Layout(tp=2, pp=1, dp=4, zero=1, microbatches=1, microbatch_size=8, checkpointing=True),
-                   Layout(pp=2, dp=2, cp=2, cp_mode="ring_attn", zero=2, precision="fp32", microbatches=4,
+    for layout in (Layout.of(tp=2, pp=1, dp=4, zero=1, microbatches=1, microbatch_size=8, checkpointing=True),
+                   Layout.of(pp=2, dp=2, cp=2, cp_mode="ring_attn", zero=2, precision="fp32", microbatches=4,
                           microbatch_size=2, num_model_chunks=2),
-                   Layout(tp=2, dp=2, ep=2, sequence_parallel=True, zero=1, cpu_offload=True)):
+                   Layout.of(tp=2, dp=2, ep=2, sequence_parallel=True, zero=1, cpu_offload=True)):
         assert parse_layout(layout.describe()) == layout, layout.describe()
     # ColossalAI's words for cp (sp_size, sequence_parallelism_mode) read as cp's; its split_gather is no cp
-    assert parse_layout("dp=2,sp=2,sp_mode=ring_attn") == parse_layout("dp=2,cp=2,cp_mode=ring_attn") == Layout(
+    assert parse_layout("dp=2,sp=2,sp_mode=ring_attn") == parse_layout("dp=2,cp=2,cp_mode=ring_attn") == Layout.of(
         dp=2, cp=2, cp_mode="ring_attn")
-    assert parse_layout("pp=2,sp=2(all_to_all)") == Layout(pp=2, cp=2) and Layout(cp=2).cp_mode == "all_to_all"
-    assert parse_layout("tp=2,sp_mode=split_gather") == parse_layout("tp=2,sp=split_gather") == Layout(
+    assert parse_layout("pp=2,sp=2(all_to_all)") == Layout.of(pp=2, cp=2) and Layout.of(cp=2).cp_mode == "all_to_all"
+    assert parse_layout("tp=2,sp_mode=split_gather") == parse_layout("tp=2,sp=split_gather") == Layout.of(
         tp=2, sequence_parallel=True) == parse_layout("tp=2,split_gather")
     code = main(["--model", "llama", "--set", TINY, "--gpus", "2", "--seq", "64", "--global-batch", "4", "--layout",
                  "tp=1,pp=1,dp=2,zero=1,bf16,mb=1x2,ckpt", "--json"])

@@ -92,7 +92,7 @@ def test_invalid_layout_gives_the_plugins_message(capsys):
     # a layout the plugin itself refuses: its message, word for word
     from meshboost.plan.layout import Layout, plugin_config
     with pytest.raises(ValueError) as planned:
-        plugin_config(Layout(pp=2, zero=3, microbatches=4, cpu_offload=True))
+        plugin_config(Layout.of(pp=2, zero=3, microbatches=4, cpu_offload=True))
     assert str(planned.value) == str(plugin.value)
 
 
@@ -312,16 +312,16 @@ def test_step_time_terms():
     c = replace(CostConstants(), layer_overhead_s=0.0, microbatch_overhead_s=0.0, pipeline_overhead_s=0.0,
                 optimizer_elements_s=1e30)
     terms: dict = {}
-    t4 = step_seconds(Layout(pp=2, microbatches=4), 10**6, 2, 64, 16, {"tp": [], "pp": [], "dp": []}, 8, c,
+    t4 = step_seconds(Layout.of(pp=2, microbatches=4), 10**6, 2, 64, 16, {"tp": [], "pp": [], "dp": []}, 8, c,
                       breakdown=terms)
     assert terms["bubble"] == pytest.approx(1 / 5)
-    t1 = step_seconds(Layout(microbatches=4), 10**6, 2, 64, 16, {"tp": [], "pp": [], "dp": []}, 8, c)
+    t1 = step_seconds(Layout.of(microbatches=4), 10**6, 2, 64, 16, {"tp": [], "pp": [], "dp": []}, 8, c)
     assert t4 == pytest.approx(t1 * 5 / 4)
     slow = replace(c, all_reduce_latency_s=1.0)
     act = 16 * 64 * 2
     comm = {"tp": [("all_reduce", 10 * act)], "pp": [], "dp": []}
-    base = step_seconds(Layout(tp=2), 10**6, 2, 64, 16, comm, 8, c)
-    assert step_seconds(Layout(tp=2), 10**6, 2, 64, 16, comm, 8, slow) - base == pytest.approx(
+    base = step_seconds(Layout.of(tp=2), 10**6, 2, 64, 16, comm, 8, c)
+    assert step_seconds(Layout.of(tp=2), 10**6, 2, 64, 16, comm, 8, slow) - base == pytest.approx(
         10 * (1.0 - c.all_reduce_latency_s))
 
 

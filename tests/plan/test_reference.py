@@ -9,9 +9,13 @@ meshboost/plan/reference.py), against the runtime's `boost_reference` in a real 
   and the whole step's peak within the peak model's tolerances of MemTracker's, where the planner without
   the row would be under by more;
 - the row in --json and the explain table, the total and the fit decision including it, LoRA's 0 bytes (the
-  base through disable_adapter()), and the option off leaving the estimate without the key; an offloaded
-  reference (which the runtime does not do) and pp x zero=3 with several micro-batches (measured above the
-  planner's count) refused."""
+  base through disable_adapter()), and the option off leaving the estimate without the key; pp x zero=3
+  (measured above the planner's count) refused;
+- offloaded (`--reference offload`, boost_reference(offload=True)): on a GPU the policy's instants carry none
+  of it (its peak at the backward is the one without a reference), the row is what its forward holds (the
+  weights, and at zero 3 the padding, the root and the largest layer gathered), `reference_host` its host copy
+  outside the total, the step's time has one host-to-device copy at host_bytes_s; on a CPU the host copy is
+  device memory at every instant."""
 
 from __future__ import annotations
 
@@ -91,16 +95,57 @@ def test_row_in_the_estimate_and_the_fit(capsys):
     assert not plan("llama", overrides, memory_gb=between, reference=True, **keywords).fits
 
 
-def test_lora_reference_is_the_base_and_offload_is_refused(capsys):
+def test_lora_reference_is_the_base(capsys):
     _, off = _json(capsys, "--layout", "dp=2,zero=1", "--json", "--lora-rank", "8")
     _, on = _json(capsys, "--layout", "dp=2,zero=1", "--json", "--lora-rank", "8", "--reference")
     assert on["memory_bytes_per_rank"]["reference"] == 0              # peft's disable_adapter(): no second copy
     assert any("disable_adapter" in n for n in on["notes"])
     # its forward still runs: the peak is at least the step's without it
     assert on["memory_bytes_per_rank"]["peak"] >= off["memory_bytes_per_rank"]["peak"]
-    code, err = _json(capsys, "--layout", "tp=2,zero=1", "--reference", "offload")
-    assert code == 2 and "reference='offload'" in err and "boost_reference keeps the reference on the device" in err
-    # pp x zero=3 with several micro-batches: measured above what the planner counts, refused (the ranking skips it)
-    code, err = _json(capsys, "--layout", "pp=2,zero=3,microbatches=4", "--reference")
-    assert code == 2 and "pp_size=2 x zero_stage=3 with 4 micro-batches is not modelled yet" in err
-    assert _json(capsys, "--layout", "pp=2,zero=3,microbatches=4", "--json")[0] == 0     # without: planned
+    # pp x zero=3: measured above what the planner counts, refused (the ranking skips it), offloaded or not
+    for layout, mode in (("pp=2,zero=3,microbatches=4", ()), ("pp=2,zero=3,microbatches=1", ("offload",))):
+        code, err = _json(capsys, "--layout", layout, "--reference", *mode)
+        assert code == 2 and "pp_size=2 x zero_stage=3 is not modelled yet" in err, err
+        assert _json(capsys, "--layout", layout, "--json")[0] == 0     # without: planned
+
+
+
+def _three(layout: str, device: str = "cuda") -> list:
+    """The estimates of `layout` (the tiny Llama on 2 devices) without a reference, with one on the device, and
+    with one offloaded to the host."""
+    from meshboost.plan import plan
+
+    overrides = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=4, vocab_size=1000)
+    return [plan("llama", overrides, layout=layout, gpus=2, seq=16, global_batch=8, device=device, reference=mode)
+            for mode in (None, True, "offload")]
+
+
+@pytest.mark.parametrize("layout", ["tp=2,zero=1", "dp=2,zero=3", "pp=2,zero=1,microbatches=2"])
+def test_offloaded_reference_row(layout):
+    from meshboost.plan.cost import CostConstants
+
+    off, on, away = _three(layout)
+    assert "reference_host" not in on.memory_bytes_per_rank
+    assert any("in host memory between uses" in n for n in away.notes)
+    for stage_off, stage_on, stage in zip(off.per_stage, on.per_stage, away.per_stage):
+        m_off, m_on, m = (s["memory_bytes"] for s in (stage_off, stage_on, stage))
+        host, row, row_on = m["reference_host"], m["reference"], m_on["reference"]
+        # between uses nothing of it is on the device: the policy's instants are the ones without a reference
+        assert m_off["peak"] <= m["peak"] < m_on["peak"], (layout, m_off["peak"], m["peak"], m_on["peak"])
+        if m["instant"] != "reference":
+            assert m["peak"] == m_off["peak"], (layout, m["instant"])
+        if "zero=1" in layout:        # its weights in the working dtype, as the policy's: the host copy, the row
+            assert host == row == row_on == m["weights"] > 0, (layout, host, row, row_on, m["weights"])
+        else:                         # FSDP2's fp32 shards and padding; on the device also what its forward gathers
+            assert m["weights"] <= host < m["weights"] + 4096, (layout, host, m["weights"])
+            assert row > row_on > host, (layout, row, row_on, host)
+        assert m["total"] == m_on["total"] - row_on + row
+        copies = stage["step_seconds_terms"]["reference_copies"]           # one host-to-device copy per step
+        assert copies == pytest.approx(host / CostConstants().host_bytes_s, rel=1e-12) and copies > 0
+        assert stage["step_seconds"] == pytest.approx(stage_on["step_seconds"] + copies, rel=1e-12)
+    # on a CPU the host is the device: its copy counts at every instant of the policy's step
+    off, _, away = _three("tp=2,zero=1", device="cpu")
+    m_off, m = off.memory_bytes_per_rank, away.memory_bytes_per_rank
+    if m["instant"] != "reference":
+        assert m["peak"] == m_off["peak"] + m["reference_host"], (m_off["peak"], m["peak"], m["reference_host"])

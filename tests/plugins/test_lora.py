@@ -7,7 +7,7 @@ save_lora_as_pretrained load with PeftModel.from_pretrained and through enable_l
 to the trained values; bf16 saves the fp32 masters;
 booster.load_model after boost reads the base weights from the base model's HF checkpoint (Llama, and
 GPT-2 with its tied head), keeps the adapters, and then trains like peft on that base.
-What is not supported is refused on every rank with the fix named: GeminiPlugin, QLoRA, enable_lora after boost, a missing or wrong config. (tp, pp, sp and their refusals:
+What is not supported is refused on every rank with the fix named: GeminiPlugin, bitsandbytes' QLoRA config (NF4 QLoRA: test_qlora.py), enable_lora after boost, a missing or wrong config. (tp, pp, sp and their refusals:
 tests/plugins/test_lora_parallel.py, tests/reliability/test_bad_inputs.py.)"""
 
 from __future__ import annotations
@@ -155,7 +155,10 @@ def _body(rank, world, root):
         (lora(GeminiPlugin(), lora_config=_lora_config()), NotImplementedError, "GeminiPlugin does not support LoRA"),
         (lora(TorchDDPPlugin()), ValueError, "lora_config"),
         (lora(TorchDDPPlugin(), lora_config={"r": 4}), TypeError, "peft.LoraConfig"),
-        (lora(TorchDDPPlugin(), lora_config=_lora_config(), quantize=True), NotImplementedError, "QLoRA"),
+        (lora(TorchDDPPlugin(), lora_config=_lora_config(), bnb_quantization_config=object()), NotImplementedError,
+         "bitsandbytes"),
+        (lora(TorchDDPPlugin(), lora_config=_lora_config(), quantize=True), ValueError,   # tiny: 16 blocks a weight
+         "not a multiple of block_size=64 x scaler_block_size=256"),
         (lora(TorchDDPPlugin(), pretrained_dir=root), FileNotFoundError, "adapter_config.json"),
         (lora(None, lora_config=_lora_config()), ValueError, "needs a plugin"),
     ]

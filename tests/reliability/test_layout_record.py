@@ -38,8 +38,8 @@ def test_pp_lives_only_in_the_record():
     # every door builds the same record: meshboost's keywords, ColossalAI's, the planner's layout
     colossalai = colossalai_config({**DEFAULTS, "tp_size": 2, "pp_size": 2, "num_microbatches": 2})
     assert colossalai == config
-    planned = plugin_config(Layout(tp=2, pp=2, dp=1, microbatches=2))
-    assert (planned.dims, planned.pipeline.num_microbatches) == (config.dims, 2)
+    planned = plugin_config(Layout.of(tp=2, pp=2, dp=1, microbatches=2))     # planned for a world: dp given
+    assert (planned.dims, planned.pipeline.num_microbatches) == (dataclasses.replace(config.dims, dp=1), 2)
 
 
 def test_pp_errors_name_the_value_and_the_fix():
@@ -86,9 +86,9 @@ def test_sequence_parallelism_is_the_records_tp_mode():
                                         "sequence_parallelism_mode": mode})
         assert colossalai.dims == config.dims and colossalai.sharding.enable_sequence_parallelism is None, mode
     # the planner's layout names the same field, and its config carries it in the record
-    layout = Layout(tp=2, dp=1, sequence_parallel=True)
-    assert plugin_config(layout).dims == config.dims and layout.sequence_parallel == config.dims.sequence_parallel
-    assert plugin_config(Layout(tp=2, dp=1)).dims == ParallelDims(tp=2)
+    layout = Layout.of(tp=2, dp=1, sequence_parallel=True)
+    assert plugin_config(layout).dims == dataclasses.replace(config.dims, dp=1) == layout.dims
+    assert plugin_config(Layout.of(tp=2, dp=1)).dims == ParallelDims(dp=1, tp=2)
     # another part replaced keeps the mode; the keyword turns it off
     assert dataclasses.replace(config, zero=ZeroConfig(stage=1), pp_size=2,
                                pipeline=PipelineConfig(num_microbatches=2)).dims.sequence_parallel
@@ -127,3 +127,47 @@ def test_sequence_parallel_errors_name_the_value_and_the_fix():
                                          r"sequence_parallel=True\)"):
         _on_fake_rank(lambda: ShardConfig(mesh=ParallelMesh(ParallelDims(tp=2), device_type="cpu"),
                                           enable_sequence_parallelism=True))
+
+
+def test_the_planners_layout_holds_the_record():
+    """`plan.Layout` holds one `ParallelDims` and no degree of its own (its tp, dp, ... read the record), the
+    keyword door `Layout.of` builds that record first, and the plugin config the planner builds carries it
+    whole: dp and the tp mode (Megatron sequence parallelism) included, no field mapped back to a keyword."""
+    degrees = {"tp", "pp", "dp", "ep", "cp", "cp_mode", "sequence_parallel", "dp_replicate"}
+    assert {f.name for f in dataclasses.fields(Layout)} & degrees == set()
+    record = ParallelDims(dp=2, tp=2, sequence_parallel=True)
+    layout = Layout(record, zero=1, microbatch_size=2)
+    assert layout.dims is record and (layout.tp, layout.dp, layout.sequence_parallel) == (2, 2, True)
+    assert Layout.of(tp=2, dp=2, sequence_parallel=True, zero=1, microbatch_size=2) == layout
+    assert plugin_config(layout).dims == record         # dp=2 too: the mesh checks it against the world it runs on
+    for given in (Layout.of(cp=2, dp=2), Layout.of(cp=2, cp_mode="ring_attn", pp=2, microbatches=2),
+                  Layout.of(dp=4, ep=2, zero=1), Layout(ParallelDims(dp=4, dp_replicate=2), zero=3)):
+        assert plugin_config(given).dims == given.dims, given.describe()
+    # cp's mode defaults in the record itself (the plugin's default), never beside it
+    assert Layout.of(cp=2).dims == ParallelDims(dp=1, cp=2, cp_mode="all_to_all")
+    # another degree: a new record, the knobs kept
+    hsdp = dataclasses.replace(layout, dims=dataclasses.replace(record, sequence_parallel=False, dp_replicate=2))
+    assert (hsdp.dims.dp_replicate, hsdp.sequence_parallel, hsdp.zero, hsdp.microbatch_size) == (2, False, 1, 2)
+    # one door: the degrees beside the record are refused, and a record planned for no world
+    with pytest.raises(TypeError, match="tp"):
+        Layout(tp=2)
+    with pytest.raises(ValueError, match=r"a layout is planned for one world; give its dp"):
+        Layout(ParallelDims(tp=2))
+    with pytest.raises(TypeError, match=r"pass a meshboost.distributed.ParallelDims, or the degrees as keywords, "
+                                        r"Layout.of\(tp=\.\.\., dp=\.\.\., \.\.\.\)"):
+        Layout({"tp": 2})
+
+
+def test_the_mesh_repr_names_every_axis_and_its_mode():
+    """`ParallelMesh`'s repr shows the record: every axis beyond one rank, cp's mode and tp's (`tp=2(sp)`)."""
+    from meshboost.distributed.mesh import ParallelMesh
+
+    cases = {ParallelDims(): "ParallelMesh(dp=8, pp=1, tp=1; rank 0 at dp=0, pp=0, tp=0; cpu)",
+             ParallelDims(tp=2, sequence_parallel=True): "ParallelMesh(dp=4, pp=1, tp=2(sp); rank 0 at dp=0, pp=0, "
+                                                         "tp=0; cpu)",
+             ParallelDims(tp=2, ep=2, dp_replicate=2): "ParallelMesh(dp=4, ep=2, dp_replicate=2, pp=1, tp=2; rank 0 "
+                                                       "at dp=0, pp=0, tp=0; cpu)",
+             ParallelDims(pp=2, cp=2, cp_mode="ring_attn"): "ParallelMesh(dp=2, pp=2, cp=2(ring_attn), tp=1; rank 0 "
+                                                            "at dp=0, pp=0, cp=0, tp=0; cpu)"}
+    for dims, expected in cases.items():
+        assert repr(_on_fake_rank(lambda: ParallelMesh(dims, device_type="cpu"), world=8)) == expected, dims

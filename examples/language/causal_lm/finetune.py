@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--lora-r", type=int, default=8)
     arg("--lora-alpha", type=int, default=16)
     arg("--lora-targets", default="q_proj,k_proj,v_proj,o_proj", help="modules the adapters wrap (--lora)")
+    arg("--quantize", default=None, choices=("nf4",),
+        help="with --lora: the adapted linears' frozen bases in 4-bit NF4 (QLoRA, through torchao)")
+    arg("--quant-group", type=int, default=256, help="with --quantize: block scales per double-quantization group")
     arg("--batch-size", type=int, default=8, help="rows per data-parallel replica and step")
     arg("--lr", type=float, default=None, help="peak learning rate (default 3e-4, with --lora 1e-3)")
     arg("--warmup-steps", type=int, default=2)
@@ -82,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--stop-after", type=int, default=0, help="end the run after this step as an interruption would (the "
         "schedule still plans --max-steps); resume it with --resume")
     arg("--save-every", type=int, default=0, help="booster.save_checkpoint every N steps into <output-dir>/checkpoints")
+    arg("--async-save", action="store_true", help="--save-every's saves write and commit in a background thread "
+        "while training goes on (booster.save_checkpoint(asynchronous=True))")
     arg("--resume", action="store_true", help="continue from <output-dir>/checkpoints (exactly: same loss stream)")
     arg("--save-hf", action="store_true", help="at the end write <output-dir>/hf (or the peft folder with --lora)")
     arg("--output-dir", default="outputs/causal_lm")
@@ -93,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
 # every number flag's good values (flags.py): a bad one is one line naming it, on every rank, before anything runs
 NUMBERS = {
     **dict.fromkeys(("tp", "pp", "ep", "sp", "dp_replicate", "seq", "batch_size", "epochs", "microbatch_size",
-                     "lora_r"), flags.AT_LEAST_1),
+                     "lora_r", "quant_group"), flags.AT_LEAST_1),
     "max_samples": flags.rule(flags.NON_NEGATIVE, ">= 0 (0: every document)"),
     "max_steps": flags.rule(flags.NON_NEGATIVE, ">= 1 (or 0: the epochs' steps)"),
     "stop_after": flags.rule(flags.NON_NEGATIVE, ">= 1 (or 0: run every step)"),
@@ -124,6 +129,8 @@ def check_args(args, world_size: int) -> None:
         raise UsageError("--sp-mode split_gather runs over the tp group: drop --sp (or choose all_to_all / ring_attn)")
     if args.lora_experts and not args.lora:
         raise UsageError("--lora-experts adds expert adapters to --lora: pass --lora too")
+    if args.quantize and not args.lora:
+        raise UsageError("--quantize stores the frozen bases of --lora's adapted linears in 4 bits: pass --lora too")
     flags.check_microbatches(args, spell)
     if args.resume and not (Path(args.output_dir) / "checkpoints").is_dir():
         raise UsageError(f"--resume: no checkpoints under {args.output_dir}/checkpoints (write them with --save-every)")
@@ -188,6 +195,7 @@ def main(argv=None) -> int:
         transformers.logging.set_verbosity_error()
 
     from meshboost import Booster
+    from meshboost.booster import QuantConfig
     device = train_loop.launch(args.seed)
     try:
         plugin, planned = model_setup.build_plugin(args, config, world_size)
@@ -210,14 +218,15 @@ def main(argv=None) -> int:
     flops = train_loop.flops_per_token(model)
     try:
         if args.lora:
-            model = booster.enable_lora(model, lora_config=model_setup.lora_config(args))
+            quantize = QuantConfig(scaler_block_size=args.quant_group) if args.quantize else False
+            model = booster.enable_lora(model, lora_config=model_setup.lora_config(args), quantize=quantize)
         args.lr = args.lr if args.lr is not None else (1e-3 if args.lora else 3e-4)
         optimizer, schedule = optimizer_and_schedule(model, args, total_steps)
         model, optimizer, _, _, schedule = booster.boost(model, optimizer, lr_scheduler=schedule)
     except (ValueError, NotImplementedError, TypeError) as e:
         say(f"finetune.py: this layout cannot train this model: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
-    if args.model:
+    if args.model and not args.quantize:             # --quantize: built from --model already
         booster.load_model(model, args.model)          # each rank reads only its slices
     train_loop.track_grad_norm(optimizer)               # the per-step record's grad norm, on every rank
     reporter = (mesh.dp_rank == 0 and mesh.pp_rank == mesh.pp_size - 1 and mesh.tp_rank == 0
@@ -248,6 +257,7 @@ def main(argv=None) -> int:
     resumed = step if args.resume and step else None
     last, saved = run(args, booster, model, optimizer, schedule, loader, mesh, device, logger, step, total_steps,
                       epochs, ckpt_dir)
+    booster.wait_for_checkpoint()          # --async-save: the last step committed (or its failure raised) here
     logger.close()
     folder = None
     if args.save_hf:
@@ -312,7 +322,8 @@ def run(args, booster, model, optimizer, schedule, loader, mesh, device, logger,
             bar.set_postfix(train_log.postfix(record), refresh=False)
             bar.update(1)
             if args.save_every and step % args.save_every == 0:
-                booster.save_checkpoint(ckpt_dir, model, optimizer, schedule, loader, step=step)
+                booster.save_checkpoint(ckpt_dir, model, optimizer, schedule, loader, step=step,
+                                        asynchronous=args.async_save)
                 saved = step
                 logger.restart_clock()
         if step >= stop:

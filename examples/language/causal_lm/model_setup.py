@@ -71,13 +71,24 @@ def model_config(args, vocab_size: int):
 def build_model(args, config):
     """The causal LM on the meta device (LazyInitContext): `boost` initialises each rank's shards from
     the layout-independent seeds; --model's weights are then read by `booster.load_model` (only each
-    rank's slices). --checkpointing: transformers' own activation checkpointing."""
+    rank's slices). With --quantize, built whole instead (see below), its weights already in place.
+    --checkpointing: transformers' own activation checkpointing."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     from meshboost.lazy import LazyInitContext
-    # with --lora too: enable_lora builds the adapters on meta as well, and boost initialises them (peft's init)
-    with LazyInitContext(seed=args.seed):
-        model = AutoModelForCausalLM.from_config(config)
+    if args.quantize:
+        # QLoRA quantizes each base weight whole (its scales share one mean), so the base is built whole on every
+        # rank: --model's weights, or the config's init from --seed (the same values at every layout)
+        if args.model:
+            model = AutoModelForCausalLM.from_pretrained(args.model, config=config, dtype=torch.float32)
+        else:
+            torch.manual_seed(args.seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    else:
+        # with --lora too: enable_lora builds the adapters on meta as well, and boost initialises them (peft's init)
+        with LazyInitContext(seed=args.seed):
+            model = AutoModelForCausalLM.from_config(config)
     if args.checkpointing:
         model.gradient_checkpointing_enable()
     return model

@@ -31,6 +31,10 @@ from meshboost.pipeline.normalization import TOKENS, batch_items, microbatch_wei
 from meshboost.pipeline.stage import PipelineStages
 
 
+# the step's loss, broadcast from the last stage to every stage once per step (the planner costs its bytes)
+LOSS_DTYPE = torch.float32
+LOSS_BROADCAST_BYTES = LOSS_DTYPE.itemsize
+
 # Qwen-VL's flattened vision inputs: patch rows of every image in one tensor, each image's patch count
 # the product of its row of the grid ([temporal, height, width])
 FLATTENED_BY_GRID = {"pixel_values": "image_grid_thw", "pixel_values_videos": "video_grid_thw"}
@@ -176,7 +180,7 @@ class PipelineSchedule:
             average_grads(self.reductions)
         loss = None
         if return_loss:
-            loss = torch.zeros((), dtype=torch.float32, device=self.comm.device)
+            loss = torch.zeros((), dtype=LOSS_DTYPE, device=self.comm.device)
             if step.losses:
                 loss += step.replica_loss()
             loss = self.comm.broadcast_from_last(loss)

@@ -33,6 +33,7 @@ from meshboost.distributed.param_info import (
     set_tp_info,
     shard_tensor,
 )
+from meshboost.distributed.quantized import is_nf4, set_data_
 from meshboost.shardformer.layers.overlap import deferred_linear
 from meshboost.shardformer.regions import LinearRole, SequenceLayoutError
 
@@ -82,7 +83,7 @@ def shard_parameter_(param: nn.Parameter, dim: int, group, num_fused: int = 1,
                               tp_size=tp_size, num_fused=num_fused, group=group, replicas=replicas,
                               block_sizes=tuple(blocks))
     with torch.no_grad():
-        param.data = shard_tensor(param.data, info)
+        set_data_(param, shard_tensor(param.data, info))
     set_tp_info(param, info)
     if replicas > 1 and param.requires_grad:
         register_grad_hook(param, partial(_sum_over_replicas, info))
@@ -237,7 +238,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
         if enters and role.seq_parallel:
             _check_sequence_layout(x)
         adapted = self.adapter is not None and self.adapter.active()
-        if adapted or self.product is not None:
+        if adapted or self.product is not None or is_nf4(self.weight):   # NF4: torchao's linear, dequantizing
             # one f (or sequence all-gather) for the base and the adapter: their input gradients are summed
             # by the same all-reduce; the base's product (a float8 one too) runs without the fused backward
             x = _enter_parallel_region(x, self.process_group, role.seq_parallel) if enters else x
@@ -263,7 +264,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
         # Under torch.compile (regional compile, shardformer/compile.py) the plain product: the overlap's
         # per-call identity check on the block's region would become a per-layer guard (a recompile per
         # block); the block's input node then finds nothing deferred and autograd computes the weight grad.
-        if torch.compiler.is_compiling() or self.product is not None:     # float8: torchao's backward
+        if torch.compiler.is_compiling() or self.product is not None or is_nf4(self.weight):  # torchao's backward
             return self._matmul(x, self.bias)
         deferred = self.role.region.deferred_for(x) if self.role.region is not None else None
         y = deferred_linear(x, self.weight, self.bias, deferred, self.conv1d) if deferred is not None else None

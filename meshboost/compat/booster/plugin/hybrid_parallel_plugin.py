@@ -21,7 +21,7 @@ from meshboost.distributed.agreement import agree_settings
 from meshboost.optim import GradScalerConfig, PrecisionConfig, ZeroConfig, bucket_elements
 from meshboost.pipeline import PipelineConfig
 from meshboost.plugins import HybridParallelPlugin as CorePlugin
-from meshboost.plugins.config import DDPConfig, HybridParallelConfig, check_replicate
+from meshboost.plugins.config import DDP_BUCKET_CAP_MB, DDPConfig, HybridParallelConfig, check_replicate
 from meshboost.plugins.hybrid_parallel import HybridParallelModule
 from meshboost.shardformer import PipelineGradientCheckpointConfig, Policy, ShardConfig
 from meshboost.shardformer.optimizations import say
@@ -170,7 +170,8 @@ class HybridParallelPlugin(CorePlugin):
                  enable_sequence_parallelism: bool = False, max_norm: float = 0.0,
                  num_microbatches: int | None = None, microbatch_size: int | None = None,
                  pp_style: str = "1f1b", num_model_chunks: int = 1, num_layers_per_stage: list[int] | None = None,
-                 find_unused_parameters: bool = False, ddp_bucket_cap_mb: int = 25, broadcast_buffers: bool = False,
+                 find_unused_parameters: bool = False, ddp_bucket_cap_mb: int = DDP_BUCKET_CAP_MB,
+                 broadcast_buffers: bool = False,
                  initial_scale: float = 2**16, min_scale: float = 1, growth_factor: float = 2,
                  backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2,
                  max_scale: float = 2**32, max_skips_at_min_scale: int = 50, overlap_communication: bool = True,

@@ -26,7 +26,7 @@ from meshboost.booster.plugin.hybrid_parallel_plugin import (
 )
 from meshboost.distributed.agreement import agree_settings
 from meshboost.plugins import HybridParallelPlugin as CorePlugin
-from meshboost.plugins.config import HybridParallelConfig
+from meshboost.plugins.config import DDP_BUCKET_CAP_MB, HybridParallelConfig
 from meshboost.shardformer import PipelineGradientCheckpointConfig, Policy
 
 __all__ = ["HybridParallelModule", "HybridParallelPlugin", "MoeHybridParallelPlugin", "moe_colossalai_config"]
@@ -104,7 +104,8 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
                  initial_scale: float = 2**16, min_scale: float = 1, growth_factor: float = 2,
                  backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2,
                  max_scale: float = 2**32, max_norm: float = 0.0, broadcast_buffers: bool = False,
-                 ddp_bucket_cap_mb: int = 25, find_unused_parameters: bool = False, check_reduction: bool = False,
+                 ddp_bucket_cap_mb: int = DDP_BUCKET_CAP_MB, find_unused_parameters: bool = False,
+                 check_reduction: bool = False,
                  gradient_as_bucket_view: bool = False, static_graph: bool = False, zero_bucket_size_in_m: int = 12,
                  cpu_offload: bool = False, communication_dtype: torch.dtype | None = None,
                  overlap_communication: bool = False, custom_policy: Policy | None = None, pp_style: str = "1f1b",
