@@ -91,7 +91,7 @@ def check(model, layout: str, overrides: dict | None = None, seq: int = 2048, me
         out = os.path.join(tmp, "verdict.json")
         os.environ["CUDA_VISIBLE_DEVICES"] = ""         # the check runs on CPU (gloo) on any machine
         try:
-            spawn(run_cases, parsed.world, [(small, parsed.as_dict())], out)
+            spawn(run_cases, parsed.world, [(small, parsed)], out)
         finally:
             if hidden is None:
                 os.environ.pop("CUDA_VISIBLE_DEVICES")

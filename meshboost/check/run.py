@@ -77,7 +77,7 @@ def batch_for(config, rows: int, seq: int) -> dict:
 
 
 def run_cases(rank: int, world: int, cases: list, out: str) -> None:
-    """The spawned body: for each (shrunk config, Layout fields) of `cases` (layouts of this world), rank 0
+    """The spawned body: for each (shrunk config, plan.Layout) of `cases` (layouts of this world), rank 0
     writes {"loss": (verdict, detail), "groups": {group: (verdict, detail)}} to the JSON list in `out`."""
     import warnings
 
@@ -85,19 +85,17 @@ def run_cases(rank: int, world: int, cases: list, out: str) -> None:
     import transformers
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore")
-    results = [run_layout(config, fields) for config, fields in cases]
+    results = [run_layout(config, layout) for config, layout in cases]
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
     dist.barrier()
 
 
-def run_layout(config, layout_fields: dict) -> dict:
+def run_layout(config, layout) -> dict:
     """One case of `run_cases`, on every rank: the reference, the layout's step, the verdicts."""
-    from meshboost.plan.layout import Layout
     from meshboost.plan.model import model_class
 
-    layout = Layout(**layout_fields)
     rows = layout.dp * layout.microbatches * layout.microbatch_size
     seq = 16 * layout.cp * (layout.tp if layout.sequence_parallel else 1)
     torch.manual_seed(0)

@@ -141,8 +141,8 @@ def test_verdicts_at_world_2(tmp_path):
     odd = load_config("llama", {"hidden_size": 4000, "num_attention_heads": 5, "num_key_value_heads": 5,
                                 "head_dim": 16})
     tp2, pp2, ep2 = layout_for("tp=2"), layout_for("pp=2"), layout_for("dp=2,ep=2,zero=1")
-    cases = [(shrink(llama, tp2)[0], tp2.as_dict()), (shrink(odd, tp2)[0], tp2.as_dict()),
-             (shrink(llama, pp2)[0], pp2.as_dict()), (shrink(load_config("qwen3_moe"), ep2)[0], ep2.as_dict())]
+    cases = [(shrink(llama, tp2)[0], tp2), (shrink(odd, tp2)[0], tp2), (shrink(llama, pp2)[0], pp2),
+             (shrink(load_config("qwen3_moe"), ep2)[0], ep2)]
     out = str(tmp_path / "verdicts")
     spawn(_body, 2, cases, cases[0], out)
     exact, refused, stages, experts = json.loads(open(out + ".right").read())
