@@ -172,7 +172,7 @@ def _shrunk_sizes(fields: dict, alias: dict, shrink_head_dim: bool) -> dict:
     return overrides
 
 
-def _cut_layers(fields: dict, alias: dict, special: dict, overrides: dict) -> None:
+def cut_layers(fields: dict, alias: dict, special: dict, overrides: dict) -> None:
     """Keep one layer of each kind (`_kept_layers`): the layer count, the kv-shared count, and every
     per-layer list or table follow the kept layers; a layer's own sizes shrink like the model's."""
     layers_key = alias.get("num_hidden_layers", "num_hidden_layers")
@@ -211,7 +211,7 @@ def tiny_config(model_type: str, shrink_head_dim: bool = False):
     alias = dict(getattr(default, "attribute_map", None) or {})
     overrides = _shrunk_sizes(fields, alias, shrink_head_dim)
     special = TYPE_OVERRIDES.get(model_type, {})
-    _cut_layers(fields, alias, special, overrides)
+    cut_layers(fields, alias, special, overrides)
     kinds = {x for v in {**fields, **overrides}.values() if isinstance(v, list) for x in v if isinstance(x, str)}
     if "sliding_attention" in kinds and "sliding_window" in fields and fields["sliding_window"] is None:
         overrides["sliding_window"] = 4                # sliding layers need a window (Step-3.5)
