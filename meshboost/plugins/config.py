@@ -25,7 +25,7 @@ from meshboost.plugins.router_bias import check_rate
 from meshboost.plugins.router_statistics import GLOBAL, REPLICA
 from meshboost.plugins.router_statistics import check_mode as check_router_statistics
 from meshboost.shardformer import PipelineGradientCheckpointConfig, Policy, ShardConfig
-from meshboost.shardformer.selective import check_checkpointing
+from meshboost.shardformer.selective import SELECTIVE, check_checkpointing
 from meshboost.shardformer.compile import CompileConfig
 from meshboost.shardformer.context_checks import ALL_TO_ALL, check_mode as check_context_mode
 from meshboost.shardformer.float8 import Float8Config
@@ -203,6 +203,10 @@ class HybridParallelConfig:
             raise TypeError(f"gradient_checkpoint_config={self.gradient_checkpoint!r}: pass a "
                             "meshboost.shardformer.PipelineGradientCheckpointConfig")
         check_checkpointing(self.checkpointing)
+        if self.checkpointing == SELECTIVE and self.compile is not None:
+            raise ValueError(f"checkpointing='selective' with compile={self.compile!r}: inductor's compiled blocks fail "
+                             "torch's selective-checkpoint check in the backward (a cached tensor mutated); pass "
+                             "checkpointing='full' with compile, or compile=None with 'selective'")
         self.fp8_communication = bool(self.fp8_communication)
         self.moe_router_bias_update_rate = check_rate(self.moe_router_bias_update_rate)
         self._check_combinations()

@@ -7,7 +7,8 @@ recomputation (what it kept is not recomputed) and full strictly more (a policy 
 full: the count tells them apart); its live-bytes peak lies strictly between full's and none's. (b) One spawn
 of world 2 looping tp=2, tp=2 with sequence parallelism and pp=2: with dropout on, the three modes give the
 same loss and gradients on every rank (the per-tp-rank streams replayed inside the kept ops); with dropout
-off, selective equals the unsharded model without recomputation. (c) An unknown mode is refused by name.
+off, selective equals the unsharded model without recomputation. (c) An unknown mode is refused by name, and
+"selective" with compile (inductor fails torch's cached-tensor check in the backward) with the fix.
 """
 
 import collections
@@ -85,6 +86,9 @@ def test_unknown_mode_is_refused_by_name():
         HybridParallelConfig(checkpointing="partial")
     with pytest.raises(ValueError, match="'full', 'selective'"):
         enable_checkpointing(torch.nn.Linear(2, 2), "partial")
+    with pytest.raises(ValueError, match="checkpointing='full' with compile"):
+        HybridParallelConfig(checkpointing="selective", compile=True)
+    HybridParallelConfig(checkpointing="full", compile=True)
 
 
 LAYOUTS = ({"tp_size": 2}, {"tp_size": 2, "sequence_parallel": True}, {"pp_size": 2, "num_microbatches": 2})
