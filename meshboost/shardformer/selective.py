@@ -10,9 +10,12 @@ non-reentrant checkpoint's `context_fn`. The per-stage counts (`PipelineGradient
 choosing which blocks are checkpointed; this decides what a checkpointed block keeps.
 
 Why the dropouts replay. Recomputed ops run again in the forward's order from the random generator
-states `checkpoint` restored; the kept ops (matmuls, attention kernels) draw nothing on CPU, and a fused
-attention kernel with dropout is itself kept, so no random op is skipped or repeated: every mask, and the
-per-tp-rank stream switches of `rng.py` (a `randint` draw, recomputed), come out the same.
+states `checkpoint` restored, and a kept op is not run again, so a kept op must draw nothing: matmuls never
+do, and an attention kernel is kept only when its `dropout_p` is 0. A fused kernel with dropout (CUDA's
+flash / efficient SDPA) advances the generator's philox offset; kept, it would leave every later random op
+of the recompute (a residual dropout) on a shifted offset, a different mask: a silent wrong gradient. It is
+recomputed instead. So every mask, and the per-tp-rank stream switches of `rng.py` (a `randint` draw,
+recomputed), come out the same.
 
 Why the collectives are recomputed, never kept. meshboost's collectives (`distributed/comm.py`) are the
 in-place c10d ops writing into a buffer the caller then reads; a kept (cached) in-place op would hand back
@@ -47,9 +50,19 @@ def _in_place_collective(func) -> bool:
     return func.namespace == "c10d"
 
 
+def _draws_dropout(func, args, kwargs) -> bool:
+    """Whether the op has a nonzero `dropout_p` argument (by its schema, positional or keyword)."""
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.name == "dropout_p":
+            p = kwargs.get("dropout_p", args[i] if i < len(args) else argument.default_value)
+            return bool(p)
+    return False
+
+
 def selective_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-    """Keep matmul and attention outputs; recompute everything else, collectives always."""
-    if func in KEPT_OPS:
+    """Keep matmul outputs and those of attention kernels without dropout; recompute everything else,
+    collectives always."""
+    if func in KEPT_OPS and not _draws_dropout(func, args, kwargs):
         return CheckpointPolicy.MUST_SAVE
     if _in_place_collective(func):
         return CheckpointPolicy.MUST_RECOMPUTE

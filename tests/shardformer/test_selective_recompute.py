@@ -23,7 +23,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from meshboost import Booster
 from meshboost.plan.tracker import device_bytes, live_bytes_tracker
 from meshboost.plugins import HybridParallelConfig, HybridParallelPlugin, PipelineConfig
-from meshboost.shardformer import enable_checkpointing
+from meshboost.shardformer import enable_checkpointing, selective_policy
 from meshboost.testing import LOSS_ATOL, assert_close, spawn
 from meshboost.testing.compare import booster_backward, gathered
 from meshboost.testing.models import build_model, tiny_batch, tiny_config
@@ -79,6 +79,21 @@ def test_one_process_modes_agree_and_selective_keeps_the_matmuls():
     assert _one_process(config, batch, "selective", _keeps_nothing)[2] == full     # the count tells them apart
     none, full, selective = (runs[m][3] for m in MODES)
     assert full < selective < none, f"peak bytes: none {none}, full {full}, selective {selective}"
+
+
+def test_attention_kernels_with_dropout_are_recomputed():
+    """A kept fused kernel with dropout would skip its draw in the recompute (shifting every later mask on
+    CUDA's philox offset): kept at dropout_p 0 only, by position or keyword."""
+    q = torch.randn(1, 2, 4, 8)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    efficient = torch.ops.aten._scaled_dot_product_efficient_attention.default
+    assert selective_policy(None, flash, q, q, q) == CheckpointPolicy.MUST_SAVE
+    assert selective_policy(None, flash, q, q, q, 0.0) == CheckpointPolicy.MUST_SAVE
+    assert selective_policy(None, flash, q, q, q, 0.1) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert selective_policy(None, efficient, q, q, q, None, True, dropout_p=0.2) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert selective_policy(None, efficient, q, q, q, None, True) == CheckpointPolicy.MUST_SAVE
+    assert selective_policy(None, torch.ops.aten.mm.default, q, q) == CheckpointPolicy.MUST_SAVE
+    assert selective_policy(None, torch.ops.aten.native_dropout.default, q, 0.1, True) != CheckpointPolicy.MUST_SAVE
 
 
 def test_unknown_mode_is_refused_by_name():
