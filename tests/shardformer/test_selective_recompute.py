@@ -5,7 +5,7 @@ meshboost/shardformer/selective.py), fp32 Llama with attention dropout on.
 the recompute replays the dropout masks; the backward of selective runs exactly the matmuls of no
 recomputation (what it kept is not recomputed) and full strictly more (a policy keeping nothing counts as
 full: the count tells them apart); its live-bytes peak lies strictly between full's and none's. (b) One spawn
-of world 2 looping tp=2, tp=2 with sequence parallelism and pp=2: with dropout on, the three modes give the
+of world 2 looping tp=2, tp=2 with sequence parallelism, pp=2 and ZeRO-3 (FSDP2) over dp=2: with dropout on, the three modes give the
 same loss and gradients on every rank (the per-tp-rank streams replayed inside the kept ops); with dropout
 off, selective equals the unsharded model without recomputation. (c) An unknown mode is refused by name, and
 "selective" with compile (inductor fails torch's cached-tensor check in the backward) with the fix.
@@ -22,10 +22,11 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from meshboost import Booster
 from meshboost.plan.tracker import device_bytes, live_bytes_tracker
-from meshboost.plugins import HybridParallelConfig, HybridParallelPlugin, PipelineConfig
+from meshboost.plugins import HybridParallelConfig, HybridParallelPlugin, PipelineConfig, ZeroConfig
 from meshboost.shardformer import enable_checkpointing, selective_policy
 from meshboost.testing import LOSS_ATOL, assert_close, spawn
-from meshboost.testing.compare import booster_backward, gathered
+from meshboost.testing.compare import booster_backward
+from meshboost.testing.sharded_training import whole
 from meshboost.testing.models import build_model, tiny_batch, tiny_config
 
 CLS, MODES = "LlamaForCausalLM", (None, "full", "selective")
@@ -106,7 +107,8 @@ def test_unknown_mode_is_refused_by_name():
     HybridParallelConfig(checkpointing="full", compile=True)
 
 
-LAYOUTS = ({"tp_size": 2}, {"tp_size": 2, "sequence_parallel": True}, {"pp_size": 2, "num_microbatches": 2})
+LAYOUTS = ({"tp_size": 2}, {"tp_size": 2, "sequence_parallel": True}, {"pp_size": 2, "num_microbatches": 2},
+           {"zero": ZeroConfig(stage=3)})       # FSDP2 over dp=2: its all-gathers run inside the checkpointed call
 
 
 def _boosted(config, settings: dict, mode, batch):
@@ -122,7 +124,7 @@ def _boosted(config, settings: dict, mode, batch):
     assert (True in flags) == (mode is not None), f"{settings} {mode}: checkpointing flags {flags}"
     torch.manual_seed(11)
     loss = booster_backward(booster, model, opt, batch)
-    grads = {n: gathered(p, p.grad) for n, p in model.unwrap().named_parameters() if p.grad is not None}
+    grads = {n: whole(p.grad, p) for n, p in model.unwrap().named_parameters() if p.grad is not None}
     assert grads, f"{settings} {mode}: no gradient held"
     return loss.detach(), grads
 
