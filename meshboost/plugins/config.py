@@ -204,9 +204,9 @@ class HybridParallelConfig:
                             "meshboost.shardformer.PipelineGradientCheckpointConfig")
         check_checkpointing(self.checkpointing)
         if self.checkpointing == SELECTIVE and self.compile is not None:
-            raise ValueError(f"checkpointing='selective' with compile={self.compile!r}: inductor's compiled blocks fail "
-                             "torch's selective-checkpoint check in the backward (a cached tensor mutated); pass "
-                             "checkpointing='full' with compile, or compile=None with 'selective'")
+            raise ValueError(f"checkpointing='selective' with compile={self.compile!r}: inductor's compiled blocks "
+                             "fail torch's selective-checkpoint check in the backward (a cached tensor mutated); "
+                             "pass checkpointing='full' with compile, or compile=None with 'selective'")
         self.fp8_communication = bool(self.fp8_communication)
         self.moe_router_bias_update_rate = check_rate(self.moe_router_bias_update_rate)
         self._check_combinations()

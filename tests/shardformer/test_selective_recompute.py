@@ -4,14 +4,14 @@ meshboost/shardformer/selective.py), fp32 Llama with attention dropout on.
 (a) One process: no recomputation, full and selective give the same loss (bitwise) and gradients (1e-7), so
 the recompute replays the dropout masks; the backward of selective runs exactly the matmuls of no
 recomputation (what it kept is not recomputed) and full strictly more (a policy keeping nothing counts as
-full: the count tells them apart); its live-bytes peak lies strictly between full's and none's. (b) One spawn
-of world 2 looping tp=2, tp=2 with sequence parallelism, pp=2 and ZeRO-3 (FSDP2) over dp=2: with dropout on, the three modes give the
-same loss and gradients on every rank (the per-tp-rank streams replayed inside the kept ops); with dropout
-off, selective equals the unsharded model without recomputation. (c) An unknown mode is refused by name, and
+full: the count tells them apart); its live-bytes peak lies strictly between full's and none's; a fused
+attention kernel with dropout is recomputed, not kept. (b) One spawn of world 2 looping tp=2, tp=2 with
+sequence parallelism, pp=2 and ZeRO-3 (FSDP2) over dp=2: with dropout on, the three modes give the same loss
+and gradients on every rank (the per-tp-rank streams replayed); with dropout off, selective equals the
+unsharded model without recomputation. (c) An unknown mode is refused by name, and
 "selective" with compile (inductor fails torch's cached-tensor check in the backward) with the fix.
 """
 
-import collections
 import copy
 
 import pytest
