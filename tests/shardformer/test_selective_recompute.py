@@ -6,10 +6,10 @@ the recompute replays the dropout masks; the backward of selective runs exactly 
 recomputation (what it kept is not recomputed) and full strictly more (a policy keeping nothing counts as
 full: the count tells them apart); its live-bytes peak lies strictly between full's and none's; a fused
 attention kernel with dropout is recomputed, not kept. (b) One spawn of world 2 looping tp=2, tp=2 with
-sequence parallelism, pp=2 and ZeRO-3 (FSDP2) over dp=2: with dropout on, the three modes give the same loss
-and gradients on every rank (the per-tp-rank streams replayed); with dropout off, selective equals the
-unsharded model without recomputation. (c) An unknown mode is refused by name, and
-"selective" with compile (inductor fails torch's cached-tensor check in the backward) with the fix.
+sequence parallelism, pp=2 (also with a per-stage count) and ZeRO-3 (FSDP2) over dp=2: with dropout on,
+the three modes give the same loss and gradients on every rank (the per-tp-rank streams replayed); with
+dropout off, selective equals the unsharded model without recomputation. (c) An unknown mode is refused by
+name, and "selective" with compile (inductor fails torch's cached-tensor check in the backward) with the fix.
 """
 
 import copy
@@ -23,7 +23,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from meshboost import Booster
 from meshboost.plan.tracker import device_bytes, live_bytes_tracker
 from meshboost.plugins import HybridParallelConfig, HybridParallelPlugin, PipelineConfig, ZeroConfig
-from meshboost.shardformer import enable_checkpointing, selective_policy
+from meshboost.shardformer import PipelineGradientCheckpointConfig, enable_checkpointing, selective_policy
 from meshboost.testing import LOSS_ATOL, assert_close, spawn
 from meshboost.testing.compare import booster_backward
 from meshboost.testing.sharded_training import whole
@@ -108,7 +108,10 @@ def test_unknown_mode_is_refused_by_name():
 
 
 LAYOUTS = ({"tp_size": 2}, {"tp_size": 2, "sequence_parallel": True}, {"pp_size": 2, "num_microbatches": 2},
-           {"zero": ZeroConfig(stage=3)})       # FSDP2 over dp=2: its all-gathers run inside the checkpointed call
+           {"zero": ZeroConfig(stage=3)},      # FSDP2 over dp=2: its all-gathers run inside the checkpointed call
+           # ColossalAI's per-stage knob still picks the blocks: stage 0's checkpointed, stage 1's not
+           {"pp_size": 2, "num_microbatches": 2,
+            "gradient_checkpoint": PipelineGradientCheckpointConfig(num_ckpt_layers_per_stage=[1, 0])})
 
 
 def _boosted(config, settings: dict, mode, batch):
