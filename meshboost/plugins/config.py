@@ -25,6 +25,7 @@ from meshboost.plugins.router_bias import check_rate
 from meshboost.plugins.router_statistics import GLOBAL, REPLICA
 from meshboost.plugins.router_statistics import check_mode as check_router_statistics
 from meshboost.shardformer import PipelineGradientCheckpointConfig, Policy, ShardConfig
+from meshboost.shardformer.selective import SELECTIVE, check_checkpointing
 from meshboost.shardformer.compile import CompileConfig
 from meshboost.shardformer.context_checks import ALL_TO_ALL, check_mode as check_context_mode
 from meshboost.shardformer.float8 import Float8Config
@@ -145,6 +146,9 @@ class HybridParallelConfig:
     ddp: DDPConfig = field(default_factory=DDPConfig)
     # how many layers of each stage run under HF activation checkpointing once it is on
     gradient_checkpoint: PipelineGradientCheckpointConfig | None = None
+    # turn HF activation checkpointing on at boost: "full" (whole blocks recomputed), "selective" (matmul and
+    # attention outputs kept, the cheap ops recomputed: shardformer/selective.py) or None (the model's own)
+    checkpointing: str | None = None
     # DDP's gradient buckets all-reduced in fp8 (CUDA, tp_size=1, pp_size=1, zero stage 0; lossy by design)
     fp8_communication: bool = False
     # Agree over tp (and pp) that every rank was fed the same batch: on every call ("always"), the
@@ -198,6 +202,11 @@ class HybridParallelConfig:
                                                                    PipelineGradientCheckpointConfig):
             raise TypeError(f"gradient_checkpoint_config={self.gradient_checkpoint!r}: pass a "
                             "meshboost.shardformer.PipelineGradientCheckpointConfig")
+        check_checkpointing(self.checkpointing)
+        if self.checkpointing == SELECTIVE and self.compile is not None:
+            raise ValueError(f"checkpointing='selective' with compile={self.compile!r}: inductor's compiled blocks "
+                             "fail torch's selective-checkpoint check in the backward (a cached tensor mutated); "
+                             "pass checkpointing='full' with compile, or compile=None with 'selective'")
         self.fp8_communication = bool(self.fp8_communication)
         self.moe_router_bias_update_rate = check_rate(self.moe_router_bias_update_rate)
         self._check_combinations()

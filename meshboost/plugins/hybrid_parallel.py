@@ -29,6 +29,7 @@ from meshboost.lazy import materialize
 from meshboost.optim import MixedPrecisionOptimizer, ZeroOptimizer
 from meshboost.pipeline import PipelineSchedule, build_stages, prune_optimizer
 from meshboost.pipeline.checkpointing import install_checkpoint_plan
+from meshboost.shardformer.selective import enable_checkpointing
 from meshboost.pipeline.normalization import TOKENS, count_items
 from meshboost.plugins.config import DDP, FSDP, PIPELINE, ZERO, HybridParallelConfig, dp_reducer
 from meshboost.plugins.data_parallel import reductions as dp_reductions, wrap_ddp
@@ -252,6 +253,7 @@ class HybridParallelPlugin(Plugin):
         # every model check first (pure: the same refusal on every rank, nothing changed yet)
         plan = check_model(model, optimizer, self.config, self.mesh.dims, self.dp_reducer)
         hf = plan.hf        # plans and stages read the transformers model; the wrappers hold `model` itself
+        enable_checkpointing(hf, self.config.checkpointing)      # transformers' own refusal, nothing changed yet
         original = copy.deepcopy(model) if plan.lazy is not None else None        # on meta: no memory
         ShardFormer(self.shard_config).shard(hf, self.config.custom_policy)       # materialised below, once cut
         apply_float8(hf, self.config.float8, self.mesh, self.dp_reducer == FSDP, optimizer)   # speed.py
