@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--task", default="target-token", choices=sorted(rl_tasks.TASKS), help="the generated task (rl_tasks.py)")
     arg("--reward", default=None, help="module:function or file.py:function: your reward(prompts, completions) "
         "instead of the task's (token-id lists in, one float per completion out)")
+    arg("--seed", type=int, default=42, help="the model's init, the prompts and the sampling")
+    arg("--output-dir", default="outputs/grpo")
+    train_log.add_report_arguments(p)
     arg("--model", default=None, help="HF folder of a causal LM (its weights are loaded)")
     arg("--model-config", default="llama", choices=sorted(model_setup.FAMILIES))
     arg("--size", default="tiny", choices=sorted(model_setup.SIZES))
@@ -54,10 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--zero", type=int, default=0, choices=(0, 1, 2, 3))
     arg("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     arg("--checkpointing", action="store_true")
-    arg("--lora", action="store_true", help="train LoRA adapters; the KL reference is the base (adapters disabled)")
-    arg("--lora-r", type=int, default=8)
-    arg("--lora-alpha", type=int, default=16)
-    arg("--lora-targets", default="q_proj,k_proj,v_proj,o_proj")
+    flags.add_lora_flags(arg, "train LoRA adapters; the KL reference is the base (adapters disabled)")
     arg("--num-generations", type=int, default=8, help="completions per prompt (one group)")
     arg("--prompts-per-step", type=int, default=4, help="prompts per data-parallel replica and step")
     arg("--max-new-tokens", type=int, default=4)
@@ -74,9 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--stop-after", type=int, default=0, help="stop at this step (the schedule still plans --max-steps)")
     arg("--save-every", type=int, default=0, help="booster.save_checkpoint every N steps into <output-dir>/checkpoints")
     arg("--resume", action="store_true", help="continue from <output-dir>/checkpoints (the same reward stream)")
-    arg("--output-dir", default="outputs/grpo")
-    arg("--seed", type=int, default=42)
-    train_log.add_report_arguments(p)
     return p
 
 
@@ -87,9 +84,7 @@ NUMBERS = {
     "vocab": (lambda v: isinstance(v, int) and v >= rl_tasks.MIN_VOCAB, f">= {rl_tasks.MIN_VOCAB} (the tasks' tokens)"),
     "temperature": flags.POSITIVE, "lr": flags.POSITIVE, "lora_alpha": flags.POSITIVE, "beta": flags.NON_NEGATIVE,
     "epsilon_low": (lambda v: 0 <= v < 1, ">= 0 and < 1"), "epsilon_high": flags.NON_NEGATIVE,
-    "max_grad_norm": flags.rule(flags.NON_NEGATIVE, "a finite number >= 0 (0: no clipping)"),
-    "stop_after": flags.rule(flags.NON_NEGATIVE, ">= 1 (or 0: run every step)"),
-    "save_every": flags.rule(flags.NON_NEGATIVE, ">= 1 (or 0: no checkpoints)"),
+    **flags.LOOP_NUMBERS,
 }
 
 
@@ -242,15 +237,13 @@ def main(argv=None) -> int:
         f"{args.grpo_steps} optimisation steps each, beta {args.beta}{', lora' if args.lora else ''}, "
         f"{args.max_steps} steps", flush=True)
     ckpt_dir, step = str(Path(args.output_dir) / "checkpoints"), 0
-    if args.resume:
-        meta = booster.load_checkpoint(ckpt_dir, model, optimizer, schedule)
-        step = meta["step"] if meta else 0
-        log(f"resumed from {ckpt_dir} at step {step}", flush=True)
     stop = min(args.max_steps, args.stop_after) if args.stop_after else args.max_steps
-    if args.resume and step >= stop:       # every rank read the same committed step: all return here together
-        say(f"grpo.py: --resume: the checkpoint is at step {step}, and this run stops at step {stop} (--max-steps / "
-            "--stop-after); raise them to train on", file=sys.stderr)
-        return 2
+    if args.resume:
+        try:
+            step = train_loop.resume_step(booster, ckpt_dir, (model, optimizer, schedule), stop, log)
+        except UsageError as e:
+            say(f"grpo.py: {e}", file=sys.stderr)
+            return 2
     logger = train_log.StepLogger(args.output_dir, args.report_to, reporter, device, args.precision, world_size,
                                   resume_step=step if args.resume else None)
     try:
@@ -269,9 +262,7 @@ def closing_line(args, last, logger, ckpt_dir: str, saved) -> str:
     stopped = last["step"] < args.max_steps
     parts = [f"{'stopped' if stopped else 'done'} at step {last['step']} of {args.max_steps}, reward mean "
              f"{last['reward_mean']:.3f} (std {last['reward_std']:.3f})"]
-    records = [str(p) for p, on in ((logger.path, logger.jsonl), (Path(args.output_dir) / "tensorboard",
-                                                                   logger.writer is not None)) if on]
-    parts.append("per-step records: " + (" and ".join(records) if records else f"none (--report-to {args.report_to})"))
+    parts.append(logger.where(args.report_to))
     if saved:
         parts.append(f"checkpoints: {ckpt_dir} (latest step {saved})"
                      + ("; continue with the same command and --resume" if stopped else ""))
