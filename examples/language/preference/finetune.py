@@ -76,6 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     # what model_setup reads and this script does not offer
     args.plugin, args.fp8, args.compile, args.lora_experts, args.memory_gb = "hybrid_parallel", False, False, False, 0
+    args.quantize = None
     return args
 
 
