@@ -1,8 +1,8 @@
 """The GRPO example end to end on a tiny random Llama, offline, on the CPU: RL alone teaches it a task.
 
 A reward passed as `--reward file.py:function` (the first completion token must be id 7; chance 1/16) rises from
-the first steps' mean to the last steps' (the test's margin: 0.4) at world 1 and with --tp 2 (whose first step, from
-the same init and seeds, samples the same rewards as one process); a run stopped at step 4 (of 6) with --save-every 4 and
+the first steps' mean to the last steps' (the test's margin: 0.4) at world 1 and with --tp 2 (from the same init and
+seeds, the first step's rewards are one process's); a run stopped at step 4 (of 6) with --save-every 4 and
 continued with --resume writes the uninterrupted run's records (the same rewards, the same losses); LoRA with the KL
 to its base on the copy task runs and logs every metric; bad flags (--num-generations 1, --pp 2, a --reward that
 does not import) are one line naming the flag, exit code 2."""
@@ -60,8 +60,10 @@ def test_reward_rises_resumes_and_runs_at_tp2(tmp_path):
             assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-7), (key, g, w)
     tp2 = _run(tmp_path / "tp2", 2, *custom, "--tp", "2")
     _rises(tp2, "tp=2")
+    # the first rollouts come from the same init and seeds: the same samples as one process; later steps follow
+    # Adam at lr 1e-2, which amplifies the tp round-off of near-zero gradients until a sample may differ
     assert tp2[0]["reward_mean"] == want[0]["reward_mean"], (tp2[0], want[0])
-
+    assert tp2[0]["loss"] == pytest.approx(want[0]["loss"], rel=1e-3, abs=1e-5), (tp2[0], want[0])
 
 def test_lora_with_kl_on_copy(tmp_path):
     records = _run(tmp_path / "lora", None, "--task", "copy", "--lora", "--beta", "0.05", "--max-steps", "2",

@@ -155,10 +155,12 @@ def rollout_step(args, model, mesh, step: int, reward):
     prompts = rl_tasks.step_prompts(args.task, args.seed, step, n * mesh.dp_size, args.vocab)
     mine = prompts[mesh.dp_rank * n:(mesh.dp_rank + 1) * n]
     seed = int(np.random.SeedSequence([args.seed, step]).generate_state(1)[0])
+    config = model.unwrap().config
     rollout = generate_rollouts(model, mine, args.num_generations, args.max_new_tokens, args.temperature, seed=seed,
-                                pad_token_id=model.unwrap().config.pad_token_id)
+                                pad_token_id=config.pad_token_id)
     rows = [p for p in mine for _ in range(args.num_generations)]
-    completions = [[t for t in c if t != rl_tasks.EOS] for c in rollout.completions()]
+    ends = set(np.atleast_1d(config.eos_token_id).tolist()) if config.eos_token_id is not None else set()
+    completions = [[t for t in c if t not in ends] for c in rollout.completions()]       # the end token dropped
     rewards = torch.as_tensor(list(reward(rows, completions)), dtype=torch.float32, device=rollout.input_ids.device)
     if rewards.shape != (rollout.rows,):
         raise UsageError(f"the reward function returned {tuple(rewards.shape)} values for {rollout.rows} completions: "
