@@ -5,7 +5,8 @@ the first steps' mean to the last steps' (the test's margin: 0.4) at world 1 and
 seeds, the first step's rewards are one process's); a run stopped at step 4 (of 6) with --save-every 4 and
 continued with --resume writes the uninterrupted run's records (the same rewards, the same losses); LoRA with the KL
 to its base on the copy task runs and logs every metric; bad flags (--num-generations 1, --pp 2, a --reward that
-does not import) are one line naming the flag, exit code 2."""
+does not import, every number flag's out-of-range values) are one line naming the flag, exit code 2; the tasks'
+rewards score hand-written completions exactly and their prompts are a function of (seed, step)."""
 
 import json
 import subprocess
@@ -98,3 +99,18 @@ def test_every_number_flag_has_a_rule_that_refuses(tmp_path, capsys):
         for value in [v for v in _bad_values(ok) if numeric[dest] is float or isinstance(v, int)]:
             line = _refused(grpo, [grpo.spell(dest), str(value)], tmp_path, capsys)
             assert line.startswith(f"grpo.py: {grpo.spell(dest)}=") and what in line, (dest, value, line)
+
+
+def test_task_rewards_are_exact_matches():
+    """The tasks' rewards on hand-written completions (token ids: 2 + d is digit d; 14 the copy separator)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import rl_tasks as t
+    assert t.target_token_reward([[5, 6]] * 3, [[2], [3, 2], []]) == [1.0, 0.0, 0.0]
+    assert t.copy_reward([[4, 5, 6, 14]] * 3, [[4, 5, 6], [4, 9, 6, 7], [5, 6]]) == [1.0, 2 / 3, 0.0]
+    # 7 + 8 = 15: digits 1, 5 -> tokens 3, 7; 2 + 3 = 5 -> token 7
+    assert t.add_reward([[9, 12, 10, 13], [4, 12, 5, 13]], [[3, 7], [7, 3]]) == [1.0, 1.0]
+    assert t.add_reward([[9, 12, 10, 13], [4, 12, 5, 13]], [[7], [6]]) == [0.0, 0.0]
+    for task in t.TASKS:         # a function of (seed, step) only: a resumed run draws the same prompts
+        a, b = (t.step_prompts(task, 3, 7, 4, 16) for _ in range(2))
+        assert a == b != t.step_prompts(task, 3, 8, 4, 16)
+        assert all(t.FIRST <= tok < 16 for p in a for tok in p), (task, a)
