@@ -43,12 +43,28 @@ def rule(rule_: tuple, what: str) -> tuple:
     return rule_[0], what
 
 
+# the loop's flags that 0 switches off, as the training scripts spell them
+LOOP_NUMBERS = {
+    "stop_after": rule(NON_NEGATIVE, ">= 1 (or 0: run every step)"),
+    "save_every": rule(NON_NEGATIVE, ">= 1 (or 0: no checkpoints)"),
+    "max_grad_norm": rule(NON_NEGATIVE, "a finite number >= 0 (0: no clipping)"),
+}
+
+
 def check_numbers(args: argparse.Namespace, rules: dict, spell) -> None:
     """UsageError naming the first flag whose value (not None) breaks its rule; `spell(dest)` is the flag."""
     for dest, (ok, what) in rules.items():
         value = getattr(args, dest)
         if value is not None and not ok(value):
             raise UsageError(f"{spell(dest)}={value} must be {what}")
+
+
+def add_lora_flags(arg, lora_help: str) -> None:
+    """--lora (its help: `lora_help`), --lora-r, --lora-alpha, --lora-targets, declared through `arg(name, **kw)`."""
+    arg("--lora", action="store_true", help=lora_help)
+    arg("--lora-r", type=int, default=8)
+    arg("--lora-alpha", type=int, default=16)
+    arg("--lora-targets", default="q_proj,k_proj,v_proj,o_proj")
 
 
 def check_lora_targets(args: argparse.Namespace, spell, example: str) -> None:

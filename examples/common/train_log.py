@@ -113,6 +113,12 @@ class StepLogger:
                     self.writer.add_scalar(f"train/{key}", value, step)
         return record
 
+    def where(self, report_to: str) -> str:
+        """The closing line's part saying where the records went."""
+        records = [str(p) for p, on in ((self.path, self.jsonl), (self.path.parent / "tensorboard",
+                                                                  self.writer is not None)) if on]
+        return "per-step records: " + (" and ".join(records) if records else f"none (--report-to {report_to})")
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()

@@ -46,6 +46,19 @@ def launch(seed: int) -> torch.device:
     return meshboost.get_current_device()
 
 
+def resume_step(booster, ckpt_dir: str, objects: tuple, stop: int, log) -> int:
+    """--resume: the step `ckpt_dir`'s latest checkpoint holds (0 without one), restored into the boosted `objects`
+    (model, optimizer, schedule[, loader]); UsageError when this run would stop there already (every rank read
+    the same committed step: all refuse together)."""
+    meta = booster.load_checkpoint(ckpt_dir, *objects)
+    step = meta["step"] if meta else 0
+    log(f"resumed from {ckpt_dir} at step {step}", flush=True)
+    if step >= stop:
+        raise UsageError(f"--resume: the checkpoint is at step {step}, and this run stops at step {stop} "
+                         "(--max-steps / --stop-after); raise them to train on")
+    return step
+
+
 def own_loss(outputs, inputs):
     """The criterion: the HF head's own loss (a causal LM shifts its labels inside)."""
     return outputs.loss

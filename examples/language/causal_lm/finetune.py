@@ -101,10 +101,8 @@ NUMBERS = {
                      "lora_r", "quant_group"), flags.AT_LEAST_1),
     "max_samples": flags.rule(flags.NON_NEGATIVE, ">= 0 (0: every document)"),
     "max_steps": flags.rule(flags.NON_NEGATIVE, ">= 1 (or 0: the epochs' steps)"),
-    "stop_after": flags.rule(flags.NON_NEGATIVE, ">= 1 (or 0: run every step)"),
-    "save_every": flags.rule(flags.NON_NEGATIVE, ">= 1 (or 0: no checkpoints)"),
+    **flags.LOOP_NUMBERS,
     "warmup_steps": flags.rule(flags.NON_NEGATIVE, ">= 0"),
-    "max_grad_norm": flags.rule(flags.NON_NEGATIVE, "a finite number >= 0 (0: no clipping)"),
     "lr": flags.POSITIVE, "weight_decay": flags.NON_NEGATIVE, "memory_gb": flags.POSITIVE,
     "lora_alpha": flags.POSITIVE,
 }
@@ -277,9 +275,7 @@ def closing_line(args, last: dict | None, total_steps: int, logger, ckpt_dir: st
     parts = [f"{'stopped' if stopped else 'done'} at step {last['step']} of {total_steps}"
              + (f" (--stop-after {args.stop_after})" if stopped else "")
              + (f", final loss {last['loss']:.4f}" if last.get("loss") is not None else "")]
-    records = [str(p) for p, on in ((logger.path, logger.jsonl), (Path(args.output_dir) / "tensorboard",
-                                                                   logger.writer is not None)) if on]
-    parts.append("per-step records: " + (" and ".join(records) if records else f"none (--report-to {args.report_to})"))
+    parts.append(logger.where(args.report_to))
     if checkpoint:
         parts.append(f"checkpoints: {ckpt_dir} (latest step {checkpoint})"
                      + ("; continue with the same command and --resume" if stopped else ""))

@@ -28,7 +28,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "causal_lm"), str(HERE.parents[1])]
 import lm_data as data  # noqa: E402  (examples/language/causal_lm)
 import model_setup  # noqa: E402
 import pairs as pair_data  # noqa: E402  (beside this script)
-from common import train_log, train_loop  # noqa: E402  (examples/common)
+from common import flags, train_log, train_loop  # noqa: E402  (examples/common)
 from common.train_loop import UsageError  # noqa: E402
 
 OBJECTIVES = ("dpo", "ipo", "simpo", "orpo", "kto")
@@ -61,10 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     arg("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     arg("--microbatch-size", type=int, default=1, help="pairs per pipeline micro-batch (--pp > 1)")
     arg("--checkpointing", action="store_true")
-    arg("--lora", action="store_true", help="train LoRA adapters; the reference is the base (adapters disabled)")
-    arg("--lora-r", type=int, default=8)
-    arg("--lora-alpha", type=int, default=16)
-    arg("--lora-targets", default="q_proj,k_proj,v_proj,o_proj")
+    flags.add_lora_flags(arg, "train LoRA adapters; the reference is the base (adapters disabled)")
     arg("--batch-size", type=int, default=4, help="pairs per data-parallel replica and step")
     arg("--lr", type=float, default=None, help="peak learning rate (default 5e-5, with --lora 1e-3)")
     arg("--warmup-steps", type=int, default=0)
@@ -79,6 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     # what model_setup reads and this script does not offer
     args.plugin, args.fp8, args.compile, args.lora_experts, args.memory_gb = "hybrid_parallel", False, False, False, 0
+    args.quantize = None
     return args
 
 
@@ -196,15 +194,13 @@ def main(argv=None) -> int:
         f"of {args.seq} tokens, batch {args.batch_size} pairs x {mesh.dp_size} replicas, {args.max_steps} steps",
         flush=True)
     ckpt_dir, done, saved = str(Path(args.output_dir) / "checkpoints"), 0, None
-    if args.resume:
-        meta = booster.load_checkpoint(ckpt_dir, model, optimizer, schedule, loader)
-        done = meta["step"] if meta else 0
-        log(f"resumed from {ckpt_dir} at step {done}", flush=True)
     stop = min(args.max_steps, args.stop_after) if args.stop_after else args.max_steps
-    if args.resume and done >= stop:       # every rank read the same committed step: all return here together
-        say(f"finetune.py: --resume: the checkpoint is at step {done}, and this run stops at step {stop} "
-            "(--max-steps / --stop-after); raise them to train on", file=sys.stderr)
-        return 2
+    if args.resume:
+        try:
+            done = train_loop.resume_step(booster, ckpt_dir, (model, optimizer, schedule, loader), stop, log)
+        except UsageError as e:
+            say(f"finetune.py: {e}", file=sys.stderr)
+            return 2
     logger = train_log.StepLogger(args.output_dir, args.report_to, reporter, device, args.precision, world_size,
                                   resume_step=done if args.resume else None)
     model.train()
