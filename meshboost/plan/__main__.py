@@ -65,6 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-targets", default="all-linear",
                    help="with --lora-rank: the modules adapted (peft's target_modules: q_proj,v_proj or all-linear)")
     p.add_argument("--lora-dropout", type=float, default=0.0, help="with --lora-rank: peft's lora_dropout")
+    p.add_argument("--quantize", default=None, choices=("nf4",),
+                   help="with --lora-rank: QLoRA, the adapted bases in NF4 (enable_lora(quantize='nf4'))")
     p.add_argument("--reference", nargs="?", const="device", default=None, metavar="MODE",
                    help="preference training: add a frozen reference model on the policy's mesh (boost_reference; "
                         "with --lora-rank the base, no second copy) as the memory row 'reference' and the peak's "
@@ -99,8 +101,8 @@ def _check_numbers(parser, args) -> None:
             parser.error(f"{flag} {value:g}: pass a positive rate (or leave it out for the constants' own)")
     if args.lora_rank is not None and args.lora_rank < 1:
         parser.error(f"--lora-rank {args.lora_rank}: pass 1 or more (the adapters' rank, peft's r)")
-    if args.lora_rank is None and (args.lora_targets != "all-linear" or args.lora_dropout):
-        parser.error("--lora-targets / --lora-dropout adapt nothing without --lora-rank R")
+    if args.lora_rank is None and (args.lora_targets != "all-linear" or args.lora_dropout or args.quantize):
+        parser.error("--lora-targets / --lora-dropout / --quantize adapt nothing without --lora-rank R")
     for flag, path in (("--constants", args.constants),):
         if path is not None and not os.path.isfile(path):
             parser.error(f"{flag} {path}: no such file (write one with --calibrate --calibration {path})")
@@ -157,6 +159,11 @@ def _table(estimates) -> str:
     return "\n".join(lines)
 
 
+def _quant_config():
+    from meshboost.booster.qlora import QuantConfig
+    return QuantConfig()
+
+
 def _explained(e, constants=None, lora=None) -> str:
     lines = [f"layout {e.layout.describe()}  (fits: {'yes' if e.fits else 'no'}, predicted step "
              f"{e.step_seconds:.3f} s)", _table([e]), "per stage (worst tp/dp rank of each):"]
@@ -198,7 +205,8 @@ def main(argv=None) -> int:
         parser.error("--model is required (unless --calibrate): an HF model folder, its config.json, or a model type")
     _check_numbers(parser, args)
     try:
-        lora = LoraOptions(args.lora_rank, args.lora_targets, args.lora_dropout) if args.lora_rank else None
+        lora = LoraOptions(args.lora_rank, args.lora_targets, args.lora_dropout,
+                           _quant_config() if args.quantize else None) if args.lora_rank else None
         planner = Planner(args.model, parse_overrides(args.set), architecture=args.architecture, gpus=args.gpus,
                           nodes=args.nodes, memory_gb=args.memory_gb, seq=args.seq, global_batch=args.global_batch,
                           precision=args.precision, constants=_constants(args), device=args.device, lora=lora,

@@ -32,6 +32,7 @@ class LoraOptions:
     rank: int
     targets: tuple[str, ...] = (ALL_LINEAR,)
     dropout: float = 0.0
+    quantize: object = None          # QLoRA: a booster.QuantConfig, the adapted bases in NF4 (`nf4_bytes`)
 
     def __post_init__(self):
         if isinstance(self.targets, str):
@@ -57,7 +58,8 @@ class LoraOptions:
 
     def describe(self) -> str:
         dropout = f", dropout {self.dropout:g}" if self.dropout else ""
-        return f"LoRA r={self.rank} on {','.join(self.targets)}{dropout}"
+        nf4 = ", the bases in NF4 (QLoRA)" if self.quantize is not None else ""
+        return f"LoRA r={self.rank} on {','.join(self.targets)}{dropout}{nf4}"
 
 
 def adapted(model, options: LoraOptions | None, fake: bool = False):
@@ -129,6 +131,33 @@ def adapted_from_config(model, config):
     if later:
         model.get_input_embeddings().register_forward_hook(lambda module, args, output: output.requires_grad_(True))
     return model
+
+
+# torchao's NF4 linear dequantizes its weight in each product (forward and backward): int64 codes and float
+# temporaries, measured with MemTracker per element of the weight (fp32 20.09 bytes, bf16 14.05), one at a time
+DEQUANT_BYTES = {"fp32": 20.1, "bf16": 14.1, "fp16": 14.1}
+
+
+def nf4_bytes(numel: int, quant) -> int:
+    """Bytes an NF4 weight of `numel` elements holds (torchao's `NF4Tensor`): 4-bit codes, one int8 scale per
+    block, one fp32 factor per group of scales (a shard's groups as distributed/quantized.py regroups them)."""
+    blocks = -(-numel // quant.block_size)
+    return numel // 2 + blocks + 4 * -(-blocks // quant.scaler_block_size)
+
+
+def mark_quantized(options: LoraOptions | None, shards):
+    """`shards` (params.rank_shards) with the adapted bases' frozen shards marked NF4 (`.quant`) under QLoRA."""
+    if options is not None and options.quantize is not None:
+        for shard in shards.frozen:
+            if shard.name.endswith(".base_layer.weight"):
+                shard.quant = options.quantize
+    return shards
+
+
+def dequant_scratch(shards, precision: str) -> int:
+    """The largest NF4 base's dequantization temporaries on this rank (0 without QLoRA)."""
+    return int(max((DEQUANT_BYTES[precision] * s.numel for s in getattr(shards, "frozen", ())
+                    if getattr(s, "quant", None) is not None), default=0))
 
 
 def check_layout(options: LoraOptions | None, layout) -> None:

@@ -20,6 +20,7 @@ from meshboost.distributed.param_info import EXPERT, grad_reduction
 from meshboost.optim.precision import PRECISION_BYTES as BYTES
 from meshboost.optim.zero_config import DEFAULT_BUCKET_ELEMENTS
 from meshboost.optim.zero_bucket import plan_buckets
+from meshboost.plan.lora import nf4_bytes
 
 ADAM_STATES = 2            # exp_avg, exp_avg_sq (fp32 each); the step counters are scalars
 
@@ -72,10 +73,12 @@ def state_bytes(shards, precision: str, zero_stage: int, dp_size: int, dp_rank: 
                 ep_size: int = 1) -> dict:
     """{weights, gradients, masters, optimizer_states} bytes of one rank holding `shards` (its frozen
     parameters, `shards.frozen` (LoRA's base), among the weights only: cast to the working dtype with the
-    rest, no gradient, no master, no state: neither optimizer wrapper takes a parameter without grad)."""
+    rest, or NF4 under QLoRA; no gradient, no master, no state: neither optimizer wrapper takes a parameter
+    without grad)."""
     w = BYTES[precision]
     numel = sum(s.numel for s in shards)
-    weights = w * (numel + sum(s.numel for s in getattr(shards, "frozen", ())))
+    weights = w * numel + sum(nf4_bytes(s.numel, s.quant) if s.quant is not None else w * s.numel
+                              for s in getattr(shards, "frozen", ()))
     if zero_stage == 0:
         return {"weights": weights, "gradients": w * numel,
                 "masters": 0 if precision == "fp32" else 4 * numel,

@@ -61,6 +61,7 @@ class ParamShard:
     tie: PipelineTie | None
     shape: tuple[int, ...] = ()          # this rank's local shape (tp and ep splits applied)
     tp_grad_sum: int = 0                 # elements of its gradient all-reduced over tp each backward
+    quant: object = None                 # QLoRA: the frozen base's QuantConfig (plan/lora.py's nf4_bytes)
 
     @property
     def expert(self) -> bool:

@@ -18,7 +18,7 @@ from meshboost.plan import activations, cost, emulate, fakecache, memory, params
 from meshboost.plan import reference as plan_reference      # a frozen reference model's row
 from meshboost.plan.checks import check_cluster, check_sequence
 from meshboost.plan.layout import SPLIT_GATHER, Layout, enumerate_layouts, plugin_config
-from meshboost.plan.lora import adapted, check_layout, with_options
+from meshboost.plan.lora import adapted, check_layout, dequant_scratch, mark_quantized, with_options
 from meshboost.plan.model import build_meta_model, load_config, model_class
 
 GIB = 2 ** 30
@@ -127,9 +127,9 @@ class Planner:
         """The trainable parameters one (pp, tp) rank holds, the frozen as `.frozen` (one list per rank, reused)."""
         key = (layout.tp, layout.pp, layout.num_model_chunks, layout.ep, pp_rank, tp_rank)
         if key not in self._shards:
-            self._shards[key] = params.rank_shards(self.meta, self.splits(layout.tp),
-                                                   self.holdings(layout.pp, layout.num_model_chunks)[pp_rank],
-                                                   tp_rank, layout.tp, self.experts(layout.ep), layout.ep)
+            self._shards[key] = mark_quantized(self.lora, params.rank_shards(     # QLoRA: NF4 bases (plan/lora.py)
+                self.meta, self.splits(layout.tp), self.holdings(layout.pp, layout.num_model_chunks)[pp_rank],
+                tp_rank, layout.tp, self.experts(layout.ep), layout.ep))
         return self._shards[key]
 
     def holdings(self, pp: int, chunks: int = 1) -> list:
@@ -212,7 +212,7 @@ class Planner:
         if layout.zero == 3:     # FSDP2's gathers and reductions, and its shards' padding rows
             return sharded.fsdp_rank_buffers(layout, shards, dp_rank, self.layer_prefixes)
         return memory.buffer_bytes(shards, layout.precision, layout.zero, layout.grad_replicas, layout.pp,
-                                   ep_size=layout.ep)
+                                   ep_size=layout.ep) + dequant_scratch(shards, layout.precision)
 
     @cached_property
     def layer_prefixes(self) -> list[str]:
