@@ -2,7 +2,7 @@
 fixed rollouts and rewards (no sampling), each layout against one process from the same weights:
 
 - two SGD steps on one rollout batch (the old log-probs computed once, at preparation, and reused: the second
-  step's ratios move off 1 and the clip engages) at tp=2 x dp=2 (DDP), tp=2 x dp=2 ZeRO-1, tp=2 x dp=2 ZeRO-3
+  step's ratios move off 1 and the clip engages) at tp=2 x dp=2 (DDP), tp=2 x dp=2 ZeRO-1, dp=4 ZeRO-2, tp=2 x dp=2 ZeRO-3
   (FSDP2), cp=2 x dp=2 ZeRO-1, pp=2 x dp=2 and pp=2 x tp=2 (execute_pipeline, the last stage scoring each micro-
   batch), ep=2 x dp=4 ZeRO-1 on a tiny Qwen3-MoE, and TorchDDPPlugin and FSDPPlugin at dp=4; each normalisation
   ("token", "sequence", "constant", with the reward scalings "group", "batch", "none") at two layouts or more,
@@ -51,6 +51,7 @@ CONFIGS = {"token": GRPOConfig(epsilon_low=0.1, epsilon_high=0.3, beta=0.1),
 MB2 = PipelineConfig(num_microbatches=2)
 LAYOUTS = {"tp2 dp2": (HybridParallelConfig(tp_size=2), ("token", "sequence")),
            "tp2 dp2 zero1": (HybridParallelConfig(tp_size=2, zero=ZeroConfig(stage=1)), ("constant",)),
+           "dp4 zero2": (HybridParallelConfig(zero=ZeroConfig(stage=2)), ("sequence",)),
            "tp2 dp2 zero3": (HybridParallelConfig(tp_size=2, zero=ZeroConfig(stage=3)), ("token", "sequence")),
            "cp2 dp2 zero1": (HybridParallelConfig(cp_size=2, zero=ZeroConfig(stage=1)), ("token", "constant")),
            "pp2 dp2": (HybridParallelConfig(pp_size=2, pipeline=MB2), ("sequence",)),
