@@ -25,7 +25,7 @@ def _case(offload: bool, checkpointing: str | None, hidden: int, layers: int, se
 
     from meshboost.plugins.speed import transformer_blocks
     from meshboost.shardformer import enable_checkpointing
-    from meshboost.shardformer.offload import OffloadConfig, install_offload
+    from meshboost.shardformer.offload import OffloadConfig, OffloadStats, install_offload
 
     torch.manual_seed(0)
     config = tfm.LlamaConfig(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
@@ -44,10 +44,10 @@ def _case(offload: bool, checkpointing: str | None, hidden: int, layers: int, se
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         times.append(time.perf_counter() - start)
-    stats = offloader.stats if offloader is not None else None
+    stats = offloader.stats if offloader is not None else OffloadStats()
     return {"offload": offload, "checkpointing": checkpointing or "none", "hidden": hidden, "layers": layers,
-            "seq": seq, "offloaded_bytes": stats.packed_bytes if stats else 0, "offloaded_tensors": stats.packed if stats else 0,
-            "prefetched": stats.prefetched if stats else 0, "loss": loss.item(), "step_s": round(min(times[1:]), 4)}
+            "seq": seq, "offloaded_bytes": stats.packed_bytes, "offloaded_tensors": stats.packed,
+            "prefetched": stats.prefetched, "loss": loss.item(), "step_s": round(min(times[1:]), 4)}
 
 
 def main() -> None:
