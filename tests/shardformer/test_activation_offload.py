@@ -4,7 +4,7 @@ meshboost/shardformer/offload.py), fp32 Llama.
 (a) One process, attention dropout on: offload on and off give the same loss and gradients bitwise, with
 checkpointing off and "full"; the counters say what moved: without checkpointing most of the blocks' saved
 bytes (never a parameter, every saved reference handed back, the previous block prefetched, each handed
-tensor the host copy, a storage apart from the original); with checkpointing, exactly each block's
+tensor the host copy, and every original freed once the forward ended: on a GPU, the device memory saved); with checkpointing, exactly each block's
 checkpointed input (its hidden states) and nothing else. A stale host copy (zeros) makes the comparison
 fail: the test sees a wrong rule. (b) The switch: True takes the defaults, a bad `min_bytes` or type and
 compile are refused by name. (c) One spawn of world 2 looping tp=2 with sequence parallelism, pp=2 (1F1B
@@ -13,6 +13,8 @@ layout off bitwise (loss and every rank's gradients), and every rank moved bytes
 """
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -61,7 +63,7 @@ class _SavedBytes:
         self.context.__exit__(None, None, None)
 
 
-def _one_process(config, batch, checkpointing, offload: bool, count: bool = False):
+def _one_process(config, batch, checkpointing, offload: bool, count: bool = False, after_forward=None):
     model = build_model(CLS, copy.deepcopy(config)).train()
     enable_checkpointing(model, checkpointing)
     blocks = transformer_blocks(model)
@@ -69,6 +71,8 @@ def _one_process(config, batch, checkpointing, offload: bool, count: bool = Fals
     counter = _SavedBytes(blocks) if count else None
     torch.manual_seed(11)
     loss = model(**batch).loss
+    if after_forward is not None:
+        after_forward()
     loss.backward()
     return (loss.detach(), {n: p.grad for n, p in model.named_parameters()}), offloader, counter
 
@@ -77,8 +81,16 @@ def test_offload_is_exact_and_moves_the_blocks_saved_tensors(monkeypatch):
     config = tiny_config("llama", num_hidden_layers=3, hidden_size=64, intermediate_size=128, attention_dropout=0.2)
     batch = tiny_batch(CLS, config, batch=2, seq=32, seed=3)
     ref, _, counter = _one_process(config, batch, None, offload=False, count=True)
-    handed = []
-    original_unpack = ActivationOffloader.unpack
+    handed, originals, freed = [], [], []
+    original_unpack, original_to_host = ActivationOffloader.unpack, ActivationOffloader._to_host
+
+    def to_host(self, t):
+        originals.append((weakref.ref(t), t.numel() * t.element_size()))
+        return original_to_host(self, t)
+
+    def count_freed():          # the "device" side: what the backward no longer holds once the forward ended
+        gc.collect()
+        freed.append(sum(size for ref, size in originals if ref() is None))
 
     def unpack(self, packed):
         t = original_unpack(self, packed)
@@ -87,14 +99,19 @@ def test_offload_is_exact_and_moves_the_blocks_saved_tensors(monkeypatch):
         return t
 
     monkeypatch.setattr(ActivationOffloader, "unpack", unpack)
-    run, offloader, _ = _one_process(config, batch, None, offload=True)
+    monkeypatch.setattr(ActivationOffloader, "_to_host", to_host)
+    run, offloader, _ = _one_process(config, batch, None, offload=True, after_forward=count_freed)
     assert _differences(ref, run) == []
     stats = offloader.stats
     assert 0.3 * counter.bytes < stats.packed_bytes <= counter.bytes, (stats, counter.bytes)
     assert stats.kept_parameters > 0 and stats.unpacked == stats.packed + stats.reused, stats
     assert 0 < stats.prefetched <= stats.packed, stats
     assert handed and all(handed)           # the backward reads the host copies, not the originals
+    # every original is gone once the forward ended (on a GPU: device memory freed); without offload the
+    # backward's saved tensors would hold each of them
+    assert freed == [stats.packed_bytes], (freed, stats)
     monkeypatch.setattr(ActivationOffloader, "unpack", original_unpack)
+    monkeypatch.setattr(ActivationOffloader, "_to_host", original_to_host)
 
     checkpointed_ref, _, _ = _one_process(config, batch, "full", offload=False)
     run, offloader, _ = _one_process(config, batch, "full", offload=True)
