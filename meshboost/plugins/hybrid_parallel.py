@@ -265,8 +265,8 @@ class HybridParallelPlugin(Plugin):
         if plan.checkpointed is not None:
             install_checkpoint_plan(hf, plan.checkpointed(stages))
         offload = self.config.activation_offload      # this rank's blocks (its stages'): hooks only, outside FSDP2's
-        offloader = install_offload(transformer_blocks(hf, stages, self.config.custom_policy), offload,
-                                    self.mesh.device) if offload is not None else None
+        offloader = install_offload(transformer_blocks(hf, stages, self.config.custom_policy, "activation_offload"),
+                                    offload, self.mesh.device) if offload is not None else None
         if plan.lazy is not None:
             materialize(model, original, self.mesh.device, plan.lazy)
         if not plan.on_meta:
