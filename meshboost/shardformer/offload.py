@@ -17,7 +17,8 @@ Checkpointing. transformers 5 checkpoints a layer's `forward`, inside the module
 is outside the checkpoint: the non-reentrant checkpoint saves the block's positional inputs (its
 `_NoopSaveInputs`) through these hooks, and everything inside through its own, innermost, ones. With
 checkpointing on, only the checkpointed inputs are offloaded; the recompute in the backward runs outside
-any block's call, its tensors never come here.
+any block's call, its tensors never come here. The reentrant form saves its inputs with `save_for_backward`
+inside these hooks too.
 
 The devices. CUDA: a pinned host buffer, copied on a side stream after it waited on the compute stream
 (the source kept by `record_stream` until the copy ran); the backward's first unpack in a block prefetches

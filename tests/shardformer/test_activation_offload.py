@@ -2,7 +2,7 @@
 meshboost/shardformer/offload.py), fp32 Llama.
 
 (a) One process, attention dropout on: offload on and off give the same loss and gradients bitwise, with
-checkpointing off and "full"; the counters say what moved: without checkpointing most of the blocks' saved
+checkpointing off, "full" and torch's reentrant form; the counters say what moved: without checkpointing most of the blocks' saved
 bytes (never a parameter, every saved reference handed back, the previous block prefetched, each handed
 tensor the host copy, and every original freed once the forward ended: on a GPU, the device memory saved); with checkpointing, exactly each block's
 checkpointed input (its hidden states) and nothing else. A stale host copy (zeros) makes the comparison
@@ -65,7 +65,10 @@ class _SavedBytes:
 
 def _one_process(config, batch, checkpointing, offload: bool, count: bool = False, after_forward=None):
     model = build_model(CLS, copy.deepcopy(config)).train()
-    enable_checkpointing(model, checkpointing)
+    if checkpointing == "reentrant":        # the user's own switch, torch's reentrant form: inputs saved the same way
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    else:
+        enable_checkpointing(model, checkpointing)
     blocks = transformer_blocks(model)
     offloader = install_offload(blocks, OffloadConfig(min_bytes=MIN_BYTES), "cpu") if offload else None
     counter = _SavedBytes(blocks) if count else None
@@ -113,12 +116,13 @@ def test_offload_is_exact_and_moves_the_blocks_saved_tensors(monkeypatch):
     monkeypatch.setattr(ActivationOffloader, "unpack", original_unpack)
     monkeypatch.setattr(ActivationOffloader, "_to_host", original_to_host)
 
-    checkpointed_ref, _, _ = _one_process(config, batch, "full", offload=False)
-    run, offloader, _ = _one_process(config, batch, "full", offload=True)
-    assert _differences(checkpointed_ref, run) == []
-    stats, hidden = offloader.stats, 2 * 32 * 64 * 4            # batch x seq x hidden in fp32
-    assert (stats.packed, stats.packed_bytes, stats.reused) == (3, 3 * hidden, 0), stats   # one input per block
-    assert stats.kept_parameters == 0 and stats.unpacked == 3, stats
+    for checkpointing in ("reentrant", "full"):
+        checkpointed_ref, _, _ = _one_process(config, batch, checkpointing, offload=False)
+        run, offloader, _ = _one_process(config, batch, checkpointing, offload=True)
+        assert _differences(checkpointed_ref, run) == [], checkpointing
+        stats, hidden = offloader.stats, 2 * 32 * 64 * 4            # batch x seq x hidden in fp32
+        assert (stats.packed, stats.packed_bytes, stats.reused) == (3, 3 * hidden, 0), stats   # one input per block
+        assert stats.kept_parameters == 0 and stats.unpacked == 3, stats
 
     def stale(self, t):         # a wrong rule: the host copy never written
         return torch.zeros_like(t), None
