@@ -2,14 +2,16 @@
 meshboost/shardformer/offload.py), fp32 Llama.
 
 (a) One process, attention dropout on: offload on and off give the same loss and gradients bitwise, with
-checkpointing off, "full" and torch's reentrant form; the counters say what moved: without checkpointing most of the blocks' saved
-bytes (never a parameter, every saved reference handed back, the previous block prefetched, each handed
-tensor the host copy, and every original freed once the forward ended: on a GPU, the device memory saved); with checkpointing, exactly each block's
-checkpointed input (its hidden states) and nothing else. A stale host copy (zeros) makes the comparison
-fail: the test sees a wrong rule. (b) The switch: True takes the defaults, a bad `min_bytes` or type and
+checkpointing off, "full" and torch's reentrant form. The counters say what moved: without checkpointing
+most of the blocks' saved bytes (never a parameter, every saved reference handed back, the previous block
+prefetched, each handed tensor the host copy, and every original freed once the forward ended: on a GPU,
+the device memory saved); with checkpointing, exactly each block's checkpointed input (its hidden states)
+and nothing else. A stale host copy (zeros) makes the comparison fail, holding the originals the freed
+count: the test sees a wrong rule. (b) The switch: True takes the defaults, a bad `min_bytes` or type and
 compile are refused by name. (c) One spawn of world 2 looping tp=2 with sequence parallelism, pp=2 (1F1B
-and interleaved), ZeRO-1, 2 and 3 over dp=2, cp=2 (Ulysses), and pp=2 with checkpointing: offload on equals the same
-layout off bitwise (loss and every rank's gradients), and every rank moved bytes to host.
+and interleaved), DDP and ZeRO-1, 2 and 3 over dp=2, cp=2 (Ulysses), and pp=2 with checkpointing: offload
+on equals the same layout off bitwise (loss, every rank's gradients, weights after an SGD step), and every
+rank moved bytes to host.
 """
 
 import copy
@@ -148,7 +150,7 @@ def test_switch_and_refusals():
 LAYOUTS = ({"tp_size": 2, "sequence_parallel": True}, {"pp_size": 2, "num_microbatches": 2},
            {"pp_size": 2, "num_microbatches": 2, "pp_style": "interleaved", "num_model_chunks": 2},
            {"zero": ZeroConfig(stage=1)}, {"zero": ZeroConfig(stage=2)}, {"zero": ZeroConfig(stage=3)},
-           {"cp_size": 2},
+           {"cp_size": 2}, {},          # the last: torch DDP over dp=2
            {"pp_size": 2, "num_microbatches": 2, "checkpointing": "full"})
 
 
