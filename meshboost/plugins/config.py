@@ -29,6 +29,7 @@ from meshboost.shardformer.selective import SELECTIVE, check_checkpointing
 from meshboost.shardformer.compile import CompileConfig
 from meshboost.shardformer.context_checks import ALL_TO_ALL, check_mode as check_context_mode
 from meshboost.shardformer.float8 import Float8Config
+from meshboost.shardformer.offload import OffloadConfig
 from meshboost.shardformer.sequence import check_mode as check_sequence_mode
 
 # Who averages gradients over the data-parallel group; exactly one of them does, decided by `dp_reducer`.
@@ -149,6 +150,9 @@ class HybridParallelConfig:
     # turn HF activation checkpointing on at boost: "full" (whole blocks recomputed), "selective" (matmul and
     # attention outputs kept, the cheap ops recomputed: shardformer/selective.py) or None (the model's own)
     checkpointing: str | None = None
+    # the tensors each transformer block saves for its backward kept in host memory (True: the defaults;
+    # with checkpointing, the checkpointed inputs only: shardformer/offload.py, docs/optimizations.md)
+    activation_offload: OffloadConfig | None = None
     # DDP's gradient buckets all-reduced in fp8 (CUDA, tp_size=1, pp_size=1, zero stage 0; lossy by design)
     fp8_communication: bool = False
     # Agree over tp (and pp) that every rank was fed the same batch: on every call ("always"), the
@@ -177,6 +181,11 @@ class HybridParallelConfig:
     def __post_init__(self, tp_size, pp_size, ep_size, cp_size, cp_mode, sequence_parallel, dp_replicate_size):
         self.compile = CompileConfig.of(self.compile)
         self.float8 = Float8Config.of(self.float8)
+        self.activation_offload = OffloadConfig.of(self.activation_offload)
+        if self.activation_offload is not None and self.compile is not None:
+            raise NotImplementedError(f"activation_offload with compile={self.compile!r}: the offload's saved-tensor "
+                                      "hooks around a compiled block are not tested exact; pass compile=None with "
+                                      "activation_offload, or activation_offload=None with compile")
         if self.check_inputs not in CHECK_INPUTS:
             raise ValueError(f"check_inputs={self.check_inputs!r}; expected one of {CHECK_INPUTS}")
         check_router_statistics(self.router_statistics)

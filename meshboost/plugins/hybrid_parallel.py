@@ -29,6 +29,7 @@ from meshboost.lazy import materialize
 from meshboost.optim import MixedPrecisionOptimizer, ZeroOptimizer
 from meshboost.pipeline import PipelineSchedule, build_stages, prune_optimizer
 from meshboost.pipeline.checkpointing import install_checkpoint_plan
+from meshboost.shardformer.offload import install_offload
 from meshboost.shardformer.selective import enable_checkpointing
 from meshboost.pipeline.normalization import TOKENS, count_items
 from meshboost.plugins.config import DDP, FSDP, PIPELINE, ZERO, HybridParallelConfig, dp_reducer
@@ -41,7 +42,7 @@ from meshboost.plugins.input_checks import ALWAYS, InputCheck, LabelledItemsGuar
 from meshboost.plugins.router_bias import install as install_router_bias
 from meshboost.plugins.router_statistics import GLOBAL, loss_function, with_global_router_loss
 from meshboost.plugins.shortcuts import config_from
-from meshboost.plugins.speed import apply_compile, apply_float8, to_device
+from meshboost.plugins.speed import apply_compile, apply_float8, to_device, transformer_blocks
 from meshboost.shardformer import (PipelineGradientCheckpointConfig, ShardConfig, ShardFormer, pipeline_layout,
                                    uses_causal_lm_loss)
 from meshboost.shardformer import packed_rows
@@ -263,6 +264,9 @@ class HybridParallelPlugin(Plugin):
         stages = self._build_stages(hf, optimizer) if self.pp_size > 1 else None
         if plan.checkpointed is not None:
             install_checkpoint_plan(hf, plan.checkpointed(stages))
+        offload = self.config.activation_offload      # this rank's blocks (its stages'): hooks only, outside FSDP2's
+        offloader = install_offload(transformer_blocks(hf, stages, self.config.custom_policy, "activation_offload"),
+                                    offload, self.mesh.device) if offload is not None else None
         if plan.lazy is not None:
             materialize(model, original, self.mesh.device, plan.lazy)
         if not plan.on_meta:
@@ -280,6 +284,7 @@ class HybridParallelPlugin(Plugin):
             module = wrap_ddp(model, optimizer, self.mesh, self.config.ddp.kwargs(), self.fp8_communication)
         apply_compile(hf, self.config.compile, stages, self.config.custom_policy)     # plugins/speed.py
         boosted = self._wrap_model(module, hf, plan.attention, stages)
+        boosted.activation_offload = offloader      # its `stats`: what moved to host
         if boosted.items_guard is not None and isinstance(optimizer, MixedPrecisionOptimizer):
             optimizer.check_before_update(boosted.items_guard)     # no labelled token: refuse the update
         if stages is not None:

@@ -17,17 +17,18 @@ from meshboost.shardformer.compile import CompileConfig, compile_blocks
 from meshboost.shardformer.float8 import Float8Config, ShardGroups, convert_float8
 
 
-def transformer_blocks(model: nn.Module, stages=None, custom_policy=None) -> list[nn.Module]:
+def transformer_blocks(model: nn.Module, stages=None, custom_policy=None, feature: str = "compile") -> list[nn.Module]:
     """The transformer blocks of `model` this rank runs: its stages' layers, or every layer of the
-    layout's layer lists (the same lists the pipeline cuts)."""
+    layout's layer lists (the same lists the pipeline cuts); `feature` names the setting that asked
+    (compile, activation_offload) in the refusal."""
     if stages is not None:
         return [stages.kept[i] for i in sorted(stages.kept)]
     try:
         layout = get_layout(model, pipeline_layout(model, custom_policy))
     except (ValueError, NotImplementedError) as e:
-        raise NotImplementedError(f"compile=True: meshboost compiles each transformer block and cannot find the "
+        raise NotImplementedError(f"{feature}: meshboost applies it to each transformer block and cannot find the "
                                   f"blocks of {type(model).__name__} ({e}); pass a custom_policy with a "
-                                  "pipeline_layout naming its layer list, or compile=False") from e
+                                  f"pipeline_layout naming its layer list, or drop {feature}") from e
     base = getattr(model, "base_model", model)
     return [layer for segment in layout.segments for layer in base.get_submodule(segment.layers)]
 
