@@ -146,3 +146,12 @@ def test_nothing_fits_offers_both_levers_and_flags_reach_the_ranking(capsys):
     assert code == 0
     (row,) = json.loads(out)
     assert row["layout"]["checkpointing"] == "selective" and row["layout"]["loss_chunk"] == 16
+
+
+def test_levers_at_tp2_against_memtracker():
+    """Under tp the chunked head is the rank's vocabulary shard (padded, the last rank's padding masked) and
+    the selective policy recomputes the blocks' all-reduces: each predicted peak within the tolerance."""
+    from benchmarks.plan_cases import spec_of
+
+    _peaks(spec_of("llama"), [dict(tp=2, precision="fp32", loss_chunk=48),
+                              dict(tp=2, precision="fp32", checkpointing="selective")])
