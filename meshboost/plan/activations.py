@@ -10,7 +10,9 @@ measuring a per-rank config (heads, key/value heads, intermediate size and vocab
 head_dim kept) where the family's config allows it, else a documented approximation; under sequence
 parallelism (split_gather) and context parallelism, the same forward with meshboost's own sequence
 splits emulated shape for shape (emulate.py), and under expert parallelism meshboost's dispatch with
-shape-only exchanges (fake_experts.py). The same fake run goes on through backward under
+shape-only exchanges (fake_experts.py); the checkpointing mode (full, selective) and the chunked
+loss applied as the runtime applies them (`enable_checkpointing`, `install_chunked_loss`). The same fake
+run goes on through backward under
 torch's MemTracker (live.py's `live_peak`): the bytes alive after the forward and after each op of
 forward and backward (their maximum: the peak; with the gradients accumulated by each op on top: the
 peak of a layout that holds them), which the peak model (peak.py) uses; for a pipeline stage that is
@@ -106,6 +108,7 @@ def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpoi
     from meshboost.plan import emulate, fake_experts, lora
     from meshboost.plan.live import last_layer, live_peak
     from meshboost.shardformer import enable_checkpointing, uses_causal_lm_loss
+    from meshboost.shardformer.selective import FULL
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     weights: set = set()
@@ -119,7 +122,7 @@ def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpoi
         if ep > 1:
             fake_experts.install_expert_parallel(model, ep)
         weights.update(p.untyped_storage()._cdata for p in model.parameters())
-        enable_checkpointing(model, checkpointing)
+        enable_checkpointing(model, FULL if checkpointing is True else checkpointing or None)   # bool: the old switch
         sequence = context = None
         if split is not None and split.mode == SPLIT_GATHER:
             sequence = emulate.install_sequence_split(model, split.roles)

@@ -11,7 +11,9 @@ Owns:
   chunk (their gradients are summed over tp each backward, `sequence.install`'s rule);
 - `install_context`: meshboost's own context-parallel attention (`shardformer/context.py`:
   `UlyssesAttention`, `GatheredKeysAttention`, with `ContextInputs.shard` cutting the inputs), its own
-  exchange code running with shape-only collectives that allocate what the real ones allocate.
+  exchange code running with shape-only collectives that allocate what the real ones allocate;
+- `install_vocab_parallel_loss` and `install_chunked_loss`: the sharder's losses on the fake model (the
+  chunked one by the runtime's own `install_chunked_loss`), their value checks and exchanges swapped out.
 The real collectives' autograd functions save nothing for backward, and neither do these: what the
 model saves is what the real layout saves. Must not communicate.
 """
