@@ -239,7 +239,8 @@ def _ranking(parser, args, planner) -> int:
     shown = estimates if args.all else fitting
     if not fitting:
         from meshboost.plan.ranking import smallest
-        least = min(estimates, key=lambda e: e.memory_bytes_per_rank["peak"]) if estimates else smallest(planner, **knobs)
+        least = (min(estimates, key=lambda e: e.memory_bytes_per_rank["peak"]) if estimates
+                 else smallest(planner, **knobs))
         if least is None:
             reasons = sorted({why for _, why in refused})
             parser.error(f"every one of {len(refused)} layouts is refused, e.g. {reasons[0] if reasons else '?'}")

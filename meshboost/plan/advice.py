@@ -5,8 +5,8 @@ Owns `nothing_fits(planner, estimates)`: the layout needing the least device mem
 (full or selective activation checkpointing, the chunked loss, a smaller micro-batch, twice the
 pipeline stages or context-parallel ranks in place of data-parallel ones, ZeRO-3, cpu offload of the
 masters and moments, ZeRO-1's from a layout without ZeRO) that lowers what it needs, with the planner's
-own estimate of the changed layout, those that fit first; last resort, the --memory-gb that would fit it. Must not estimate
-anything itself: every figure is `Planner.explain`'s.
+own estimate of the changed layout, those that fit first; last resort, the --memory-gb that would fit
+it. Must not estimate anything itself: every figure is `Planner.explain`'s.
 """
 
 from __future__ import annotations
