@@ -66,7 +66,8 @@ def forward_backward(booster, model, optimizer, batch, pp: int) -> None:
 def boost_layout(fields: dict, spec):
     """(layout, plugin, booster, model, optimizer): a fresh model of `spec` boosted with AdamW by the plugin
     the planner builds for the layout of `fields` (with LoRA adapters through `booster.enable_lora` when the
-    fields name them, then activation checkpointing when the layout asks: the planner's fake run's order)."""
+    fields name them; the plugin then turns checkpointing on at boost in the layout's mode: the planner's fake
+    run's order)."""
     import torch
 
     from benchmarks.models import build_model
@@ -81,8 +82,6 @@ def boost_layout(fields: dict, spec):
     lora = lora_of(fields)
     if lora is not None:
         model = booster.enable_lora(model, lora_config=lora.peft_config())
-    if layout.checkpointing:
-        model.gradient_checkpointing_enable({"use_reentrant": False})
     model, optimizer, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     return layout, plugin, booster, model, optimizer
 

@@ -130,8 +130,6 @@ def _sharded(par, layout, batch: dict, reference: tuple, ref_loss: float) -> dic
     from meshboost.shardformer.sharder import UncoveredParameterError
     from meshboost.testing.sharded_training import dp_step, whole_weights
 
-    if layout.checkpointing:        # the planner's ckpt: HF's recomputation on every layer (no plugin field)
-        par.gradient_checkpointing_enable()
     try:
         plugin = HybridParallelPlugin(plugin_config(replace(layout, precision="fp32")))
         booster = Booster(plugin=plugin)

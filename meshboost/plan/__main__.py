@@ -22,6 +22,7 @@ import sys
 
 from meshboost.plan.cost import CostConstants
 from meshboost.plan.layout import parse_layout
+from meshboost.shardformer.selective import CHECKPOINTING
 from meshboost.plan.lora import LoraOptions
 from meshboost.plan.model import parse_overrides
 from meshboost.plan.advice import nothing_fits
@@ -60,6 +61,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layout", default=None, help="explain one layout: tp=2,pp=2,zero=1,mb=4,ckpt=1,... or a table "
                    "row (tp=2,pp=1,dp=4,zero=1,bf16,mb=2x8,ckpt); context parallelism cp=2,cp_mode=ring_attn "
                    "(ColossalAI's sp=2,sp_mode=ring_attn accepted), Megatron sequence parallelism split_gather")
+    p.add_argument("--checkpointing", default="full", choices=CHECKPOINTING,
+                   help="the recomputation the ranking tries beside none: full (every block's forward again) or "
+                   "selective (the matmuls' outputs kept, the cheap ops recomputed); --layout: ckpt=selective")
+    p.add_argument("--loss-chunk", type=int, default=None, metavar="N",
+                   help="every layout with the chunked loss, N tokens at a time (ShardConfig(loss_chunk_tokens=N)); "
+                   "--layout: loss_chunk=N")
     p.add_argument("--lora-rank", type=int, default=None, metavar="R",
                    help="train LoRA adapters of rank R on the frozen model (booster.enable_lora; peft's LoraConfig r)")
     p.add_argument("--lora-targets", default="all-linear",
@@ -215,7 +222,8 @@ def main(argv=None) -> int:
         parser.error(str(exc))
     if args.layout is not None:
         try:
-            layout = parse_layout(args.layout, precision=args.precision, **_default_batching(planner, args.layout))
+            layout = parse_layout(args.layout, precision=args.precision, loss_chunk=args.loss_chunk,
+                                  **_default_batching(planner, args.layout))
             estimate = planner.explain(layout)
         except (ValueError, NotImplementedError, TypeError) as exc:
             parser.error(f"--layout {args.layout}: refused: {type(exc).__name__}: {exc}")
@@ -225,12 +233,14 @@ def main(argv=None) -> int:
 
 
 def _ranking(parser, args, planner) -> int:
-    estimates, refused = planner.rank(include_unfit=args.all)
+    knobs = dict(checkpointing=(None, args.checkpointing), loss_chunk=args.loss_chunk)
+    estimates, refused = planner.rank(include_unfit=args.all, **knobs)
     fitting = [e for e in estimates if e.fits]
     shown = estimates if args.all else fitting
     if not fitting:
         from meshboost.plan.ranking import smallest
-        least = min(estimates, key=lambda e: e.memory_bytes_per_rank["peak"]) if estimates else smallest(planner)
+        least = (min(estimates, key=lambda e: e.memory_bytes_per_rank["peak"]) if estimates
+                 else smallest(planner, **knobs))
         if least is None:
             reasons = sorted({why for _, why in refused})
             parser.error(f"every one of {len(refused)} layouts is refused, e.g. {reasons[0] if reasons else '?'}")

@@ -10,7 +10,9 @@ measuring a per-rank config (heads, key/value heads, intermediate size and vocab
 head_dim kept) where the family's config allows it, else a documented approximation; under sequence
 parallelism (split_gather) and context parallelism, the same forward with meshboost's own sequence
 splits emulated shape for shape (emulate.py), and under expert parallelism meshboost's dispatch with
-shape-only exchanges (fake_experts.py). The same fake run goes on through backward under
+shape-only exchanges (fake_experts.py); the checkpointing mode (full, selective) and the chunked
+loss applied as the runtime applies them (`enable_checkpointing`, `install_chunked_loss`). The same fake
+run goes on through backward under
 torch's MemTracker (live.py's `live_peak`): the bytes alive after the forward and after each op of
 forward and backward (their maximum: the peak; with the gradients accumulated by each op on top: the
 peak of a layout that holds them), which the peak model (peak.py) uses; for a pipeline stage that is
@@ -91,18 +93,22 @@ def count_layers(config) -> int:
     return getattr(config, _layer_field(config))
 
 
-def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpointing: bool,
+def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpointing: str | None,
                  split: SequenceSplit | None = None, vocab_tp: int = 1, body: bool = False,
-                 ep: int = 1) -> tuple[int, ...]:
+                 ep: int = 1, loss_chunk: int | None = None) -> tuple[int, ...]:
     """(distinct bytes autograd saves in one training forward of `cls(config)` on fake tensors, the
     parameters (and views of them: a linear saves its weight) left out: they are the weights;
     split_gather's replicated elements fed the chunk; `live_peak`'s other four figures) for one rank of
     `split`'s sequence split. `body`: the base model alone (no head, no loss), its backward fed a
     gradient of its output, as a pipeline stage that is not the last runs it. `ep` > 1: the experts dealt
-    out over ep ranks, meshboost's dispatch with balanced routing (fake_experts.py)."""
+    out over ep ranks, meshboost's dispatch with balanced routing (fake_experts.py). `checkpointing`: the
+    runtime's mode ("full", "selective", None) turned on as the plugin does (`enable_checkpointing`);
+    `loss_chunk`: the sharder's chunked LM head and loss installed (`install_chunked_loss`; under tp on the
+    rank's vocabulary shard, its two collectives' 3 x tokens fp32 left out)."""
     from meshboost.plan import emulate, fake_experts, lora
     from meshboost.plan.live import last_layer, live_peak
-    from meshboost.shardformer import uses_causal_lm_loss
+    from meshboost.shardformer import enable_checkpointing, uses_causal_lm_loss
+    from meshboost.shardformer.selective import FULL
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     weights: set = set()
@@ -116,9 +122,7 @@ def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpoi
         if ep > 1:
             fake_experts.install_expert_parallel(model, ep)
         weights.update(p.untyped_storage()._cdata for p in model.parameters())
-        if checkpointing:
-            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-            enable({"use_reentrant": False})
+        enable_checkpointing(model, FULL if checkpointing is True else checkpointing or None)   # bool: the old switch
         sequence = context = None
         if split is not None and split.mode == SPLIT_GATHER:
             sequence = emulate.install_sequence_split(model, split.roles)
@@ -133,7 +137,9 @@ def _saved_bytes(cls, config, batch: int, seq: int, dtype: torch.dtype, checkpoi
         if context is not None:                 # this rank's piece of every sequence, as the plugin cuts it
             inputs = context.shard(inputs)
         loss = contextlib.nullcontext()
-        if vocab_tp > 1 and uses_causal_lm_loss(model):   # the sharder's vocab-parallel loss, shape-only exchanges
+        if loss_chunk is not None and not body:     # the sharder's order: after the vocabulary split
+            loss = emulate.install_chunked_loss(model, loss_chunk)
+        elif vocab_tp > 1 and uses_causal_lm_loss(model):   # the sharder's vocab-parallel loss, shape-only exchanges
             loss = emulate.install_vocab_parallel_loss(model, vocab_tp)
         if body:
             inputs.pop("labels", None)
@@ -185,26 +191,26 @@ def tp_rank_config(config, tp_size: int, padded_vocab: int | None):
 
 
 def _measured(cls, config_json: str, model_type: str, batch: int, seq: int, precision: str,
-              checkpointing: bool, split: SequenceSplit | None = None, vocab_tp: int = 1,
-              body: bool = False, ep: int = 1) -> tuple[int, ...]:
+              checkpointing: str | None, split: SequenceSplit | None = None, vocab_tp: int = 1,
+              body: bool = False, ep: int = 1, loss_chunk: int | None = None) -> tuple[int, ...]:
     """(per layer, ends, summed per layer, live per layer, live ends, peak per layer, peak ends, the peak
     with the gradients per layer and ends) for one micro-batch of `batch` sequences. `body`: the last six
     again, of a non-last pipeline stage."""
     whole = _measured_batch(cls, config_json, model_type, batch, seq, precision, checkpointing, split, vocab_tp,
-                            False, ep)
+                            False, ep, loss_chunk)
     if not body:
         return whole
     return whole + _measured_batch(cls, config_json, model_type, batch, seq, precision, checkpointing, split,
-                                   vocab_tp, True, ep)[3:]
+                                   vocab_tp, True, ep, loss_chunk)[3:]
 
 
 @fakecache.derived
 def _measured_batch(cls, config_json: str, model_type: str, batch: int, seq: int, precision: str,
-                    checkpointing: bool, split: SequenceSplit | None = None, vocab_tp: int = 1,
-                    body: bool = False, ep: int = 1) -> tuple[int, ...]:
+                    checkpointing: str | None, split: SequenceSplit | None = None, vocab_tp: int = 1,
+                    body: bool = False, ep: int = 1, loss_chunk: int | None = None) -> tuple[int, ...]:
     """`_measured` of one batch size, from a 1-layer and a 2-layer copy of the config."""
     one, two = (_extrapolated(cls, config_json, model_type, n, batch, seq, precision, checkpointing, split,
-                              vocab_tp, body, ep) for n in (1, 2))
+                              vocab_tp, body, ep, loss_chunk) for n in (1, 2))
     per_layer = tuple(b - a for a, b in zip(one, two))       # (saved, summed, live, peak, grads peak) per layer
     ends = tuple(2 * a - b for a, b in zip(one, two))
     return (per_layer[0], ends[0], per_layer[1], *(n for i in (2, 3, 4) for n in (per_layer[i], ends[i])))
@@ -234,17 +240,18 @@ def _extrapolated(cls, config_json: str, model_type: str, layers: int, batch: in
 
 @fakecache.derived
 def _layers_run(cls, config_json: str, model_type: str, layers: int, batch: int, seq: int, precision: str,
-                checkpointing: bool, split, vocab_tp: int, body: bool, ep: int) -> tuple:
+                checkpointing: str | None, split, vocab_tp: int, body: bool, ep: int,
+                loss_chunk: int | None = None) -> tuple:
     """(saved, summed, live after the forward, timeline, gradients timeline) of a `layers`-layer copy:
     two layers alike (`_alike_layers`) from the marked one-layer run (live.two_layers: a fake run
     fewer, the costlier one), any other copy run; a pipeline stage's body reads the whole model's marked
     one-layer run too (`two_layers`' `whole`: a ranking makes it for the last stage anyway)."""
     from meshboost.plan.live import two_layers
 
-    args = (seq, precision, checkpointing, split, vocab_tp, body, ep)
+    args = (seq, precision, checkpointing, split, vocab_tp, body, ep, loss_chunk)
     if layers == 2 and _alike_layers(config_json, split):
         saved, summed, after, totals, grads, marks = _run(cls, config_json, model_type, 1, batch, *args)
-        whole = _run(cls, config_json, model_type, 1, batch, *args[:5], False, ep)[5] if body else None
+        whole = _run(cls, config_json, model_type, 1, batch, *args[:5], False, ep, loss_chunk)[5] if body else None
         if marks is not None and (not body or whole is not None and whole[-1] is not None):
             gathered = split is not None and split.mode == SPLIT_GATHER
             saved, after, totals, grads = two_layers(saved, after, totals, grads, marks, whole, gathered)
@@ -270,11 +277,12 @@ def _alike_layers(config_json: str, split) -> bool:
 
 @fakecache.fake_run
 def _run(cls, config_json: str, model_type: str, layers: int, batch: int, seq: int, precision: str,
-         checkpointing: bool, split, vocab_tp: int, body: bool, ep: int) -> tuple:
+         checkpointing: str | None, split, vocab_tp: int, body: bool, ep: int, loss_chunk: int | None = None) -> tuple:
     from transformers import AutoConfig
 
     config = _with_layers(AutoConfig.for_model(model_type, **json.loads(config_json)), layers)
-    return _saved_bytes(cls, config, batch, seq, DTYPES[precision], checkpointing, split, vocab_tp, body, ep)
+    return _saved_bytes(cls, config, batch, seq, DTYPES[precision], checkpointing, split, vocab_tp, body, ep,
+                        loss_chunk)
 
 
 def _key(config) -> tuple[str, str]:
@@ -307,8 +315,9 @@ def _derived_config(config, kind: str, tp_size: int, padded_vocab: int | None) -
 
 
 def activation_model(cls, config, batch: int, seq: int, precision: str, tp_size: int = 1,
-                     padded_vocab: int | None = None, checkpointing: bool = False,
-                     split: SequenceSplit | None = None, body: bool = False, ep: int = 1) -> ActivationModel:
+                     padded_vocab: int | None = None, checkpointing: str | None = None,
+                     split: SequenceSplit | None = None, body: bool = False, ep: int = 1,
+                     loss_chunk: int | None = None) -> ActivationModel:
     """Per-layer and end bytes saved for backward by one micro-batch of `batch` x `seq` on one tp rank
     (of one cp rank, under context parallelism: `split`); `body`: with a non-last pipeline stage's live
     and peak bytes too; `ep`: the experts over ep ranks, their tokens dispatched (balanced routing)."""
@@ -316,7 +325,7 @@ def activation_model(cls, config, batch: int, seq: int, precision: str, tp_size:
     if rank_config is not None:
         vocab_tp = tp_size if padded_vocab is not None else 1     # the head's logits stay split over tp
         per_layer, ends, summed, *live = _measured(cls, *rank_key, batch, seq, precision, checkpointing,
-                                                   split, vocab_tp, body, ep)
+                                                   split, vocab_tp, body, ep, loss_chunk)
         return ActivationModel(per_layer, ends, True, summed, *live)
     # No per-rank config: assume the hidden-sized tensors stay whole on every rank (per layer its 2 norm
     # inputs and the residual path, about 4 x batch x seq x hidden, or all a checkpointed layer keeps,
@@ -328,7 +337,7 @@ def activation_model(cls, config, batch: int, seq: int, precision: str, tp_size:
     vocab_tp = 1 if padded_vocab is None else tp_size
     config, key = _derived_config(config, "padded", tp_size, padded_vocab)
     per_layer, ends, _, *live = _measured(cls, *key, batch, seq, precision, checkpointing, context,
-                                          vocab_tp, body, ep)
+                                          vocab_tp, body, ep, loss_chunk)
     tokens = seq // context.size if context is not None else seq
     hidden = batch * tokens * config.hidden_size * DTYPES[precision].itemsize
     whole, whole_ends = min(4 * hidden, per_layer), min(2 * hidden, ends)
@@ -337,14 +346,15 @@ def activation_model(cls, config, batch: int, seq: int, precision: str, tp_size:
     summed = 0
     if split is not None and split.mode == SPLIT_GATHER:
         split_layer, split_ends, summed, *_ = _measured(cls, *key, batch, seq, precision, checkpointing,
-                                                        split, vocab_tp)
+                                                        split, vocab_tp, loss_chunk=loss_chunk)
         per_layer_tp -= per_layer - split_layer
         ends_tp -= ends - split_ends
     # the live and peak bytes scaled as the saved ones are (the same approximation); what the gradients
     # accumulated by each instant add to a peak (a layout keeping them) are gradient bytes: 1/tp of them
     scale = [per_layer_tp / max(per_layer, 1), ends_tp / max(ends, 1)] * 2
     if checkpointing:       # a peak is a layer's recomputation, whose tensors divide as a plain layer's saved ones
-        plain, _, *_ = _measured(cls, *key, batch, seq, precision, False, context, vocab_tp, ep=ep)
+        plain, _, *_ = _measured(cls, *key, batch, seq, precision, None, context, vocab_tp, ep=ep,
+                                 loss_chunk=loss_chunk)
         kept = min(4 * hidden, plain)
         scale[2:] = [(kept + (plain - kept) // tp_size) / max(plain, 1)] * 2
     scaled = []

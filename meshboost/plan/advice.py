@@ -2,18 +2,21 @@
 
 Owns `nothing_fits(planner, estimates)`: the layout needing the least device memory, what it needs
 (the bytes `fits` compares with the device, as GiB of --memory-gb), and each single change of it
-(activation checkpointing, a smaller micro-batch, twice the pipeline stages or context-parallel ranks
-in place of data-parallel ones, ZeRO-3, cpu offload of the masters and moments, ZeRO-1's from a
-layout without ZeRO) that lowers what it needs, with the planner's own estimate of the changed layout,
-those that fit first; last resort, the --memory-gb that would fit it. Must not estimate
-anything itself: every figure is `Planner.explain`'s.
+(full or selective activation checkpointing, the chunked loss, a smaller micro-batch, twice the
+pipeline stages or context-parallel ranks in place of data-parallel ones, ZeRO-3, cpu offload of the
+masters and moments, ZeRO-1's from a layout without ZeRO) that lowers what it needs, with the planner's
+own estimate of the changed layout, those that fit first; last resort, the --memory-gb that would fit
+it. Must not estimate anything itself: every figure is `Planner.explain`'s.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from meshboost.shardformer.selective import FULL, SELECTIVE
+
 GIB = 2 ** 30
+ADVISED_LOSS_CHUNK = 1024       # tokens per chunk of the loss advised (docs/optimizations.md's example)
 
 
 def needed_bytes(planner, estimate) -> float:
@@ -56,8 +59,13 @@ class Advice:
 def _changes(planner, layout) -> list[tuple[str, object]]:
     """(what, changed layout) for each single change that could lower the peak."""
     out = []
+    if layout.checkpointing != FULL:
+        out.append(("activation checkpointing", replace(layout, checkpointing=FULL)))
     if not layout.checkpointing:
-        out.append(("activation checkpointing", replace(layout, checkpointing=True)))
+        out.append(("selective recomputation (ckpt=selective)", replace(layout, checkpointing=SELECTIVE)))
+    if layout.loss_chunk is None:           # refused (no advice) where the model's loss cannot be chunked
+        chunk = min(ADVISED_LOSS_CHUNK, layout.microbatch_size * planner.seq)
+        out.append((f"chunked loss (loss_chunk={chunk})", replace(layout, loss_chunk=chunk)))
     if layout.microbatch_size > 1:
         size = layout.microbatch_size // 2 if layout.microbatch_size % 2 == 0 else 1
         out.append((f"micro-batches of {size}", replace(

@@ -21,9 +21,9 @@ Owns: the collectives meshboost issues per optimizer step for a layout, per rank
 and the step time of the busiest stage (`step_seconds`, the ranking's figure), nothing overlapped:
     M micro-batch slots + (pp - 1) bubble slots (1F1B: the bubble is (pp - 1) / (M + pp - 1) of the
         slots; a bubble slot runs at `solo_speedup` x the speed, the other stages being idle), each
-        slot = compute (6 flops per parameter per token, 8 with checkpointing, plus attention
-        4 x b x s^2 x hidden per layer forward, x3 with backward, / tp) at `flops` per second
-        + the fixed cost per layer (`layer_overhead_s`, x 4/3 with checkpointing' recompute) and per
+        slot = compute (6 flops per parameter per token, 8 with full checkpointing, plus attention
+        4 x b x s^2 x hidden per layer forward, x3 with backward, x4 full, / tp) at `flops` per second
+        + the fixed cost per layer (`layer_overhead_s`, x 4/3 with either recompute's kernels) and per
         micro-batch (`microbatch_overhead_s` on a stage with the embedding or head,
         `pipeline_overhead_s` under a pipeline) + its tp collectives;
     + every collective: calls x latency (`<op>_latency_s`, + `inter_node_latency_s` across nodes) + the
@@ -363,8 +363,8 @@ def step_seconds(layout, stage_numel: int, layers_held: int, hidden: int, seq: i
     overhead). `breakdown`, when given, receives the terms. `frozen_numel`: frozen weights the stage also
     runs (LoRA's base): forward and the input's gradient, no weight gradient (2 flops per element less)."""
     tokens = layout.microbatch_size * seq // layout.cp        # this rank's piece under context parallelism
-    per_param = 8 if layout.checkpointing else 6
-    attention = (4 if layout.checkpointing else 3) * 4 * layout.microbatch_size * seq * seq * hidden * layers_held
+    per_param = 8 if layout.recomputes_matmuls else 6        # selective recomputation keeps the matmuls' outputs
+    attention = (4 if layout.recomputes_matmuls else 3) * 4 * layout.microbatch_size * seq * seq * hidden * layers_held
     flops = (per_param * stage_numel + (per_param - 2) * frozen_numel) * tokens + attention / (layout.tp * layout.cp)
     recompute = 4 / 3 if layout.checkpointing else 1.0
     overhead = (layers_held * constants.layer_overhead_s * recompute + (constants.microbatch_overhead_s if ends else 0)

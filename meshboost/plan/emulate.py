@@ -11,7 +11,9 @@ Owns:
   chunk (their gradients are summed over tp each backward, `sequence.install`'s rule);
 - `install_context`: meshboost's own context-parallel attention (`shardformer/context.py`:
   `UlyssesAttention`, `GatheredKeysAttention`, with `ContextInputs.shard` cutting the inputs), its own
-  exchange code running with shape-only collectives that allocate what the real ones allocate.
+  exchange code running with shape-only collectives that allocate what the real ones allocate;
+- `install_vocab_parallel_loss` and `install_chunked_loss`: the sharder's losses on the fake model (the
+  chunked one by the runtime's own `install_chunked_loss`), their value checks and exchanges swapped out.
 The real collectives' autograd functions save nothing for backward, and neither do these: what the
 model saves is what the real layout saves. Must not communicate.
 """
@@ -301,3 +303,27 @@ def install_vocab_parallel_loss(model: nn.Module, tp: int):
 
 def _no_check(values, bad, what) -> None:
     return None
+
+
+def install_chunked_loss(model: nn.Module, chunk_tokens: int):
+    """The sharder's chunked LM head and loss (`chunked_loss.install_chunked_loss`, the runtime's own) on the
+    fake model; a context manager: the label check, which reads a fake tensor's values (it cannot), is
+    swapped out while it is open (the labels are in range by construction). On a per-tp-rank config the head
+    is the rank's vocabulary shard as a plain linear: its chunks' logits are the vocab-parallel head's; the
+    two collectives' 3 x tokens fp32 are left out."""
+    from contextlib import contextmanager
+
+    from meshboost.shardformer.layers import chunked_loss
+
+    chunked_loss.install_chunked_loss(model, chunk_tokens)
+
+    @contextmanager
+    def swapped():
+        saved = chunked_loss.check_in_range
+        chunked_loss.check_in_range = _no_check
+        try:
+            yield
+        finally:
+            chunked_loss.check_in_range = saved
+
+    return swapped()

@@ -3,8 +3,8 @@
 Owns:
 - `fake_run` and `derived`: the caches of activations.py's fake run (`_run`: one forward and backward
   on fake tensors, its arguments being everything the run reads: model class, per-rank config, layer
-  count, sequences, sequence length, dtype, checkpointing, sequence split, vocabulary split, body or
-  whole) and of the figures derived from such runs (`_measured_batch`). A ranking asks each run once:
+  count, sequences, sequence length, dtype, checkpointing mode, sequence split, vocabulary split, body or
+  whole, expert split, the chunked loss's chunk) and of the figures derived from such runs (`_measured_batch`). A ranking asks each run once:
   its layouts share the runs of their per-rank config (layouts differing only in pp, dp, ZeRO or
   micro-batch count ask for the same ones);
 - `prefetch(planner, layouts)`: the fake runs a ranking will ask for, found by a recording pass (every

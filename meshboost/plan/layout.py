@@ -22,6 +22,8 @@ from itertools import product
 from meshboost.distributed.dims import ParallelDims
 from meshboost.distributed.param_info import DENSE, EXPERT
 from meshboost.optim.precision import PRECISION_BYTES
+from meshboost.shardformer.layers.chunked_loss import check_chunk_tokens
+from meshboost.shardformer.selective import CHECKPOINTING, FULL, SELECTIVE, check_checkpointing
 
 PRECISIONS = tuple(PRECISION_BYTES)
 SPLIT_GATHER = "split_gather"           # Megatron sequence parallelism over the tp group (cp stays 1)
@@ -29,7 +31,7 @@ CONTEXT_MODES = ("all_to_all", "ring_attn")     # context parallelism over a cp 
 DIMS_FIELDS = tuple(f.name for f in fields(ParallelDims))     # the record's fields, as `Layout.of` names them
 # the JSON output's keys, in the order the planner has always written them
 AS_DICT = ("tp", "pp", "dp", "precision", "ep", "cp", "cp_mode", "sequence_parallel", "zero", "microbatches",
-           "microbatch_size", "checkpointing", "cpu_offload", "num_model_chunks", "dp_replicate")
+           "microbatch_size", "checkpointing", "cpu_offload", "num_model_chunks", "dp_replicate", "loss_chunk")
 
 
 @dataclass(frozen=True)
@@ -48,9 +50,10 @@ class Layout:
     zero: int = 0                   # 0, 1, 2 (meshboost's ZeRO), 3 (torch FSDP2)
     microbatches: int = 1
     microbatch_size: int = 1
-    checkpointing: bool = False
+    checkpointing: str | None = None    # None, "full" (True) or "selective" (shardformer/selective.py)
     cpu_offload: bool = False
     num_model_chunks: int = 1
+    loss_chunk: int | None = None       # ShardConfig(loss_chunk_tokens=N): the logits N tokens at a time
 
     def __post_init__(self):
         if not isinstance(self.dims, ParallelDims):
@@ -59,6 +62,10 @@ class Layout:
         if self.dims.dp is None:
             raise ValueError(f"Layout(dims={self.dims!r}): a layout is planned for one world; give its dp (the "
                              "data-parallel size)")
+        if isinstance(self.checkpointing, bool):      # the planner's older switch: True is full recomputation
+            object.__setattr__(self, "checkpointing", FULL if self.checkpointing else None)
+        check_checkpointing(self.checkpointing)
+        check_chunk_tokens(self.loss_chunk)
         if self.dims.cp > 1 and self.dims.cp_mode is None:      # the plugin's default mode
             object.__setattr__(self, "dims", replace(self.dims, cp_mode=CONTEXT_MODES[0]))
 
@@ -79,6 +86,13 @@ class Layout:
     cp_mode = property(lambda self: self.dims.cp_mode)
     sequence_parallel = property(lambda self: self.dims.sequence_parallel)
     dp_replicate = property(lambda self: self.dims.dp_replicate)
+
+    @property
+    def recomputes_matmuls(self) -> bool:
+        """Full checkpointing runs each block's forward again in the backward (its matmuls' flops); selective
+        keeps the matmul and attention outputs and recomputes the cheap ops (shardformer/selective.py). Both
+        re-issue the block's collectives (the cost model's traffic under `checkpointing`)."""
+        return self.checkpointing == FULL
 
     @property
     def world(self) -> int:
@@ -102,7 +116,8 @@ class Layout:
         return {name: getattr(self, name) for name in AS_DICT}
 
     def describe(self) -> str:
-        ckpt = (",ckpt" if self.checkpointing else "") + (",offload" if self.cpu_offload else "")
+        ckpt = {None: "", FULL: ",ckpt", SELECTIVE: f",ckpt={SELECTIVE}"}[self.checkpointing]
+        ckpt += (",offload" if self.cpu_offload else "") + (f",loss_chunk={self.loss_chunk}" if self.loss_chunk else "")
         ep = f",ep={self.ep}" if self.ep > 1 else ""
         ep += f",chunks={self.num_model_chunks}" if self.num_model_chunks > 1 else ""
         ep += f",dp_replicate={self.dp_replicate}" if self.dp_replicate > 1 else ""
@@ -145,7 +160,8 @@ def axis_inside_node(dims: ParallelDims, axis: str, gpus_per_node: int) -> bool:
 KEYS = {"tp": int, "pp": int, "dp": int, "ep": int, "cp": int, "cp_mode": str, "sp": int, "sp_mode": str,
         "sequence_parallel": bool, SPLIT_GATHER: bool, "zero": int, "precision": str,
         "microbatches": int, "mb": int, "microbatch_size": int, "checkpointing": bool, "ckpt": bool,
-        "cpu_offload": bool, "offload": bool, "chunks": int, "num_model_chunks": int, "dp_replicate": int}
+        "cpu_offload": bool, "offload": bool, "chunks": int, "num_model_chunks": int, "dp_replicate": int,
+        "loss_chunk": int}
 # sp= and sp_mode= are ColossalAI's words for cp (sp_size, sequence_parallelism_mode): its users type them
 ALIASES = {"mb": "microbatches", "ckpt": "checkpointing", "offload": "cpu_offload", "chunks": "num_model_chunks",
            "sp": "cp", "sp_mode": "cp_mode", SPLIT_GATHER: "sequence_parallel"}
@@ -191,10 +207,13 @@ def _field(key: str, raw: str, item: str) -> dict:
     if key in ("cp", "sp") and raw.endswith(")") and "(" in raw:
         size, _, mode = raw[:-1].partition("(")
         return {"cp": _number(size, item, 1), "cp_mode": mode}
+    if key in ("ckpt", "checkpointing") and raw in CHECKPOINTING:       # ckpt=selective, ckpt=full
+        return {"checkpointing": raw}
     kind = KEYS[key]
     if kind is bool:
         if raw.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-            raise ValueError(f"--layout item {item!r}: expected {key}=1 or {key}=0")
+            modes = f", {key}={CHECKPOINTING[1]}" if ALIASES.get(key, key) == "checkpointing" else ""
+            raise ValueError(f"--layout item {item!r}: expected {key}=1 or {key}=0{modes}")
         return {ALIASES.get(key, key): raw.lower() in ("1", "true", "yes", "on")}
     return {ALIASES.get(key, key): _number(raw, item, 0 if key == "zero" else 1) if kind is int else raw}
 
@@ -217,6 +236,7 @@ def plugin_config(layout: Layout):
     from meshboost.optim import PrecisionConfig, ZeroConfig
     from meshboost.pipeline import PipelineConfig
     from meshboost.plugins.config import HybridParallelConfig
+    from meshboost.shardformer import ShardConfig
 
     if layout.pp > 1:
         pipeline = PipelineConfig(num_microbatches=layout.microbatches,
@@ -224,11 +244,13 @@ def plugin_config(layout: Layout):
                                   num_model_chunks=layout.num_model_chunks)
     else:
         pipeline = PipelineConfig()
-    # checkpointing: HF's gradient_checkpointing_enable() on every layer (the plugin's default without a
-    # PipelineGradientCheckpointConfig); nothing in the config. The layout's record goes through whole (its
-    # dp too: the mesh checks it against the world it runs on)
+    # checkpointing: the plugin turns it on at boost in the layout's mode, on every layer (its default
+    # without a PipelineGradientCheckpointConfig); the chunked loss: ShardConfig's. The layout's record goes
+    # through whole (its dp too: the mesh checks it against the world it runs on)
     return HybridParallelConfig(dims=layout.dims, pipeline=pipeline, precision=PrecisionConfig(layout.precision),
-                                zero=ZeroConfig(stage=layout.zero, cpu_offload=layout.cpu_offload))
+                                zero=ZeroConfig(stage=layout.zero, cpu_offload=layout.cpu_offload),
+                                checkpointing=layout.checkpointing,
+                                sharding=ShardConfig(loss_chunk_tokens=layout.loss_chunk))
 
 
 def divisors(n: int) -> list[int]:
@@ -244,15 +266,15 @@ def sequence_options(tp: int, cp: int, context: bool, split_gather: bool) -> lis
 
 
 def enumerate_layouts(world: int, global_batch: int, num_layers: int, precision: str, gpus_per_node: int,
-                      zero_stages=(0, 1, 2), checkpointing=(False, True), num_experts: int = 0,
-                      context: bool = False, split_gather: bool = False) -> list[Layout]:
+                      zero_stages=(0, 1, 2), checkpointing=(None, FULL), num_experts: int = 0,
+                      context: bool = False, split_gather: bool = False, loss_chunk: int | None = None) -> list[Layout]:
     """Every (tp, cp, pp, dp) factorisation of `world` with tp x cp inside a node (the tp and cp groups
     are adjacent in the mesh), pp <= layers, dp dividing the global batch, each with ZeRO stages,
     checkpointing, and micro-batch counts dividing the per-replica batch (at least pp of them; without
     a pipeline they are gradient-accumulation steps, the user's loop under `booster.no_sync`); for an
     MoE of `num_experts` experts, every ep dividing both dp and the experts; `context`: cp > 1 in
     both context modes; `split_gather`: Megatron sequence parallelism at tp > 1; under ZeRO-3, HSDP's
-    replica counts (`replica_options`). The model's own
+    replica counts (`replica_options`); every one with `loss_chunk` (the chunked loss). The model's own
     checks (tp dividing heads, sequence lengths, ...) run later."""
     out = []
     for tp in divisors(world):
@@ -272,7 +294,8 @@ def enumerate_layouts(world: int, global_batch: int, num_layers: int, precision:
                 splits = sequence_options(tp, cp, context, split_gather)
                 for split, ep, m, zero, ckpt in product(splits, eps, counts, zero_stages, checkpointing):
                     base = Layout.of(tp=tp, pp=pp, dp=dp, ep=ep, cp=cp, zero=zero, precision=precision,
-                                     microbatches=m, microbatch_size=per_replica // m, checkpointing=ckpt, **split)
+                                     microbatches=m, microbatch_size=per_replica // m, checkpointing=ckpt,
+                                     loss_chunk=loss_chunk, **split)
                     out += [replace(base, dims=replace(base.dims, dp_replicate=r))
                             for r in replica_options(base, gpus_per_node)]
     return out

@@ -17,7 +17,7 @@ from functools import cached_property
 from meshboost.plan import activations, cost, emulate, fakecache, memory, params, peak, sharded, traffic
 from meshboost.plan import reference as plan_reference      # a frozen reference model's row
 from meshboost.plan.checks import check_cluster, check_sequence
-from meshboost.plan.layout import SPLIT_GATHER, Layout, enumerate_layouts, plugin_config
+from meshboost.plan.layout import FULL, SPLIT_GATHER, Layout, enumerate_layouts, plugin_config
 from meshboost.plan.lora import adapted, check_layout, dequant_scratch, mark_quantized, with_options
 from meshboost.plan.model import build_meta_model, load_config, model_class
 
@@ -296,7 +296,7 @@ class Planner:
         split = self._sequence_split(layout)
         return (layout.microbatch_size, layout.precision, layout.tp, layout.checkpointing,
                 None if split is None else (split.mode, split.size), body, layout.ep,
-                self.lora is not None and pp_rank > 0)
+                self.lora is not None and pp_rank > 0, layout.loss_chunk)
 
     def stage_peak_activations(self, layout: Layout, pp_rank: int) -> peak.StageActivations:
         """`peak.stage_activations` of one pipeline rank (the same for each of its tp and dp ranks)."""
@@ -324,7 +324,7 @@ class Planner:
         config = self._lora_configs[later]
         return activations.activation_model(self.cls, config, layout.microbatch_size, self.seq,
                                             layout.precision, layout.tp, padded, layout.checkpointing,
-                                            self._sequence_split(layout), body, layout.ep)
+                                            self._sequence_split(layout), body, layout.ep, layout.loss_chunk)
 
     def _sequence_split(self, layout: Layout) -> activations.SequenceSplit | None:
         if layout.cp > 1:
@@ -338,10 +338,10 @@ class Planner:
         return next((getattr(self.config, f) for f in MOE_FIELDS if isinstance(getattr(self.config, f, None), int)), 0)
 
     # -- search -------------------------------------------------------------------------------------
-    def candidates(self, zero_stages=(0, 1, 2), checkpointing=(False, True)) -> list[Layout]:
+    def candidates(self, zero_stages=(0, 1, 2), checkpointing=(None, FULL), loss_chunk=None) -> list[Layout]:
         return enumerate_layouts(self.gpus, self.global_batch, self.num_layers, self.precision, self.gpus_per_node,
                                  zero_stages, checkpointing, self.num_experts, context=self.context_parallel_ok,
-                                 split_gather=True)
+                                 split_gather=True, loss_chunk=loss_chunk)
 
     @cached_property
     def context_parallel_ok(self) -> bool:

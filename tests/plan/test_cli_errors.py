@@ -129,7 +129,7 @@ def test_table_layout_is_accepted_back(capsys):
     (entry,) = json.loads(capsys.readouterr().out)
     assert code == 0
     assert entry["layout"] | {} == {**entry["layout"], "dp": 2, "zero": 1, "precision": "bf16", "microbatches": 1,
-                                    "microbatch_size": 2, "checkpointing": True}
+                                    "microbatch_size": 2, "checkpointing": "full"}
 
 
 def test_help_shows_defaults_and_an_example(capsys):

@@ -28,11 +28,11 @@ def _counted(monkeypatch) -> list:
     runs = []
     saved_bytes = activations._saved_bytes
 
-    def counted(cls, config, batch, seq, dtype, checkpointing, split, vocab_tp, body, ep):
+    def counted(cls, config, batch, seq, dtype, checkpointing, split, vocab_tp, body, ep, loss_chunk=None):
         split_key = None if split is None else (split.mode, split.size)
         runs.append((activations.count_layers(config), activations._key(config), batch, seq, dtype, checkpointing,
-                     split_key, vocab_tp, body, ep))
-        return saved_bytes(cls, config, batch, seq, dtype, checkpointing, split, vocab_tp, body, ep)
+                     split_key, vocab_tp, body, ep, loss_chunk))
+        return saved_bytes(cls, config, batch, seq, dtype, checkpointing, split, vocab_tp, body, ep, loss_chunk)
 
     monkeypatch.setattr(activations, "_saved_bytes", counted)
     return runs
@@ -48,7 +48,7 @@ def test_a_ranking_runs_each_shape_once_and_derives_two_layers(monkeypatch):
     # runs (tp=2 here) derive theirs from one layer too
     two = [run for run in runs if run[0] == 2]
     assert not two, two
-    assert any(split is not None and split[0] == "split_gather" for *_, split, _, body, _ in runs)
+    assert any(split is not None and split[0] == "split_gather" for *_, split, _, body, _, _ in runs)
     # a second ranking of the same planner asks nothing new
     before = len(runs)
     again, _ = planner.rank()
