@@ -11,14 +11,14 @@
 * delta mode after one AdamW step with frozen layers sends exactly the tensors whose values changed (no frozen
   one), then nothing; the consumer updated by it matches the boosted model;
 * bad inputs, on every rank: a bucket smaller than the largest tensor; an export called on ranks 0 and 1
-  only (they raise after the timeout naming ranks 2 and 3, which raise the same when they call late), after
+  only (they raise after the timeout naming ranks 2 and 3, which raise the same when they call late, once the
+  callers have raised: no sleep races the timeout under load), after
   which exports work again; a consumer on rank 0 that closes the stream after one tensor (the other ranks
   still gathering) hangs no rank, and the next delta export sends everything.
 """
 
 import copy
 import os
-import time
 
 import peft
 import pytest
@@ -195,10 +195,16 @@ def _bad_inputs(root):
     with pytest.raises(ValueError, match=r"bucket_bytes=1000\): model.embed_tokens.weight takes 12928 bytes"):
         list(booster.export_weights(model, bucket_bytes=1000))
     rank = dist.get_rank()
-    if rank >= 2:
-        time.sleep(3)                                # past the callers' timeout
+    callers = dist.new_group([0, 1])                 # every rank creates it; ranks 0 and 1 start together
+    store = dist.distributed_c10d._get_default_store()
+    if rank >= 2:                                    # late: only once the callers have given up on them
+        store.wait(["test_export/callers_done"])
+    else:
+        dist.barrier(group=callers)
     with pytest.raises(RuntimeError, match=r"called on ranks \[0, 1\] only: ranks \[2, 3\] did not call it"):
-        list(booster.export_weights(model, timeout=1.5))
+        list(booster.export_weights(model, timeout=5.0))
+    if rank == 0:
+        store.set("test_export/callers_done", "1")
     dist.barrier()
     pairs = booster.export_weights(model, bucket_bytes=1 << 14, delta=True)
     if rank == 0:                                    # the consumer stops after one tensor: nobody hangs
