@@ -80,9 +80,16 @@ def _adapter_entries(model: nn.Module) -> list[ExportEntry]:
     """The adapter tensors (trainable peft tensors) under peft's saved names (adapter name dropped)."""
     from peft.utils import get_peft_model_state_dict
     mine = {name: t for name, t in checkpoint_entries(model).items() if getattr(t, "requires_grad", False)}
-    saved = get_peft_model_state_dict(model, state_dict=mine)       # picks and renames; the tensors are ours
+    # peft picks and renames; it is handed meta stand-ins of the same shapes, so that it neither gathers a
+    # DTensor (peft >= 0.22 makes FSDP2's shards full CPU copies) nor hands back other objects than it was given
+    stand_ins = {name: torch.empty(tuple(t.shape), device="meta") for name, t in mine.items()}
+    saved = get_peft_model_state_dict(model, state_dict=stand_ins)
     by_id = {id(t): name for name, t in saved.items()}
-    return [_entry(by_id[id(t)], t) for t in mine.values() if id(t) in by_id]
+    picked = [(by_id[id(stand_ins[name])], t) for name, t in mine.items() if id(stand_ins[name]) in by_id]
+    if mine and not picked:
+        raise RuntimeError(f"export_weights(lora='adapters'): peft picked none of the {len(mine)} trainable tensors "
+                           "as adapters (a peft version whose get_peft_model_state_dict meshboost does not know)")
+    return [_entry(name, t) for name, t in picked]
 
 
 def _lora_layers(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
