@@ -38,6 +38,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from meshboost.shardformer.shard_config import switch_config
+
 
 @dataclass
 class OffloadConfig:
@@ -53,13 +55,7 @@ class OffloadConfig:
     @classmethod
     def of(cls, value) -> "OffloadConfig | None":
         """The config for `activation_offload=`: True the defaults, False/None off, a config itself."""
-        if value is None or value is False:
-            return None
-        if value is True:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        raise TypeError(f"activation_offload={value!r}: pass True, False, None or a meshboost OffloadConfig")
+        return switch_config(cls, value, "activation_offload")
 
 
 @dataclass
